@@ -1,0 +1,101 @@
+"""Exceptions raised by memguard.
+
+Every error that comes from bad input names the offending field and what was expected,
+so a CLI user or a config file author can fix it without reading the source.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+class MemGuardError(Exception):
+    """Base class of every error memguard raises on purpose."""
+
+
+class ConfigError(MemGuardError, ValueError):
+    """A user-supplied value is missing or invalid.
+
+    Attributes:
+        field: name of the bad field (as the user spelled it: a CLI flag, a kwarg, a config key).
+        expected: what a valid value looks like.
+        got: the value received (``None`` if it was missing).
+    """
+
+    def __init__(self, field: str, expected: str, got: Any = None):
+        self.field = field
+        self.expected = expected
+        self.got = got
+        super().__init__(f"invalid {field!s}: expected {expected}, got {got!r}")
+
+
+class DoesNotFitError(MemGuardError):
+    """No downgrade of the training settings fits the memory budget.
+
+    Attributes:
+        shortfall_bytes: bytes the smallest plan still lacks (peak - budget).
+        budget_bytes: the budget the planner had.
+        best_peak_bytes: the estimated peak of the smallest plan tried.
+        suggestions: concrete changes the user can make (quantize, shorter sequences, ...).
+    """
+
+    def __init__(self, shortfall_bytes: int, budget_bytes: int, best_peak_bytes: int,
+                 suggestions: Sequence[str]):
+        self.shortfall_bytes = int(shortfall_bytes)
+        self.budget_bytes = int(budget_bytes)
+        self.best_peak_bytes = int(best_peak_bytes)
+        self.suggestions = list(suggestions)
+        lines = [
+            f"training does not fit: the smallest plan needs {best_peak_bytes / 2**30:.2f} GiB, "
+            f"the budget is {budget_bytes / 2**30:.2f} GiB "
+            f"(short by {shortfall_bytes / 2**30:.2f} GiB).",
+            "Try:",
+        ] + [f"  - {s}" for s in self.suggestions]
+        super().__init__("\n".join(lines))
+
+
+def require_positive_int(field: str, value: Any, *, allow_zero: bool = False) -> int:
+    """Validate an integer count (batch size, sequence length, ...).
+
+    Raises:
+        ConfigError: ``value`` is not an int (bools rejected) or is < 1 (< 0 with ``allow_zero``).
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise TypeError
+        except TypeError:
+            raise ConfigError(field, "an integer", value) from None
+    lo = 0 if allow_zero else 1
+    if value < lo:
+        raise ConfigError(field, f"an integer >= {lo}", value)
+    return value
+
+
+def require_choice(field: str, value: Any, choices: Sequence[str]) -> str:
+    """Validate that ``value`` is one of ``choices`` (case-insensitive for strings).
+
+    Raises:
+        ConfigError: value not among the choices.
+    """
+    if isinstance(value, str):
+        v = value.strip().lower()
+        for c in choices:
+            if v == c.lower():
+                return c
+    raise ConfigError(field, "one of " + ", ".join(repr(c) for c in choices), value)
+
+
+def require_fraction(field: str, value: Any, *, lo: float = 0.0, hi: float = 1.0) -> float:
+    """Validate a ratio in (lo, hi].
+
+    Raises:
+        ConfigError: not a number or outside (lo, hi].
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(field, f"a number in ({lo}, {hi}]", value)
+    if not (lo < float(value) <= hi):
+        raise ConfigError(field, f"a number in ({lo}, {hi}]", value)
+    return float(value)

@@ -1,0 +1,9 @@
+"""memguard for Hugging Face ``Trainer`` (and TRL / Unsloth, which subclass it).
+
+    from memguard_hf import MemGuardCallback
+    trainer.add_callback(MemGuardCallback())
+"""
+
+from .callback import MemGuardCallback, is_oom_error
+
+__all__ = ["MemGuardCallback", "is_oom_error"]

@@ -1,0 +1,381 @@
+"""Runtime memory monitor: samples memory every training step and in a background thread,
+classifies pressure against the budget with hysteresis, and decides what to do.
+
+The monitor decides; the framework adapters act. Decisions escalate with the level
+(thresholds from seed 002, "Memory Thresholds": warning 85 %, critical 90 %, emergency 95 %):
+
+* ``warning``   -> ``log``   (an event, nothing else)
+* ``critical``  -> ``clean`` (``gc.collect()`` + the device cache: ``torch.cuda.empty_cache`` /
+  ``mx.clear_cache``); a critical level that persists after a clean escalates to ``split``
+* ``emergency`` -> ``split`` (the adapter doubles the micro-batch split factor k)
+
+Usage is measured as a fraction of the *effective budget*::
+
+    effective_budget = min(budget_bytes, (process_bytes + available_bytes) * safety_ratio)
+
+so memory taken away by a co-tenant (``available`` falls) raises the usage just as the process's
+own growth does. The per-step sample uses the peak since the last step (VmHWM on CPU, peak reserved
+on CUDA, ``mx.get_peak_memory`` on MLX), reset after each read, so the transient peak of the
+backward pass is what is compared, not the quieter figure between steps.
+
+Nothing here raises into training: a failing probe or callback is logged once and skipped.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+from .errors import ConfigError, require_fraction
+
+logger = logging.getLogger("memguard.monitor")
+
+
+class Level(enum.IntEnum):
+    """Memory pressure level (ordered)."""
+
+    OK = 0
+    WARNING = 1
+    CRITICAL = 2
+    EMERGENCY = 3
+
+
+class Action(str, enum.Enum):
+    """What the monitor asks for."""
+
+    NONE = "none"
+    LOG = "log"
+    CLEAN = "clean"
+    SPLIT = "split"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Fractions of the effective budget at which each level starts, and the hysteresis band.
+
+    A level is left only when usage falls below ``threshold - hysteresis`` (prevents flapping
+    around a threshold). Defaults from seed 002 (85 / 90 / 95 %).
+
+    Raises:
+        ConfigError: a value outside (0, 1], or not warning < critical < emergency.
+    """
+
+    warning: float = 0.85
+    critical: float = 0.90
+    emergency: float = 0.95
+    hysteresis: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("warning", "critical", "emergency"):
+            require_fraction(f"thresholds.{name}", getattr(self, name))
+        if not (0.0 <= self.hysteresis < self.warning):
+            raise ConfigError("thresholds.hysteresis", f"a number in [0, {self.warning})", self.hysteresis)
+        if not (self.warning < self.critical < self.emergency):
+            raise ConfigError("thresholds", "warning < critical < emergency",
+                              (self.warning, self.critical, self.emergency))
+
+    def level_for(self, usage: float, current: Level) -> Level:
+        """Level for ``usage`` given the ``current`` level (hysteresis on the way down)."""
+        bounds = [(Level.EMERGENCY, self.emergency), (Level.CRITICAL, self.critical),
+                  (Level.WARNING, self.warning)]
+        for level, bound in bounds:
+            if usage >= bound:
+                return level
+            if current >= level and usage >= bound - self.hysteresis:
+                return level
+        return Level.OK
+
+
+@dataclass
+class MemoryEvent:
+    """One decision of the monitor.
+
+    Attributes:
+        step: optimizer step (``None`` from the background thread between steps).
+        level: pressure level after this sample.
+        action: what was asked for.
+        usage: used / effective budget (0..1+).
+        used_bytes: the process figure compared (step peak or current).
+        budget_bytes: the effective budget at this sample.
+        split: the split factor k after this decision.
+        source: ``step`` (per-step sample) or ``background``.
+        message: one human line.
+    """
+
+    step: Optional[int]
+    level: Level
+    action: Action
+    usage: float
+    used_bytes: int
+    budget_bytes: int
+    split: int
+    source: str
+    message: str
+    timestamp: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "level": self.level.name.lower(), "action": self.action.value,
+                "usage": round(self.usage, 4), "used_bytes": self.used_bytes,
+                "budget_bytes": self.budget_bytes, "split": self.split, "source": self.source,
+                "message": self.message}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class MemoryMonitor:
+    """Samples memory, classifies pressure and keeps the current decision (split factor k).
+
+    Args:
+        budget_bytes: the memory the training process may use at most (bytes), e.g. from
+            ``plan.budget_from_available``. Must be > 0.
+        device: probe device (``auto`` | ``cpu`` | ``cuda`` | ``mlx``), see ``memguard_core.probes``.
+        safety_ratio: fraction of (process + available) usable when capacity shrinks at runtime.
+        thresholds: ``Thresholds``.
+        interval_s: background sampling period in seconds; ``0`` disables the thread.
+        split: initial split factor k (>= 1), e.g. the planner's ``split_factor``.
+        max_split: upper bound for k (the adapter sets it to the micro-batch size: rows cannot be
+            split further than one row each).
+        clean_fn: callable doing the cache clean (default: ``gc.collect`` + device cache).
+        on_event: callable receiving every ``MemoryEvent`` (the adapter forwards to its logger).
+        probe_fn: ``probe_fn(cheap: bool) -> MemorySnapshot``; defaults to
+            ``memguard_core.probes.probe(device, cheap=cheap)``.
+        peak_fn: ``peak_fn() -> Optional[int]``: the process peak since the last call, resetting it
+            (default: the probe's ``process_peak_bytes`` followed by ``stats.reset_peak_memory``).
+
+    Raises:
+        ConfigError: invalid budget, ratio, interval or split.
+    """
+
+    def __init__(self, budget_bytes: int, *, device: str = "auto", safety_ratio: float = 0.8,
+                 thresholds: Optional[Thresholds] = None, interval_s: float = 0.5, split: int = 1,
+                 max_split: Optional[int] = None, clean_fn: Optional[Callable[[], None]] = None,
+                 on_event: Optional[Callable[[MemoryEvent], None]] = None,
+                 probe_fn: Optional[Callable[[bool], object]] = None,
+                 peak_fn: Optional[Callable[[], Optional[int]]] = None):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise ConfigError("budget_bytes", "a positive integer number of bytes", budget_bytes)
+        if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or interval_s < 0:
+            raise ConfigError("interval_s", "a number of seconds >= 0", interval_s)
+        if isinstance(split, bool) or not isinstance(split, int) or split < 1:
+            raise ConfigError("split", "an integer >= 1", split)
+        self.budget_bytes = budget_bytes
+        self.device = device
+        self.safety_ratio = require_fraction("safety_ratio", safety_ratio)
+        self.thresholds = thresholds or Thresholds()
+        self.interval_s = float(interval_s)
+        self.max_split = max_split
+        self._split = split
+        self.level = Level.OK
+        self.events: List[MemoryEvent] = []
+        self.max_usage = 0.0
+        self.max_step_peak_bytes = 0
+        self.samples = 0
+        self._clean_fn = clean_fn or default_clean
+        self._on_event = on_event
+        self._probe_fn = probe_fn
+        self._peak_fn = peak_fn
+        self._cleaned_at_level = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._failed: set = set()
+        self._step: Optional[int] = None
+
+    # ----- decisions ---------------------------------------------------------------------------
+    @property
+    def split(self) -> int:
+        """Current split factor k (read on the hot path: a plain attribute read)."""
+        return self._split
+
+    def request_split(self, k: int, reason: str, step: Optional[int] = None) -> int:
+        """Raise the split factor to at least ``k`` (clamped to ``max_split``); returns the new k."""
+        with self._lock:
+            new = max(self._split, int(k))
+            if self.max_split is not None:
+                new = min(new, self.max_split)
+            if new != self._split:
+                old, self._split = self._split, new
+                self._emit(MemoryEvent(step, self.level, Action.SPLIT, 0.0, 0, self.budget_bytes,
+                                       new, "request", f"split {old} -> {new}: {reason}"))
+            return self._split
+
+    def effective_budget(self, snapshot) -> int:
+        """min(budget, (process + available) x safety_ratio), in bytes."""
+        cap = getattr(snapshot, "process_bytes", 0) + getattr(snapshot, "available_bytes", 0)
+        if cap <= 0:
+            return self.budget_bytes
+        return int(min(self.budget_bytes, cap * self.safety_ratio))
+
+    def observe(self, used_bytes: int, budget_bytes: int, *, step: Optional[int], source: str) -> Action:
+        """Classify one sample and update the decision. Returns the action taken.
+
+        ``used_bytes`` and ``budget_bytes`` in bytes; ``budget_bytes`` > 0.
+        """
+        usage = used_bytes / max(1, budget_bytes)
+        with self._lock:
+            self.samples += 1
+            self.max_usage = max(self.max_usage, usage)
+            prev = self.level
+            level = self.thresholds.level_for(usage, prev)
+            self.level = level
+            action = Action.NONE
+            if level == Level.OK:
+                self._cleaned_at_level = False
+                if prev != Level.OK:
+                    action = Action.LOG
+                    msg = f"memory back to normal: {_gib(used_bytes)} of {_gib(budget_bytes)} ({usage:.0%})"
+            elif level == Level.WARNING:
+                if prev < Level.WARNING:
+                    action = Action.LOG
+                    msg = (f"memory warning: {_gib(used_bytes)} of {_gib(budget_bytes)} ({usage:.0%} "
+                           f">= {self.thresholds.warning:.0%})")
+                self._cleaned_at_level = False
+            elif level == Level.CRITICAL and not self._cleaned_at_level:
+                action = Action.CLEAN
+                self._cleaned_at_level = True
+                msg = (f"memory critical: {_gib(used_bytes)} of {_gib(budget_bytes)} ({usage:.0%} "
+                       f">= {self.thresholds.critical:.0%}): cleaning caches")
+            else:
+                # emergency, or critical that persisted after a clean: split further
+                new = self._split * 2
+                if self.max_split is not None:
+                    new = min(new, self.max_split)
+                if new > self._split:
+                    action = Action.SPLIT
+                    msg = (f"memory {level.name.lower()}: {_gib(used_bytes)} of {_gib(budget_bytes)} "
+                           f"({usage:.0%}): splitting micro-batches {self._split} -> {new}")
+                    self._split = new
+                elif level > prev:
+                    action = Action.LOG
+                    msg = (f"memory {level.name.lower()}: {_gib(used_bytes)} of {_gib(budget_bytes)} "
+                           f"({usage:.0%}) and the micro-batch cannot be split further (k={self._split})")
+            if action is Action.NONE:
+                return action
+            event = MemoryEvent(step, level, action, usage, int(used_bytes), int(budget_bytes),
+                                self._split, source, msg)
+        if action is Action.CLEAN:
+            self._safe(self._clean_fn, "clean")
+        self._emit(event)
+        return action
+
+    # ----- sampling ----------------------------------------------------------------------------
+    def _probe(self, cheap: bool):
+        if self._probe_fn is not None:
+            return self._probe_fn(cheap)
+        from .probes import probe
+        return probe(self.device, cheap=cheap)
+
+    def step_sample(self, step: Optional[int] = None) -> Action:
+        """Per-training-step check (the hot path): cheap counters only. Never raises."""
+        self._step = step
+        try:
+            snap = self._probe(True)
+            peak = None
+            if self._peak_fn is not None:
+                peak = self._peak_fn()
+            else:
+                peak = getattr(snap, "process_peak_bytes", None)
+                if peak is not None:
+                    from .stats import reset_peak_memory
+                    reset_peak_memory(self.device)
+            used = max(int(peak or 0), int(snap.process_bytes))
+            self.max_step_peak_bytes = max(self.max_step_peak_bytes, used)
+            return self.observe(used, self.effective_budget(snap), step=step, source="step")
+        except Exception as exc:  # a probe failure never reaches training
+            self._log_failure("step_sample", exc)
+            return Action.NONE
+
+    def background_sample(self) -> Action:
+        """One sample of the background thread (full probe: PSI, NVML). Never raises."""
+        try:
+            snap = self._probe(False)
+            return self.observe(int(snap.process_bytes), self.effective_budget(snap),
+                                step=self._step, source="background")
+        except Exception as exc:
+            self._log_failure("background_sample", exc)
+            return Action.NONE
+
+    # ----- thread ------------------------------------------------------------------------------
+    def start(self) -> "MemoryMonitor":
+        """Start the background sampler (no-op when ``interval_s`` is 0 or already running)."""
+        if self.interval_s <= 0 or (self._thread is not None and self._thread.is_alive()):
+            return self
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="memguard-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the background sampler and wait for it (no thread is left behind)."""
+        self._stop.set()
+        t = self._thread
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            t.join(timeout)
+        self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.background_sample()
+
+    def __enter__(self) -> "MemoryMonitor":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ----- plumbing ----------------------------------------------------------------------------
+    def _emit(self, event: MemoryEvent) -> None:
+        self.events.append(event)
+        log = logger.warning if event.level >= Level.CRITICAL or event.action is Action.SPLIT else logger.info
+        log("%s", event.message)
+        if self._on_event is not None:
+            self._safe(lambda: self._on_event(event), "on_event")
+
+    def _safe(self, fn: Callable[[], None], what: str) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            self._log_failure(what, exc)
+
+    def _log_failure(self, what: str, exc: BaseException) -> None:
+        key = (what, type(exc).__name__)
+        if key not in self._failed:
+            self._failed.add(key)
+            logger.warning("memguard %s failed (%s: %s); skipped, training goes on", what,
+                           type(exc).__name__, exc)
+
+
+def default_clean() -> None:
+    """``gc.collect()`` plus the cache of whichever framework is loaded (never imports one)."""
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+        except Exception:  # pragma: no cover - depends on the device
+            pass
+        try:
+            if hasattr(torch, "mps") and torch.backends.mps.is_available():
+                torch.mps.empty_cache()
+        except Exception:  # pragma: no cover
+            pass
+    mx = sys.modules.get("mlx.core")
+    if mx is not None:
+        try:
+            mx.clear_cache()
+        except Exception:  # pragma: no cover
+            pass

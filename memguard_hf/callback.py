@@ -1,0 +1,446 @@
+"""Hugging Face ``Trainer`` integration: ``trainer.add_callback(MemGuardCallback())``.
+
+What it does:
+
+* **Preflight** at ``on_train_begin``: builds the ``ModelSpec`` from ``trainer.model`` (PEFT and
+  4-bit aware) and the ``TrainSpec`` from ``trainer.args`` and the data, estimates the peak,
+  compares it with the budget (available memory x ``safety_ratio``) and plans. What can be applied
+  in place is applied (activation checkpointing via ``model.activation_checkpointing_enable`` /
+  ``gradient_checkpointing_enable``, and the micro-batch split); what cannot (sequence length, LoRA
+  rank / layers) is reported with the exact change to make, or raises ``DoesNotFitError`` at once
+  with ``fail_fast=True``.
+* **Virtual micro-batches**: ``trainer.training_step`` is wrapped on the instance. When the split
+  factor k > 1, each batch that reaches it is cut into k chunks (``memguard_hf.microbatch``); each
+  chunk runs forward+backward through the Trainer's own ``training_step`` (so subclasses such as
+  TRL's ``SFTTrainer`` keep their ``compute_loss``), weighted so that the accumulated gradient
+  equals the unsplit one. The dataloader, ``gradient_accumulation_steps``, the scheduler and the
+  step counters are untouched, so samples per optimizer step, LR schedule and step count stay.
+  Non-final chunks run under ``accelerator.no_sync`` (no DDP all-reduce), except under FSDP where
+  ``no_sync`` would keep unsharded gradients and cost the memory being saved.
+* **Runtime guard**: a ``MemoryMonitor`` samples at each micro-batch (cheap counters) and in a
+  background thread; it cleans caches and doubles k under pressure.
+* **OOM catch and retry**: an out-of-memory error raised in a chunk's *forward* (CUDA
+  ``torch.OutOfMemoryError``, or the CPU allocator's "can't allocate memory", as
+  ``accelerate.utils.memory.should_reduce_batch_size`` recognises them) frees memory, doubles k and
+  redoes the rows not yet processed; earlier chunks' gradients are already correctly weighted for
+  the whole batch, so nothing is counted twice and the run never restarts. An OOM raised during
+  *backward* has already added part of a chunk's gradient and cannot be undone: it is re-raised.
+* **Ranks agree**: under ``torch.distributed`` the k of each micro-batch is all-reduced (MAX) so
+  every rank cuts alike (FSDP / ZeRO-3 gathers would hang otherwise).
+
+How the callback finds the trainer: HF passes no trainer to callbacks. ``on_init_end`` (callback
+given to ``Trainer(callbacks=[...])``) and ``on_train_begin`` (``trainer.add_callback``) are both
+called from a ``Trainer`` method, so the callback walks up the call stack to the frame whose
+``self`` is a ``Trainer`` holding this callback in its ``callback_handler``. That is robust to
+subclasses (TRL, Unsloth). The explicit form ``MemGuardCallback.attach(trainer)`` needs no
+stack walk.
+
+Environment: ``MEMGUARD_SPLIT=<k>`` sets the starting split factor (the ``memguard run``
+supervisor passes a doubled one after an OOM kill).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import logging
+import os
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from transformers import TrainerCallback
+
+from memguard_core.errors import ConfigError, DoesNotFitError, require_fraction
+from memguard_core.monitor import Action, MemoryEvent, MemoryMonitor, Thresholds
+
+from . import microbatch
+from .preflight import Preflight, run_preflight
+
+logger = logging.getLogger("memguard.hf")
+
+_APPLY_CHOICES = ("grad_checkpoint", "micro_batch")
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """True for an out-of-memory error of torch (CUDA, MPS, XPU or the CPU allocator).
+
+    Uses ``accelerate.utils.memory.should_reduce_batch_size`` (the message list accelerate's
+    ``find_executable_batch_size`` relies on) plus ``torch.OutOfMemoryError``.
+    """
+    oom_type = getattr(torch, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    try:
+        from accelerate.utils.memory import should_reduce_batch_size
+        return bool(should_reduce_batch_size(exc))
+    except Exception:  # pragma: no cover - accelerate missing
+        return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+class MemGuardCallback(TrainerCallback):
+    """Memory guard for ``transformers.Trainer`` (and subclasses: TRL ``SFTTrainer``, Unsloth).
+
+    Args:
+        budget_bytes: memory the training process may use (bytes). Default: (process RSS or
+            device memory in use + available) x ``safety_ratio`` at train start, container-aware.
+        safety_ratio: fraction of the memory available that the budget takes (default 0.8).
+        thresholds: ``memguard_core.monitor.Thresholds`` (warning/critical/emergency).
+        seq_length: tokens per row for the preflight; default: ``args.max_length`` /
+            ``max_seq_length`` if set, else the longest of the first 2048 training rows.
+        apply: what preflight may change in place: ``grad_checkpoint``, ``micro_batch``.
+        fail_fast: raise ``DoesNotFitError`` at train start when the plan needs a change that
+            cannot be applied in place (sequence length, LoRA rank/layers) or nothing fits.
+        loss_weighting: ``auto`` (token share when the loss is a token mean, else none needed),
+            ``tokens`` or ``rows`` (per-sample mean losses).
+        split: starting split factor k (>= 1); also ``MEMGUARD_SPLIT`` in the environment.
+        monitor_interval_s: background sampling period (0 disables the thread).
+        device: which memory to probe (``auto`` | ``cpu`` | ``cuda``).
+        preflight: run the preflight at train start (default True).
+
+    Raises:
+        ConfigError: invalid arguments.
+    """
+
+    def __init__(self, *, budget_bytes: Optional[int] = None, safety_ratio: float = 0.8,
+                 thresholds: Optional[Thresholds] = None, seq_length: Optional[int] = None,
+                 apply: Sequence[str] = _APPLY_CHOICES, fail_fast: bool = False,
+                 loss_weighting: str = "auto", split: Optional[int] = None,
+                 monitor_interval_s: float = 0.5, device: str = "auto", preflight: bool = True):
+        if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
+                                         or budget_bytes <= 0):
+            raise ConfigError("budget_bytes", "a positive integer number of bytes or None", budget_bytes)
+        self.safety_ratio = require_fraction("safety_ratio", safety_ratio)
+        for a in apply:
+            if a not in _APPLY_CHOICES:
+                raise ConfigError("apply", f"a subset of {_APPLY_CHOICES}", list(apply))
+        if loss_weighting not in ("auto", "tokens", "rows"):
+            raise ConfigError("loss_weighting", "'auto', 'tokens' or 'rows'", loss_weighting)
+        env_split = os.environ.get("MEMGUARD_SPLIT")
+        if split is None and env_split:
+            try:
+                split = int(env_split)
+            except ValueError:
+                raise ConfigError("MEMGUARD_SPLIT", "an integer >= 1", env_split) from None
+        if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
+            raise ConfigError("split", "an integer >= 1", split)
+        if seq_length is not None and (not isinstance(seq_length, int) or seq_length < 1):
+            raise ConfigError("seq_length", "an integer >= 1", seq_length)
+        self.budget_bytes = budget_bytes
+        self.thresholds = thresholds or Thresholds()
+        self.seq_length = seq_length
+        self.apply = tuple(apply)
+        self.fail_fast = fail_fast
+        self.loss_weighting = loss_weighting
+        self.initial_split = split or 1
+        self.monitor_interval_s = monitor_interval_s
+        self.device = device
+        self.do_preflight = preflight
+
+        self.trainer = None
+        self.monitor: Optional[MemoryMonitor] = None
+        self.preflight: Optional[Preflight] = None
+        self.events: List[Dict[str, Any]] = []
+        self.forward_rows: List[int] = []  # rows of every forward that ran (for reports/tests)
+        self.oom_retries = 0
+        self._orig_training_step = None
+        self._orig_compute_loss = None
+        self._loss_scale = 1.0
+        self._pending_logs: Dict[str, Any] = {}
+        self._samples_per_step: List[int] = []
+        self._rows_this_step = 0
+        self._disabled_split_reason: Optional[str] = None
+        self.start_time: Optional[float] = None
+
+    # ------------------------------------------------------------------ attaching to the trainer
+    @classmethod
+    def attach(cls, trainer, **kwargs) -> "MemGuardCallback":
+        """Create a callback, add it to ``trainer`` and bind it (no stack walk needed).
+
+        Returns the callback.
+        """
+        cb = cls(**kwargs)
+        trainer.add_callback(cb)
+        cb.bind(trainer)
+        return cb
+
+    def bind(self, trainer) -> None:
+        """Bind to ``trainer``: wrap its ``training_step`` / ``compute_loss`` on the instance.
+
+        Idempotent. Moves this callback to the front of the handler so that the memory figures
+        it adds in ``on_log`` reach the printer and the reporting integrations.
+        """
+        if self.trainer is trainer:
+            return
+        self.trainer = trainer
+        handler = trainer.callback_handler
+        if self in handler.callbacks:
+            handler.callbacks.remove(self)
+            handler.callbacks.insert(0, self)
+        self._orig_training_step = trainer.training_step
+        self._orig_compute_loss = trainer.compute_loss
+        trainer.training_step = self._guarded_training_step
+        trainer.compute_loss = self._weighted_compute_loss
+        accel = getattr(trainer, "accelerator", None)
+        dist_type = str(getattr(accel, "distributed_type", ""))
+        if "DEEPSPEED" in dist_type:
+            self._disabled_split_reason = (
+                "DeepSpeed counts micro-steps inside its engine; extra backward calls would break its "
+                "gradient accumulation. Use memguard's preflight plan (per_device_train_batch_size / "
+                "gradient_accumulation_steps) instead.")
+            logger.warning("memguard: in-place micro-batching disabled under DeepSpeed: %s",
+                           self._disabled_split_reason)
+
+    def _find_trainer(self):
+        frame = inspect.currentframe()
+        try:
+            while frame is not None:
+                obj = frame.f_locals.get("self")
+                handler = getattr(obj, "callback_handler", None)
+                if handler is not None and self in getattr(handler, "callbacks", ()) and hasattr(obj, "training_step"):
+                    return obj
+                frame = frame.f_back
+        finally:
+            del frame
+        return None
+
+    def _ensure_bound(self) -> bool:
+        if self.trainer is None:
+            trainer = self._find_trainer()
+            if trainer is None:
+                logger.warning("memguard: could not find the Trainer from the callback; use "
+                               "MemGuardCallback.attach(trainer). Guard inactive.")
+                return False
+            self.bind(trainer)
+        return True
+
+    # ------------------------------------------------------------------ callback events
+    def on_init_end(self, args, state, control, **kwargs):
+        self._ensure_bound()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if not self._ensure_bound():
+            return
+        self.start_time = time.time()
+        trainer = self.trainer
+        split = self.initial_split
+        budget = self.budget_bytes
+        if self.do_preflight:
+            try:
+                self.preflight = run_preflight(trainer, budget_bytes=budget, safety_ratio=self.safety_ratio,
+                                               seq_length=self.seq_length, apply=self.apply,
+                                               device=self.device)
+            except DoesNotFitError:
+                if self.fail_fast:
+                    raise
+                logger.error("memguard preflight: nothing fits the budget; training continues with "
+                             "the largest split, the runtime guard watching", exc_info=True)
+                self.preflight = None
+            except ConfigError:
+                raise
+            except Exception:
+                logger.warning("memguard preflight failed; the runtime guard still runs", exc_info=True)
+                self.preflight = None
+        pf = self.preflight
+        if pf is not None:
+            budget = pf.budget_bytes
+            split = max(split, pf.split_factor)
+            for line in pf.report_lines():
+                logger.info("%s", line)
+            if pf.not_applied and self.fail_fast:
+                raise DoesNotFitError(pf.shortfall_bytes, pf.budget_bytes, pf.best_peak_bytes,
+                                      [c.reason for c in pf.not_applied])
+        if budget is None:
+            from memguard_core.probes import probe
+            snap = probe(self.device)
+            budget = int((snap.process_bytes + snap.available_bytes) * self.safety_ratio)
+        rows = args.per_device_train_batch_size
+        self.monitor = MemoryMonitor(budget, device=self.device, safety_ratio=self.safety_ratio,
+                                     thresholds=self.thresholds, interval_s=self.monitor_interval_s,
+                                     split=min(split, rows), max_split=rows, on_event=self._on_event)
+        if split > 1:
+            logger.info("memguard: micro-batch split k=%d (micro-batch %d rows -> %d-row chunks; "
+                        "effective batch unchanged)", min(split, rows), rows, -(-rows // min(split, rows)))
+        self.monitor.start()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._rows_this_step = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._samples_per_step.append(self._rows_this_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or self.monitor is None:
+            return
+        mon = self.monitor
+        logs["memguard_split"] = mon.split
+        logs["memguard_peak_gib"] = round(mon.max_step_peak_bytes / 2**30, 3)
+        logs["memguard_usage"] = round(mon.max_usage, 3)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.monitor is None:
+            return
+        self.monitor.stop()
+        mon = self.monitor
+        from memguard_core.probes import probe
+        try:
+            snap = probe(self.device)
+            measured = snap.process_peak_bytes
+        except Exception:
+            measured = None
+        summary = {
+            "split": mon.split,
+            "max_usage": round(mon.max_usage, 4),
+            "budget_bytes": mon.budget_bytes,
+            "measured_peak_bytes": measured,
+            "estimated_peak_bytes": self.preflight.estimate.peak_bytes if self.preflight else None,
+            "oom_retries": self.oom_retries,
+            "events": len(self.events),
+        }
+        self.summary = summary
+        logger.info("memguard summary: %s", summary)
+
+    def on_event_log(self, event: MemoryEvent) -> None:  # pragma: no cover - override hook
+        pass
+
+    def _on_event(self, event: MemoryEvent) -> None:
+        d = event.to_dict()
+        self.events.append(d)
+        self.on_event_log(event)
+
+    # ------------------------------------------------------------------ the guarded step
+    def _weighted_compute_loss(self, model, inputs, *args, **kwargs):
+        try:
+            out = self._orig_compute_loss(model, inputs, *args, **kwargs)
+        except BaseException:
+            self._oom_in_forward = True  # the error passed through the forward (compute_loss)
+            raise
+        scale = self._loss_scale
+        if scale == 1.0:
+            return out
+        if isinstance(out, tuple):
+            return (out[0] * scale,) + tuple(out[1:])
+        return out * scale
+
+    def _agreed_split(self, k: int, device) -> int:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return k
+        if torch.distributed.get_world_size() <= 1:
+            return k
+        t = torch.tensor([k], dtype=torch.int64,
+                         device=device if torch.distributed.get_backend() == "nccl" else "cpu")
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
+    def _loss_is_token_normalised(self, num_items_in_batch) -> bool:
+        t = self.trainer
+        scaled = getattr(t, "loss_is_scaled_for_ga", None)
+        if scaled is not None:
+            return bool(scaled) and num_items_in_batch is not None
+        return bool((getattr(t, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None)
+                    or getattr(t, "compute_loss_func", None) is not None)
+
+    def _guarded_training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
+        mon = self.monitor
+        if mon is None or self._disabled_split_reason is not None:
+            return self._orig_training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+        mon.step_sample(self.trainer.state.global_step)
+        k = mon.split
+        try:
+            k = self._agreed_split(k, self.trainer.args.device)
+        except Exception:
+            logger.warning("memguard: split all-reduce failed; using the local k", exc_info=True)
+        if k != mon.split:
+            mon.request_split(k, "another rank asked for it", self.trainer.state.global_step)
+        token_norm = self._loss_is_token_normalised(num_items_in_batch)
+        if k <= 1:
+            try:
+                return self._run_chunk(model, inputs, num_items_in_batch, 1.0, True, args, kwargs)
+            except Exception as exc:
+                if not (is_oom_error(exc) and self._oom_in_forward):
+                    raise
+                k = self._after_oom(exc, 1, microbatch.batch_rows(inputs))
+        weighting = "rows" if self.loss_weighting == "rows" else "tokens"
+        shift = bool(getattr(self.trainer, "_loss_shifts_labels", True))
+        try:
+            splitter = microbatch.BatchSplitter(inputs, weighting=weighting, shift_labels=shift)
+        except ValueError:
+            return self._run_chunk(model, inputs, num_items_in_batch, 1.0, True, args, kwargs)
+        total_loss = None
+        start = 0
+        while start < splitter.units:
+            ranges = splitter.ranges(k, start)
+            try:
+                for u0, u1 in ranges:
+                    chunk = splitter.chunk(u0, u1)
+                    w = 1.0 if token_norm else chunk.weight
+                    loss = self._run_chunk(model, chunk.inputs, num_items_in_batch, w,
+                                           u1 == splitter.units, args, kwargs)
+                    total_loss = loss if total_loss is None else total_loss + loss
+                    start = u1
+            except Exception as exc:
+                if not (is_oom_error(exc) and self._oom_in_forward):
+                    raise
+                # units before `start` already added their weighted gradient: re-cut only the rest
+                k = self._after_oom(exc, k, splitter.units - start)
+        return total_loss
+
+    def _after_oom(self, exc: BaseException, k: int, units_left: int) -> int:
+        """Free memory after a forward OOM and return the doubled split; re-raise if none helps."""
+        if units_left <= 1 or k >= units_left:
+            logger.error("memguard: out of memory on a chunk of a single row/sequence; cannot split "
+                         "further (%s)", exc)
+            raise exc
+        self.oom_retries += 1
+        new_k = min(max(2, k * 2), units_left)
+        self.monitor.request_split(new_k, f"out of memory in a forward ({type(exc).__name__}); "
+                                   f"redoing the {units_left} rows not yet processed in smaller chunks",
+                                   self.trainer.state.global_step)
+        gc.collect()
+        _empty_device_cache()
+        return max(new_k, self.monitor.split)
+
+    _oom_in_forward = False
+
+    def _run_chunk(self, model, inputs, num_items_in_batch, weight, last, args, kwargs):
+        rows = self._rows_of(inputs)
+        self.forward_rows.append(rows)
+        self._loss_scale = weight
+        self._oom_in_forward = False
+        ctx = contextlib.nullcontext()
+        if not last:
+            ctx = self._no_sync(model)
+        try:
+            with ctx:
+                loss = self._orig_training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+            self._rows_this_step += rows
+            return loss
+        finally:
+            self._loss_scale = 1.0
+
+    def _no_sync(self, model):
+        accel = getattr(self.trainer, "accelerator", None)
+        if accel is None:
+            return contextlib.nullcontext()
+        if "FSDP" in str(getattr(accel, "distributed_type", "")):
+            return contextlib.nullcontext()  # no_sync keeps unsharded grads under FSDP
+        return accel.no_sync(model)
+
+    @staticmethod
+    def _rows_of(inputs) -> int:
+        """Rows of a forward (packed: sequences)."""
+        try:
+            rows = microbatch.batch_rows(inputs)
+        except ValueError:
+            return 0
+        seqs = microbatch.sequence_starts(inputs)
+        return rows if seqs is None else len(seqs)
+
+
+def _empty_device_cache() -> None:
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception:  # pragma: no cover
+        pass

@@ -1,0 +1,243 @@
+"""Preflight for a Hugging Face ``Trainer``: read the model and the ``TrainingArguments``, estimate,
+plan, and apply in place what can be applied.
+
+``trainspec_from_trainer`` maps HF settings to a ``TrainSpec``:
+
+* micro-batch = ``per_device_train_batch_size``; accumulation = ``gradient_accumulation_steps``;
+  ranks = ``world_size``;
+* sequence length = given, else ``args.max_length`` / ``max_seq_length`` (TRL ``SFTConfig``), else
+  the longest ``input_ids`` among the first 2048 training rows;
+* method = ``qlora`` for 4-bit weights, ``lora`` for a PEFT model, else ``full``;
+* optimizer from ``args.optim`` (``adamw_*`` -> adamw, ``sgd`` -> sgd (HF's SGD has no momentum),
+  ``adafactor``, ``*adamw_8bit`` / ``adamw_bnb_8bit`` -> adamw-8bit);
+* dtype / mixed precision from the weights' dtype and ``args.bf16`` / ``args.fp16``;
+* attention implementation from ``model.config._attn_implementation``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from memguard_core.errors import DoesNotFitError
+from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
+
+logger = logging.getLogger("memguard.hf")
+
+IN_PLACE_FIELDS = {"grad_checkpoint": "grad_checkpoint", "batch_size": "micro_batch",
+                   "grad_accum": "micro_batch"}
+_PLAN_ORDER = ("grad_checkpoint", "micro_batch", "seq_length", "lora_rank", "lora_layers")
+
+
+def _optimizer_name(optim: Any) -> str:
+    name = str(getattr(optim, "value", optim)).lower()
+    if "8bit" in name:
+        return "adamw-8bit"
+    if "adafactor" in name:
+        return "adafactor"
+    if name == "sgd":
+        return "sgd"
+    if "adam" in name:
+        return "adamw"
+    logger.warning("memguard: optimizer %r is not modelled; estimating it as adamw", name)
+    return "adamw"
+
+
+def _unwrap(model):
+    while hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _is_peft(model) -> bool:
+    return hasattr(model, "peft_config") or any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def _lora_targets(model) -> Optional[tuple]:
+    cfg = getattr(model, "peft_config", None)
+    if isinstance(cfg, dict) and cfg:
+        first = next(iter(cfg.values()))
+        targets = getattr(first, "target_modules", None)
+        if isinstance(targets, str):
+            return ("all-linear",) if targets == "all-linear" else (targets,)
+        if targets:
+            return tuple(sorted(targets))
+    names = sorted({n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters()
+                    if ".lora_A" in n})
+    return tuple(names) or None
+
+
+def infer_seq_length(trainer, given: Optional[int] = None, scan_rows: int = 2048) -> int:
+    """Tokens per row for the estimate: ``given``, else the args' max length, else the longest of
+    the first ``scan_rows`` training rows (``input_ids``). Falls back to 512 with a warning."""
+    if given:
+        return int(given)
+    args = trainer.args
+    for attr in ("max_length", "max_seq_length"):
+        v = getattr(args, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    ds = getattr(trainer, "train_dataset", None)
+    longest = 0
+    try:
+        n = min(len(ds), scan_rows)
+        for i in range(n):
+            row = ds[i]
+            ids = row.get("input_ids") if isinstance(row, dict) else None
+            if ids is not None:
+                longest = max(longest, len(ids))
+    except Exception:
+        logger.debug("memguard: could not scan the dataset for lengths", exc_info=True)
+    if longest:
+        return longest
+    logger.warning("memguard: sequence length unknown; estimating with 512 (pass seq_length=...)")
+    return 512
+
+
+def trainspec_from_trainer(trainer, model_spec: ModelSpec, *, seq_length: Optional[int] = None,
+                           device: str = "auto") -> TrainSpec:
+    """Build the ``TrainSpec`` of a ``Trainer`` run (see the module docstring for the mapping)."""
+    args = trainer.args
+    model = _unwrap(trainer.model)
+    p = next((p for p in model.parameters()), None)
+    weight_dtype = p.dtype if p is not None else torch.float32
+    if model_spec.weight_bits < 8:
+        method = "qlora"
+    elif _is_peft(model):
+        method = "lora"
+    else:
+        method = "full"
+    half = args.bf16 or args.fp16
+    if weight_dtype == torch.float32:
+        dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        mixed = bool(half)
+    else:
+        dtype = "fp16" if weight_dtype == torch.float16 else "bf16"
+        mixed = False
+    attn = str(getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") or "sdpa")
+    attn_impl = "eager" if attn == "eager" else "flash" if "flash" in attn else "sdpa"
+    gc_on = bool(getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False)
+                 or getattr(model, "is_gradient_checkpointing", False))
+    if device == "auto":
+        dev = p.device.type if p is not None else "cpu"
+        device = "cuda" if dev == "cuda" else "cpu"
+    kwargs = {}
+    if method != "full":
+        kwargs["lora_rank"] = model_spec.lora_rank_found or 8
+        targets = _lora_targets(model)
+        if targets:
+            kwargs["lora_targets"] = targets
+    return TrainSpec(batch_size=args.per_device_train_batch_size, seq_length=infer_seq_length(trainer, seq_length),
+                     grad_accum=args.gradient_accumulation_steps, method=method, optimizer=_optimizer_name(args.optim),
+                     dtype=dtype, mixed_precision=mixed, grad_checkpoint=gc_on, attn_impl=attn_impl,
+                     framework="hf", device=device, ranks=max(1, int(getattr(args, "world_size", 1))), **kwargs)
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Turn on per-block activation checkpointing in place (non-reentrant, so PEFT models need no
+    ``enable_input_require_grads``); ``use_cache`` is turned off as HF requires."""
+    m = _unwrap(model)
+    target = m
+    if not hasattr(target, "gradient_checkpointing_enable") and hasattr(m, "get_base_model"):
+        target = m.get_base_model()
+    if hasattr(target, "activation_checkpointing_enable"):
+        target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = getattr(target, "config", None)
+    if cfg is not None and hasattr(cfg, "use_cache"):
+        cfg.use_cache = False
+
+
+@dataclass
+class Preflight:
+    """Outcome of the HF preflight.
+
+    Attributes:
+        model_spec, train_spec: what was read from the trainer.
+        estimate: ``MemoryEstimate`` of the requested settings.
+        plan: ``Plan`` chosen (``plan.estimate`` is the chosen settings' estimate).
+        budget_bytes: the memory budget (bytes).
+        split_factor: micro-batch split k applied in place.
+        applied: plan changes applied in place.
+        not_applied: plan changes the user must make (with the exact change in ``reason``).
+    """
+
+    model_spec: ModelSpec
+    train_spec: TrainSpec
+    estimate: Any
+    plan: Any
+    budget_bytes: int
+    split_factor: int = 1
+    applied: List[Any] = field(default_factory=list)
+    not_applied: List[Any] = field(default_factory=list)
+
+    @property
+    def best_peak_bytes(self) -> int:
+        return int(self.plan.estimate.peak_bytes)
+
+    @property
+    def shortfall_bytes(self) -> int:
+        return max(0, self.best_peak_bytes - self.budget_bytes)
+
+    def report_lines(self) -> List[str]:
+        """Human lines for the framework's logger."""
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        ts = self.train_spec
+        lines = [f"memguard preflight: {self.model_spec.name} ({self.model_spec.total_params / 1e6:.1f}M params, "
+                 f"{ts.method}, micro-batch {ts.batch_size} x accumulation {ts.grad_accum}, seq {ts.seq_length}, "
+                 f"{ts.optimizer}, {ts.dtype}{' mixed' if ts.mixed_precision else ''}, "
+                 f"checkpointing {'on' if ts.grad_checkpoint else 'off'})",
+                 f"  estimated peak {gib(self.estimate.peak_bytes)} ({self.estimate.counter}) vs budget "
+                 f"{gib(self.budget_bytes)}: {'fits' if self.estimate.peak_bytes <= self.budget_bytes else 'does NOT fit'}"]
+        for name, val in self.estimate.breakdown.items():
+            lines.append(f"    {name:<18} {gib(val)}")
+        for c in self.applied:
+            lines.append(f"  applied: {c.reason}")
+        for c in self.not_applied:
+            lines.append(f"  CHANGE NEEDED (not applicable in place): {c.reason}")
+        if self.applied or self.not_applied:
+            lines.append(f"  planned peak {gib(self.plan.estimate.peak_bytes)} vs budget {gib(self.budget_bytes)}")
+        return lines
+
+
+def default_budget(device: str, safety_ratio: float) -> int:
+    """(memory held by this process + memory still available) x ``safety_ratio``, container-aware."""
+    from memguard_core.probes import probe
+
+    snap = probe(device)
+    return int((snap.process_bytes + snap.available_bytes) * safety_ratio)
+
+
+def run_preflight(trainer, *, budget_bytes: Optional[int], safety_ratio: float = 0.8,
+                  seq_length: Optional[int] = None, apply: Sequence[str] = ("grad_checkpoint", "micro_batch"),
+                  device: str = "auto") -> Preflight:
+    """Estimate the run of ``trainer``, plan against the budget and apply what can be applied.
+
+    Raises:
+        DoesNotFitError: nothing in the allowed search fits.
+    """
+    from memguard_core.estimate import estimate
+    from memguard_core.plan import plan as make_plan
+
+    model = _unwrap(trainer.model)
+    ms = model_spec_from_module(model)
+    ts = trainspec_from_trainer(trainer, ms, seq_length=seq_length, device=device)
+    if budget_bytes is None:
+        budget_bytes = default_budget(ts.device if device == "auto" else device, safety_ratio)
+    est = estimate(ms, ts)
+    allow = tuple(a for a in _PLAN_ORDER if a not in ("grad_checkpoint", "micro_batch") or a in apply)
+    chosen = make_plan(ms, ts, budget_bytes, allow=allow)
+    pf = Preflight(ms, ts, est, chosen, budget_bytes)
+    for change in chosen.changes:
+        if change.field in IN_PLACE_FIELDS:
+            pf.applied.append(change)
+        else:
+            pf.not_applied.append(change)
+    if chosen.train_spec.grad_checkpoint and not ts.grad_checkpoint:
+        enable_activation_checkpointing(trainer.model)
+    pf.split_factor = max(1, int(chosen.split_factor))
+    return pf

@@ -1,0 +1,279 @@
+"""Memory probes: one module per backend behind one function, :func:`probe`.
+
+The layout follows psutil (``_pslinux`` / ``_psosx`` / ``_pswindows`` behind ``psutil``):
+
+- :mod:`memguard_core.probes.linux`   /proc/meminfo, /proc/self/status, PSI, cgroup v1 and v2
+- :mod:`memguard_core.probes.darwin`  ``sysctl hw.memsize``, ``vm_stat``, ``kern.memorystatus_level``
+- :mod:`memguard_core.probes.windows` ``GlobalMemoryStatusEx``
+- :mod:`memguard_core.probes.cuda`    torch.cuda allocator counters, ``mem_get_info``, NVML
+- :mod:`memguard_core.probes.mlx`     ``mx.get_active_memory`` / peak / cache, ``mx.device_info``
+
+Every backend returns a :class:`MemorySnapshot`. None of these modules imports torch or mlx at
+import time; :func:`probe` with ``device="auto"`` only *looks* at ``sys.modules`` to decide, so
+probing never imports a framework the user has not imported.
+
+Failure policy: a probe never raises into the caller's training loop. A file or counter that
+cannot be read (missing permissions, garbage, negative numbers) is logged once per source at
+WARNING and treated as absent. Only a malformed ``device`` argument (or naming a backend that
+is not present) raises :class:`memguard_core.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from memguard_core.errors import ConfigError
+
+log = logging.getLogger("memguard.probes")
+
+__all__ = ["MemorySnapshot", "probe", "resolve_device", "host_source"]
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """One reading of the memory a training process can use on one device.
+
+    All sizes are bytes.
+
+    Attributes:
+        device: ``"cpu"``, ``"cuda:<index>"`` or ``"mlx"``.
+        total_bytes: the most this process may use: ``min(host or device total, container
+            limit)``. On CUDA the device's total memory; on MLX/Metal the recommended working
+            set (``max_recommended_working_set_size``).
+        available_bytes: what it can still take, container-aware: on Linux
+            ``min(MemAvailable, limit - working_set)`` over the cgroup and its ancestors; on
+            CUDA the driver's free memory (sees other processes) plus the blocks this
+            process's caching allocator holds but does not use (it can reuse them); never
+            negative.
+        process_bytes: used by this process: RSS on cpu, allocator-reserved (+ CUDA context
+            where NVML tells it) on cuda, active memory on mlx.
+        process_peak_bytes: VmHWM (Linux) / ``ru_maxrss`` (macOS) / peak working set
+            (Windows) on cpu, ``max_memory_reserved`` on cuda, ``mx.get_peak_memory`` on mlx;
+            ``None`` if unknown.
+        pressure: percent 0..100. Linux: PSI ``some avg10`` of memory (share of the last 10 s
+            in which at least one task stalled on memory; kernel Documentation/accounting/psi.rst).
+            macOS: ``100 - kern.memorystatus_level`` (share of memory the kernel does not
+            count as available; NOT a stall time, compare by ``source``). ``None`` elsewhere.
+        limit_bytes: the container (cgroup) limit in force (smaller than the host total),
+            ``None`` if none.
+        limit_source: ``"host"``, ``"cgroup-v1:<dir>"``, ``"cgroup-v2:<dir>"`` (the cgroup
+            directory whose limit won), ``"cuda"``, ``"mlx"`` (Metal working set).
+        source: the probe that produced it: ``"linux"``, ``"darwin"``, ``"windows"``,
+            ``"cuda"``, ``"mlx"``, or ``"psutil"`` / ``"none"`` for the fallbacks used when
+            the platform probe failed.
+        timestamp: ``time.monotonic()`` at the reading.
+    """
+
+    device: str
+    total_bytes: int
+    available_bytes: int
+    process_bytes: int
+    process_peak_bytes: Optional[int]
+    pressure: Optional[float]
+    limit_bytes: Optional[int]
+    limit_source: str
+    source: str
+    timestamp: float
+
+    @property
+    def used_fraction(self) -> float:
+        """``1 - available/total`` in 0..1; 0.0 when the total is unknown (``total_bytes <= 0``)."""
+        if self.total_bytes <= 0:
+            return 0.0
+        frac = 1.0 - self.available_bytes / self.total_bytes
+        return min(1.0, max(0.0, frac))
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers shared by the backends (not public API)
+
+_warned: set = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(key: str, msg: str, *args) -> None:
+    """Log ``msg`` at WARNING the first time ``key`` (usually a file path) fails; DEBUG after."""
+    with _warned_lock:
+        first = key not in _warned
+        if first:
+            _warned.add(key)
+    if first:
+        log.warning(msg, *args)
+    else:
+        log.debug(msg, *args)
+
+
+def _reset_warned() -> None:
+    """Forget which sources have warned (tests)."""
+    with _warned_lock:
+        _warned.clear()
+
+
+def host_source() -> str:
+    """The host backend for this interpreter: ``"linux"``, ``"darwin"`` or ``"windows"``."""
+    if sys.platform.startswith("linux"):
+        return "linux"
+    if sys.platform == "darwin":
+        return "darwin"
+    if sys.platform in ("win32", "cygwin"):
+        return "windows"
+    return "psutil"
+
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|mlx|cuda(?::(\d+))?)$")
+
+
+def _torch_cuda_in_use():
+    """``torch.cuda`` if torch is already imported and CUDA is available, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        cuda = torch.cuda
+        return cuda if cuda.is_available() else None
+    except Exception as exc:  # a broken torch install must not break probing
+        _warn_once("torch.cuda.is_available", "memguard: torch.cuda.is_available() failed: %r", exc)
+        return None
+
+
+def _mlx_metal_in_use() -> bool:
+    """True if mlx.core is already imported and Metal is available."""
+    mx = sys.modules.get("mlx.core")
+    if mx is None:
+        return False
+    try:
+        from memguard_core.probes import mlx as _mlx
+
+        return _mlx.metal_available(mx)
+    except Exception as exc:
+        _warn_once("mlx.metal.is_available", "memguard: mlx Metal check failed: %r", exc)
+        return False
+
+
+def resolve_device(device: str = "auto") -> str:
+    """Turn a device request into a concrete device string.
+
+    Args:
+        device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:<index>"`` or ``"mlx"``.
+
+    Returns:
+        ``"cpu"``, ``"cuda:<index>"`` or ``"mlx"``. ``"auto"`` picks CUDA if torch is already
+        imported and CUDA is available (the current device if CUDA is initialised, else 0),
+        else ``"mlx"`` if ``mlx.core`` is imported and Metal is available, else ``"cpu"``.
+        Nothing is imported to decide.
+
+    Raises:
+        ConfigError: malformed device string.
+    """
+    if not isinstance(device, str) or _DEVICE_RE.match(device) is None:
+        raise ConfigError("device", '"auto", "cpu", "cuda", "cuda:<index>" or "mlx"', device)
+    if device == "auto":
+        cuda = _torch_cuda_in_use()
+        if cuda is not None:
+            idx = 0
+            try:
+                if cuda.is_initialized():
+                    idx = int(cuda.current_device())
+            except Exception:
+                idx = 0
+            return f"cuda:{idx}"
+        if _mlx_metal_in_use():
+            return "mlx"
+        return "cpu"
+    if device == "cuda":
+        return "cuda:0"
+    return device
+
+
+def _host_probe(cheap: bool) -> MemorySnapshot:
+    src = host_source()
+    if src == "linux":
+        from memguard_core.probes import linux
+
+        return linux.probe(cheap=cheap)
+    if src == "darwin":
+        from memguard_core.probes import darwin
+
+        return darwin.probe(cheap=cheap)
+    if src == "windows":
+        from memguard_core.probes import windows
+
+        return windows.probe(cheap=cheap)
+    return _psutil_fallback()
+
+
+def _psutil_fallback(device: str = "cpu") -> MemorySnapshot:
+    """Last-resort host snapshot from psutil (no container awareness); zeros if that fails too."""
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        mi = psutil.Process().memory_info()
+        return MemorySnapshot(device=device, total_bytes=int(vm.total),
+                              available_bytes=int(vm.available), process_bytes=int(mi.rss),
+                              process_peak_bytes=None, pressure=None, limit_bytes=None,
+                              limit_source="host", source="psutil", timestamp=time.monotonic())
+    except Exception as exc:
+        _warn_once("psutil.virtual_memory", "memguard: psutil fallback probe failed: %r", exc)
+        return MemorySnapshot(device=device, total_bytes=0, available_bytes=0, process_bytes=0,
+                              process_peak_bytes=None, pressure=None, limit_bytes=None,
+                              limit_source="host", source="none", timestamp=time.monotonic())
+
+
+def probe(device: str = "auto", *, cheap: bool = False) -> MemorySnapshot:
+    """Read the memory of ``device`` now.
+
+    Args:
+        device: see :func:`resolve_device`. ``"cpu"`` means the host (Linux/macOS/Windows by
+            ``sys.platform``); naming ``"cuda..."`` or ``"mlx"`` explicitly imports torch / mlx
+            if needed.
+        cheap: the per-training-step path: reads only cheap counters (allocator counters,
+            cgroup files, /proc/self/status, /proc/meminfo, the kernel's precomputed PSI
+            averages), runs no subprocess and no NVML, allocates little and never synchronises
+            a device. ``cheap=False`` adds NVML (cuda), ``vm_stat``/``sysctl`` (macOS) and
+            re-resolves the process's cgroup.
+
+    Returns:
+        A :class:`MemorySnapshot`.
+
+    Raises:
+        ConfigError: malformed ``device``, or ``cuda``/``mlx`` named but not present. Errors
+        while reading are logged (``memguard.probes``) and degrade to a fallback snapshot,
+        never raised.
+    """
+    dev = resolve_device(device)
+    if dev.startswith("cuda"):
+        from memguard_core.probes import cuda
+
+        index = int(dev.split(":")[1])
+        torch_cuda = cuda.torch_cuda_module()
+        if torch_cuda is None:
+            raise ConfigError("device", "a CUDA device (torch with CUDA available)", device)
+        try:
+            return cuda.probe(index, cheap=cheap, torch_cuda=torch_cuda)
+        except Exception as exc:
+            _warn_once(f"cuda.probe:{index}", "memguard: CUDA probe failed: %r", exc)
+            return _psutil_fallback(dev)
+    if dev == "mlx":
+        from memguard_core.probes import mlx
+
+        mx = mlx.mlx_module()
+        if mx is None:
+            raise ConfigError("device", "mlx installed (pip install mlx)", device)
+        try:
+            return mlx.probe(cheap=cheap, mx=mx)
+        except Exception as exc:
+            _warn_once("mlx.probe", "memguard: MLX probe failed: %r", exc)
+            return _psutil_fallback("mlx")
+    try:
+        return _host_probe(cheap)
+    except Exception as exc:
+        _warn_once(f"host.probe:{host_source()}", "memguard: %s probe failed: %r",
+                   host_source(), exc)
+        return _psutil_fallback("cpu")

@@ -1,0 +1,206 @@
+"""CUDA memory probe: torch.cuda caching-allocator counters, ``mem_get_info``, NVML.
+
+Sources (PyTorch docs, "CUDA semantics / memory management" and torch/cuda/memory.py):
+- ``torch.cuda.memory_allocated(i)``: bytes held by live tensors; ``memory_reserved(i)``: bytes
+  the caching allocator holds from the driver (>= allocated; the gap is cached free blocks);
+  ``max_memory_allocated`` / ``max_memory_reserved``: their peaks since the last
+  ``reset_peak_memory_stats``. These are host-side counters: no driver call, no sync.
+- ``torch.cuda.mem_get_info(i)`` -> ``(free, total)`` from ``cudaMemGetInfo``: device-wide, so
+  it sees other processes and this process's CUDA context and non-PyTorch allocations.
+- NVML (``pynvml`` from nvidia-ml-py) ``nvmlDeviceGetComputeRunningProcesses``:
+  ``usedGpuMemory`` per process = this process's whole footprint (context + reserved + other
+  libraries). Used only in the non-cheap path, and only if installed.
+
+Snapshot meaning on CUDA: ``total`` = device total; ``available`` = driver free memory +
+nothing else (cached blocks of our allocator are NOT counted as free by the driver, but our
+allocator can reuse them: ``available = free + (reserved - allocated)``); ``process_bytes`` =
+NVML footprint if known, else reserved (+ the context overhead learned from the last NVML
+reading); ``process_peak_bytes`` = ``max_memory_reserved``.
+
+The cheap path (per training step) reads only the allocator counters; the device-wide part
+(``total - free - reserved``: other processes + context) is taken from the last full reading
+(one ``mem_get_info`` on the first cheap call per device if there was none), so it does not
+see other processes change until the next full probe.
+
+torch is never imported at module level; :func:`torch_cuda_module` imports it only when a
+CUDA device was asked for explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from memguard_core.probes import MemorySnapshot, _warn_once, log
+
+__all__ = ["CudaCounters", "torch_cuda_module", "read_counters", "nvml_process_bytes",
+           "snapshot_from_counters", "probe"]
+
+
+@dataclass(frozen=True)
+class CudaCounters:
+    """Caching-allocator counters of one device, bytes."""
+
+    allocated: int
+    reserved: int
+    peak_allocated: int
+    peak_reserved: int
+
+
+def torch_cuda_module():
+    """``torch.cuda`` if CUDA is available (imports torch if not yet imported), else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch  # noqa: F811  (explicit CUDA request: importing torch is expected)
+        except Exception:
+            return None
+    try:
+        return torch.cuda if torch.cuda.is_available() else None
+    except Exception as exc:
+        _warn_once("torch.cuda.is_available", "memguard: torch.cuda.is_available() failed: %r",
+                   exc)
+        return None
+
+
+def read_counters(index: int, torch_cuda) -> CudaCounters:
+    """Allocator counters of device ``index`` (no driver call, no synchronisation)."""
+    return CudaCounters(
+        allocated=int(torch_cuda.memory_allocated(index)),
+        reserved=int(torch_cuda.memory_reserved(index)),
+        peak_allocated=int(torch_cuda.max_memory_allocated(index)),
+        peak_reserved=int(torch_cuda.max_memory_reserved(index)),
+    )
+
+
+_nvml_state: Dict[str, object] = {"init": None}
+_nvml_lock = threading.Lock()
+
+
+def _nvml(nvml=None):
+    """The initialised ``pynvml`` module, or None (not installed / no driver)."""
+    if nvml is not None:
+        return nvml
+    with _nvml_lock:
+        if _nvml_state["init"] is False:
+            return None
+        if _nvml_state["init"] is None:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                _nvml_state["init"] = pynvml
+            except Exception as exc:
+                log.debug("memguard: NVML unavailable: %r", exc)
+                _nvml_state["init"] = False
+                return None
+        return _nvml_state["init"]
+
+
+def _nvml_handle(nvml, index: int, torch_cuda):
+    """NVML handle of torch's device ``index`` (UUID first, so CUDA_VISIBLE_DEVICES holds)."""
+    try:
+        uuid = getattr(torch_cuda.get_device_properties(index), "uuid", None)
+        if uuid is not None:
+            s = str(uuid)
+            return nvml.nvmlDeviceGetHandleByUUID(s if s.startswith("GPU-") else "GPU-" + s)
+    except Exception:
+        pass
+    return nvml.nvmlDeviceGetHandleByIndex(index)
+
+
+def nvml_process_bytes(index: int, torch_cuda, *, pid: Optional[int] = None,
+                       nvml=None) -> Optional[int]:
+    """This process's memory on device ``index`` per NVML (``usedGpuMemory``), bytes.
+
+    Returns None if NVML is not installed, the process is not listed (e.g. a container's PID
+    namespace hides it) or the driver does not report per-process usage.
+    """
+    nv = _nvml(nvml)
+    if nv is None:
+        return None
+    pid = os.getpid() if pid is None else pid
+    try:
+        handle = _nvml_handle(nv, index, torch_cuda)
+        used = None
+        for p in nv.nvmlDeviceGetComputeRunningProcesses(handle):
+            if getattr(p, "pid", None) == pid and getattr(p, "usedGpuMemory", None) is not None:
+                used = (used or 0) + int(p.usedGpuMemory)
+        return used
+    except Exception as exc:
+        _warn_once(f"nvml:{index}", "memguard: NVML per-process query failed: %r", exc)
+        return None
+
+
+def snapshot_from_counters(index: int, counters: CudaCounters, free: int, total: int, *,
+                           process_bytes: Optional[int] = None,
+                           now: Optional[float] = None) -> MemorySnapshot:
+    """Interpret counters + ``mem_get_info`` as a :class:`MemorySnapshot` (see module doc).
+
+    Args:
+        index: device index.
+        counters: allocator counters.
+        free, total: ``torch.cuda.mem_get_info(index)`` (driver-wide), bytes.
+        process_bytes: this process's whole footprint (NVML) if known, else reserved is used.
+    """
+    cached = max(0, counters.reserved - counters.allocated)
+    avail = max(0, min(total, free + cached))
+    proc = process_bytes if process_bytes is not None else counters.reserved
+    return MemorySnapshot(device=f"cuda:{index}", total_bytes=int(total),
+                          available_bytes=int(avail), process_bytes=int(proc),
+                          process_peak_bytes=int(counters.peak_reserved), pressure=None,
+                          limit_bytes=None, limit_source="cuda", source="cuda",
+                          timestamp=time.monotonic() if now is None else now)
+
+
+# per device: total, "outside" bytes (total - free - reserved at the last full reading),
+# context overhead (NVML footprint - reserved)
+_baseline: Dict[int, Dict[str, int]] = {}
+
+
+def _reset_baseline() -> None:
+    _baseline.clear()
+
+
+def probe(index: int = 0, cheap: bool = False, *, torch_cuda=None, nvml=None) -> MemorySnapshot:
+    """CUDA snapshot of device ``index``; see the module doc for cheap vs full.
+
+    Args:
+        index: CUDA device index (as torch numbers it).
+        cheap: allocator counters only (plus the cached device-wide baseline).
+        torch_cuda: the ``torch.cuda`` module (default: :func:`torch_cuda_module`); tests pass
+            a thin fake here because this machine has no CUDA device.
+        nvml: an initialised pynvml-like module (tests); default: import pynvml if installed.
+
+    Raises:
+        RuntimeError: CUDA unavailable (``probe()`` in the package turns this into a
+        ConfigError / fallback); counter errors propagate to the caller's fallback.
+    """
+    tc = torch_cuda if torch_cuda is not None else torch_cuda_module()
+    if tc is None:
+        raise RuntimeError("CUDA is not available")
+    now = time.monotonic()
+    c = read_counters(index, tc)
+    base = _baseline.get(index)
+    if cheap and base is not None:
+        outside = base["outside"]
+        total = base["total"]
+        free = max(0, total - outside - c.reserved)
+        proc = c.reserved + base["context"]
+        return snapshot_from_counters(index, c, free, total, process_bytes=proc, now=now)
+    free, total = (int(x) for x in tc.mem_get_info(index))
+    context = base["context"] if base is not None else 0
+    proc = None
+    if not cheap:
+        proc = nvml_process_bytes(index, tc, nvml=nvml)
+        if proc is not None:
+            context = max(0, proc - c.reserved)
+    _baseline[index] = {"total": total, "outside": max(0, total - free - c.reserved),
+                        "context": context}
+    if proc is None:
+        proc = c.reserved + context
+    return snapshot_from_counters(index, c, free, total, process_bytes=proc, now=now)

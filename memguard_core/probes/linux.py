@@ -1,0 +1,644 @@
+"""Linux memory probe: /proc/meminfo, /proc/self/status, PSI, cgroup v1 and v2.
+
+Sources:
+- /proc/meminfo ``MemTotal`` / ``MemAvailable`` and /proc/<pid>/status ``VmRSS`` / ``VmHWM``:
+  kernel Documentation/filesystems/proc.rst. ``MemAvailable`` exists since Linux 3.14; before
+  that we use ``MemFree + Buffers + Cached`` (what ``free`` showed as available then).
+- PSI (``some``/``full`` ``avg10/avg60/avg300/total``): Documentation/accounting/psi.rst.
+  ``total`` is in microseconds; the averages are percentages computed by the kernel.
+- cgroup v1 memory controller (``memory.limit_in_bytes``, ``memory.usage_in_bytes``,
+  ``memory.max_usage_in_bytes``, ``memory.stat`` ``total_inactive_file``, ``memory.oom_control``
+  ``oom_kill``): Documentation/admin-guide/cgroup-v1/memory.rst.
+- cgroup v2 (``memory.max``, ``memory.high``, ``memory.current``, ``memory.peak``,
+  ``memory.stat`` ``inactive_file``, ``memory.events`` ``oom_kill``, ``memory.pressure``):
+  Documentation/admin-guide/cgroup-v2.rst.
+- Locating the cgroup from /proc/self/cgroup + /proc/self/mountinfo (never fixed paths): the
+  same scheme as the JDK's container support (src/hotspot/os/linux/cgroupSubsystem_linux.cpp)
+  and proc(5) / proc_pid_mountinfo(5) for the field layout.
+- Working set = usage - inactive file cache: what cAdvisor reports as
+  ``container_memory_working_set_bytes`` and the kubelet uses for memory eviction
+  (cadvisor container/libcontainer/handler.go: v1 ``total_inactive_file``, v2 ``inactive_file``).
+  Inactive file pages are the first the kernel reclaims before it OOM-kills the cgroup.
+
+Every read is tolerant: a missing file is simply absent; an unreadable file, garbage or a
+negative number is logged once per path at WARNING (logger ``memguard.probes``) and treated as
+absent. Nothing here raises into the caller.
+
+All functions take ``proc_root`` (default ``"/proc"``) and ``sys_root`` (prefix put in front of
+every mount point found in mountinfo, default ``""``) so tests can point them at recorded trees.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from memguard_core.probes import MemorySnapshot, _warn_once
+
+__all__ = [
+    "Psi", "CgroupMemory", "Mount", "CgroupLocation",
+    "parse_meminfo", "parse_status", "parse_psi", "parse_proc_cgroup", "parse_mountinfo",
+    "parse_flat_keyed", "read_meminfo", "read_status", "read_psi", "locate_cgroups",
+    "cgroup_memory", "probe", "UNLIMITED_THRESHOLD",
+]
+
+#: Limits at or above this many bytes (1 EiB) mean "no limit". cgroup v1 reports "unlimited"
+#: as PAGE_COUNTER_MAX * PAGE_SIZE, e.g. 9223372036854771712 with 4 KiB pages
+#: (mm/page_counter.c, include/linux/page_counter.h), which differs by page size.
+UNLIMITED_THRESHOLD = 1 << 60
+
+
+# ----------------------------------------------------------------------------------------------
+# tolerant readers
+
+def _read_text(path: str) -> Optional[str]:
+    """File contents, or None. Missing files are silent; other errors warn once per path."""
+    try:
+        with open(path, "r", encoding="ascii", errors="replace") as fh:
+            return fh.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        _warn_once(path, "memguard: cannot read %s: %s; treating it as absent", path, exc)
+        return None
+
+
+def _to_nonneg_int(token: str, where: str) -> Optional[int]:
+    try:
+        value = int(token)
+    except (TypeError, ValueError):
+        _warn_once(where, "memguard: %s: not an integer (%r); treating it as absent",
+                   where, (token or "")[:40])
+        return None
+    if value < 0:
+        _warn_once(where, "memguard: %s: negative value %d; treating it as absent", where, value)
+        return None
+    return value
+
+
+def _read_int(path: str) -> Optional[int]:
+    """A file holding one non-negative integer; None if absent or bad."""
+    text = _read_text(path)
+    if text is None:
+        return None
+    return _to_nonneg_int(text.strip(), path)
+
+
+def _read_limit(path: str) -> Tuple[bool, Optional[int]]:
+    """A limit file: ``(present, bytes or None for unlimited)``.
+
+    ``"max"`` (v2) and values >= :data:`UNLIMITED_THRESHOLD` (v1) mean unlimited.
+    """
+    text = _read_text(path)
+    if text is None:
+        return False, None
+    token = text.strip()
+    if token == "max":
+        return True, None
+    value = _to_nonneg_int(token, path)
+    if value is None:
+        return False, None
+    if value >= UNLIMITED_THRESHOLD:
+        return True, None
+    return True, value
+
+
+# ----------------------------------------------------------------------------------------------
+# /proc/meminfo, /proc/self/status
+
+_KB_LINE = re.compile(r"^([^:\s]+):\s+(\S+)(?:\s+(kB))?\s*$")
+
+
+def parse_meminfo(text: str, where: str = "meminfo",
+                  keys: Optional[frozenset] = None) -> Dict[str, int]:
+    """Parse /proc/meminfo (or the Vm*/Rss* lines of /proc/<pid>/status).
+
+    Args:
+        keys: parse only these keys (the per-step path); default all.
+
+    Returns:
+        ``{key: value}`` with ``kB`` values converted to bytes (x1024; "kB" in these files is
+        KiB, proc.rst). Lines that do not parse or hold negative numbers are skipped (logged once).
+    """
+    out: Dict[str, int] = {}
+    for line in text.splitlines():
+        if keys is not None and line.partition(":")[0] not in keys:
+            continue
+        m = _KB_LINE.match(line.strip())
+        if not m:
+            continue
+        key, num, unit = m.groups()
+        try:
+            value = int(num)
+        except ValueError:
+            if unit:  # a kB line with a garbage number
+                _warn_once(f"{where}:{key}", "memguard: %s %s: not an integer (%r); ignored",
+                           where, key, num[:40])
+            continue
+        if value < 0:
+            _warn_once(f"{where}:{key}", "memguard: %s %s: negative (%d); ignored",
+                       where, key, value)
+            continue
+        out[key] = value * 1024 if unit else value
+    return out
+
+
+def parse_status(text: str, where: str = "status") -> Dict[str, int]:
+    """Parse /proc/<pid>/status; sizes (``VmRSS``, ``VmHWM``, ...) in bytes."""
+    return {k: v for k, v in parse_meminfo(text, where).items()
+            if k.startswith(("Vm", "Rss", "Hugetlb"))}
+
+
+def read_meminfo(proc_root: str = "/proc", keys: Optional[frozenset] = None) -> Dict[str, int]:
+    """/proc/meminfo as ``{key: bytes}`` (only ``keys`` if given); empty if unreadable."""
+    path = os.path.join(proc_root, "meminfo")
+    text = _read_text(path)
+    return parse_meminfo(text, path, keys) if text is not None else {}
+
+
+def read_status(proc_root: str = "/proc", pid: str = "self",
+                keys: Optional[frozenset] = None) -> Dict[str, int]:
+    """/proc/<pid>/status sizes as ``{key: bytes}`` (only ``keys`` if given); empty if
+    unreadable."""
+    path = os.path.join(proc_root, str(pid), "status")
+    text = _read_text(path)
+    if text is None:
+        return {}
+    if keys is not None:
+        return parse_meminfo(text, path, keys)
+    return parse_status(text, path)
+
+
+_MEMINFO_KEYS = frozenset(("MemTotal", "MemAvailable", "MemFree", "Buffers", "Cached"))
+_STATUS_KEYS = frozenset(("VmRSS", "VmHWM"))
+
+
+# ----------------------------------------------------------------------------------------------
+# PSI
+
+@dataclass(frozen=True)
+class Psi:
+    """Memory pressure stall information.
+
+    ``*_avg10/60/300`` are percent (0..100) of wall time in the last 10/60/300 s during which
+    *some* (at least one) / *full* (all non-idle) tasks stalled on memory; ``*_total_us`` is the
+    cumulative stall time in microseconds (Documentation/accounting/psi.rst). ``None`` where
+    the line or field is missing. ``path`` is the file read.
+    """
+
+    some_avg10: Optional[float]
+    some_avg60: Optional[float]
+    some_avg300: Optional[float]
+    some_total_us: Optional[int]
+    full_avg10: Optional[float]
+    full_avg60: Optional[float]
+    full_avg300: Optional[float]
+    full_total_us: Optional[int]
+    path: str = ""
+
+
+def parse_psi(text: str, where: str = "pressure") -> Optional[Psi]:
+    """Parse a PSI file (``some avg10=0.00 avg60=0.00 avg300=0.00 total=0`` / ``full ...``).
+
+    Returns:
+        :class:`Psi`, or None when neither a ``some`` nor a ``full`` line parses.
+        Averages outside 0..100 or garbage are logged once and left as None.
+    """
+    vals: Dict[str, Optional[float]] = {}
+    seen = False
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts or parts[0] not in ("some", "full"):
+            continue
+        kind = parts[0]
+        for item in parts[1:]:
+            key, _, raw = item.partition("=")
+            if key not in ("avg10", "avg60", "avg300", "total"):
+                continue
+            try:
+                v = int(raw) if key == "total" else float(raw)
+            except ValueError:
+                _warn_once(f"{where}:{kind}.{key}", "memguard: %s %s %s: garbage %r; ignored",
+                           where, kind, key, raw[:40])
+                continue
+            if v < 0 or (key != "total" and v > 100.0):
+                _warn_once(f"{where}:{kind}.{key}", "memguard: %s %s %s: out of range %r; "
+                           "ignored", where, kind, key, raw[:40])
+                continue
+            vals[f"{kind}_{key}"] = v
+            seen = True
+    if not seen:
+        return None
+    return Psi(
+        some_avg10=vals.get("some_avg10"), some_avg60=vals.get("some_avg60"),
+        some_avg300=vals.get("some_avg300"),
+        some_total_us=_int_or_none(vals.get("some_total")),
+        full_avg10=vals.get("full_avg10"), full_avg60=vals.get("full_avg60"),
+        full_avg300=vals.get("full_avg300"),
+        full_total_us=_int_or_none(vals.get("full_total")),
+        path=where,
+    )
+
+
+def _int_or_none(v) -> Optional[int]:
+    return None if v is None else int(v)
+
+
+def read_psi(proc_root: str = "/proc", sys_root: str = "", *,
+             cgroup_dir: Optional[str] = None) -> Optional[Psi]:
+    """Memory PSI of this process's cgroup (v2 ``memory.pressure``), else system-wide.
+
+    Args:
+        proc_root, sys_root: roots (see module doc).
+        cgroup_dir: a cgroup v2 directory whose ``memory.pressure`` to read; default: the
+            process's own v2 cgroup found via mountinfo.
+
+    Returns:
+        :class:`Psi` or None (PSI disabled, e.g. kernel booted with ``psi=0``, or < 4.20).
+    """
+    if cgroup_dir is None:
+        loc = locate_cgroups(proc_root, sys_root)
+        cgroup_dir = loc.v2_dir
+    candidates = []
+    if cgroup_dir:
+        candidates.append(os.path.join(cgroup_dir, "memory.pressure"))
+    candidates.append(os.path.join(proc_root, "pressure", "memory"))
+    for path in candidates:
+        text = _read_text(path)
+        if text is None:
+            continue
+        psi = parse_psi(text, path)
+        if psi is not None:
+            return psi
+        _warn_once(path, "memguard: %s holds no PSI lines; ignored", path)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# locating the cgroup
+
+@dataclass(frozen=True)
+class Mount:
+    """One /proc/<pid>/mountinfo line (the fields we use). See proc_pid_mountinfo(5)."""
+
+    root: str          # field 4: the root of the mount inside its filesystem
+    mount_point: str   # field 5, octal escapes (\\040) decoded
+    fstype: str
+    super_options: Tuple[str, ...]
+
+
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape(s: str) -> str:
+    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), s)
+
+
+def parse_mountinfo(text: str) -> List[Mount]:
+    """Parse /proc/<pid>/mountinfo; malformed lines are skipped."""
+    mounts = []
+    for line in text.splitlines():
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        sep = fields.index("-")
+        if sep < 6 or len(fields) < sep + 3:
+            continue
+        mounts.append(Mount(root=_unescape(fields[3]), mount_point=_unescape(fields[4]),
+                            fstype=fields[sep + 1],
+                            super_options=tuple(fields[sep + 3].split(",")) if len(fields) > sep + 3 else ()))
+    return mounts
+
+
+def parse_proc_cgroup(text: str) -> Tuple[Optional[str], Optional[str]]:
+    """Parse /proc/<pid>/cgroup (``hierarchy-ID:controllers:path``, cgroups(7)).
+
+    Returns:
+        ``(v1_memory_path, v2_path)``: the path in the v1 hierarchy that holds the ``memory``
+        controller and the path in the unified (v2, ID 0, empty controller list) hierarchy;
+        None where absent.
+    """
+    v1 = v2 = None
+    for line in text.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, path = parts
+        if hid == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v1, v2
+
+
+@dataclass(frozen=True)
+class CgroupLocation:
+    """Filesystem directories of this process's memory cgroup and of its mount."""
+
+    v1_dir: Optional[str] = None     # cgroup v1 memory controller directory
+    v1_mount: Optional[str] = None   # the v1 memory hierarchy's mount point (walk stops here)
+    v2_dir: Optional[str] = None     # cgroup v2 directory (for memory.* and memory.pressure)
+    v2_mount: Optional[str] = None
+
+
+def _cgroup_dir(mount: Mount, cgroup_path: str, sys_root: str) -> Tuple[str, str]:
+    """(directory of the cgroup, mount point), both with ``sys_root`` prefixed.
+
+    The cgroup path from /proc/self/cgroup is relative to the hierarchy's root; the mount
+    shows the subtree starting at ``mount.root``. Inside a container without a cgroup
+    namespace the path may not lie under the mount root; then the mount point itself is the
+    process's cgroup (the JDK does the same, cgroupSubsystem_linux.cpp).
+    """
+    mp = sys_root + mount.mount_point
+    root = mount.root.rstrip("/")
+    path = cgroup_path if cgroup_path.startswith("/") else "/" + cgroup_path
+    if root == "":
+        rel = path
+    elif path == root or path.startswith(root + "/"):
+        rel = path[len(root):]
+    else:
+        rel = path if os.path.isdir(mp + path) else ""
+    rel = rel.rstrip("/")
+    return (mp + rel if rel else mp), mp
+
+
+def _pick_mount(mounts: List[Mount], cgroup_path: str) -> Optional[Mount]:
+    """Among several mounts of one hierarchy, the one whose root contains ``cgroup_path``."""
+    if not mounts:
+        return None
+    best = None
+    for m in mounts:
+        root = m.root.rstrip("/")
+        if root == "" or cgroup_path == root or cgroup_path.startswith(root + "/"):
+            if best is None or len(root) > len(best.root.rstrip("/")):
+                best = m
+    return best or mounts[0]
+
+
+def locate_cgroups(proc_root: str = "/proc", sys_root: str = "") -> CgroupLocation:
+    """Find this process's memory cgroup directories from /proc/self/cgroup + mountinfo."""
+    cg_text = _read_text(os.path.join(proc_root, "self", "cgroup"))
+    mi_text = _read_text(os.path.join(proc_root, "self", "mountinfo"))
+    if cg_text is None or mi_text is None:
+        return CgroupLocation()
+    v1_path, v2_path = parse_proc_cgroup(cg_text)
+    mounts = parse_mountinfo(mi_text)
+    v1_dir = v1_mount = v2_dir = v2_mount = None
+    if v1_path is not None:
+        m = _pick_mount([m for m in mounts if m.fstype == "cgroup" and "memory" in m.super_options],
+                        v1_path)
+        if m is not None:
+            v1_dir, v1_mount = _cgroup_dir(m, v1_path, sys_root)
+    if v2_path is not None:
+        m = _pick_mount([m for m in mounts if m.fstype == "cgroup2"], v2_path)
+        if m is not None:
+            v2_dir, v2_mount = _cgroup_dir(m, v2_path, sys_root)
+    return CgroupLocation(v1_dir, v1_mount, v2_dir, v2_mount)
+
+
+_loc_cache: Dict[Tuple[str, str], CgroupLocation] = {}
+_loc_lock = threading.Lock()
+
+
+def _location(proc_root: str, sys_root: str, refresh: bool) -> CgroupLocation:
+    key = (proc_root, sys_root)
+    if not refresh:
+        loc = _loc_cache.get(key)
+        if loc is not None:
+            return loc
+    loc = locate_cgroups(proc_root, sys_root)
+    with _loc_lock:
+        _loc_cache[key] = loc
+    return loc
+
+
+# ----------------------------------------------------------------------------------------------
+# cgroup memory
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The memory cgroup of this process, container-aware. Sizes in bytes.
+
+    Attributes:
+        version: 1 or 2.
+        path: directory of the process's own cgroup.
+        limit: the smallest limit over the cgroup and its ancestors up to the hierarchy's
+            mount (v2: ``memory.high`` where set, else ``memory.max``, i.e. the smaller of the
+            two; v1: ``memory.limit_in_bytes``), None if none is set.
+        limit_path: directory whose limit won.
+        usage: the cgroup's usage (v1 ``memory.usage_in_bytes``, v2 ``memory.current``),
+            including its descendants and page cache.
+        working_set: ``usage - inactive_file`` (v1 ``total_inactive_file``), clamped >= 0.
+        available: ``min(limit - working_set)`` over every limited level, clamped >= 0; None
+            if no level has a limit.
+        oom_kill: OOM kills in this cgroup (v1 ``memory.oom_control`` ``oom_kill``, Linux
+            4.13+; v2 ``memory.events`` ``oom_kill``).
+        max_usage: high-water mark of usage (v1 ``memory.max_usage_in_bytes``; v2
+            ``memory.peak``, Linux 5.19+).
+    """
+
+    version: int
+    path: str
+    limit: Optional[int]
+    limit_path: Optional[str]
+    usage: Optional[int]
+    working_set: Optional[int]
+    available: Optional[int]
+    oom_kill: Optional[int]
+    max_usage: Optional[int]
+
+
+def parse_flat_keyed(text: str, where: str) -> Dict[str, int]:
+    """Parse ``key value`` lines (memory.stat, memory.events, memory.oom_control).
+
+    Lines whose value is not a non-negative integer are logged once and skipped.
+    """
+    out: Dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) != 2:
+            continue
+        v = _to_nonneg_int(parts[1], f"{where}:{parts[0]}")
+        if v is not None:
+            out[parts[0]] = v
+    return out
+
+
+def _read_keyed(path: str) -> Dict[str, int]:
+    text = _read_text(path)
+    return parse_flat_keyed(text, path) if text is not None else {}
+
+
+def _level_v1(d: str, need_usage: bool) -> Tuple[Optional[int], Optional[int], Optional[int]]:
+    """(limit, usage, working_set) of one v1 cgroup directory; usage read only if needed
+    (``need_usage`` or a limit is set)."""
+    _, limit = _read_limit(os.path.join(d, "memory.limit_in_bytes"))
+    if limit is None and not need_usage:
+        return None, None, None
+    usage = _read_int(os.path.join(d, "memory.usage_in_bytes"))
+    ws = None
+    if usage is not None:
+        stat = _read_keyed(os.path.join(d, "memory.stat"))
+        inactive = stat.get("total_inactive_file", stat.get("inactive_file", 0))
+        ws = max(0, usage - inactive)
+    return limit, usage, ws
+
+
+def _level_v2(d: str, need_usage: bool) -> Tuple[Optional[int], Optional[int], Optional[int]]:
+    """(limit, usage, working_set) of one v2 cgroup directory (usage as in :func:`_level_v1`).
+
+    The limit is ``memory.high`` when set (throttling and heavy reclaim start there, and it
+    is where a job should stop growing), else ``memory.max`` (the OOM-kill line); if both are
+    set the smaller wins.
+    """
+    _, mx = _read_limit(os.path.join(d, "memory.max"))
+    _, high = _read_limit(os.path.join(d, "memory.high"))
+    set_limits = [v for v in (high, mx) if v is not None]
+    limit = min(set_limits) if set_limits else None
+    if limit is None and not need_usage:
+        return None, None, None
+    usage = _read_int(os.path.join(d, "memory.current"))
+    ws = None
+    if usage is not None:
+        stat = _read_keyed(os.path.join(d, "memory.stat"))
+        ws = max(0, usage - stat.get("inactive_file", 0))
+    return limit, usage, ws
+
+
+def _ancestors(d: str, stop: str) -> List[str]:
+    """``d`` and its parents up to and including ``stop`` (the hierarchy's mount point)."""
+    out = [d]
+    stop = stop.rstrip("/") or "/"
+    cur = d.rstrip("/")
+    while cur != stop and len(cur) > len(stop):
+        cur = os.path.dirname(cur)
+        out.append(cur)
+    return out
+
+
+def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
+                  refresh: bool = True, detail: bool = True) -> Optional[CgroupMemory]:
+    """The memory cgroup of this process (v1 memory controller if mounted, else v2).
+
+    Args:
+        proc_root, sys_root: roots (see module doc).
+        refresh: re-read /proc/self/cgroup and mountinfo (else reuse the last location found
+            for these roots; the per-step path uses the cached one).
+        detail: also read the own cgroup's usage / working set when no limit is set there,
+            ``oom_kill`` and ``max_usage``; the per-step path passes False (those are None).
+
+    Returns:
+        :class:`CgroupMemory`, or None when the process is in no memory cgroup we can see.
+        Never raises.
+    """
+    try:
+        loc = _location(proc_root, sys_root, refresh)
+        if loc.v1_dir is not None and os.path.isdir(loc.v1_dir):
+            version, own, stop, level = 1, loc.v1_dir, loc.v1_mount or loc.v1_dir, _level_v1
+        elif loc.v2_dir is not None and os.path.isdir(loc.v2_dir):
+            version, own, stop, level = 2, loc.v2_dir, loc.v2_mount or loc.v2_dir, _level_v2
+        else:
+            return None
+        limit = limit_path = available = None
+        own_usage = own_ws = None
+        own_read = False
+        for i, d in enumerate(_ancestors(own, stop)):
+            lim, usage, ws = level(d, detail and i == 0)
+            if i == 0:
+                own_usage, own_ws, own_read = usage, ws, (detail or lim is not None)
+            if lim is None:
+                continue
+            if limit is None or lim < limit:
+                limit, limit_path = lim, d
+            if ws is None and not own_read:
+                # this level's usage is unreadable: the own cgroup's working set (a lower
+                # bound of the ancestor's) is the best we have
+                _, own_usage, own_ws = level(own, True)
+                own_read = True
+            ws_here = ws if ws is not None else own_ws
+            if ws_here is not None:
+                room = max(0, lim - ws_here)
+                available = room if available is None else min(available, room)
+        oom = max_usage = None
+        if not detail:
+            pass
+        elif version == 1:
+            oom = _read_keyed(os.path.join(own, "memory.oom_control")).get("oom_kill")
+            max_usage = _read_int(os.path.join(own, "memory.max_usage_in_bytes"))
+        else:
+            oom = _read_keyed(os.path.join(own, "memory.events")).get("oom_kill")
+            max_usage = _read_int(os.path.join(own, "memory.peak"))
+        return CgroupMemory(version=version, path=own, limit=limit, limit_path=limit_path,
+                            usage=own_usage, working_set=own_ws, available=available,
+                            oom_kill=oom, max_usage=max_usage)
+    except Exception as exc:  # defensive: a probe never raises
+        _warn_once(f"cgroup_memory:{proc_root}:{sys_root}",
+                   "memguard: reading the memory cgroup failed: %r", exc)
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# the probe
+
+def probe(cheap: bool = False, *, proc_root: str = "/proc", sys_root: str = "") -> MemorySnapshot:
+    """Linux host snapshot, container-aware.
+
+    ``total = min(MemTotal, cgroup limit)``; ``available = min(MemAvailable, limit -
+    working_set over the cgroup and its ancestors)``; ``process_bytes = VmRSS``;
+    ``process_peak_bytes = VmHWM``; ``pressure = PSI some avg10`` (the cgroup's own v2
+    ``memory.pressure`` where present, else /proc/pressure/memory). ``limit_bytes`` is the
+    cgroup limit when it is below MemTotal (a larger one is not in force), else None.
+
+    ``cheap=True`` reuses the cached cgroup location (no mountinfo parse); everything else is
+    single small file reads. Never raises.
+    """
+    now = time.monotonic()
+    mem = read_meminfo(proc_root, _MEMINFO_KEYS)
+    host_total = mem.get("MemTotal")
+    host_avail = mem.get("MemAvailable")
+    if host_avail is None and host_total is not None and "MemFree" in mem:
+        host_avail = mem["MemFree"] + mem.get("Buffers", 0) + mem.get("Cached", 0)
+    status = read_status(proc_root, keys=_STATUS_KEYS)
+    rss = status.get("VmRSS")
+    hwm = status.get("VmHWM")
+    if host_total is None or host_avail is None or rss is None:
+        try:
+            import psutil
+
+            if host_total is None or host_avail is None:
+                vm = psutil.virtual_memory()
+                host_total, host_avail = int(vm.total), int(vm.available)
+            if rss is None:
+                rss = int(psutil.Process().memory_info().rss)
+        except Exception as exc:
+            _warn_once("linux.psutil", "memguard: psutil fallback failed: %r", exc)
+            host_total = host_total or 0
+            host_avail = host_avail or 0
+            rss = rss or 0
+
+    cg = cgroup_memory(proc_root, sys_root, refresh=not cheap, detail=False)
+    total, avail = host_total, host_avail
+    limit_bytes, limit_source = None, "host"
+    if cg is not None:
+        if cg.limit is not None and (host_total <= 0 or cg.limit < host_total):
+            limit_bytes = cg.limit
+            limit_source = f"cgroup-v{cg.version}:{cg.limit_path}"
+            total = cg.limit if host_total <= 0 else min(host_total, cg.limit)
+        if cg.available is not None:
+            avail = min(avail, cg.available)
+    avail = max(0, min(avail, total)) if total > 0 else max(0, avail)
+
+    pressure = None
+    loc = _location(proc_root, sys_root, refresh=False)
+    psi = read_psi(proc_root, sys_root, cgroup_dir=loc.v2_dir or "")
+    if psi is not None:
+        pressure = psi.some_avg10
+
+    return MemorySnapshot(device="cpu", total_bytes=int(total), available_bytes=int(avail),
+                          process_bytes=int(rss), process_peak_bytes=hwm, pressure=pressure,
+                          limit_bytes=limit_bytes, limit_source=limit_source, source="linux",
+                          timestamp=now)

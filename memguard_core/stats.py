@@ -1,0 +1,206 @@
+"""Memory statistics for logs and thresholds, per device, on top of :mod:`memguard_core.probes`.
+
+Four helpers, in the style of common trainer utilities (``get_memory_stats`` /
+``get_memory_utilization`` / ``format_memory_stats`` / ``reset_peak_memory``), but device- and
+container-aware, and in bytes:
+
+======================  =======================  =========================  ======================
+key                     cuda:<i>                 mlx                        cpu (host)
+======================  =======================  =========================  ======================
+``allocated_bytes``     ``memory_allocated``     ``get_active_memory``      RSS
+``reserved_bytes``      ``memory_reserved``      active + ``get_cache_``    RSS (no allocator
+                        (caching allocator)      ``memory``                 layer is visible)
+``peak_bytes``          ``max_memory_allocated`` ``get_peak_memory``        VmHWM / ru_maxrss /
+                        since the last reset     since the last reset       peak working set,
+                                                                            since the last reset
+``free_bytes``          ``snapshot.available_bytes``: what this process can still take
+                        (cuda: driver free + own cached blocks; cpu: container-aware
+                        ``min(MemAvailable, cgroup limit - working set)``; mlx: see probes.mlx)
+``total_bytes``         ``snapshot.total_bytes``: min(device or host total, container limit)
+``utilization``         ``1 - free/total`` (= ``snapshot.used_fraction``), 0..1
+======================  =======================  =========================  ======================
+
+Why ``utilization`` is ``1 - free/total`` and not ``peak/total`` or ``allocated/total``: it is
+the only one of the three that counts other processes, the CUDA context and the container
+limit, and that falls again after a cleanup, so thresholds such as 85/90/95 % can act on it
+and recover (``peak/total`` only grows until a reset; ``allocated/total`` misses everything
+outside the allocator).
+
+Extra keys: ``device``, ``source`` (probe), ``limit_source``, ``pressure`` (see
+:class:`~memguard_core.probes.MemorySnapshot`).
+
+These helpers read the cheap per-step counters by default (``cheap=True``), so they are safe
+to call every optimizer step. They never raise except :class:`~memguard_core.errors.ConfigError`
+for a bad ``device``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Dict, Optional
+
+from memguard_core.probes import MemorySnapshot, probe, resolve_device
+
+__all__ = ["memory_stats", "memory_utilization", "format_memory_stats", "reset_peak_memory"]
+
+log = logging.getLogger("memguard.stats")
+
+GiB = 1 << 30
+
+# Software peak baseline for the host when the kernel reset (clear_refs) is not possible.
+# hwm_at_reset: the OS peak when reset was asked; observed: max RSS seen since then.
+_cpu_baseline: Optional[Dict[str, int]] = None
+_lock = threading.Lock()
+
+
+def _cpu_peak(snap: MemorySnapshot) -> int:
+    """Peak RSS since the last :func:`reset_peak_memory` (or process start)."""
+    rss = snap.process_bytes
+    hwm = snap.process_peak_bytes
+    with _lock:
+        base = _cpu_baseline
+        if base is None:
+            return max(hwm or 0, rss)
+        if hwm is not None and hwm > base["hwm_at_reset"]:
+            # the OS high-water mark rose after the reset, so it is a peak reached since then
+            return max(hwm, rss)
+        base["observed"] = max(base["observed"], rss)
+        return base["observed"]
+
+
+def memory_stats(device: str = "auto", *, cheap: bool = True) -> Dict[str, Any]:
+    """Memory statistics of ``device`` (see the module table for the per-device meaning).
+
+    Args:
+        device: ``"auto"`` | ``"cpu"`` | ``"cuda"`` | ``"cuda:<i>"`` | ``"mlx"``
+            (see :func:`memguard_core.probes.resolve_device`).
+        cheap: use the per-step probe path (default); ``False`` adds NVML / vm_stat.
+
+    Returns:
+        ``{"device", "allocated_bytes", "reserved_bytes", "peak_bytes", "free_bytes",
+        "total_bytes", "utilization", "pressure", "limit_source", "source"}``; sizes in bytes,
+        utilization 0..1.
+
+    Raises:
+        ConfigError: bad ``device``.
+    """
+    dev = resolve_device(device)
+    snap = probe(dev, cheap=cheap)
+    allocated = reserved = snap.process_bytes
+    peak: Optional[int] = snap.process_peak_bytes
+    try:
+        if snap.source == "cuda":
+            from memguard_core.probes import cuda
+
+            c = cuda.read_counters(int(dev.split(":")[1]), cuda.torch_cuda_module())
+            allocated, reserved, peak = c.allocated, c.reserved, c.peak_allocated
+        elif snap.source == "mlx":
+            from memguard_core.probes import mlx
+
+            c = mlx.read_counters(mlx.mlx_module())
+            allocated, reserved, peak = c.active, c.active + c.cache, c.peak
+        else:
+            peak = _cpu_peak(snap)
+    except Exception as exc:  # a stats read never breaks training
+        log.warning("memguard: reading %s allocator counters failed: %r", dev, exc)
+    return {
+        "device": snap.device,
+        "allocated_bytes": int(allocated),
+        "reserved_bytes": int(reserved),
+        "peak_bytes": int(peak if peak is not None else allocated),
+        "free_bytes": int(snap.available_bytes),
+        "total_bytes": int(snap.total_bytes),
+        "utilization": snap.used_fraction,
+        "pressure": snap.pressure,
+        "limit_source": snap.limit_source,
+        "source": snap.source,
+    }
+
+
+def memory_utilization(device: str = "auto") -> float:
+    """``1 - free/total`` of ``device``, 0..1 (see module doc). Raises ConfigError on bad device."""
+    return float(memory_stats(device)["utilization"])
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def format_memory_stats(device: str = "auto") -> str:
+    """One log line, e.g.
+
+    ``cpu mem: 1.2 GiB rss, 1.5 GiB peak / 3.0 GiB limit (cgroup-v1) (40%)``,
+    ``cuda:0 mem: 12.3 GiB allocated, 14.8 GiB peak, 16.0 GiB reserved / 80.0 GiB total (cuda)
+    (19%)``, ``mlx mem: 1.0 GiB active, 1.2 GiB peak, 0.1 GiB cache / 12.0 GiB limit (mlx) (8%)``.
+    The percentage is ``utilization``. Raises ConfigError on a bad device.
+    """
+    s = memory_stats(device)
+    kind = s["limit_source"].split(":", 1)[0]
+    bound = "total" if kind in ("host", "cuda") else "limit"
+    pct = f"({s['utilization'] * 100:.0f}%)"
+    tail = f"/ {_gib(s['total_bytes'])} {bound} ({kind}) {pct}"
+    if s["source"] == "cuda":
+        head = (f"{_gib(s['allocated_bytes'])} allocated, {_gib(s['peak_bytes'])} peak, "
+                f"{_gib(s['reserved_bytes'])} reserved")
+    elif s["source"] == "mlx":
+        head = (f"{_gib(s['allocated_bytes'])} active, {_gib(s['peak_bytes'])} peak, "
+                f"{_gib(s['reserved_bytes'] - s['allocated_bytes'])} cache")
+    else:
+        head = f"{_gib(s['allocated_bytes'])} rss, {_gib(s['peak_bytes'])} peak"
+    return f"{s['device']} mem: {head} {tail}"
+
+
+def reset_peak_memory(device: str = "auto", *, proc_root: str = "/proc") -> str:
+    """Start a new peak window for ``device``.
+
+    - cuda: ``torch.cuda.reset_peak_memory_stats(i)`` -> returns ``"allocator"``.
+    - mlx: ``mx.reset_peak_memory()`` -> ``"allocator"``.
+    - cpu on Linux: write ``5`` to ``/proc/self/clear_refs``, which resets VmHWM to the current
+      RSS (kernel Documentation/filesystems/proc.rst, "clear_refs") -> ``"kernel"``.
+      Where that is not allowed (old kernel, seccomp, read-only /proc) and on macOS / Windows,
+      a software baseline is kept instead -> ``"software"``: until the OS high-water mark
+      rises above its value at the reset, ``peak_bytes`` is the largest RSS seen by
+      :func:`memory_stats` since the reset (a lower bound of the true peak); once it rises,
+      the OS figure is exact again.
+
+    Returns:
+        how the reset was done (``"allocator"``, ``"kernel"`` or ``"software"``), or
+        ``"failed"`` if the framework call raised (logged).
+
+    Raises:
+        ConfigError: bad ``device``.
+    """
+    global _cpu_baseline
+    dev = resolve_device(device)
+    try:
+        if dev.startswith("cuda"):
+            from memguard_core.probes import cuda
+
+            cuda.torch_cuda_module().reset_peak_memory_stats(int(dev.split(":")[1]))
+            return "allocator"
+        if dev == "mlx":
+            from memguard_core.probes import mlx
+
+            mx = mlx.mlx_module()
+            f = getattr(mx, "reset_peak_memory", None) or mx.metal.reset_peak_memory
+            f()
+            return "allocator"
+    except Exception as exc:
+        log.warning("memguard: resetting the %s peak failed: %r", dev, exc)
+        return "failed"
+
+    try:
+        with open(os.path.join(proc_root, "self", "clear_refs"), "w") as fh:
+            fh.write("5")
+        with _lock:
+            _cpu_baseline = None
+        return "kernel"
+    except OSError as exc:
+        log.debug("memguard: clear_refs not writable (%s); keeping a software peak", exc)
+    snap = probe("cpu", cheap=True)
+    with _lock:
+        _cpu_baseline = {"hwm_at_reset": int(snap.process_peak_bytes or snap.process_bytes),
+                         "observed": int(snap.process_bytes)}
+    return "software"

@@ -80,25 +80,27 @@ def _shifted_valid(labels: torch.Tensor, shift: bool) -> torch.Tensor:
 def split_count(weights: Sequence[int], k: int) -> List[Tuple[int, int]]:
     """Cut ``len(weights)`` items into at most ``k`` contiguous ranges of near-equal total weight.
 
+    Each cut is placed at the item boundary whose prefix sum is nearest to ``i * total / k``.
     Returns ``[(start, stop), ...]`` covering ``range(len(weights))`` in order, no range empty.
     """
     n = len(weights)
     k = max(1, min(k, n))
-    total = float(sum(weights)) or float(n)
-    w = list(weights) if sum(weights) else [1] * n
+    w = list(weights) if sum(weights) > 0 else [1] * n
+    prefix = [0]
+    for x in w:
+        prefix.append(prefix[-1] + x)
+    total = prefix[-1]
     bounds = [0]
-    acc = 0.0
-    target_i = 1
-    for idx, x in enumerate(w):
-        acc += x
-        # cut after idx when the running sum reaches the next target and items remain for the rest
-        while target_i < k and acc >= total * target_i / k and idx + 1 < n:
-            if bounds[-1] != idx + 1:
-                bounds.append(idx + 1)
-            target_i += 1
+    for i in range(1, k):
+        target = total * i / k
+        lo = bounds[-1] + 1
+        hi = n - (k - i)  # leave at least one item for each remaining range
+        if lo > hi:
+            break
+        best = min(range(lo, hi + 1), key=lambda j: (abs(prefix[j] - target), -j))
+        bounds.append(best)
     bounds.append(n)
-    ranges = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    return ranges
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
 def _merge_empty(ranges: List[Tuple[int, int]], valid: List[int]) -> Tuple[List[Tuple[int, int]], List[int]]:

@@ -1,0 +1,144 @@
+"""MemoryMonitor: levels with hysteresis, escalating actions, effective budget, robustness."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from memguard_core.errors import ConfigError
+from memguard_core.monitor import Action, Level, MemoryMonitor, Thresholds
+
+GiB = 2**30
+
+
+@dataclass
+class Snap:
+    """Just the fields the monitor reads from a ``MemorySnapshot``."""
+
+    process_bytes: int
+    available_bytes: int
+    process_peak_bytes: int = None
+
+
+def make(budget=10 * GiB, **kw):
+    cleans = []
+    kw.setdefault("interval_s", 0)
+    mon = MemoryMonitor(budget, clean_fn=lambda: cleans.append(1), **kw)
+    return mon, cleans
+
+
+def test_thresholds_levels_and_hysteresis():
+    t = Thresholds()
+    assert t.level_for(0.5, Level.OK) == Level.OK
+    assert t.level_for(0.86, Level.OK) == Level.WARNING
+    assert t.level_for(0.91, Level.OK) == Level.CRITICAL
+    assert t.level_for(0.96, Level.OK) == Level.EMERGENCY
+    # hysteresis: staying critical until below 0.90 - 0.05
+    assert t.level_for(0.87, Level.CRITICAL) == Level.CRITICAL
+    assert t.level_for(0.84, Level.CRITICAL) == Level.WARNING
+    assert t.level_for(0.79, Level.WARNING) == Level.OK
+    assert t.level_for(0.81, Level.WARNING) == Level.WARNING
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(warning=0.9, critical=0.85), "thresholds"),
+    (dict(warning=1.5), "thresholds.warning"),
+    (dict(hysteresis=-0.1), "thresholds.hysteresis"),
+])
+def test_thresholds_validate(kw, field):
+    with pytest.raises(ConfigError) as e:
+        Thresholds(**kw)
+    assert e.value.field == field
+
+
+def test_actions_escalate_log_clean_split():
+    mon, cleans = make()
+    assert mon.observe(int(8.6 * GiB), 10 * GiB, step=1, source="step") is Action.LOG
+    assert mon.level == Level.WARNING and mon.split == 1
+    assert mon.observe(int(9.1 * GiB), 10 * GiB, step=2, source="step") is Action.CLEAN
+    assert cleans == [1] and mon.split == 1
+    # critical again after the clean: escalate to a split
+    assert mon.observe(int(9.1 * GiB), 10 * GiB, step=3, source="step") is Action.SPLIT
+    assert mon.split == 2
+    assert mon.observe(int(9.6 * GiB), 10 * GiB, step=4, source="step") is Action.SPLIT
+    assert mon.split == 4
+    assert [e.action for e in mon.events] == [Action.LOG, Action.CLEAN, Action.SPLIT, Action.SPLIT]
+    assert mon.events[-1].to_dict()["level"] == "emergency"
+
+
+def test_split_is_bounded_by_max_split():
+    mon, _ = make(max_split=4)
+    for _ in range(5):
+        mon.observe(int(9.9 * GiB), 10 * GiB, step=None, source="step")
+    assert mon.split == 4
+    assert mon.request_split(16, "test") == 4
+
+
+def test_effective_budget_shrinks_when_capacity_is_taken():
+    mon, _ = make(budget=10 * GiB, safety_ratio=0.8)
+    assert mon.effective_budget(Snap(4 * GiB, 20 * GiB)) == 10 * GiB
+    # a co-tenant took memory: only 2 GiB left besides our 4 GiB -> 0.8 x 6 GiB
+    assert mon.effective_budget(Snap(4 * GiB, 2 * GiB)) == int(6 * GiB * 0.8)
+
+
+def test_step_sample_uses_the_step_peak_and_resets_it():
+    peaks = [int(9.7 * GiB)]
+    mon, _ = make(probe_fn=lambda cheap: Snap(3 * GiB, 50 * GiB), peak_fn=lambda: peaks.pop() if peaks else None)
+    assert mon.step_sample(7) is Action.SPLIT  # 97 % of the budget -> emergency
+    assert mon.split == 2 and mon.max_step_peak_bytes == int(9.7 * GiB)
+    assert mon.events[-1].step == 7
+
+
+def test_failing_probe_is_logged_once_and_never_raises(caplog):
+    def broken(cheap):
+        raise OSError("cannot read /sys/fs/cgroup/memory.max")
+    mon, _ = make(probe_fn=broken)
+    with caplog.at_level("WARNING", logger="memguard.monitor"):
+        for _ in range(3):
+            assert mon.step_sample(1) is Action.NONE
+            assert mon.background_sample() is Action.NONE
+    msgs = [r.message for r in caplog.records if "failed" in r.message]
+    assert len(msgs) == 2  # once for the step path, once for the background path
+    assert "training goes on" in msgs[0]
+
+
+def test_background_thread_samples_and_stops_cleanly():
+    calls = []
+
+    def probe_fn(cheap):
+        calls.append(cheap)
+        return Snap(int(9.6 * GiB), 50 * GiB)
+
+    mon = MemoryMonitor(10 * GiB, interval_s=0.01, probe_fn=probe_fn, clean_fn=lambda: None)
+    with mon:
+        deadline = time.time() + 5
+        while mon.split < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        assert mon.running
+    assert mon.split >= 2 and calls and not any(calls)  # background uses the full probe
+    assert not mon.running
+    assert not [t for t in threading.enumerate() if t.name == "memguard-monitor"]
+
+
+def test_on_event_failure_does_not_break_the_monitor():
+    def bad(event):
+        raise ValueError("logger broke")
+    mon = MemoryMonitor(10 * GiB, interval_s=0, on_event=bad, clean_fn=lambda: None)
+    assert mon.observe(int(9.9 * GiB), 10 * GiB, step=1, source="step") is Action.SPLIT
+    assert mon.split == 2
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(budget_bytes=0), "budget_bytes"),
+    (dict(budget_bytes=-5), "budget_bytes"),
+    (dict(budget_bytes=GiB, interval_s=-1), "interval_s"),
+    (dict(budget_bytes=GiB, split=0), "split"),
+    (dict(budget_bytes=GiB, safety_ratio=1.5), "safety_ratio"),
+])
+def test_monitor_validates_inputs(kw, field):
+    with pytest.raises(ConfigError) as e:
+        MemoryMonitor(**kw)
+    assert e.value.field == field

@@ -12,6 +12,11 @@ This module imports no framework at import time.
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import math
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -36,6 +41,12 @@ class LinearShape:
         count: how many such modules one block holds (``num_experts`` for expert weights).
         kind: ``attention`` | ``mlp`` | ``experts`` | ``router`` | ``shared_experts``.
         bias: whether the projection has a bias vector.
+        path: dotted path inside the block, expert indices removed (``self_attn.q_proj``,
+            ``mlp.experts.gate_up_proj``); LoRA targets match it the way PEFT matches module
+            names (equal, or a ``.``-suffix). Empty: ``name`` is used.
+        is_param: a bare weight tensor rather than a module (transformers 5 fused experts,
+            ``(E, out, in)``): PEFT reaches it only through ``target_parameters`` by a dotted
+            name (``experts.gate_up_proj``), never through ``target_modules`` or ``all-linear``.
     """
 
     name: str
@@ -44,6 +55,8 @@ class LinearShape:
     count: int = 1
     kind: str = "attention"
     bias: bool = False
+    path: str = ""
+    is_param: bool = False
 
     @property
     def params(self) -> int:
@@ -108,6 +121,8 @@ class ModelSpec:
         trainable_params: exact count of trainable parameters when known from a live module
             (``None``: derive it from the TrainSpec).
         lora_rank_found: LoRA rank found on a live PEFT module (``None`` if none).
+        adapter_params: elements of adapter tensors (LoRA A/B, DoRA magnitudes, PEFT
+            ``modules_to_save`` copies) found on a live module; not part of ``params``.
         source: ``hf-config`` | ``module`` | ``numbers``.
     """
 
@@ -131,6 +146,7 @@ class ModelSpec:
     trainable_params: Optional[int] = None
     lora_rank_found: Optional[int] = None
     source: str = "numbers"
+    adapter_params: int = 0
 
     @property
     def total_params(self) -> int:
@@ -215,3 +231,844 @@ class TrainSpec:
 
     def replace(self, **changes: Any) -> "TrainSpec":
         return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Introspection
+# ---------------------------------------------------------------------------------------------
+#
+# One classifier serves the three routes, so a spec counted from a config.json, from a live
+# module and (where it can) from bare numbers splits its parameters the same way.
+
+_log = logging.getLogger("memguard.spec")
+
+# Storage bits of a quantized block-linear weight, including the per-block constants.
+# NF4 (bitsandbytes, QLoRA): 4 bits per weight + one fp32 absmax per block of 64 weights
+#   = 4 + 32/64 = 4.5.  Dettmers et al. 2023, "QLoRA", section 2 (blocksize 64).
+# NF4 with double quantization: the absmax are themselves quantized to 8 bits with one fp32
+#   constant per 256 of them: 4 + 8/64 + 32/(64*256) = 4.127 (QLoRA, section 2, "Double
+#   Quantization": 0.127 bits per parameter).
+# MLX affine quantization (mlx.nn.quantize, group_size 64, one fp16/bf16 scale and one bias per
+#   group): b + 2*16/64 = b + 0.5 bits, which for b = 4 equals NF4's 4.5.
+NF4_BITS = 4.5
+NF4_DOUBLE_QUANT_BITS = 4.0 + 8.0 / 64 + 32.0 / (64 * 256)
+GROUP64_OVERHEAD_BITS = 0.5
+
+_DTYPE_BITS = {
+    "float32": 32.0, "fp32": 32.0, "float": 32.0, "float64": 64.0, "double": 64.0,
+    "bfloat16": 16.0, "bf16": 16.0, "float16": 16.0, "fp16": 16.0, "half": 16.0,
+    "int8": 8.0, "uint8": 8.0, "float8_e4m3fn": 8.0, "float8_e5m2": 8.0,
+}
+
+_ROUTER_NAMES = frozenset({"gate", "router", "shared_expert_gate", "e_score_correction_bias"})
+_SHARED_EXPERT_NAMES = frozenset({"shared_expert", "shared_experts", "shared_mlp"})
+_MLP_NAMES = frozenset({"mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "feedforward"})
+_LORA_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
+                         "lora_magnitude_vector", "lora_dropout"})
+
+
+def _dtype_bits(dtype: Any) -> Optional[float]:
+    """Bits per element of a torch dtype or dtype name (``torch.bfloat16``, ``"bfloat16"``)."""
+    if dtype is None:
+        return None
+    name = str(dtype).replace("torch.", "").strip().lower()
+    return _DTYPE_BITS.get(name)
+
+
+def _component_kind(parts: list, is_moe: bool) -> str:
+    """Kind of a parameter inside a block from its dotted path (numeric parts removed).
+
+    Order matters: router before experts (``mlp.gate``), shared experts before experts.
+    """
+    if is_moe and any(p in _ROUTER_NAMES for p in parts):
+        return "router"
+    if any(p in _SHARED_EXPERT_NAMES for p in parts):
+        return "shared_experts"
+    if "experts" in parts:
+        return "experts"
+    if any("attn" in p.lower() or "attention" in p.lower() for p in parts):
+        return "attention"
+    if any(p in _MLP_NAMES or "mlp" in p.lower() or "ffn" in p.lower() for p in parts):
+        return "mlp"
+    return "other"
+
+
+def _is_norm(module: Any) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def _clean_path(path: str) -> str:
+    """Drop PEFT wrapper parts (``base_layer``, ``original_module``) from a module path."""
+    return ".".join(p for p in path.split(".") if p not in ("base_layer", "original_module"))
+
+
+def _real_numel(param: Any, module: Any = None) -> int:
+    """Element count of the weight a parameter stands for.
+
+    bitsandbytes ``Params4bit`` stores two 4-bit values per uint8 byte in a flattened
+    ``(n/2, 1)`` tensor; its ``quant_state.shape`` is the original shape
+    (bitsandbytes/functional.py ``quantize_4bit``). Without a quant state (not yet quantized,
+    still on the CPU) the tensor holds the real shape.
+    """
+    if type(param).__name__ == "Params4bit":
+        qs = getattr(param, "quant_state", None)
+        shape = getattr(qs, "shape", None)
+        if shape is not None:
+            return int(math.prod(shape))
+        if param.dtype.is_floating_point:  # not quantized yet: real shape
+            return int(param.numel())
+        if module is not None and hasattr(module, "in_features") and hasattr(module, "out_features"):
+            return int(module.in_features) * int(module.out_features)
+        return int(param.numel()) * 2
+    return int(param.numel())
+
+
+def _find_blocks(model: Any, num_layers: Optional[int]):
+    """The ``nn.ModuleList`` holding the transformer blocks: ``(prefix, modulelist)``.
+
+    The list with ``num_layers`` entries (when known) holding the most parameters.
+    """
+    import torch.nn as nn
+
+    best = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            if num_layers and len(mod) != num_layers:
+                continue
+            n = sum(p.numel() for p in mod.parameters())
+            if best is None or n > best[2]:
+                best = (name, mod, n)
+    if best is None:
+        return None, None
+    return best[0], best[1]
+
+
+def _linear_in_out(module: Any) -> Optional[tuple]:
+    """(in_features, out_features, bias) of a linear-like module, else None.
+
+    ``nn.Linear`` (and subclasses: bitsandbytes ``Linear4bit``/``Linear8bitLt``) holds weight
+    ``(out, in)``; HF's ``Conv1D`` (transformers/pytorch_utils.py, GPT-2) holds weight ``(in, out)``
+    with ``nx = in`` and ``nf = out``.
+    """
+    import torch.nn as nn
+
+    if isinstance(module, nn.Linear):
+        return int(module.in_features), int(module.out_features), module.bias is not None
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        nx = getattr(module, "nx", None)
+        if nx is None:
+            nx = module.weight.shape[0]
+        return int(nx), int(module.nf), getattr(module, "bias", None) is not None
+    return None
+
+
+def _block_linears(block: Any, hidden_size: int, is_moe: bool) -> tuple:
+    """Linear projections of one block as ``LinearShape`` s (expert copies merged, count=E)."""
+    import torch.nn as nn
+
+    found: dict = {}  # path -> [LinearShape fields]
+
+    def add(path: str, name: str, fin: int, fout: int, bias: bool, kind: str, count: int = 1,
+            is_param: bool = False) -> None:
+        if path in found:
+            found[path]["count"] += count
+        else:
+            found[path] = dict(name=name, in_features=fin, out_features=fout, count=count,
+                               kind=kind, bias=bias, path=path, is_param=is_param)
+
+    for mpath, mod in block.named_modules():
+        parts = mpath.split(".") if mpath else []
+        if any(p in _LORA_PARTS for p in parts) or "modules_to_save" in parts:
+            continue
+        if isinstance(mod, nn.Embedding) or _is_norm(mod):
+            continue
+        clean = [p for p in _clean_path(mpath).split(".") if p and not p.isdigit()]
+        lin = _linear_in_out(mod)
+        if lin is not None:
+            kind = _component_kind(clean, is_moe)
+            if kind == "other":
+                kind = "mlp"
+            add(".".join(clean), clean[-1] if clean else mpath, lin[0], lin[1], lin[2], kind)
+            continue
+        # Bare weights owned directly by a non-Linear module: fused experts (3D) and routers (2D).
+        own = dict(mod.named_parameters(recurse=False))
+        for pname, p in own.items():
+            if pname.endswith("_bias") or pname == "bias":
+                continue
+            ppath = ".".join(clean + [pname]) if pname != "weight" else ".".join(clean)
+            pparts = ppath.split(".")
+            kind = _component_kind(pparts, is_moe)
+            if kind == "other":
+                kind = "mlp"
+            if p.dim() == 3:
+                # Fused expert weights (transformers 5, e.g. MixtralExperts.gate_up_proj of shape
+                # (E, 2*I, H) used as F.linear weight; gpt-oss stores (E, H, 2*I)). The hidden
+                # size is the input of gate/up and the output of down.
+                e, a, b = (int(s) for s in p.shape)
+                if "down" in pname:
+                    fout = hidden_size if hidden_size in (a, b) else a
+                    fin = b if fout == a else a
+                else:
+                    fin = hidden_size if hidden_size in (a, b) else b
+                    fout = a if fin == b else b
+                has_bias = (pname + "_bias") in own
+                add(ppath, pname, fin, fout, has_bias, "experts" if kind != "shared_experts" else kind,
+                    count=e, is_param=True)
+            elif p.dim() == 2 and pname == "weight":
+                has_bias = "bias" in own and own["bias"] is not None
+                add(ppath, pparts[-1], int(p.shape[1]), int(p.shape[0]), has_bias, kind,
+                    is_param=False)
+    return tuple(LinearShape(**f) for f in found.values())
+
+
+def _count_params(model: Any, *, num_layers: Optional[int], hidden_size: int, is_moe: bool,
+                  tied: Optional[bool]) -> dict:
+    """Count a model's parameters by kind from ``named_parameters``.
+
+    Args:
+        tied: ``True``/``False`` forces whether ``lm_head`` shares the input embedding (the config
+            route: a meta-device build in transformers 5 leaves the head untied); ``None`` trusts
+            the module (``named_parameters`` lists a shared tensor once).
+
+    Returns a dict: ``counts`` (``ParamCounts``), ``block_linears``, ``adapter_params``,
+    ``trainable`` (elements with ``requires_grad``, adapters included), ``lora_rank`` (max
+    ``lora_A`` rank or None), ``quant`` (``None`` | ``"nf4"`` | ``"nf4-dq"`` | ``"int8"``),
+    ``linear_bits`` (dtype bits of the block linear weights), ``embed_bits``.
+    """
+    import torch.nn as nn
+
+    modules = dict(model.named_modules())
+    prefix, blocks = _find_blocks(model, num_layers)
+    block_re = re.compile(r"^" + re.escape(prefix) + r"\.(\d+)\.") if prefix else None
+
+    emb_in = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    try:
+        emb_out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    except Exception:  # some heads raise NotImplementedError
+        emb_out = None
+    emb_in_w = getattr(emb_in, "weight", None)
+    out_ids = {id(p) for p in emb_out.parameters()} if emb_out is not None else set()
+
+    c = dict(embeddings=0, attention=0, mlp=0, experts=0, router=0, norms=0, lm_head=0, other=0,
+             norms_in_blocks=0)
+    adapter = trainable = 0
+    lora_dims: list = []
+    quant = None
+    linear_bits = None
+    embed_bits = _dtype_bits(getattr(emb_in_w, "dtype", None))
+
+    for pname, p in model.named_parameters():
+        parts = pname.split(".")
+        mpath = ".".join(parts[:-1])
+        owner = modules.get(mpath)
+        n = _real_numel(p, owner)
+        if p.requires_grad:
+            trainable += n
+        if any(q in _LORA_PARTS for q in parts) or "modules_to_save" in parts:
+            adapter += n
+            if "lora_A" in parts and p.dim() == 2:
+                lora_dims.append(int(p.shape[0]))
+            continue
+        tname = type(p).__name__
+        if tname == "Params4bit":
+            qs = getattr(p, "quant_state", None)
+            dq = bool(getattr(qs, "nested", False) or getattr(p, "compress_statistics", False))
+            quant = "nf4-dq" if dq else (quant or "nf4")
+        elif tname == "Int8Params" and quant is None:
+            quant = "int8"
+        if id(p) in out_ids and p is not emb_in_w:  # a head tied in place is the embedding
+            if tied and emb_in_w is not None and p is not emb_in_w and tuple(p.shape) == tuple(emb_in_w.shape):
+                continue  # the head shares the embedding: counted once, there
+            c["lm_head"] += n
+            continue
+        m = block_re.match(pname) if block_re else None
+        if m is not None:
+            if _is_norm(owner):
+                c["norms"] += n
+                c["norms_in_blocks"] += n
+                continue
+            rel = _clean_path(pname[m.end():])
+            rparts = [q for q in rel.split(".") if not q.isdigit()]
+            kind = _component_kind(rparts[:-1] if rparts[-1] in ("weight", "bias") else rparts, is_moe)
+            if kind == "shared_experts":
+                kind = "mlp"
+            elif kind == "other" and owner is not None and _linear_in_out(owner) is not None:
+                kind = "mlp"  # a block linear outside any named sub-module (OPT's fc1/fc2)
+            if kind in ("attention", "mlp", "experts") and p.dim() >= 2 and linear_bits is None \
+                    and tname not in ("Params4bit", "Int8Params"):
+                linear_bits = _dtype_bits(p.dtype)
+            c[kind] += n
+            continue
+        if isinstance(owner, nn.Embedding) or owner is emb_in:
+            c["embeddings"] += n
+        elif owner is not None and _is_norm(owner):
+            c["norms"] += n
+        else:
+            c["other"] += n
+
+    # The rank is the most common lora_A height: PEFT's lora_A is nn.Linear(in, r) (weight (r, in)),
+    # but a fused-expert ParamWrapper stacks the experts' A matrices as (r * E, in).
+    lora_rank = max(set(lora_dims), key=lambda d: (lora_dims.count(d), -d)) if lora_dims else None
+    linears = ()
+    if blocks is not None and len(blocks):
+        linears = _block_linears(blocks[len(blocks) - 1], hidden_size, is_moe)
+    return dict(counts=ParamCounts(**c), block_linears=linears, adapter_params=adapter,
+                trainable=trainable, lora_rank=lora_rank, quant=quant, linear_bits=linear_bits,
+                embed_bits=embed_bits, num_blocks=len(blocks) if blocks is not None else 0)
+
+
+def _cfg_get(cfg: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def _config_numbers(cfg: Any) -> dict:
+    """The ModelSpec numbers of a transformers config (text config of a multimodal one).
+
+    Sources: transformers' config classes (``LlamaConfig``: ``num_key_value_heads`` defaults to
+    ``num_attention_heads``, ``head_dim`` to ``hidden_size // num_attention_heads``;
+    ``MixtralConfig.num_local_experts``; ``Qwen2MoeConfig.num_experts``/``moe_intermediate_size``;
+    ``DeepseekV3Config.n_routed_experts``; ``GPT2Config.n_inner`` defaulting to ``4 * n_embd``).
+    """
+    hidden = _cfg_get(cfg, "hidden_size", "n_embd", "d_model")
+    heads = _cfg_get(cfg, "num_attention_heads", "n_head")
+    layers = _cfg_get(cfg, "num_hidden_layers", "n_layer")
+    vocab = _cfg_get(cfg, "vocab_size")
+    for field_name, v in (("hidden_size", hidden), ("num_attention_heads", heads),
+                          ("num_hidden_layers", layers), ("vocab_size", vocab)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(field_name, "a positive integer in the model config", v)
+    kv = _cfg_get(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv")
+    if kv is None and getattr(cfg, "multi_query", False):
+        kv = 1
+    kv = int(kv or heads)
+    head_dim = _cfg_get(cfg, "head_dim")
+    if not isinstance(head_dim, int) or head_dim < 1:
+        head_dim = hidden // heads
+    experts = int(_cfg_get(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
+    per_tok = int(_cfg_get(cfg, "num_experts_per_tok", "moe_topk", default=0) or 0) if experts else 0
+    inter = _cfg_get(cfg, "intermediate_size", "n_inner", "ffn_dim")
+    moe_inter = int(_cfg_get(cfg, "moe_intermediate_size", "expert_intermediate_size", default=0) or 0)
+    if experts and not moe_inter and inter:
+        moe_inter = int(inter)  # Mixtral convention: intermediate_size is per expert
+    return dict(hidden_size=int(hidden), num_heads=int(heads), num_layers=int(layers),
+                vocab_size=int(vocab), num_kv_heads=kv, head_dim=int(head_dim),
+                intermediate_size=int(inter) if isinstance(inter, int) else 0,
+                num_experts=experts, num_experts_per_tok=per_tok, moe_intermediate_size=moe_inter)
+
+
+def _fill_intermediate(nums: dict, linears: tuple) -> None:
+    """Take intermediate_size from the MLP linears when the config leaves it implicit (GPT-2)."""
+    if nums["intermediate_size"]:
+        return
+    h = nums["hidden_size"]
+    for lin in linears:
+        if lin.kind in ("mlp", "shared_experts") and lin.in_features == h and lin.out_features != h:
+            nums["intermediate_size"] = lin.out_features
+            return
+    for lin in linears:
+        if lin.kind == "experts" and lin.in_features == h:
+            nums["intermediate_size"] = lin.out_features
+            return
+
+
+_REQUIRED_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _load_config_dict(config: Any) -> tuple:
+    """``(dict, label)`` from a path to config.json, a directory holding one, or a mapping."""
+    if isinstance(config, Mapping):
+        return dict(config), "config"
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, "r", encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as exc:
+            raise ConfigError("config", "a readable config.json path or a directory holding one",
+                              f"{path} ({exc.strerror or exc})") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("config", f"valid JSON in {path}", f"{exc.msg} at line {exc.lineno}") from None
+        if not isinstance(d, dict):
+            raise ConfigError("config", f"a JSON object in {path}", type(d).__name__)
+        return d, path
+    raise ConfigError("config", "a config.json path, a directory, a dict or a PretrainedConfig",
+                      type(config).__name__)
+
+
+def _config_from_dict(d: dict, label: str) -> Any:
+    """A transformers config from a raw dict, checking the fields memguard needs exist."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    mt = d.get("model_type")
+    if not isinstance(mt, str) or not mt:
+        raise ConfigError(f"{label}: model_type", "the transformers model_type (e.g. 'llama')", mt)
+    if mt not in CONFIG_MAPPING:
+        raise ConfigError(f"{label}: model_type", "a model_type this transformers knows", mt)
+    cls = CONFIG_MAPPING[mt]
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
+    amap = getattr(cls, "attribute_map", {}) or {}
+    sub = getattr(cls, "sub_configs", {}) or {}
+    if text is not d and "text_config" in sub:
+        amap = getattr(sub["text_config"], "attribute_map", {}) or {}
+    for key in _REQUIRED_KEYS[1:]:
+        alias = amap.get(key)
+        if key not in text and (alias is None or alias not in text):
+            raise ConfigError(f"{label}: {key}" + (f" (or {alias})" if alias else ""),
+                              "present in the model config", None)
+    d = {k: v for k, v in d.items() if k not in ("quantization_config", "model_type")}
+    if "torch_dtype" in d and "dtype" not in d:  # transformers 5 renamed it (and warns)
+        d["dtype"] = d.pop("torch_dtype")
+    try:
+        return AutoConfig.for_model(mt, **d)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(label, f"a valid {mt} config", str(exc)) from None
+
+
+_META_CACHE: dict = {}
+
+
+def _meta_count(cfg: Any, nums: dict, tied: bool) -> dict:
+    """Build the model on the meta device (no memory) and count its parameters; cached per config.
+
+    ``torch.device("meta")`` creates every tensor on the meta device directly; accelerate's
+    ``init_empty_weights`` is kept as a second guard for code paths that create parameters on
+    an explicit device.
+    """
+    try:
+        key = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    except Exception:  # unserializable config: no cache
+        key = None
+    if key is not None and key in _META_CACHE:
+        return _META_CACHE[key]
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"), init_empty_weights():
+            model = AutoModelForCausalLM.from_config(cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:  # whatever the modeling code raises on an inconsistent config
+        raise ConfigError("config", f"a config transformers can build ({cfg.model_type})",
+                          f"{type(exc).__name__}: {exc}") from None
+    # transformers 5 ties only the pairs a class lists in ``_tied_weights_keys``: a class without
+    # any keeps its head even when the config says tie_word_embeddings.
+    if tied and hasattr(model, "_tied_weights_keys") and not model._tied_weights_keys:
+        tied = False
+    out = _count_params(model, num_layers=nums["num_layers"], hidden_size=nums["hidden_size"],
+                        is_moe=nums["num_experts"] > 0, tied=tied)
+    del model
+    out["tied"] = tied
+    if key is not None:
+        if len(_META_CACHE) >= 64:
+            _META_CACHE.pop(next(iter(_META_CACHE)))
+        _META_CACHE[key] = out
+    return out
+
+
+def _quant_bits_from_config(qc: Any) -> Optional[float]:
+    """Weight bits implied by a config's ``quantization_config`` (bitsandbytes, GPTQ, AWQ).
+
+    bitsandbytes 4-bit: NF4_BITS / NF4_DOUBLE_QUANT_BITS; 8-bit: 8. GPTQ/AWQ ``bits`` with
+    ``group_size`` g: ``bits + (16 + bits) / g`` (an fp16 scale and a ``bits``-wide zero point per
+    group, AutoGPTQ/AutoAWQ packing).
+    """
+    if not isinstance(qc, Mapping):
+        qc = getattr(qc, "to_dict", lambda: None)()
+        if not isinstance(qc, Mapping):
+            return None
+    if qc.get("load_in_4bit") or qc.get("_load_in_4bit"):
+        return NF4_DOUBLE_QUANT_BITS if qc.get("bnb_4bit_use_double_quant") else NF4_BITS
+    if qc.get("load_in_8bit") or qc.get("_load_in_8bit"):
+        return 8.0
+    bits = qc.get("bits")
+    if isinstance(bits, (int, float)) and not isinstance(bits, bool) and 1 <= bits <= 16:
+        g = qc.get("group_size") or qc.get("q_group_size") or 0
+        return float(bits) + ((16.0 + bits) / g if isinstance(g, int) and g > 0 else 0.0)
+    return None
+
+
+def _quant_bits_arg(quantization_bits: Any, double_quant: bool) -> Optional[float]:
+    if quantization_bits is None:
+        return None
+    if isinstance(quantization_bits, bool) or not isinstance(quantization_bits, (int, float)):
+        raise ConfigError("quantization_bits", "None, 4, 8, 16 or 32", quantization_bits)
+    if quantization_bits == 4:
+        return NF4_DOUBLE_QUANT_BITS if double_quant else NF4_BITS
+    if quantization_bits in (8, 16, 32):
+        return float(quantization_bits)
+    raise ConfigError("quantization_bits", "None, 4, 8, 16 or 32", quantization_bits)
+
+
+def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
+                              quantization_bits: Optional[int] = None,
+                              double_quant: bool = False) -> ModelSpec:
+    """Introspect a Hugging Face causal-LM config, counting parameters exactly.
+
+    The model is built with ``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``
+    and accelerate's ``init_empty_weights`` (no weight memory, ~0.1-0.5 s even for 70B); the
+    counts are cached per config. Every parameter is classified by kind (see ``ParamCounts``);
+    ``config.tie_word_embeddings`` is respected explicitly (transformers 5 leaves a meta-built
+    head untied), so a tied head counts 0.
+
+    Args:
+        config: path to a ``config.json``, a directory holding one, a dict (a parsed
+            config.json) or a ``transformers.PretrainedConfig``.
+        name: label; defaults to the path or ``_name_or_path`` or ``model_type``.
+        quantization_bits: load-time quantization of the block linears: 4 (bitsandbytes NF4,
+            4.5 bits/weight, 4.127 with ``double_quant``), 8, 16 or 32. ``None``: take it from the
+            config's ``quantization_config`` if any, else the config dtype.
+        double_quant: NF4 double quantization (``bnb_4bit_use_double_quant``).
+
+    Returns:
+        ``ModelSpec`` with ``source="hf-config"``. ``dense_bits`` is the config dtype's bits
+        (``torch_dtype``/``dtype``; 32 when absent, transformers' default float32).
+
+    Raises:
+        ConfigError: unreadable path, invalid JSON, missing ``model_type`` / ``hidden_size`` /
+            ``num_hidden_layers`` / ``num_attention_heads`` / ``vocab_size`` (the message names
+            the field and the path), unknown model_type, or a config transformers cannot build.
+    """
+    qbits = _quant_bits_arg(quantization_bits, double_quant)
+    raw_qc = None
+    if hasattr(config, "to_dict") and hasattr(config, "model_type") and not isinstance(config, Mapping):
+        cfg = config
+        label = getattr(cfg, "_name_or_path", "") or cfg.model_type
+        raw_qc = getattr(cfg, "quantization_config", None)
+    else:
+        d, label = _load_config_dict(config)
+        raw_qc = d.get("quantization_config")
+        cfg = _config_from_dict(d, label if label != "config" else "config")
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    nums = _config_numbers(text_cfg)
+    tied = bool(getattr(text_cfg, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False)))
+    counted = _meta_count(cfg, nums, tied)
+    tied = counted["tied"]
+    _fill_intermediate(nums, counted["block_linears"])
+    # ``torch_dtype`` is read from __dict__: transformers 5 warns on the deprecated attribute.
+    dense = _dtype_bits(getattr(cfg, "dtype", None) or vars(cfg).get("torch_dtype")) or 32.0
+    if qbits is None:
+        qbits = _quant_bits_from_config(raw_qc)
+    weight_bits = qbits if qbits is not None else dense
+    if qbits is not None and qbits < 16:
+        dense = min(dense, 16.0)  # bitsandbytes keeps the rest in the compute dtype (fp16/bf16)
+    return ModelSpec(
+        name=name or str(label), model_type=str(cfg.model_type), params=counted["counts"],
+        block_linears=counted["block_linears"], tie_word_embeddings=tied,
+        weight_bits=float(weight_bits), dense_bits=float(dense), source="hf-config", **nums)
+
+
+def model_spec_from_module(model: Any, name: Optional[str] = None) -> ModelSpec:
+    """Introspect a live ``torch.nn.Module``: a HF ``PreTrainedModel`` or a PEFT ``PeftModel``.
+
+    Counts come from ``named_parameters`` (a tied head, being the same tensor, is listed once).
+    LoRA/DoRA adapter tensors (``lora_A``/``lora_B``/``lora_magnitude_vector``) and PEFT
+    ``modules_to_save`` copies are kept out of ``params`` (which describe the base architecture)
+    and reported in ``adapter_params``; ``trainable_params`` counts every element with
+    ``requires_grad``; ``lora_rank_found`` is the largest ``lora_A`` weight's first dimension
+    (PEFT's ``lora_A`` is ``nn.Linear(in, r)``, weight ``(r, in)``).
+
+    bitsandbytes: a ``Params4bit`` weight packs two 4-bit values per uint8 (its ``numel`` is
+    half the real count; ``quant_state.shape`` holds the real shape); ``weight_bits`` becomes
+    4.5 (NF4) or 4.127 when the quant state is nested (double quantization,
+    ``compress_statistics``); ``Int8Params`` gives 8. Otherwise ``weight_bits`` is the dtype of
+    the block linears and ``dense_bits`` that of the input embedding.
+
+    Raises:
+        ConfigError: ``model`` is not a torch module, or its shapes cannot be found (no config
+            and no block list / embedding).
+    """
+    try:
+        import torch.nn as nn
+    except ImportError:  # pragma: no cover
+        raise ConfigError("model", "a torch.nn.Module", type(model).__name__) from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", "a torch.nn.Module (HF PreTrainedModel or PEFT PeftModel)",
+                          type(model).__name__)
+    base = model
+    if hasattr(model, "get_base_model") and callable(model.get_base_model):
+        base = model.get_base_model()
+    cfg = getattr(base, "config", None)
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    nums = None
+    if text_cfg is not None:
+        try:
+            nums = _config_numbers(text_cfg)
+        except ConfigError:
+            nums = None
+    if nums is None:
+        nums = _numbers_from_structure(base)
+    counted = _count_params(base, num_layers=nums["num_layers"], hidden_size=nums["hidden_size"],
+                            is_moe=nums["num_experts"] > 0, tied=None)
+    _fill_intermediate(nums, counted["block_linears"])
+    emb_in = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    emb_out = None
+    try:
+        emb_out = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    except Exception:
+        pass
+    tied = bool(emb_in is not None and emb_out is not None
+                and getattr(emb_out, "weight", None) is getattr(emb_in, "weight", 0))
+    lora_rank = counted["lora_rank"]
+    peft_cfgs = getattr(model, "peft_config", None)
+    if lora_rank is not None and isinstance(peft_cfgs, Mapping):
+        active = getattr(model, "active_adapter", None)
+        pc = peft_cfgs.get(active) if isinstance(active, str) else None
+        pc = pc or next(iter(peft_cfgs.values()), None)
+        if isinstance(getattr(pc, "r", None), int):
+            lora_rank = pc.r  # the adapter's own rank (PEFT LoraConfig.r)
+    dense = counted["embed_bits"] or counted["linear_bits"] or 32.0
+    quant = counted["quant"]
+    if quant == "nf4":
+        wbits = NF4_BITS
+    elif quant == "nf4-dq":
+        wbits = NF4_DOUBLE_QUANT_BITS
+    elif quant == "int8":
+        wbits = 8.0
+    else:
+        wbits = counted["linear_bits"] or dense
+    label = name or getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "") or type(base).__name__
+    return ModelSpec(
+        name=str(label), model_type=str(getattr(cfg, "model_type", None) or type(base).__name__),
+        params=counted["counts"], block_linears=counted["block_linears"], tie_word_embeddings=tied,
+        weight_bits=float(wbits), dense_bits=float(dense), trainable_params=counted["trainable"],
+        lora_rank_found=lora_rank, adapter_params=counted["adapter_params"],
+        source="module", **nums)
+
+
+def _numbers_from_structure(model: Any) -> dict:
+    """ModelSpec numbers of a module without a usable config: from its embedding and blocks.
+
+    Heads cannot be read from weights; ``num_heads`` is taken as ``hidden // 64`` (the common
+    head size) and marked by ``head_dim = 64``.
+    """
+    import torch.nn as nn
+
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is None:
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    _, blocks = _find_blocks(model, None)
+    if emb is None or blocks is None:
+        raise ConfigError("model", "a model with a config, or an nn.Embedding and a block ModuleList",
+                          type(model).__name__)
+    vocab, hidden = (int(s) for s in emb.weight.shape)
+    heads = max(1, hidden // 64)
+    return dict(hidden_size=hidden, num_heads=heads, num_layers=len(blocks), vocab_size=vocab,
+                num_kv_heads=heads, head_dim=hidden // heads, intermediate_size=0,
+                num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)
+
+
+_QUANT_MODEL_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def _bits_from_model_bits(model_bits: Any) -> tuple:
+    """``(weight_bits, dense_bits)`` for the seed's ``model_bits``.
+
+    16 / 32: unquantized, everything in that width. 2, 3, 4, 5, 6, 8: quantized block linears at
+    ``b + 0.5`` bits (group-64 constants: MLX affine quantization stores an fp16 scale and bias
+    per 64 weights, bitsandbytes NF4 an fp32 absmax per 64: both 0.5 bit/weight), the rest in 16
+    bits. A non-integer in (1, 32] (e.g. 4.127) is taken as the effective bits as given.
+    """
+    if isinstance(model_bits, bool) or not isinstance(model_bits, (int, float)):
+        raise ConfigError("model_bits", "one of 2, 3, 4, 5, 6, 8, 16, 32 (or effective bits in (1, 32])",
+                          model_bits)
+    b = float(model_bits)
+    if b in (16.0, 32.0):
+        return b, b
+    if b.is_integer() and int(b) in _QUANT_MODEL_BITS:
+        return b + GROUP64_OVERHEAD_BITS, 16.0
+    if not b.is_integer() and 1.0 < b <= 32.0:
+        return b, 16.0 if b < 16 else b
+    raise ConfigError("model_bits", "one of 2, 3, 4, 5, 6, 8, 16, 32 (or effective bits in (1, 32])",
+                      model_bits)
+
+
+def model_spec_from_numbers(model_params: int, hidden_dim: int, num_layers: int, num_heads: int,
+                            num_kv_heads: Optional[int] = None, model_bits: float = 16,
+                            vocab_size: int = 32000, intermediate_size: Optional[int] = None,
+                            num_experts: int = 0, num_experts_per_tok: int = 0,
+                            tie_word_embeddings: bool = False, name: str = "custom") -> ModelSpec:
+    """A llama-like ``ModelSpec`` from the seed's ``preflight(...)`` numbers.
+
+    Shapes follow Llama (transformers ``LlamaForCausalLM``): per block q/k/v/o projections
+    (``head_dim = hidden_dim / num_heads``, k/v ``num_kv_heads * head_dim`` wide, no bias), a SwiGLU
+    MLP gate/up/down, two RMSNorms (weight only); a final norm; token embedding and, unless tied,
+    an lm_head. With ``num_experts > 0`` the MLP is a Mixtral-style sparse MoE: router
+    ``gate`` (hidden -> E) and fused experts ``gate_up_proj``/``down_proj`` (count E), laid out
+    as in transformers 5.
+
+    ``model_params`` is split so the kinds add up to it exactly: embeddings, head, attention,
+    norms and router come from the shapes, the MLP (or experts) takes the rest. Without
+    ``intermediate_size`` it is derived from that rest (``rest // (3 * hidden * layers [* E])``).
+
+    Raises:
+        ConfigError: a non-positive or non-integer count, ``hidden_dim`` not divisible by
+            ``num_heads``, ``num_heads`` not divisible by ``num_kv_heads``, bad ``model_bits``,
+            ``num_experts_per_tok`` outside ``[1, num_experts]``, or ``model_params`` smaller
+            than the embeddings + attention + norms the shapes imply.
+    """
+    P = require_positive_int("model_params", model_params)
+    H = require_positive_int("hidden_dim", hidden_dim)
+    L = require_positive_int("num_layers", num_layers)
+    nh = require_positive_int("num_heads", num_heads)
+    kv = nh if num_kv_heads is None else require_positive_int("num_kv_heads", num_kv_heads)
+    V = require_positive_int("vocab_size", vocab_size)
+    E = require_positive_int("num_experts", num_experts, allow_zero=True)
+    k = require_positive_int("num_experts_per_tok", num_experts_per_tok, allow_zero=True)
+    inter = None if intermediate_size is None else require_positive_int("intermediate_size",
+                                                                         intermediate_size)
+    if H % nh:
+        raise ConfigError("hidden_dim", f"a multiple of num_heads ({nh})", H)
+    if kv > nh or nh % kv:
+        raise ConfigError("num_kv_heads", f"a divisor of num_heads ({nh})", kv)
+    if E:
+        if k == 0:
+            k = min(2, E)  # Mixtral's top-2 routing when the caller does not say
+        if k > E:
+            raise ConfigError("num_experts_per_tok", f"an integer in [1, num_experts={E}]", k)
+    elif k:
+        raise ConfigError("num_experts_per_tok", "0 when num_experts is 0", k)
+    if not isinstance(tie_word_embeddings, bool):
+        raise ConfigError("tie_word_embeddings", "a bool", tie_word_embeddings)
+    if not isinstance(name, str) or not name:
+        raise ConfigError("name", "a non-empty string", name)
+    weight_bits, dense_bits = _bits_from_model_bits(model_bits)
+
+    hd = H // nh
+    attn_block = H * nh * hd + 2 * H * kv * hd + nh * hd * H
+    norms_block = 2 * H
+    router_block = E * H
+    embeddings = V * H
+    lm_head = 0 if tie_word_embeddings else V * H
+    fixed = embeddings + lm_head + L * (attn_block + norms_block + router_block) + H
+    ffn = P - fixed
+    per_unit = L * 3 * H * (E or 1)
+    if ffn < (per_unit if inter is None else 0):
+        raise ConfigError("model_params",
+                          f"at least {fixed + per_unit:,} for these shapes (embeddings, attention, "
+                          f"norms{', router' if E else ''} and a minimal MLP)", P)
+    if inter is None:
+        inter = ffn // per_unit
+    counts = ParamCounts(embeddings=embeddings, attention=L * attn_block,
+                         mlp=0 if E else ffn, experts=ffn if E else 0, router=L * router_block,
+                         norms=L * norms_block + H, lm_head=lm_head, other=0,
+                         norms_in_blocks=L * norms_block)
+    lin = [LinearShape("q_proj", H, nh * hd, 1, "attention", False, "self_attn.q_proj"),
+           LinearShape("k_proj", H, kv * hd, 1, "attention", False, "self_attn.k_proj"),
+           LinearShape("v_proj", H, kv * hd, 1, "attention", False, "self_attn.v_proj"),
+           LinearShape("o_proj", nh * hd, H, 1, "attention", False, "self_attn.o_proj")]
+    if E:
+        lin += [LinearShape("gate", H, E, 1, "router", False, "mlp.gate"),
+                LinearShape("gate_up_proj", H, 2 * inter, E, "experts", False,
+                            "mlp.experts.gate_up_proj", True),
+                LinearShape("down_proj", inter, H, E, "experts", False, "mlp.experts.down_proj", True)]
+    else:
+        lin += [LinearShape("gate_proj", H, inter, 1, "mlp", False, "mlp.gate_proj"),
+                LinearShape("up_proj", H, inter, 1, "mlp", False, "mlp.up_proj"),
+                LinearShape("down_proj", inter, H, 1, "mlp", False, "mlp.down_proj")]
+    return ModelSpec(
+        name=name, model_type="mixtral" if E else "llama", vocab_size=V, hidden_size=H,
+        intermediate_size=inter, num_layers=L, num_heads=nh, num_kv_heads=kv, head_dim=hd,
+        params=counts, block_linears=tuple(lin), num_experts=E, num_experts_per_tok=k,
+        moe_intermediate_size=inter if E else 0, tie_word_embeddings=tie_word_embeddings,
+        weight_bits=weight_bits, dense_bits=dense_bits, source="numbers")
+
+
+_EMBED_TARGETS = ("embed_tokens", "wte", "word_embeddings", "tok_embeddings")
+_HEAD_TARGETS = ("lm_head", "output", "embed_out")
+
+
+def _target_matches(lin: LinearShape, target: str) -> bool:
+    """PEFT's rule (peft/tuners/tuners_utils.py ``check_target_module_exists``): a target matches
+    a module whose name equals it or ends with ``"." + target``. Fused expert tensors
+    (``is_param``) are reached only by a dotted name (``target_parameters`` style)."""
+    path = lin.path or lin.name
+    hit = path == target or path.endswith("." + target)
+    if lin.is_param:
+        return hit and "." in target
+    return hit
+
+
+def lora_trainable_params(model_spec: ModelSpec, train_spec: TrainSpec) -> int:
+    """Elements of the LoRA adapters ``train_spec`` asks for on ``model_spec``.
+
+    A LoRA pair on a linear ``in -> out`` adds ``A (r, in)`` and ``B (out, r)``: ``r * (in + out)``
+    (Hu et al. 2021, "LoRA", section 4.1; PEFT ``lora.Linear``); fused experts get one pair per
+    expert (``count``). Targets match block linears by name as PEFT does; ``"all-linear"`` is every
+    module linear of a block except the router and the experts (MoE experts are adapted only when
+    named, e.g. ``experts.gate_up_proj``). Only the last ``lora_layers`` blocks when set
+    (mlx_lm's ``num_layers``). ``lm_head`` / ``embed_tokens`` targets add ``r * (hidden + vocab)``.
+
+    Returns:
+        int, elements (0 for ``method="full"`` is NOT implied: the count is computed anyway).
+
+    Raises:
+        ConfigError (field ``lora_targets``): no target names anything in the model (PEFT raises
+            too).
+    """
+    r = int(train_spec.lora_rank)
+    targets = [t.strip() for t in train_spec.lora_targets]
+    all_linear = any(t.lower() in ("all-linear", "all_linear") for t in targets)
+    per_block = 0
+    matched = set()
+    for lin in model_spec.block_linears:
+        hit = False
+        if all_linear and not lin.is_param and lin.kind not in ("router", "experts"):
+            hit = True
+        for t in targets:
+            if _target_matches(lin, t):
+                hit = True
+                matched.add(t)
+        if hit:
+            per_block += lin.count * r * (lin.in_features + lin.out_features)
+    L = model_spec.num_layers
+    n_blocks = L if train_spec.lora_layers is None else min(int(train_spec.lora_layers), L)
+    total = per_block * n_blocks
+    outside = model_spec.hidden_size + model_spec.vocab_size
+    for t in targets:
+        if t in _EMBED_TARGETS or t in _HEAD_TARGETS:
+            total += r * outside
+            matched.add(t)
+    if not all_linear and not matched:
+        names = sorted({lin.name for lin in model_spec.block_linears})
+        raise ConfigError("lora_targets", "module names in the model's blocks (" + ", ".join(names)
+                          + ") or 'all-linear'", list(targets))
+    return total
+
+
+def trainable_params(model_spec: ModelSpec, train_spec: TrainSpec) -> int:
+    """Elements that receive gradients and optimizer state.
+
+    - A live module's count (``model_spec.trainable_params``) wins when it fits the method:
+      ``lora``/``qlora`` with an adapter found on the module, ``full`` without one. (A plain HF
+      model before ``get_peft_model`` has every parameter trainable: for ``lora`` the adapter
+      size is derived instead.)
+    - ``full``: framework ``hf`` / ``lightning`` train every parameter (``params.total``); ``mlx``
+      trains the transformer blocks only, the last ``lora_layers`` of them when set (mlx_lm
+      ``tuner/utils.py``/``lora.py``: ``--fine-tune-type full`` unfreezes
+      ``model.layers[-num_layers:]``): ``params.blocks * n // num_layers``.
+    - ``lora`` / ``qlora``: ``lora_trainable_params``.
+
+    Raises:
+        ConfigError: see ``lora_trainable_params``.
+    """
+    live = model_spec.trainable_params
+    has_adapter = model_spec.lora_rank_found is not None
+    if live is not None and (has_adapter == (train_spec.method != "full")):
+        return int(live)
+    if train_spec.method == "full":
+        if train_spec.framework == "mlx":
+            L = model_spec.num_layers
+            n = L if train_spec.lora_layers is None else min(int(train_spec.lora_layers), L)
+            return model_spec.params.blocks * n // L
+        return model_spec.params.total
+    return lora_trainable_params(model_spec, train_spec)

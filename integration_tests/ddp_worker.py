@@ -27,7 +27,7 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     torch.save({"global_step": trainer.state.global_step, "lr": lr_sequence(trainer),
                 "params": params(trainer), "forward_rows": guard.forward_rows,
-                "samples_per_step": guard._samples_per_step}, os.path.join(out, f"rank{rank}.pt"))
+                "samples_per_step": guard.samples_per_step}, os.path.join(out, f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":

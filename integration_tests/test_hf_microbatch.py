@@ -54,7 +54,7 @@ def test_switching_k_mid_epoch_keeps_the_run(tmp_path, mean_loss, grad_checkpoin
     assert rows[10:12] == [4, 4] and rows[12:16] == [2] * 4
     assert rows[16:24] == [2] * 8
     assert rows[24:] == [8, 8]
-    assert guard._samples_per_step == [16] * 6  # effective batch kept at every optimizer step
+    assert guard.samples_per_step == [16] * 6  # effective batch kept at every optimizer step
     _assert_same_run(base, split)
     init = params(make_trainer(str(tmp_path / "init")))
     assert any((init[n] - params(split)[n]).abs().max() > 1e-3 for n in init)
@@ -108,7 +108,7 @@ def test_oom_in_forward_is_retried_with_a_finer_split(tmp_path):
     assert guard.oom_retries == 1
     assert guard.monitor.split == 2
     assert guard.forward_rows[:3] == [8, 4, 4]  # the failed forward, then its two halves
-    assert guard._samples_per_step == [16] * 3
+    assert guard.samples_per_step == [16] * 3
     _assert_same_run(base, split)
 
 

@@ -187,6 +187,8 @@ class MemoryMonitor:
         self._thread: Optional[threading.Thread] = None
         self._failed: set = set()
         self._step: Optional[int] = None
+        self._step_samples = 0
+        self._split_at_sample = -10
 
     # ----- decisions ---------------------------------------------------------------------------
     @property
@@ -221,6 +223,8 @@ class MemoryMonitor:
         usage = used_bytes / max(1, budget_bytes)
         with self._lock:
             self.samples += 1
+            if source == "step":
+                self._step_samples += 1
             self.max_usage = max(self.max_usage, usage)
             prev = self.level
             level = self.thresholds.level_for(usage, prev)
@@ -242,6 +246,10 @@ class MemoryMonitor:
                 self._cleaned_at_level = True
                 msg = (f"memory critical: {_gib(used_bytes)} of {_gib(budget_bytes)} ({usage:.0%} "
                        f">= {self.thresholds.critical:.0%}): cleaning caches")
+            elif self._step_samples - self._split_at_sample < 2:
+                # a split acts at the next micro-batch and its peak is read one sample later:
+                # wait for that before splitting again (no cascade of splits within one step)
+                pass
             else:
                 # emergency, or critical that persisted after a clean: split further
                 new = self._split * 2
@@ -252,6 +260,7 @@ class MemoryMonitor:
                     msg = (f"memory {level.name.lower()}: {_gib(used_bytes)} of {_gib(budget_bytes)} "
                            f"({usage:.0%}): splitting micro-batches {self._split} -> {new}")
                     self._split = new
+                    self._split_at_sample = self._step_samples
                 elif level > prev:
                     action = Action.LOG
                     msg = (f"memory {level.name.lower()}: {_gib(used_bytes)} of {_gib(budget_bytes)} "
@@ -276,21 +285,45 @@ class MemoryMonitor:
         """Per-training-step check (the hot path): cheap counters only. Never raises."""
         self._step = step
         try:
-            snap = self._probe(True)
-            peak = None
-            if self._peak_fn is not None:
-                peak = self._peak_fn()
-            else:
-                peak = getattr(snap, "process_peak_bytes", None)
-                if peak is not None:
-                    from .stats import reset_peak_memory
-                    reset_peak_memory(self.device)
-            used = max(int(peak or 0), int(snap.process_bytes))
-            self.max_step_peak_bytes = max(self.max_step_peak_bytes, used)
+            snap, used = self._read_step_peak()
             return self.observe(used, self.effective_budget(snap), step=step, source="step")
         except Exception as exc:  # a probe failure never reaches training
             self._log_failure("step_sample", exc)
             return Action.NONE
+
+    def _read_step_peak(self):
+        snap = self._probe(True)
+        if self._peak_fn is not None:
+            peak = self._peak_fn()
+        else:
+            peak = getattr(snap, "process_peak_bytes", None)
+            if peak is not None:
+                from .stats import reset_peak_memory
+                reset_peak_memory(self.device)
+        used = max(int(peak or 0), int(snap.process_bytes))
+        self.max_step_peak_bytes = max(self.max_step_peak_bytes, used)
+        return snap, used
+
+    def prime(self) -> None:
+        """Reset the peak counter at train start, so the first step's sample measures that step and
+        not the model loading before it. Never raises."""
+        try:
+            if self._peak_fn is not None:
+                self._peak_fn()
+            else:
+                from .stats import reset_peak_memory
+                reset_peak_memory(self.device)
+        except Exception as exc:
+            self._log_failure("prime", exc)
+
+    def final_sample(self) -> Optional[int]:
+        """Read (and reset) the peak since the last step without deciding anything: the peak of the
+        run's last step, at train end. Returns ``max_step_peak_bytes`` (None if never read)."""
+        try:
+            self._read_step_peak()
+        except Exception as exc:
+            self._log_failure("final_sample", exc)
+        return self.max_step_peak_bytes or None
 
     def background_sample(self) -> Action:
         """One sample of the background thread (full probe: PSI, NVML). Never raises."""

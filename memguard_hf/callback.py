@@ -148,7 +148,7 @@ class MemGuardCallback(TrainerCallback):
         self._orig_compute_loss = None
         self._loss_scale = 1.0
         self._pending_logs: Dict[str, Any] = {}
-        self._samples_per_step: List[int] = []
+        self.samples_per_step: List[int] = []
         self._rows_this_step = 0
         self._disabled_split_reason: Optional[str] = None
         self.start_time: Optional[float] = None
@@ -262,13 +262,14 @@ class MemGuardCallback(TrainerCallback):
         if split > 1:
             logger.info("memguard: micro-batch split k=%d (micro-batch %d rows -> %d-row chunks; "
                         "effective batch unchanged)", min(split, rows), rows, -(-rows // min(split, rows)))
+        self.monitor.prime()
         self.monitor.start()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._rows_this_step = 0
 
     def on_step_end(self, args, state, control, **kwargs):
-        self._samples_per_step.append(self._rows_this_step)
+        self.samples_per_step.append(self._rows_this_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or self.monitor is None:
@@ -283,18 +284,16 @@ class MemGuardCallback(TrainerCallback):
             return
         self.monitor.stop()
         mon = self.monitor
-        from memguard_core.probes import probe
-        try:
-            snap = probe(self.device)
-            measured = snap.process_peak_bytes
-        except Exception:
-            measured = None
+        measured = mon.final_sample()  # includes the last micro-batch's peak
         summary = {
             "split": mon.split,
             "max_usage": round(mon.max_usage, 4),
             "budget_bytes": mon.budget_bytes,
             "measured_peak_bytes": measured,
-            "estimated_peak_bytes": self.preflight.estimate.peak_bytes if self.preflight else None,
+            "estimated_peak_bytes": self.preflight.best_peak_bytes if self.preflight else None,
+            "requested_peak_bytes": self.preflight.estimate.peak_bytes if self.preflight else None,
+            "optimizer_steps": state.global_step,
+            "samples_per_step": sorted(set(self.samples_per_step)),
             "oom_retries": self.oom_retries,
             "events": len(self.events),
         }

@@ -63,7 +63,11 @@ def test_actions_escalate_log_clean_split():
     # critical again after the clean: escalate to a split
     assert mon.observe(int(9.1 * GiB), 10 * GiB, step=3, source="step") is Action.SPLIT
     assert mon.split == 2
-    assert mon.observe(int(9.6 * GiB), 10 * GiB, step=4, source="step") is Action.SPLIT
+    # the split acts at the next micro-batch, read one step sample later: no cascade before that
+    assert mon.observe(int(9.6 * GiB), 10 * GiB, step=4, source="step") is Action.NONE
+    assert mon.observe(int(9.6 * GiB), 10 * GiB, step=None, source="background") is Action.NONE
+    assert mon.split == 2
+    assert mon.observe(int(9.6 * GiB), 10 * GiB, step=5, source="step") is Action.SPLIT
     assert mon.split == 4
     assert [e.action for e in mon.events] == [Action.LOG, Action.CLEAN, Action.SPLIT, Action.SPLIT]
     assert mon.events[-1].to_dict()["level"] == "emergency"
@@ -71,7 +75,7 @@ def test_actions_escalate_log_clean_split():
 
 def test_split_is_bounded_by_max_split():
     mon, _ = make(max_split=4)
-    for _ in range(5):
+    for _ in range(12):
         mon.observe(int(9.9 * GiB), 10 * GiB, step=None, source="step")
     assert mon.split == 4
     assert mon.request_split(16, "test") == 4

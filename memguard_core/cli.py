@@ -1,0 +1,246 @@
+"""``memguard`` command line: estimate | probe | demo.
+
+    memguard estimate --config config.json --batch-size 8 --seq-length 2048 --method lora
+    memguard estimate --config config.json ... --budget-gib 20      # and plan against a budget
+    memguard estimate ... --json                                     # one JSON object
+    memguard probe                                                   # what this machine offers
+    memguard demo                                                    # a guarded real fine-tune
+
+Exit codes: 0 ok; 2 bad input (the message names the flag); 3 the run does not fit the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import List, Optional
+
+from . import __version__
+from .errors import ConfigError, DoesNotFitError, MemGuardError
+
+# TrainSpec / ModelSpec field -> the CLI flag that sets it (so errors name what the user typed)
+FLAG_OF = {
+    "batch_size": "--batch-size", "seq_length": "--seq-length", "grad_accum": "--grad-accum",
+    "method": "--method", "lora_rank": "--lora-rank", "lora_targets": "--lora-targets",
+    "lora_layers": "--lora-layers", "optimizer": "--optimizer", "dtype": "--dtype",
+    "attn_impl": "--attn", "framework": "--framework", "device": "--device",
+    "model_params": "--model-params", "hidden_dim": "--hidden-dim", "num_layers": "--num-layers",
+    "num_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "model_bits": "--model-bits",
+    "vocab_size": "--vocab-size", "intermediate_size": "--intermediate-size",
+    "budget_bytes": "--budget-gib", "safety_ratio": "--safety-ratio", "ranks": "--ranks",
+}
+
+GiB = 2**30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:,.2f} GiB"
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model (give --config, or the plain numbers)")
+    m.add_argument("--config", metavar="PATH", help="HF config.json (or a folder holding one)")
+    m.add_argument("--model-params", type=float, help="total parameters, e.g. 7e9")
+    m.add_argument("--hidden-dim", type=int)
+    m.add_argument("--num-layers", type=int)
+    m.add_argument("--num-heads", type=int)
+    m.add_argument("--num-kv-heads", type=int, help="KV heads (GQA); default: --num-heads")
+    m.add_argument("--vocab-size", type=int, default=32000)
+    m.add_argument("--intermediate-size", type=int)
+    m.add_argument("--model-bits", type=float, default=16, help="storage bits of the weights (16, 8, 4)")
+    t = p.add_argument_group("training settings")
+    t.add_argument("--batch-size", type=int, default=1, help="micro-batch (rows per forward) [1]")
+    t.add_argument("--seq-length", type=int, default=512, help="tokens per row [512]")
+    t.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps [1]")
+    t.add_argument("--method", default="lora", help="full | lora | qlora [lora]")
+    t.add_argument("--lora-rank", type=int, default=8, help="LoRA rank r [8]")
+    t.add_argument("--lora-targets", default="q_proj,v_proj",
+                   help="comma list of module names, or all-linear [q_proj,v_proj]")
+    t.add_argument("--lora-layers", type=int, default=None,
+                   help="LoRA on the last N blocks only (mlx_lm's num_layers) [all]")
+    t.add_argument("--optimizer", default="adamw",
+                   help="adam | adamw | sgd (no momentum, as HF) | sgd-momentum | adafactor | adamw-8bit [adamw]")
+    t.add_argument("--dtype", default="bf16", help="fp32 | bf16 | fp16 [bf16]")
+    t.add_argument("--mixed-precision", action="store_true",
+                   help="fp32 weights with autocast to --dtype (HF bf16=True on an fp32 model)")
+    t.add_argument("--grad-checkpoint", action="store_true", help="activation (gradient) checkpointing")
+    t.add_argument("--attn", default="sdpa", help="eager | sdpa | flash [sdpa]")
+    t.add_argument("--double-quant", action="store_true", help="QLoRA with double quantization (4.127 bits)")
+    t.add_argument("--framework", default="hf", help="hf | lightning | mlx (its conventions apply) [hf]")
+    t.add_argument("--device", default="cpu",
+                   help="counter predicted: cpu (peak RSS, VmHWM) | cuda (peak device memory) | mlx "
+                        "(mx.get_peak_memory) [cpu]")
+    t.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (effective batch only) [1]")
+    b = p.add_argument_group("planning (optional)")
+    b.add_argument("--budget-gib", type=float, help="plan against this budget (GiB)")
+    b.add_argument("--available-gib", type=float,
+                   help="plan against this much available memory x --safety-ratio")
+    b.add_argument("--safety-ratio", type=float, default=0.8, help="fraction of available memory used [0.8]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="memguard",
+        description="Keep fine-tuning from dying of memory: estimate peak memory before the first "
+                    "step, fit the settings to a budget, and guard the run.")
+    p.add_argument("--version", action="version", version=f"memguard {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    e = sub.add_parser("estimate", help="estimate the peak memory of a training configuration",
+                       description="Estimate the peak memory of a fine-tuning run, with a breakdown; "
+                                   "with --budget-gib / --available-gib also plan the settings that fit.")
+    _add_train_args(e)
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+
+    pr = sub.add_parser("probe", help="what memory this machine offers (container-aware)")
+    pr.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mlx [auto]")
+    pr.add_argument("--json", action="store_true", help="print one JSON object")
+
+    d = sub.add_parser("demo", help="a guarded real LoRA fine-tune (SmolLM2-135M shapes, random weights)",
+                       description="Runs a real HF Trainer LoRA fine-tune of SmolLM2-135M's architecture "
+                                   "(random weights, no hub) on a text shipped with memguard, under a "
+                                   "memory budget the requested batch does not fit, guarded by MemGuardCallback.")
+    d.add_argument("--framework", default="hf", choices=["hf"], help="which trainer [hf]")
+    d.add_argument("--steps", type=int, default=6, help="optimizer steps [6]")
+    d.add_argument("--batch-size", type=int, default=8, help="requested micro-batch [8]")
+    d.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation [1]")
+    d.add_argument("--seq-length", type=int, default=64, help="tokens per row [64]")
+    d.add_argument("--budget-gib", type=float, default=None,
+                   help="memory budget; default: one that the requested batch does not fit")
+    d.add_argument("--squeeze-at", type=int, default=3,
+                   help="optimizer step at which the demo takes 15%% of the budget away, as a "
+                        "co-tenant would, to show the runtime guard (0: never) [3]")
+    d.add_argument("--output-dir", default=None, help="trainer output dir [a temp dir]")
+    return p
+
+
+def _model_spec(args):
+    from .spec import model_spec_from_hf_config, model_spec_from_numbers
+
+    qbits = None
+    if args.method.strip().lower() == "qlora":
+        qbits = 4
+    if args.config:
+        return model_spec_from_hf_config(args.config, quantization_bits=qbits, double_quant=args.double_quant)
+    missing = [f for f in ("model_params", "hidden_dim", "num_layers", "num_heads") if getattr(args, f) is None]
+    if missing:
+        raise ConfigError(FLAG_OF[missing[0]], "a value (or give --config PATH)", None)
+    bits = 4 if qbits else args.model_bits
+    return model_spec_from_numbers(
+        model_params=int(args.model_params), hidden_dim=args.hidden_dim, num_layers=args.num_layers,
+        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, model_bits=bits,
+        vocab_size=args.vocab_size, intermediate_size=args.intermediate_size)
+
+
+def _train_spec(args):
+    from .spec import TrainSpec
+
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    return TrainSpec(batch_size=args.batch_size, seq_length=args.seq_length, grad_accum=args.grad_accum,
+                     method=args.method, lora_rank=args.lora_rank, lora_targets=targets,
+                     lora_layers=args.lora_layers, optimizer=args.optimizer, dtype=args.dtype,
+                     mixed_precision=args.mixed_precision, grad_checkpoint=args.grad_checkpoint,
+                     attn_impl=args.attn, framework=args.framework, device=args.device, ranks=args.ranks)
+
+
+def cmd_estimate(args) -> int:
+    from .estimate import estimate
+    from .plan import budget_from_available, plan
+
+    ms = _model_spec(args)
+    ts = _train_spec(args)
+    est = estimate(ms, ts)
+    budget = None
+    if args.budget_gib is not None:
+        if args.budget_gib <= 0:
+            raise ConfigError("--budget-gib", "a number of GiB > 0", args.budget_gib)
+        budget = int(args.budget_gib * GiB)
+    elif args.available_gib is not None:
+        if args.available_gib <= 0:
+            raise ConfigError("--available-gib", "a number of GiB > 0", args.available_gib)
+        budget = budget_from_available(int(args.available_gib * GiB), args.safety_ratio)
+    chosen = None
+    not_fit = None
+    if budget is not None:
+        try:
+            chosen = plan(ms, ts, budget)
+        except DoesNotFitError as exc:
+            not_fit = exc
+    if args.json:
+        out = est.to_dict()
+        out["peak_bytes"] = int(est.peak_bytes)
+        out["breakdown"] = {k: int(v) for k, v in est.breakdown.items()}
+        if budget is not None:
+            out["budget_bytes"] = budget
+            out["fits"] = est.peak_bytes <= budget
+            out["plan"] = chosen.to_dict() if chosen else None
+            if not_fit is not None:
+                out["does_not_fit"] = {"shortfall_bytes": not_fit.shortfall_bytes,
+                                       "suggestions": not_fit.suggestions}
+        print(json.dumps(out, indent=None, sort_keys=False))
+    else:
+        from .report import print_estimate, print_plan
+        print_estimate(est, budget)
+        if chosen is not None and chosen.changes:
+            print_plan(chosen)
+        if not_fit is not None:
+            print(str(not_fit))
+    return 3 if not_fit is not None else 0
+
+
+def cmd_probe(args) -> int:
+    from .probes import probe
+
+    snap = probe(args.device)
+    if args.json:
+        d = {k: getattr(snap, k) for k in ("device", "total_bytes", "available_bytes", "process_bytes",
+                                           "process_peak_bytes", "pressure", "limit_bytes",
+                                           "limit_source", "source")}
+        d["used_fraction"] = round(snap.used_fraction, 4)
+        print(json.dumps(d))
+    else:
+        from .report import print_probe
+        print_probe(snap)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    try:
+        from memguard_hf.demo import run_demo
+    except ImportError as exc:
+        print(f"memguard demo needs the [hf] extra (torch, transformers, peft): {exc}", file=sys.stderr)
+        return 2
+    return run_demo(args)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(name)s: %(message)s",
+                        handlers=[RichHandler(show_path=False, show_time=False, rich_tracebacks=False)])
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handler = {"estimate": cmd_estimate, "probe": cmd_probe, "demo": cmd_demo}[args.command]
+    try:
+        return handler(args)
+    except ConfigError as exc:
+        flag = FLAG_OF.get(exc.field, exc.field)
+        print(f"memguard {args.command}: error: invalid {flag}: expected {exc.expected}, got {exc.got!r}",
+              file=sys.stderr)
+        return 2
+    except DoesNotFitError as exc:
+        print(f"memguard {args.command}: {exc}", file=sys.stderr)
+        return 3
+    except MemGuardError as exc:
+        print(f"memguard {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

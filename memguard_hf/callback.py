@@ -55,7 +55,7 @@ from transformers import TrainerCallback
 from memguard_core.errors import ConfigError, DoesNotFitError, require_fraction
 from memguard_core.monitor import Action, MemoryEvent, MemoryMonitor, Thresholds
 
-from . import microbatch
+from memguard_core import microbatch
 from .preflight import Preflight, run_preflight
 
 logger = logging.getLogger("memguard.hf")

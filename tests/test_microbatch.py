@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memguard_hf.microbatch import BatchSplitter, split_batch, split_count  # noqa: E402
+from memguard_core.microbatch import BatchSplitter, split_batch, split_count  # noqa: E402
 
 
 def padded_batch():

@@ -1,6 +1,9 @@
 """Cutting one training batch into k micro-batch chunks whose accumulated gradient equals the
 unsplit batch's ("virtual micro-batches").
 
+Framework-neutral for torch adapters (HF, Lightning): torch is imported inside the functions, so
+importing this module imports no framework.
+
 Only the tensors of the batch are sliced; the dataloader, ``gradient_accumulation_steps``, the
 scheduler and the step counters are never touched (HF computes those once per epoch).
 
@@ -26,8 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import torch
-
 IGNORE_INDEX = -100
 _FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -48,6 +49,8 @@ def batch_rows(inputs: Mapping[str, Any]) -> int:
     Raises:
         ValueError: no tensor with a batch dimension in ``inputs``.
     """
+    import torch
+
     t = inputs.get("input_ids")
     if not torch.is_tensor(t) or t.dim() == 0:
         t = next((v for v in inputs.values() if torch.is_tensor(v) and v.dim() > 0), None)
@@ -62,6 +65,8 @@ def sequence_starts(inputs: Mapping[str, Any]) -> Optional[List[int]]:
     A batch is packed when it has one row and ``position_ids`` restart at 0 more than once.
     Returns ``None`` for an ordinary padded batch.
     """
+    import torch
+
     pos = inputs.get("position_ids")
     if not torch.is_tensor(pos) or pos.dim() != 2 or pos.shape[0] != 1:
         return None
@@ -125,6 +130,8 @@ def _merge_empty(ranges: List[Tuple[int, int]], valid: List[int]) -> Tuple[List[
 
 
 def _slice_rows(inputs: Mapping[str, Any], a: int, b: int, rows: int) -> Dict[str, Any]:
+    import torch
+
     out = {}
     for key, v in inputs.items():
         if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == rows:
@@ -135,6 +142,8 @@ def _slice_rows(inputs: Mapping[str, Any], a: int, b: int, rows: int) -> Dict[st
 
 
 def _slice_tokens(inputs: Mapping[str, Any], a: int, b: int, tokens: int) -> Dict[str, Any]:
+    import torch
+
     out = {}
     for key, v in inputs.items():
         if key in _FLASH_KEYS:
@@ -176,6 +185,8 @@ class BatchSplitter:
 
     def __init__(self, inputs: Mapping[str, Any], *, weighting: str = "tokens",
                  shift_labels: bool = True, label_key: str = "labels"):
+        import torch
+
         if weighting not in ("tokens", "rows"):
             raise ValueError(f"weighting must be 'tokens' or 'rows', got {weighting!r}")
         self.inputs = inputs

@@ -387,6 +387,12 @@ class MemGuardCallback(TrainerCallback):
 
     def _after_oom(self, exc: BaseException, k: int, units_left: int) -> int:
         """Free memory after a forward OOM and return the doubled split; re-raise if none helps."""
+        accel = getattr(self.trainer, "accelerator", None)
+        if "FSDP" in str(getattr(accel, "distributed_type", "")):
+            # every FSDP forward all-gathers parameters: a retry on one rank alone would hang the others
+            logger.error("memguard: out of memory under FSDP; an in-place retry on one rank would "
+                         "desynchronise the all-gathers, so it is re-raised (%s)", exc)
+            raise exc
         if units_left <= 1 or k >= units_left:
             logger.error("memguard: out of memory on a chunk of a single row/sequence; cannot split "
                          "further (%s)", exc)

@@ -1,0 +1,732 @@
+"""Peak-memory estimate of one fine-tuning process, with a breakdown.
+
+``estimate(model_spec, train_spec)`` returns a :class:`MemoryEstimate`: the predicted peak of one
+counter (``train_spec.device``):
+
+* ``cpu``  -- the training process's peak resident set size, ``VmHWM`` in /proc/self/status
+  (what the OOM killer and cgroups see);
+* ``cuda`` -- peak device memory of the process: CUDA context + the caching allocator's reserved
+  bytes (what ``nvidia-smi`` shows at the worst moment);
+* ``mlx``  -- ``mx.get_peak_memory()``.
+
+How the peak is composed
+------------------------
+A training step passes through three moments where memory is highest; the estimate computes each
+and reports the largest (``MemoryEstimate.phase``), with the breakdown of the terms live AT that
+moment, so ``sum(breakdown.values()) == peak_bytes`` (before ``correction``, which is reported as
+its own ``calibration`` term):
+
+``loss``      end of the forward / start of the backward: weights, optimizer states (they exist
+              from the 2nd step on), gradients only while accumulating (``grad_accum > 1``: HF
+              ``Trainer`` and Lightning keep ``.grad`` between micro-batches; with ``grad_accum == 1``
+              ``zero_grad(set_to_none=True)`` freed them after the previous step), the saved
+              activations of every block, and the logits/loss working set.
+``backward``  end of the backward: weights, optimizer states, ALL gradients, the embedding-gradient
+              transient, the first block's working set.
+``optimizer`` ``optimizer.step()``: weights, gradients, optimizer states and the optimizer's own
+              temporaries.
+
+Sources of the formulas are named in each helper's docstring. Activation bytes follow the method of
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (sec. 4.1:
+count the tensors each op saves for its backward), applied tensor by tensor to the modules of
+transformers 5.x (``models/llama/modeling_llama.py``, ``models/gpt2/modeling_gpt2.py``,
+``models/mixtral/modeling_mixtral.py``) and PyTorch 2.x autograd (which saves an input only when the
+gradient of another input needs it: ``tools/autograd/derivatives.yaml``).
+
+This module imports no framework.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from .errors import ConfigError
+from .spec import LinearShape, ModelSpec, TrainSpec
+
+__all__ = ["MemoryEstimate", "estimate", "trainable_param_count", "RUNTIME_OVERHEAD_BYTES",
+           "BREAKDOWN_ORDER"]
+
+MiB = 1 << 20
+
+#: Bytes per element of the compute dtype.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+#: NF4 storage in bits per weight. 4 bits + one fp32 absmax per 64-weight block = 4.5;
+#: with double quantization the absmax is 8-bit per 64 + one fp32 per 256 blocks:
+#: 4 + 8/64 + 32/(64*256) = 4.127. Source: Dettmers et al. 2023, "QLoRA", sec. 3.
+NF4_BITS = 4.5
+NF4_DOUBLE_QUANT_BITS = 4.127
+
+#: Runtime overhead per counter, bytes.
+#: cpu: VmHWM of a HF ``Trainer`` run (torch 2.13.0+cpu, transformers 5.23.0, peft 0.21.2,
+#:   accelerate 1.15.0, Python 3.11, Linux x86-64) on a negligible model (2-layer Llama, hidden 64,
+#:   vocab 256): 368-370 MiB, measured on this machine with ``bench/measure_hf_cpu.py`` (cases
+#:   ``tiny-*``). It is the interpreter + torch/transformers/peft/accelerate imports + Trainer setup.
+#: cuda: the CUDA context of a PyTorch process (cuBLAS/cuDNN handles and kernels loaded lazily),
+#:   which ``torch.cuda.memory_reserved`` does not count; PyTorch's CUDA semantics notes put it at
+#:   hundreds of MiB per device ("CUDA context ... typically ~300-500MB", docs.pytorch.org
+#:   notes/cuda.html, "Memory management"); we take 500 MiB. The caching allocator's
+#:   fragmentation is added as a fraction of the peak, CUDA_FRAGMENTATION below.
+#: mlx: ``mx.get_peak_memory()`` counts only MLX buffers: no overhead.
+RUNTIME_OVERHEAD_BYTES = {"cpu": 368 * MiB, "cuda": 500 * MiB, "mlx": 0}
+
+#: Reserved-but-unallocated slack of PyTorch's CUDA caching allocator (blocks rounded to 512 B /
+#: 2 MiB segments, ``c10/cuda/CUDACachingAllocator.cpp``); 5% of the allocated peak is the usual
+#: range of ``memory_reserved / max_memory_allocated`` on training loops. Assumption, not measured
+#: here (no GPU on this machine).
+CUDA_FRAGMENTATION = 0.05
+
+#: glibc heap slack on CPU (device="cpu": the counter is VmHWM, resident pages, not live tensors).
+#: Torch's CPU allocator calls malloc/free per tensor. glibc serves blocks below its dynamic mmap
+#: threshold (it rises to the size of the largest freed mmapped block, at most 32 MiB:
+#: ``M_MMAP_THRESHOLD`` in mallopt(3)) from the heap, and freed heap pages stay resident,
+#: fragmented; blocks >= 32 MiB are mmapped and go back to the OS on free. Measured on this
+#: machine (``bench/measure_hf_cpu.py`` plus a VmRSS sampler through single steps): with
+#: ``MALLOC_MMAP_THRESHOLD_=131072`` pinning the threshold, the RSS rise over a step equals the
+#: live set this module predicts to a few percent; with glibc's defaults the forward leaves
+#: resident heap pages of about 0.6 x the step's activation traffic (the activations saved by all
+#: blocks, also under checkpointing, where each block's working set passes through the heap twice)
+#: on top of the live set, and at the end of the backward (when gradients or the optimizer step
+#: peak) about 1.2 x that traffic is still resident. Logits tensors >= 32 MiB are mmapped and
+#: leave no slack. Fitted over 27 real HF Trainer runs (LoRA and full; fp32, bf16, autocast; sdpa,
+#: eager; checkpointing on/off; Llama, GPT-2, Qwen2, Mixtral). ``MALLOC_MMAP_THRESHOLD_=131072``
+#: in the training process's environment removes most of this slack.
+CPU_HEAP_SLACK_FORWARD = 0.6
+CPU_HEAP_SLACK_BACKWARD = 1.2
+MMAP_THRESHOLD_MAX = 32 * MiB
+
+#: Breakdown keys in report order.
+BREAKDOWN_ORDER = ("weights", "weight_copies", "gradients", "optimizer_states", "master_weights",
+                   "optimizer_temporaries", "backward_transients", "activations", "attention_scores", "logits",
+                   "runtime_overhead", "allocator_slack", "calibration")
+
+_GPT2_LIKE = ("gpt2", "gpt_bigcode", "gpt_neo", "gptj", "opt", "bloom", "falcon", "phi")
+
+
+# ---------------------------------------------------------------------------------------------
+# result
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The predicted peak of one counter, with the terms live at that peak.
+
+    Attributes:
+        peak_bytes: predicted peak of ``counter`` in bytes (after ``correction``).
+        breakdown: name -> bytes, in ``BREAKDOWN_ORDER``; values sum to ``peak_bytes``.
+        counter: ``cpu`` (VmHWM of the training process) | ``cuda`` (context + reserved) | ``mlx``
+            (``mx.get_peak_memory()``).
+        phase: the moment of the peak: ``loss`` | ``backward`` | ``optimizer``.
+        phases: peak bytes of each moment (before correction).
+        phase_breakdowns: the breakdown of each moment (name -> bytes).
+        model_spec / train_spec: the inputs.
+        trainable_params: trainable parameter count (elements).
+        correction: multiplicative calibration factor applied.
+        notes: assumptions that applied to this estimate.
+    """
+
+    peak_bytes: int
+    breakdown: Dict[str, int]
+    counter: str
+    model_spec: ModelSpec
+    train_spec: TrainSpec
+    trainable_params: int
+    phase: str = "loss"
+    phases: Dict[str, int] = field(default_factory=dict)
+    phase_breakdowns: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    correction: float = 1.0
+    notes: Tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        """JSON-safe dict: ``peak_bytes`` (int), ``breakdown`` (name -> int), ``counter``, ``phase``,
+        ``phases``, ``trainable_params``, ``correction``, ``notes``, ``model`` and ``train``
+        (the spec fields)."""
+        import dataclasses
+
+        def plain(v):
+            if isinstance(v, (list, tuple)):
+                return [plain(x) for x in v]
+            if dataclasses.is_dataclass(v):
+                return {k: plain(x) for k, x in dataclasses.asdict(v).items()}
+            if isinstance(v, dict):
+                return {str(k): plain(x) for k, x in v.items()}
+            return v
+
+        return {
+            "peak_bytes": int(self.peak_bytes),
+            "breakdown": {k: int(v) for k, v in self.breakdown.items()},
+            "counter": self.counter,
+            "phase": self.phase,
+            "phases": {k: int(v) for k, v in self.phases.items()},
+            "trainable_params": int(self.trainable_params),
+            "correction": float(self.correction),
+            "notes": list(self.notes),
+            "model": plain(self.model_spec),
+            "train": plain(self.train_spec),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes and trainable parameters
+
+
+def _block_linears(ms: ModelSpec) -> Tuple[LinearShape, ...]:
+    """One block's projections: ``ms.block_linears``, or the Llama layout synthesised from the
+    config numbers when the spec has none (q/k/v/o with GQA, gate/up/down; MoE experts as
+    ``count=num_experts``) -- transformers ``models/llama/modeling_llama.py``."""
+    if ms.block_linears:
+        return tuple(ms.block_linears)
+    h, hd = ms.hidden_size, ms.head_dim
+    q, kv = ms.num_heads * hd, ms.num_kv_heads * hd
+    out = [LinearShape("q_proj", h, q), LinearShape("k_proj", h, kv), LinearShape("v_proj", h, kv),
+           LinearShape("o_proj", q, h)]
+    if ms.is_moe:
+        i = ms.moe_intermediate_size or ms.intermediate_size
+        out += [LinearShape("gate", h, ms.num_experts, kind="router"),
+                LinearShape("gate_up_proj", h, 2 * i, count=ms.num_experts, kind="experts"),
+                LinearShape("down_proj", i, h, count=ms.num_experts, kind="experts")]
+    else:
+        i = ms.intermediate_size
+        out += [LinearShape("gate_proj", h, i, kind="mlp"), LinearShape("up_proj", h, i, kind="mlp"),
+                LinearShape("down_proj", i, h, kind="mlp")]
+    return tuple(out)
+
+
+def _is_lora_target(ls: LinearShape, targets: tuple) -> bool:
+    """PEFT's matching, as ``spec.lora_trainable_params`` applies it: a target matches a linear
+    whose path (or name) equals it or ends with ``"." + target`` (PEFT
+    ``check_target_module_exists``); ``all-linear`` takes every module linear of a block except
+    the router and the experts; fused expert tensors (``is_param``) only by a dotted name."""
+    path = getattr(ls, "path", "") or ls.name
+    is_param = bool(getattr(ls, "is_param", False))
+    for t in targets:
+        if t.lower() in ("all-linear", "all_linear"):
+            if not is_param and ls.kind not in ("router", "experts"):
+                return True
+            continue
+        hit = path == t or path.endswith("." + t) or ls.name == t
+        if hit and (not is_param or "." in t):
+            return True
+    return False
+
+
+def _lora_linears(ms: ModelSpec, ts: TrainSpec) -> List[LinearShape]:
+    return [ls for ls in _block_linears(ms) if _is_lora_target(ls, ts.lora_targets)]
+
+
+def _num_lora_layers(ms: ModelSpec, ts: TrainSpec) -> int:
+    """LoRA blocks: the last ``lora_layers`` (mlx_lm ``num_layers``), all when None."""
+    return ms.num_layers if ts.lora_layers is None else min(ts.lora_layers, ms.num_layers)
+
+
+def _lora_params_per_layer(ms: ModelSpec, ts: TrainSpec) -> int:
+    """LoRA adds A (r x in) and B (out x r) per wrapped linear: r * (in + out) parameters
+    (Hu et al. 2021, "LoRA", sec. 4)."""
+    return sum(ls.count * ts.lora_rank * (ls.in_features + ls.out_features)
+               for ls in _lora_linears(ms, ts))
+
+
+def trainable_param_count(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Trainable parameters (elements) as the framework defines them: ``spec.trainable_params``
+    (full, hf/lightning: every parameter; full, mlx: the blocks only -- mlx_lm's full fine-tune
+    unfreezes ``model.layers[-num_layers:]``; lora/qlora: ``r * (in + out)`` per targeted linear of
+    the LoRA'd blocks; a live module's own count when it fits the method). When the settings
+    differ from the live adapter (the planner halved the rank or the LoRA layers), the count is
+    derived from the shapes (``spec.lora_trainable_params``) instead of the stale live count.
+
+    Raises:
+        ConfigError: the LoRA targets match no linear of the block.
+    """
+    from .spec import lora_trainable_params, trainable_params
+
+    if not ms.block_linears:
+        ms = ms.replace(block_linears=_block_linears(ms))
+    if (ts.method != "full" and ms.trainable_params is not None and ms.lora_rank_found is not None
+            and (ts.lora_rank != ms.lora_rank_found or ts.lora_layers is not None)):
+        return lora_trainable_params(ms, ts)
+    return trainable_params(ms, ts)
+
+
+# ---------------------------------------------------------------------------------------------
+# static terms
+
+
+def _weight_bits(ms: ModelSpec, ts: TrainSpec) -> float:
+    """Storage bits of the block linears: NF4 (4.5) for QLoRA on an unquantized spec."""
+    if ts.method == "qlora" and ms.weight_bits >= 8:
+        return NF4_BITS
+    return float(ms.weight_bits)
+
+
+def _weights(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
+    """Stored weights: block linears (attention + MLP + experts) at ``weight_bits`` (NF4 4.5 bits /
+    4.127 with double quantization under QLoRA, bitsandbytes ``Linear4bit``), everything else
+    (embeddings, head, norms, router) at ``dense_bits`` -- bitsandbytes skips ``lm_head`` and never
+    quantizes embeddings or norms (transformers ``integrations/bitsandbytes.py``). LoRA adapters are
+    fp32: PEFT ``get_peft_model(autocast_adapter_dtype=True)`` upcasts bf16/fp16 adapters to fp32,
+    mlx_lm creates them fp32 (``tuner/lora.py``)."""
+    p = ms.params
+    quant = p.attention + p.mlp + p.experts
+    dense = p.total - quant
+    b = quant * _weight_bits(ms, ts) / 8 + dense * ms.dense_bits / 8
+    if ts.method != "full":
+        b += trainable * 4
+    return int(math.ceil(b))
+
+
+def _param_bytes_trainable(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Bytes per element of a trainable parameter (and so of its gradient and, for torch/MLX
+    optimizers, of its states: ``torch.zeros_like(p)`` in ``torch/optim/adamw.py``)."""
+    if ts.method != "full":
+        return 4
+    return int(ms.dense_bits // 8)
+
+
+def _adafactor_state_elems(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Adafactor (Shazeer & Stern 2018; transformers ``optimization.py`` ``Adafactor`` with its
+    default ``beta1=None``): a matrix (rows x cols) keeps a row vector and a column vector of second
+    moments (rows + cols elements); a vector keeps a full second moment; no first moment."""
+    r = ts.lora_rank
+    n_lora = _num_lora_layers(ms, ts)
+    if ts.method != "full":
+        return n_lora * sum(ls.count * ((r + ls.in_features) + (ls.out_features + r))
+                            for ls in _lora_linears(ms, ts))
+    lins = _block_linears(ms)
+    lin = sum(ls.count * (ls.in_features + ls.out_features) for ls in lins)
+    # block vectors (norms, biases): full second moments
+    block_vectors = max(ms.params.blocks - ms.num_layers * sum(ls.params for ls in lins), 0)
+    n = _num_lora_layers(ms, ts) if ts.framework == "mlx" else ms.num_layers
+    elems = n * lin + block_vectors * n // ms.num_layers
+    if ts.framework != "mlx":
+        h = ms.hidden_size
+        elems += (ms.vocab_size + h) + ms.params.norms - ms.params.norms_in_blocks
+        if ms.params.lm_head:
+            elems += ms.vocab_size + h
+        extra_emb = ms.params.embeddings - ms.vocab_size * h  # learned positions (GPT-2 wpe)
+        if extra_emb > 0:
+            elems += extra_emb // h + h
+    return elems
+
+
+def _optimizer_states(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
+    """Optimizer state bytes.
+
+    * adam / adamw: exp_avg + exp_avg_sq in the parameter's dtype (``torch/optim/adamw.py``
+      ``_init_group``; mlx ``optimizers.Adam.init_single``): 2 x param bytes per trainable element.
+    * sgd: HF ``optim="sgd"`` builds ``torch.optim.SGD`` without momentum: no state.
+    * sgd-momentum: one momentum buffer per parameter.
+    * adafactor: factored second moments, see ``_adafactor_state_elems``.
+    * adamw-8bit: bitsandbytes block-wise 8-bit states (Dettmers et al. 2022, "8-bit Optimizers
+      via Block-wise Quantization"): 2 states x 1 byte + one fp32 absmax per 256-element block
+      (bitsandbytes ``optim/optimizer.py``, blocksize 256) = 2 x (1 + 4/256) bytes per element.
+    """
+    pb = 4 if _master_weights(ms, ts, trainable) else _param_bytes_trainable(ms, ts)
+    o = ts.optimizer
+    if o in ("adam", "adamw"):
+        return 2 * pb * trainable
+    if o == "sgd":
+        return 0
+    if o == "sgd-momentum":
+        return pb * trainable
+    if o == "adafactor":
+        return pb * _adafactor_state_elems(ms, ts)
+    if o == "adamw-8bit":
+        return int(math.ceil(2 * (1 + 4 / 256) * trainable))
+    raise ConfigError("optimizer", "a known optimizer", o)  # pragma: no cover (TrainSpec validates)
+
+
+def _largest_trainable_tensor(ms: ModelSpec, ts: TrainSpec) -> int:
+    if ts.method != "full":
+        r = ts.lora_rank
+        return max((r * max(ls.in_features, ls.out_features) for ls in _lora_linears(ms, ts)),
+                   default=0)
+    big = max((ls.in_features * ls.out_features * ls.count for ls in _block_linears(ms)), default=0)
+    if ts.framework != "mlx":
+        big = max(big, ms.vocab_size * ms.hidden_size)
+    return big
+
+
+def _optimizer_temporaries(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
+    """Transient memory of ``optimizer.step()``.
+
+    * torch adam/adamw: HF's default ``adamw_torch_fused`` (transformers ``training_args.py``, torch
+      >= 2.8) runs the fused kernel in place: none. sgd / sgd-momentum update in place: none.
+    * adafactor: HF's loop upcasts the gradient and builds ``update = grad**2 + eps`` and the
+      factored approximation for one parameter at a time: ~3 fp32 copies of the largest tensor.
+    * mlx: ``mx.eval`` of the new parameters and states materialises them before the old arrays
+      are released: one extra copy of the trainable parameters (MLX arrays are immutable).
+    """
+    if ts.framework == "mlx" and ts.optimizer != "sgd":
+        return trainable * _param_bytes_trainable(ms, ts)
+    if ts.optimizer == "adafactor":
+        return 3 * 4 * _largest_trainable_tensor(ms, ts)
+    return 0
+
+
+def _master_weights(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
+    """An fp32 master copy of the trainable parameters, when the weights are stored in half
+    precision, trained in full, and ``mixed_precision`` asks for fp32 masters (Micikevicius et al.
+    2018, "Mixed Precision Training", sec. 3.1; accelerate/DeepSpeed/FSDP bf16 with fp32 masters).
+    HF ``Trainer`` with ``bf16=True`` on fp32 weights keeps no extra copy (the fp32 weights are the
+    masters); see ``_weight_copies`` for its autocast copies."""
+    if ts.method == "full" and ts.mixed_precision and ms.dense_bits < 32:
+        return 4 * trainable
+    return 0
+
+
+def _grad_layers(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Blocks the backward passes through: all blocks when anything below the top needs a gradient
+    (full fine-tune of the embeddings; HF + gradient checkpointing makes the embedding output require
+    grad via ``enable_input_require_grads``), else from the lowest trainable block up."""
+    if ts.method == "full" and ts.framework != "mlx":
+        return ms.num_layers
+    if ts.grad_checkpoint and ts.framework == "hf":
+        return ms.num_layers
+    return _num_lora_layers(ms, ts)
+
+
+def _weight_copies(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Autocast half-precision copies of the linear weights (fp32 weights, ``mixed_precision`` with
+    a half compute dtype). ``torch.autocast`` casts every ``linear``/``matmul`` weight to the half
+    dtype; casts of leaf tensors that require grad are cached until the autocast region exits
+    (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``), and each cast copy of a weight in a block
+    the backward passes through is saved by the matmul for grad-input. So: 2 bytes x the linear
+    weights of those blocks, plus the head (the tied embedding when tied)."""
+    if not (ts.mixed_precision and ms.dense_bits >= 32 and DTYPE_BYTES[ts.dtype] < 4):
+        return 0
+    lin = sum(ls.params for ls in _block_linears(ms) if ls.kind != "experts")
+    exp = sum(ls.params for ls in _block_linears(ms) if ls.kind == "experts")
+    if ms.is_moe and ms.num_experts:
+        exp = exp * min(ms.num_experts_per_tok * 4, ms.num_experts) // ms.num_experts
+    head = ms.vocab_size * ms.hidden_size
+    return 2 * ((lin + exp) * _grad_layers(ms, ts) + head)
+
+
+# ---------------------------------------------------------------------------------------------
+# activations
+
+
+@dataclass
+class _Act:
+    """Per-block activation bytes per token (multiply by batch x seq), split in terms."""
+
+    hidden: float = 0.0   # saved block tensors (norm inputs, projections, MLP)
+    scores: float = 0.0   # attention scores / softmax (eager) or sdpa's logsumexp
+    lora: float = 0.0     # LoRA intermediates (x @ A), r per wrapped linear
+
+
+def _block_act_per_token(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_block: bool) -> _Act:
+    """Bytes one block saves for its backward, per token (Korthikanti et al. 2022 sec. 4.1 method,
+    applied to transformers 5.x modules and PyTorch autograd's saved tensors).
+
+    Llama family (RMSNorm, RoPE, gated MLP -- ``modeling_llama.py``), e = compute bytes:
+      * each RMSNorm saves its input upcast to fp32 (``hidden_states.to(torch.float32)``; ``pow`` and
+        ``mul`` save it): 4h -- the block input and the post-attention residual;
+        with a trainable norm weight also the normalised tensor (e*h) for the weight's gradient;
+      * a linear saves its input only when its weight is trained or LoRA wraps it (LoRA's ``A``
+        needs the input; a frozen weight needs none -- ``derivatives.yaml`` ``mm``);
+      * attention: q and k after RoPE, v (GQA: kv heads -- transformers' ``use_gqa_in_sdpa``
+        passes ``enable_gqa`` when there is no mask; eager ``repeat_kv`` copies to all heads),
+        sdpa's output and logsumexp (fp32, per head); eager saves the fp32 softmax (s per head)
+        and its cast to e when e < 4 (``eager_attention_forward``);
+      * gated MLP: gate (``silu`` input), up, act (the ``*`` operands), and the product when
+        ``down_proj`` saves its input: 3 or 4 x e*i;
+      * MoE (``MixtralExperts``): per (token, expert) pair, k per token: gate_up (2i), act (i),
+        down output (h, saved by the routing-weight multiply), the gathered input (h) and the
+        product (i) when the experts train; router logits and fp32 softmax (E per token).
+    GPT-2 family (LayerNorm, fused c_attn, gelu_new, dropout 0.1 -- ``modeling_gpt2.py``):
+      LayerNorm saves its input (e*h); ``c_attn``'s output (3h) stays alive through q/k/v views;
+      ``gelu_new`` written in Python saves x, tanh(.), 0.5x and 1+tanh (4 x e*i); each dropout saves
+      a bool mask (1 byte) and the attention dropout forces SDPA's math path on CPU (O(s^2)).
+    """
+    e = DTYPE_BYTES[ts.dtype]
+    s = ts.seq_length
+    h, hd = ms.hidden_size, ms.head_dim
+    qd, kvd = ms.num_heads * hd, ms.num_kv_heads * hd
+    nh = ms.num_heads
+    lins = {ls.name: ls for ls in _block_linears(ms)}
+    lora_names = {ls.name for ls in _lora_linears(ms, ts)} if lora else set()
+
+    def saves(name: str) -> bool:
+        return trainable_block or name in lora_names
+
+    a = _Act()
+    gpt2 = ms.model_type in _GPT2_LIKE
+    # autocast: linear inputs are cast to e (copies saved), the residual stream stays fp32
+    amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
+    r = 4 if amp else e  # residual / norm dtype
+    if lora:
+        a.lora += sum(ls.count * ts.lora_rank * (2 if amp else 4) for ls in _lora_linears(ms, ts))
+
+    def group_input(names, fin: int) -> float:
+        """Saved input bytes (per token) of linears that share one input tensor.
+
+        A trained weight saves the input in the compute dtype -- one tensor for the group, or,
+        under autocast, one bf16 cast per linear (autocast caches only weight casts). A LoRA'd
+        frozen linear saves the input of ``lora_A`` after PEFT casts it to the adapter dtype
+        (``peft/tuners/lora/layer.py`` ``_cast_input_dtype``): the shared tensor when e = 4, a
+        separate fp32 copy per LoRA'd linear when the base is half (fp32 adapters), a bf16 autocast
+        copy per LoRA'd linear under autocast."""
+        present = [n for n in names if n in lins] or list(names)
+        if trainable_block:
+            return 2 * fin * len(present) if amp else e * fin
+        lo = [n for n in present if n in lora_names]
+        if not lo:
+            return 0.0
+        if amp:
+            return 2 * fin * len(lo)
+        return e * fin if e == 4 else 4 * fin * len(lo)
+
+    if gpt2:
+        a.hidden += r * h                       # ln_1 input
+        if trainable_block:
+            a.hidden += e * h                   # ln_1 normalised (weight grad)
+        if saves("c_attn"):
+            a.hidden += e * h                   # c_attn input
+        a.hidden += e * 3 * h                   # qkv buffer kept by q/k/v views
+        # attention dropout (p=0.1) keeps a bool mask per score; eager also the fp32 softmax and the
+        # dropped probabilities; sdpa's math path (dropout on CPU) the fp32 softmax
+        a.scores += nh * s * (4 + e + 1) if ts.attn_impl == "eager" else nh * s * (4 + 1)
+        a.hidden += e * h                       # attention output
+        if saves("c_proj"):
+            a.hidden += e * h
+        a.hidden += h * (1 + e)                 # resid dropout mask + output
+        a.hidden += r * h                       # ln_2 input
+        if trainable_block:
+            a.hidden += e * h
+        i = ms.intermediate_size
+        if saves("c_fc"):
+            a.hidden += e * h
+        a.hidden += 4 * e * i                   # gelu_new saved tensors
+        if trainable_block or "c_proj" in lora_names:
+            a.hidden += e * i                   # mlp c_proj input
+        a.hidden += h * (1 + e)                 # resid dropout
+        return a
+
+    # Llama family
+    a.hidden += 4 * h                           # input_layernorm: fp32 input
+    if trainable_block:
+        a.hidden += r * h                       # normalised (norm weight grad; fp32 under amp)
+    a.hidden += group_input(("q_proj", "k_proj", "v_proj"), h)
+    eager = ts.attn_impl == "eager"
+    kv_saved = qd if (eager and kvd != qd) else kvd
+    a.hidden += e * (qd + 2 * kv_saved)         # q, k (RoPE'd), v
+    if eager:
+        a.scores += nh * s * (4 + (e if e < 4 else 0))
+        if amp:
+            a.scores += nh * s * 2
+    else:
+        a.hidden += e * qd                      # sdpa output (flash backward needs it)
+        a.scores += 4 * nh                      # logsumexp
+    a.hidden += group_input(("o_proj",), qd)  # o_proj input (contiguous copy)
+    a.hidden += 4 * h                           # post_attention_layernorm: fp32 input
+    if trainable_block:
+        a.hidden += r * h
+    if ms.is_moe:
+        E, k = ms.num_experts, max(ms.num_experts_per_tok, 1)
+        i = ms.moe_intermediate_size or ms.intermediate_size
+        a.hidden += e * h                       # router input (router reads the normed hidden)
+        a.hidden += E * (e + 4)                 # router logits + fp32 softmax
+        per_pair = e * (2 * i + i + h)          # gate_up, act, down output
+        if trainable_block:
+            per_pair += e * (h + i)             # gathered input, product
+        a.hidden += k * per_pair
+        return a
+    i = ms.intermediate_size
+    a.hidden += group_input(("gate_proj", "up_proj"), h)
+    a.hidden += 3 * e * i                       # gate, up, act
+    a.hidden += group_input(("down_proj",), i)
+    return a
+
+
+def _activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
+    """Saved activations of all blocks at the end of the forward.
+
+    Returns (hidden, scores, lora, one_block_working_set) in bytes for the micro-batch.
+    Without checkpointing every block the backward passes through keeps its saved tensors; blocks
+    below the lowest trainable block keep none (no tensor there requires grad). With gradient
+    checkpointing as HF/Lightning/mlx_lm do it (one checkpoint per block: transformers
+    ``modeling_utils.py`` ``_activation_checkpointing_enable``, torch ``utils/checkpoint.py``) each
+    block keeps only its input hidden state (e*h per token), and during the backward ONE block's
+    full working set is recomputed (counted in the ``backward``/``loss`` moments) -- not sqrt(L).
+    """
+    tokens = ts.batch_size * ts.seq_length
+    e = DTYPE_BYTES[ts.dtype]
+    n_grad = _grad_layers(ms, ts)
+    n_lora = _num_lora_layers(ms, ts)
+    full = ts.method == "full"
+    lora = not full
+    # blocks that train (full: all for hf; mlx: the last n) vs frozen blocks grads flow through
+    if full:
+        n_train = ms.num_layers if ts.framework != "mlx" else n_lora
+    else:
+        n_train = n_lora
+    n_frozen = max(n_grad - n_train, 0)
+    top = _block_act_per_token(ms, ts, lora=lora, trainable_block=full)
+    frozen = _block_act_per_token(ms, ts.replace(lora_targets=("__none__",)), lora=False,
+                                  trainable_block=False) if n_frozen else _Act()
+    one = int((top.hidden + top.scores + top.lora) * tokens)
+    if ts.grad_checkpoint:
+        amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
+        per = (4 if amp else e) * ms.hidden_size * tokens
+        return n_grad * per, 0, 0, one
+    hidden = (n_train * top.hidden + n_frozen * frozen.hidden) * tokens
+    scores = (n_train * top.scores + n_frozen * frozen.scores) * tokens
+    lo = n_train * top.lora * tokens
+    return int(hidden), int(scores), int(lo), one
+
+
+def _activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Bytes of activations one step saves across all blocks without checkpointing (with
+    checkpointing the same bytes pass through the heap during the recompute); drives the CPU heap
+    slack (see ``CPU_HEAP_SLACK_FORWARD``)."""
+    h, sc, lo, _ = _activations(ms, ts.replace(grad_checkpoint=False))
+    return h + sc + lo
+
+
+def _logits(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int]:
+    """Logits and loss working set, (loss-moment peak, final-norm/head saved) in bytes.
+
+    transformers 5.x ``LlamaForCausalLM.forward`` computes ``lm_head`` on every position
+    (``logits_to_keep=0``), and ``loss/loss_utils.py`` ``ForCausalLMLoss`` upcasts with
+    ``logits.float()`` and pads the labels instead of slicing the logits; ``cross_entropy`` =
+    ``log_softmax`` (saves its fp32 output) + ``nll_loss``. With N = batch x seq x vocab:
+      forward:  logits (e) + fp32 copy (4, absent when e = 4) + log_softmax output (4);
+      backward start: log_softmax output + nll_loss grad + log_softmax grad, all fp32 (3 x 4), the
+      logits being freed when ``compute_loss`` drops the model output;
+      head backward: grad in e (+ the fp32 grad while casting) -- below the backward-start peak.
+    So the loss moment holds max(e + 4 + 4 (or 8 when e = 4), 12) x N bytes.
+    mlx_lm (``tuner/trainer.py`` ``default_loss``) computes ``nn.losses.cross_entropy`` on the
+    model-dtype logits: logits + logsumexp-based loss + grad: ~3 x e x N.
+    """
+    e = DTYPE_BYTES[ts.dtype]
+    amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
+    n = ts.batch_size * ts.seq_length * ms.vocab_size
+    if ts.framework == "mlx":
+        return 3 * e * n, 0
+    fwd = (e + 4 + 4) if e < 4 else 8
+    if amp:
+        fwd = 2 + 4 + 4
+    peak = max(fwd, 12) * n
+    return peak, 0
+
+
+# ---------------------------------------------------------------------------------------------
+# main entry
+
+
+def _validate(ms, ts, correction) -> None:
+    if not isinstance(ms, ModelSpec):
+        raise ConfigError("model_spec", "a memguard_core.spec.ModelSpec", type(ms).__name__)
+    if not isinstance(ts, TrainSpec):
+        raise ConfigError("train_spec", "a memguard_core.spec.TrainSpec", type(ts).__name__)
+    if isinstance(correction, bool) or not isinstance(correction, (int, float)) \
+            or not (0 < float(correction) < 100) or math.isnan(float(correction)):
+        raise ConfigError("correction", "a positive factor (e.g. 1.0)", correction)
+    for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        v = getattr(ms, f)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"model_spec.{f}", "a positive integer", v)
+    if ms.params.total <= 0:
+        raise ConfigError("model_spec.params", "parameter counts with a positive total", ms.params)
+    if ts.method == "full" and _weight_bits(ms, ts) < 16 and ms.weight_bits < ms.dense_bits:
+        raise ConfigError("method", "lora or qlora for quantized weights (full fine-tuning cannot "
+                          "train 4/8-bit weights)", ts.method)
+
+
+def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float = 1.0) -> MemoryEstimate:
+    """Estimate the peak of ``train_spec.device``'s counter for one training process.
+
+    Args:
+        model_spec: the architecture (``memguard_core.spec.ModelSpec``).
+        train_spec: the training settings (``memguard_core.spec.TrainSpec``).
+        correction: multiplicative calibration factor (e.g. from past runs); the difference is
+            reported as the ``calibration`` term.
+
+    Returns:
+        MemoryEstimate with ``peak_bytes`` and the breakdown of the terms live at the peak moment
+        (see the module docstring for the three moments).
+
+    Raises:
+        ConfigError: a spec of the wrong type, a non-positive shape, a bad correction, full
+            fine-tuning of quantized weights, LoRA targets that match nothing.
+    """
+    _validate(model_spec, train_spec, correction)
+    ms, ts = model_spec, train_spec
+    notes: List[str] = []
+    trainable = trainable_param_count(ms, ts)
+    e = DTYPE_BYTES[ts.dtype]
+    tokens = ts.batch_size * ts.seq_length
+
+    weights = _weights(ms, ts, trainable)
+    copies = _weight_copies(ms, ts)
+    master = _master_weights(ms, ts, trainable)
+    pb = 4 if master else _param_bytes_trainable(ms, ts)
+    grads = pb * trainable if not master else int(ms.dense_bits // 8) * trainable
+    states = _optimizer_states(ms, ts, trainable)
+    opt_tmp = _optimizer_temporaries(ms, ts, trainable)
+    hidden, scores, lora_act, one_block = _activations(ms, ts)
+    logits_peak, _ = _logits(ms, ts)
+    # the final norm's saved input and the head's input (saved when the head trains)
+    head_in = 4 * ms.hidden_size * tokens
+    if ts.method == "full" and ts.framework != "mlx":
+        head_in += e * ms.hidden_size * tokens * 2
+    # eager causal mask (batch x 1 x s x s in the compute dtype), built once per forward
+    mask = ts.batch_size * ts.seq_length ** 2 * e if ts.attn_impl == "eager" else 0
+    # gradient checkpointing: the recomputed block's working set during the backward
+    recompute = one_block if ts.grad_checkpoint else 0
+    overhead = RUNTIME_OVERHEAD_BYTES[ts.device]
+
+    # moment 1: loss (grads resident only while accumulating)
+    grads_at_loss = grads if ts.grad_accum > 1 else 0
+    loss = dict(weights=weights, weight_copies=copies, gradients=grads_at_loss,
+                optimizer_states=states, master_weights=master, optimizer_temporaries=0,
+                backward_transients=0, activations=hidden + lora_act + head_in + recompute,
+                attention_scores=scores + mask, logits=logits_peak, runtime_overhead=overhead)
+    # moment 2: end of backward: all grads + embedding-grad transient (dense V x h, added into
+    # .grad: torch ``embedding_dense_backward`` + AccumulateGrad) + the first block's working set
+    emb_tmp = ms.vocab_size * ms.hidden_size * pb if (ts.method == "full" and ts.framework != "mlx") else 0
+    bwd = dict(weights=weights, weight_copies=copies, gradients=grads, backward_transients=emb_tmp,
+               optimizer_states=states, master_weights=master, optimizer_temporaries=0,
+               activations=min(one_block, hidden + lora_act + recompute) if _grad_layers(ms, ts) else 0,
+               attention_scores=0, logits=0, runtime_overhead=overhead)
+    # moment 3: optimizer step
+    opt = dict(weights=weights, weight_copies=0, gradients=grads, optimizer_states=states,
+               master_weights=master, optimizer_temporaries=opt_tmp, backward_transients=0,
+               activations=0,
+               attention_scores=0, logits=0, runtime_overhead=overhead)
+    phases = {"loss": loss, "backward": bwd, "optimizer": opt}
+    totals = {k: sum(v.values()) for k, v in phases.items()}
+    traffic = _activation_traffic(ms, ts)
+    logits_tensor = ts.batch_size * ts.seq_length * ms.vocab_size * 4
+    for k, v in phases.items():
+        if ts.device == "cuda":
+            slack = int(CUDA_FRAGMENTATION * (totals[k] - overhead))
+        elif ts.device == "cpu":
+            if k == "loss":
+                small_logits = logits_peak if logits_tensor < MMAP_THRESHOLD_MAX else 0
+                slack = int(CPU_HEAP_SLACK_FORWARD * (traffic + small_logits))
+            else:
+                slack = int(CPU_HEAP_SLACK_BACKWARD * traffic)
+        else:
+            slack = 0
+        v["allocator_slack"] = slack
+        totals[k] += slack
+    phase = max(totals, key=lambda k: totals[k])
+    chosen = phases[phase]
+    peak_raw = totals[phase]
+    peak = int(math.ceil(peak_raw * float(correction)))
+    breakdown = {k: int(chosen.get(k, 0)) for k in BREAKDOWN_ORDER if k != "calibration"}
+    breakdown["calibration"] = peak - peak_raw
+    if ts.grad_checkpoint:
+        notes.append("gradient checkpointing: one block input per layer + one recomputed block")
+    if ts.method == "qlora" and ms.weight_bits >= 8:
+        notes.append(f"QLoRA: block linears stored as NF4 ({NF4_BITS} bits)")
+    return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, counter=ts.device,
+                          model_spec=ms, train_spec=ts, trainable_params=trainable, phase=phase,
+                          phases=totals,
+                          phase_breakdowns={k: {t: int(v.get(t, 0)) for t in BREAKDOWN_ORDER
+                                                if t != "calibration"} for k, v in phases.items()},
+                          correction=float(correction), notes=tuple(notes))

@@ -1,0 +1,322 @@
+"""Planner: the least-degrading training settings that fit a memory budget.
+
+``plan(model_spec, train_spec, budget_bytes)`` returns the requested settings unchanged when their
+estimate fits; otherwise it walks the quality-preserving order of the seed product (memory-guard's
+auto-downgrade):
+
+1. gradient checkpointing (no quality cost, ~30% more compute);
+2. a smaller micro-batch with more gradient accumulation -- the effective batch is kept exactly:
+   the micro-batch is a divisor of the requested one (so an adapter can cut every batch into
+   ``split_factor`` equal row-chunks in place) and accumulation grows by the same factor;
+3. halve the sequence length;
+4. halve the LoRA rank;
+5. halve the number of LoRA layers;
+
+stopping at the first step where the estimate fits (earlier steps stay applied). Within the
+micro-batch step the LARGEST micro-batch that fits is taken; after a later step fits, the
+micro-batch is re-maximised for the new settings (a shorter sequence may let a larger micro-batch
+fit again). ``allow`` limits the steps (an adapter that can only split batches in place passes
+``allow=("grad_checkpoint", "micro_batch")``). When nothing fits, ``DoesNotFitError`` carries the
+shortfall and the suggestions that were not already applied (seed 002's list: 4-bit / QLoRA,
+shorter sequences, smaller LoRA rank, fewer LoRA layers, a smaller model, an 8-bit optimizer,
+more memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, List, Optional, Tuple
+
+from .errors import ConfigError, DoesNotFitError, require_fraction, require_positive_int
+from .estimate import MemoryEstimate, estimate
+from .spec import ModelSpec, TrainSpec
+
+__all__ = ["Change", "Plan", "plan", "budget_from_available", "STEPS", "DEFAULT_SAFETY_RATIO"]
+
+#: The downgrade steps in the order they are tried.
+STEPS = ("grad_checkpoint", "micro_batch", "seq_length", "lora_rank", "lora_layers")
+
+#: Fraction of the available memory the planner may use (the seed's ``safety_ratio=0.80``).
+DEFAULT_SAFETY_RATIO = 0.8
+
+#: Floors of the halving steps.
+MIN_SEQ_LENGTH = 64
+MIN_LORA_RANK = 1
+MIN_LORA_LAYERS = 1
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class Change:
+    """One setting the planner changed.
+
+    Attributes:
+        field: the TrainSpec field (``grad_checkpoint``, ``batch_size``, ``seq_length``,
+            ``lora_rank``, ``lora_layers``; a micro-batch change lists ``batch_size`` and
+            ``grad_accum`` as two Changes with the same reason).
+        old / new: the values before and after.
+        reason: a human sentence with the estimates that led to it.
+    """
+
+    field: str
+    old: Any
+    new: Any
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"field": self.field, "old": self.old, "new": self.new, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer.
+
+    Attributes:
+        fits: the chosen settings' estimate is within the budget (always True on return:
+            ``plan`` raises ``DoesNotFitError`` otherwise).
+        train_spec: the chosen settings.
+        original: the requested settings.
+        estimate: the estimate of the chosen settings.
+        budget_bytes: the budget planned against.
+        changes: what changed and why, in the order applied.
+        split_factor: original micro-batch / chosen micro-batch (an integer >= 1): adapters cut
+            each batch into this many row-chunks in place.
+    """
+
+    fits: bool
+    train_spec: TrainSpec
+    original: TrainSpec
+    estimate: MemoryEstimate
+    budget_bytes: int
+    changes: List[Change] = field(default_factory=list)
+    split_factor: int = 1
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.changes)
+
+    def to_dict(self) -> dict:
+        return {
+            "fits": self.fits,
+            "budget_bytes": int(self.budget_bytes),
+            "peak_bytes": int(self.estimate.peak_bytes),
+            "split_factor": int(self.split_factor),
+            "changes": [c.to_dict() for c in self.changes],
+            "estimate": self.estimate.to_dict(),
+        }
+
+
+def budget_from_available(available_bytes: int, safety_ratio: float = DEFAULT_SAFETY_RATIO) -> int:
+    """Budget = available x safety ratio (the seed's ``MemoryGuard.auto(safety_ratio=0.80)``).
+
+    Args:
+        available_bytes: memory the device offers now (bytes, >= 0).
+        safety_ratio: fraction in (0, 1].
+
+    Raises:
+        ConfigError: negative/non-integer available bytes, ratio outside (0, 1].
+    """
+    avail = require_positive_int("available_bytes", available_bytes, allow_zero=True)
+    ratio = require_fraction("safety_ratio", safety_ratio)
+    return int(avail * ratio)
+
+
+def _divisors_desc(n: int) -> List[int]:
+    return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
+
+
+def _validate(ms, ts, budget_bytes, allow, min_batch) -> Tuple[int, Tuple[str, ...], int]:
+    if not isinstance(ms, ModelSpec):
+        raise ConfigError("model_spec", "a memguard_core.spec.ModelSpec", type(ms).__name__)
+    if not isinstance(ts, TrainSpec):
+        raise ConfigError("train_spec", "a memguard_core.spec.TrainSpec", type(ts).__name__)
+    budget = require_positive_int("budget_bytes", budget_bytes)
+    if isinstance(allow, str):
+        allow = (allow,)
+    try:
+        allow = tuple(allow)
+    except TypeError:
+        raise ConfigError("allow", "a list of " + ", ".join(STEPS), allow) from None
+    bad = [a for a in allow if a not in STEPS]
+    if bad:
+        raise ConfigError("allow", "a list of " + ", ".join(STEPS), bad)
+    min_batch = require_positive_int("min_batch", min_batch)
+    return budget, allow, min_batch
+
+
+class _Search:
+    def __init__(self, ms, ts, budget, correction):
+        self.ms, self.budget, self.correction = ms, budget, correction
+        self.cur = ts
+        self.est = estimate(ms, ts, correction=correction)
+        self.changes: List[Change] = []
+        self.cache = {}
+
+    def est_of(self, ts: TrainSpec) -> MemoryEstimate:
+        if ts not in self.cache:
+            self.cache[ts] = estimate(self.ms, ts, correction=self.correction)
+        return self.cache[ts]
+
+    def fits(self, ts: Optional[TrainSpec] = None) -> bool:
+        e = self.est if ts is None else self.est_of(ts)
+        return e.peak_bytes <= self.budget
+
+    def apply(self, ts: TrainSpec, fields: Iterable[str], reason: str) -> None:
+        for f in fields:
+            self.changes.append(Change(f, getattr(self.cur, f), getattr(ts, f), reason))
+        self.cur, self.est = ts, self.est_of(ts)
+
+    def verdict(self, ts: TrainSpec) -> str:
+        p = self.est_of(ts).peak_bytes
+        rel = "<=" if p <= self.budget else ">"
+        return f"estimated peak {_gib(p)} {rel} budget {_gib(self.budget)}"
+
+    # ---- steps -------------------------------------------------------------------------------
+
+    def micro_batch(self, original: TrainSpec, min_batch: int) -> None:
+        """Largest divisor of the original micro-batch (>= min_batch) that fits, accumulation
+        scaled by the same factor; the smallest such divisor when none fits."""
+        ob, oa = original.batch_size, original.grad_accum
+        cands = [d for d in _divisors_desc(ob) if d >= min(min_batch, ob) and d <= self.cur.batch_size]
+        if not cands:
+            return
+        chosen = None
+        for d in cands:
+            t = self.cur.replace(batch_size=d, grad_accum=oa * (ob // d))
+            chosen = t
+            if self.fits(t):
+                break
+        if chosen is None or chosen.batch_size == self.cur.batch_size:
+            return
+        self._apply_micro(chosen)
+
+    def _apply_micro(self, t: TrainSpec) -> None:
+        c = self.cur
+        eff = t.batch_size * t.grad_accum
+        tail = self.verdict(t)
+        bigger = [d for d in _divisors_desc(c.batch_size * 1) if d > t.batch_size]
+        if bigger and t.batch_size != c.batch_size:
+            nxt = min(d for d in _divisors_desc(c.batch_size) if d > t.batch_size)
+            e_n = self.est_of(c.replace(batch_size=nxt, grad_accum=eff // nxt))
+            if e_n.peak_bytes > self.budget:
+                tail += f" (at {nxt}: {_gib(e_n.peak_bytes)} > budget)"
+        reason = (f"micro-batch {c.batch_size} -> {t.batch_size} with gradient accumulation "
+                  f"{c.grad_accum} -> {t.grad_accum} keeps the effective batch of {eff}; {tail}")
+        self.apply(t, ("batch_size", "grad_accum"), reason)
+
+    def remaximise_micro(self, original: TrainSpec) -> None:
+        """After a later step fits, take the largest micro-batch that still fits."""
+        ob, oa = original.batch_size, original.grad_accum
+        for d in _divisors_desc(ob):
+            if d <= self.cur.batch_size:
+                return
+            t = self.cur.replace(batch_size=d, grad_accum=oa * (ob // d))
+            if self.fits(t):
+                c = self.cur
+                reason = (f"micro-batch {c.batch_size} -> {d} with gradient accumulation "
+                          f"{c.grad_accum} -> {t.grad_accum} (the largest that fits after the "
+                          f"changes above; effective batch {d * t.grad_accum}); {self.verdict(t)}")
+                self.apply(t, ("batch_size", "grad_accum"), reason)
+                return
+
+    def halve(self, fld: str, floor: int, what: str) -> None:
+        """Halve ``fld`` until the estimate fits or the floor is reached."""
+        while not self.fits():
+            v = getattr(self.cur, fld)
+            if v is None:
+                v = self.ms.num_layers
+            nv = max(v // 2, floor)
+            if nv >= v:
+                return
+            t = self.cur.replace(**{fld: nv})
+            self.apply(t, (fld,), f"{what} {v} -> {nv}: {self.verdict(t)}")
+
+
+def plan(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
+         allow: Iterable[str] = STEPS, min_batch: int = 1, correction: float = 1.0) -> Plan:
+    """Find the least-degrading settings whose estimated peak fits ``budget_bytes``.
+
+    Args:
+        model_spec / train_spec: what to train and how (requested settings).
+        budget_bytes: bytes the run may use (``budget_from_available(available, ratio)``).
+        allow: which steps may be taken, a subset of ``STEPS``.
+        min_batch: smallest micro-batch the planner may choose.
+        correction: calibration factor passed to ``estimate``.
+
+    Returns:
+        Plan (``fits=True``); unchanged settings and no changes when the request already fits.
+
+    Raises:
+        ConfigError: bad specs, budget <= 0, unknown step in ``allow``, min_batch < 1.
+        DoesNotFitError: no allowed combination fits; with shortfall (best peak - budget), the
+            budget, the best peak and the suggestions not already applied.
+    """
+    budget, allow, min_batch = _validate(model_spec, train_spec, budget_bytes, allow, min_batch)
+    ms, ts = model_spec, train_spec
+    s = _Search(ms, ts, budget, correction)
+
+    def done() -> Plan:
+        if s.changes and any(c.field not in ("batch_size", "grad_accum") for c in s.changes) \
+                and "micro_batch" in allow:
+            s.remaximise_micro(ts)
+        return Plan(fits=True, train_spec=s.cur, original=ts, estimate=s.est, budget_bytes=budget,
+                    changes=list(s.changes), split_factor=ts.batch_size // s.cur.batch_size)
+
+    if s.fits():
+        return done()
+    lora = ts.method != "full"
+    for step in STEPS:
+        if step not in allow:
+            continue
+        if step == "grad_checkpoint" and not s.cur.grad_checkpoint:
+            t = s.cur.replace(grad_checkpoint=True)
+            s.apply(t, ("grad_checkpoint",),
+                    f"gradient checkpointing keeps one block input per layer and recomputes the "
+                    f"rest in the backward; {s.verdict(t)}")
+        elif step == "micro_batch":
+            s.micro_batch(ts, min_batch)
+        elif step == "seq_length":
+            s.halve("seq_length", min(MIN_SEQ_LENGTH, s.cur.seq_length), "sequence length")
+        elif step == "lora_rank" and lora:
+            s.halve("lora_rank", MIN_LORA_RANK, "LoRA rank")
+        elif step == "lora_layers" and lora:
+            s.halve("lora_layers", MIN_LORA_LAYERS, "LoRA layers (last N blocks)")
+        if s.fits():
+            return done()
+
+    raise DoesNotFitError(s.est.peak_bytes - budget, budget, s.est.peak_bytes,
+                          _suggestions(ms, ts, s.cur, allow))
+
+
+def _suggestions(ms: ModelSpec, original: TrainSpec, cur: TrainSpec, allow) -> List[str]:
+    """Seed 002's list, minus what is already applied."""
+    out = []
+    if cur.method != "qlora" and ms.weight_bits >= 8:
+        out.append("quantize the base model to 4-bit and train QLoRA (load_in_4bit=True, "
+                   "bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True)")
+    if not cur.grad_checkpoint:
+        out.append("enable gradient checkpointing")
+    if cur.batch_size > 1:
+        out.append(f"use micro-batch 1 with gradient accumulation {cur.batch_size * cur.grad_accum}")
+    if cur.seq_length > 64:
+        out.append(f"use shorter sequences (now {cur.seq_length} tokens)")
+    if cur.method != "full" and cur.lora_rank > 1:
+        out.append(f"use a smaller LoRA rank (now {cur.lora_rank})")
+    if cur.method != "full":
+        n = cur.lora_layers or ms.num_layers
+        if n > 1:
+            out.append(f"put LoRA on fewer layers (now {n})")
+    if cur.method == "full":
+        out.append("train LoRA adapters instead of the full model")
+    if cur.optimizer in ("adam", "adamw"):
+        out.append("use an 8-bit optimizer (optim='adamw_bnb_8bit')")
+    if cur.attn_impl == "eager":
+        out.append("use attn_implementation='sdpa' (O(s) attention memory)")
+    if cur.dtype == "fp32" or cur.mixed_precision:
+        out.append("load the weights in bf16 (half the weight memory)")
+    out.append("use a smaller model")
+    out.append("run on a machine (or container limit) with more memory")
+    return out

@@ -1,0 +1,232 @@
+"""Estimator components against hand-computed values, monotonicity, and input validation.
+
+The tiny spec used throughout (a Llama layout, counted by hand):
+  vocab V=1000, hidden h=64, intermediate i=128, L=2 layers, 4 heads of 16, 2 kv heads (GQA).
+  per block: q 64x64=4096, k 64x32=2048, v 64x32=2048, o 64x64=4096     -> attention 12288
+             gate/up/down 3 x 64x128 = 24576                            -> mlp 24576
+             2 RMSNorms x 64 = 128
+  embeddings 1000x64 = 64000, untied lm_head 64000, final norm 64.
+  total = 64000 + 2*12288 + 2*24576 + (2*128 + 64) + 64000 = 202048
+"""
+
+import json
+
+import pytest
+
+from memguard_core.errors import ConfigError
+from memguard_core.estimate import (NF4_BITS, RUNTIME_OVERHEAD_BYTES, MemoryEstimate, estimate,
+                                    trainable_param_count)
+from memguard_core.spec import ModelSpec, ParamCounts, TrainSpec
+
+TOTAL = 202048
+
+
+def tiny(**kw) -> ModelSpec:
+    p = ParamCounts(embeddings=64000, attention=2 * 12288, mlp=2 * 24576, norms=2 * 128 + 64,
+                    norms_in_blocks=2 * 128, lm_head=64000)
+    base = dict(name="tiny", model_type="llama", vocab_size=1000, hidden_size=64,
+                intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                params=p, weight_bits=32.0, dense_bits=32.0)
+    base.update(kw)
+    return ModelSpec(**base)
+
+
+def moe(experts=8, top_k=2) -> ModelSpec:
+    h, i, L = 64, 96, 2
+    p = ParamCounts(embeddings=1000 * h, attention=L * 12288, experts=L * experts * 3 * h * i,
+                    router=L * experts * h, norms=L * 2 * h + h, norms_in_blocks=L * 2 * h,
+                    lm_head=1000 * h)
+    return tiny(params=p, num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=i,
+                intermediate_size=i, model_type="mixtral")
+
+
+def ts(**kw) -> TrainSpec:
+    base = dict(batch_size=2, seq_length=8, dtype="fp32", method="full", optimizer="adamw",
+                device="cpu")
+    base.update(kw)
+    return TrainSpec(**base)
+
+
+def test_param_total_is_the_hand_count():
+    assert tiny().params.total == TOTAL
+
+
+def test_full_fp32_adamw_components():
+    e = estimate(tiny(), ts())
+    opt = e.phase_breakdowns["optimizer"]
+    bwd = e.phase_breakdowns["backward"]
+    assert e.trainable_params == TOTAL
+    assert opt["weights"] == TOTAL * 4 == 808192
+    assert opt["gradients"] == TOTAL * 4                      # grads of every parameter, fp32
+    assert opt["optimizer_states"] == 2 * 4 * TOTAL == 1616384  # exp_avg + exp_avg_sq, fp32
+    assert opt["optimizer_temporaries"] == 0                   # fused AdamW
+    # end of backward: the embedding gradient transient V x h fp32
+    assert bwd["backward_transients"] == 1000 * 64 * 4
+    assert opt["runtime_overhead"] == RUNTIME_OVERHEAD_BYTES["cpu"]
+
+
+def test_breakdown_sums_to_peak_and_json():
+    for t in (ts(), ts(method="lora", dtype="bf16"), ts(device="cuda"), ts(device="mlx", framework="mlx")):
+        e = estimate(tiny(), t)
+        assert sum(e.breakdown.values()) == e.peak_bytes
+        d = json.loads(json.dumps(e.to_dict()))
+        assert d["peak_bytes"] == e.peak_bytes and isinstance(d["peak_bytes"], int)
+        assert all(isinstance(v, int) for v in d["breakdown"].values())
+        assert d["counter"] == t.device
+    e = estimate(tiny(), ts(), correction=1.1)
+    assert sum(e.breakdown.values()) == e.peak_bytes
+    assert e.breakdown["calibration"] > 0
+
+
+def test_optimizers():
+    states = {o: estimate(tiny(), ts(optimizer=o)).phase_breakdowns["optimizer"]["optimizer_states"]
+              for o in ("adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit", "adafactor")}
+    assert states["adam"] == states["adamw"] == 8 * TOTAL
+    assert states["sgd"] == 0                    # HF "sgd": torch SGD without momentum
+    assert states["sgd-momentum"] == 4 * TOTAL
+    # 2 x 1 byte + fp32 absmax per 256 elements: 202048 * 2.03125 = 410410
+    assert states["adamw-8bit"] == 410410
+    # Adafactor, factored: per block sum(in+out) = 128+96+96+128+192+192+192 = 1024, x2 blocks;
+    # block norms 2 x 128 full; embedding 1000+64, head 1000+64, final norm 64  -> 4496 fp32
+    assert states["adafactor"] == 4 * (2 * 1024 + 256 + 1064 + 1064 + 64) == 17984
+
+
+def test_lora_counts_and_weights():
+    # LoRA r=8 on q (64->64) and v (64->32): 8*(64+64) + 8*(64+32) = 1792 per block, 2 blocks
+    t = ts(method="lora", lora_rank=8, lora_targets=("q_proj", "v_proj"), dtype="bf16")
+    m = tiny(weight_bits=16.0, dense_bits=16.0)
+    assert trainable_param_count(m, t) == 3584
+    e = estimate(m, t)
+    # bf16 base (2 bytes) + fp32 adapters (PEFT autocast_adapter_dtype)
+    assert e.breakdown["weights"] == TOTAL * 2 + 3584 * 4 == 418432
+    assert e.phase_breakdowns["optimizer"]["gradients"] == 3584 * 4
+    assert e.phase_breakdowns["optimizer"]["optimizer_states"] == 3584 * 8
+    # lora_layers=1: only the last block
+    assert trainable_param_count(m, t.replace(lora_layers=1)) == 1792
+    # all-linear: q,k,v,o,gate,up,down: 8 * (128+96+96+128+192+192+192) = 8192 per block
+    assert trainable_param_count(m, t.replace(lora_targets=("all-linear",))) == 2 * 8192
+
+
+def test_qlora_quantizes_block_linears_only():
+    m = tiny(weight_bits=16.0, dense_bits=16.0)
+    e = estimate(m, ts(method="qlora", dtype="bf16"))
+    block_linears = 2 * 12288 + 2 * 24576            # 73728 at 4.5 bits
+    dense = TOTAL - block_linears                     # embeddings, head, norms at 16 bits
+    assert e.breakdown["weights"] == int(block_linears * NF4_BITS / 8 + dense * 2) + 3584 * 4
+    # a spec already quantized with double quant keeps its 4.127 bits
+    e2 = estimate(m.replace(weight_bits=4.127), ts(method="qlora", dtype="bf16"))
+    assert e2.breakdown["weights"] < e.breakdown["weights"]
+
+
+def test_logits_term_hand_computed():
+    # N = b*s*V = 2*8*1000 = 16000; loss moment holds the fp32 log_softmax output, the nll grad
+    # and the log_softmax grad: 3 x 4 bytes x N
+    e = estimate(tiny(), ts(method="lora"))
+    assert e.phase_breakdowns["loss"]["logits"] == 12 * 16000
+    # bf16 forward holds bf16 logits + fp32 copy + log_softmax (10 B) < 12 B of the backward start
+    e = estimate(tiny(weight_bits=16.0, dense_bits=16.0), ts(method="lora", dtype="bf16"))
+    assert e.phase_breakdowns["loss"]["logits"] == 12 * 16000
+
+
+def test_lora_activations_hand_computed():
+    # per token per block, fp32, sdpa, LoRA on q and v (bytes):
+    #   input_layernorm fp32 input 4*64=256; q/v LoRA input (shared) 256; q 4*64=256; k 4*32=128;
+    #   v 128; sdpa output 256; post-attn norm input 256; gate, up, act 3*4*128=1536  -> 3072
+    #   logsumexp 4 bytes x 4 heads = 16 (attention_scores); LoRA x@A: 2 x 8 x 4 = 64
+    # 16 tokens, 2 blocks; plus the final norm input 4*64*16 = 4096
+    e = estimate(tiny(), ts(method="lora"))
+    lb = e.phase_breakdowns["loss"]
+    assert lb["activations"] == 3072 * 16 * 2 + 64 * 16 * 2 + 4096 == 104448
+    assert lb["attention_scores"] == 16 * 16 * 2
+
+
+def test_mlx_full_trains_blocks_only():
+    m = tiny()
+    blocks = 2 * 12288 + 2 * 24576 + 2 * 128
+    assert trainable_param_count(m, ts(framework="mlx", device="mlx")) == blocks
+    assert trainable_param_count(m, ts(framework="hf")) == TOTAL
+
+
+def test_monotone_in_batch_and_seq():
+    m = tiny()
+    for method in ("full", "lora"):
+        peaks = [estimate(m, ts(method=method, batch_size=b, seq_length=64)).peak_bytes for b in (1, 2, 4, 8)]
+        assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+        peaks = [estimate(m, ts(method=method, batch_size=2, seq_length=s)).peak_bytes for s in (16, 64, 256, 1024)]
+        assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+
+
+def test_checkpointing_and_attention_impl():
+    m = tiny()
+    t = ts(method="lora", batch_size=4, seq_length=512)
+    a = estimate(m, t).phase_breakdowns["loss"]
+    g = estimate(m, t.replace(grad_checkpoint=True)).phase_breakdowns["loss"]
+    assert g["activations"] + g["attention_scores"] < a["activations"] + a["attention_scores"]
+    # checkpointing keeps L block inputs (4*64 bytes per token each) + one recomputed block + head
+    assert g["activations"] >= 2 * 4 * 64 * 4 * 512
+    eager = estimate(m, t.replace(attn_impl="eager"))
+    sdpa = estimate(m, t)
+    assert sdpa.peak_bytes <= eager.peak_bytes
+    # eager keeps the fp32 softmax: heads x s^2 x 4 bytes per row and block, and the b x s^2 mask
+    assert eager.phase_breakdowns["loss"]["attention_scores"] >= 2 * 4 * 4 * 512 * 512 * 4
+
+
+def test_moe_counts_active_experts_only():
+    t = ts(method="lora", batch_size=2, seq_length=128)
+    a8 = estimate(moe(8, 2), t).phase_breakdowns["loss"]["activations"]
+    a32 = estimate(moe(32, 2), t).phase_breakdowns["loss"]["activations"]
+    a8k4 = estimate(moe(8, 4), t).phase_breakdowns["loss"]["activations"]
+    # more experts (same top-k): only the router logits grow (E x (4 + 4) bytes per token per block)
+    assert a32 - a8 == (32 - 8) * 8 * 256 * 2
+    # top-k 2 -> 4: per extra (token, expert) pair gate_up + act (3i) and the down output (h), fp32
+    assert a8k4 - a8 == 2 * 4 * (3 * 96 + 64) * 256 * 2
+
+
+def test_gqa_uses_kv_heads():
+    t = ts(method="lora", batch_size=2, seq_length=64)
+    gqa = estimate(tiny(num_kv_heads=2), t).phase_breakdowns["loss"]["activations"]
+    mha = estimate(tiny(num_kv_heads=4), t).phase_breakdowns["loss"]["activations"]
+    # k and v: 2 x (64 - 32) x 4 bytes per token per block
+    assert mha - gqa == 2 * 32 * 4 * 128 * 2
+
+
+def test_mixed_precision_and_master_weights():
+    m32 = tiny()
+    amp = estimate(m32, ts(dtype="bf16", mixed_precision=True))
+    assert amp.phase_breakdowns["loss"]["weight_copies"] > 0     # autocast bf16 weight casts
+    assert amp.breakdown["master_weights"] == 0                  # fp32 weights are the masters
+    m16 = tiny(weight_bits=16.0, dense_bits=16.0)
+    masters = estimate(m16, ts(dtype="bf16", mixed_precision=True))
+    assert masters.phase_breakdowns["optimizer"]["master_weights"] == 4 * TOTAL
+    plain = estimate(m16, ts(dtype="bf16"))
+    assert plain.phase_breakdowns["optimizer"]["master_weights"] == 0
+    assert plain.phase_breakdowns["optimizer"]["optimizer_states"] == 2 * 2 * TOTAL  # bf16 states
+
+
+def test_counters_differ_by_overhead():
+    m = tiny()
+    cpu = estimate(m, ts(device="cpu"))
+    mlx = estimate(m, ts(device="mlx", framework="mlx"))
+    cuda = estimate(m, ts(device="cuda"))
+    assert cpu.counter == "cpu" and mlx.counter == "mlx" and cuda.counter == "cuda"
+    assert mlx.breakdown["runtime_overhead"] == 0
+    assert cuda.breakdown["runtime_overhead"] == RUNTIME_OVERHEAD_BYTES["cuda"]
+    assert cuda.breakdown["allocator_slack"] > 0
+
+
+def test_bad_inputs():
+    with pytest.raises(ConfigError) as ei:
+        estimate({"hidden_size": 64}, ts())
+    assert ei.value.field == "model_spec"
+    with pytest.raises(ConfigError) as ei:
+        estimate(tiny(), {"batch_size": 1})
+    assert ei.value.field == "train_spec"
+    with pytest.raises(ConfigError):
+        estimate(tiny(), ts(), correction=0)
+    with pytest.raises(ConfigError) as ei:
+        estimate(tiny(), ts(method="lora", lora_targets=("nope",)))
+    assert ei.value.field == "lora_targets"
+    with pytest.raises(ConfigError):
+        estimate(tiny(weight_bits=4.5, dense_bits=16.0), ts(method="full", dtype="bf16"))
+    with pytest.raises(ConfigError):
+        estimate(tiny(hidden_size=0), ts())

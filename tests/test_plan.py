@@ -1,0 +1,144 @@
+"""Planner: fits unchanged, the seed's order, exact effective batch, `allow`, DoesNotFitError.
+
+Budgets are placed between real estimates of neighbouring settings, so each test checks the
+planner's choice against the estimator it plans with.
+"""
+
+import pytest
+
+from memguard_core.errors import ConfigError, DoesNotFitError
+from memguard_core.estimate import estimate
+from memguard_core.plan import Plan, budget_from_available, plan
+from memguard_core.spec import ModelSpec, ParamCounts, TrainSpec
+
+
+def spec() -> ModelSpec:
+    # a Llama-style spec with a big vocabulary, so batch and sequence move the peak a lot
+    h, i, L, V = 256, 688, 4, 32000
+    p = ParamCounts(embeddings=V * h, attention=L * (4 * h * h), mlp=L * 3 * h * i,
+                    norms=L * 2 * h + h, norms_in_blocks=L * 2 * h, lm_head=V * h)
+    return ModelSpec(name="t", model_type="llama", vocab_size=V, hidden_size=h, intermediate_size=i,
+                     num_layers=L, num_heads=4, num_kv_heads=4, head_dim=64, params=p,
+                     weight_bits=32.0, dense_bits=32.0)
+
+
+def ts(**kw) -> TrainSpec:
+    base = dict(batch_size=8, seq_length=512, method="lora", lora_rank=16, dtype="fp32",
+                attn_impl="eager", device="cpu")
+    base.update(kw)
+    return TrainSpec(**base)
+
+
+def peak(t: TrainSpec) -> int:
+    return estimate(spec(), t).peak_bytes
+
+
+def test_fits_unchanged():
+    t = ts()
+    p = plan(spec(), t, peak(t) + 1)
+    assert isinstance(p, Plan) and p.fits
+    assert p.train_spec == t and p.original == t and p.changes == [] and p.split_factor == 1
+    assert p.estimate.peak_bytes == peak(t)
+
+
+def test_checkpointing_first():
+    t = ts()
+    gc = t.replace(grad_checkpoint=True)
+    assert peak(gc) < peak(t)
+    p = plan(spec(), t, peak(gc))
+    assert p.train_spec == gc
+    assert [c.field for c in p.changes] == ["grad_checkpoint"]
+    assert p.split_factor == 1 and "checkpointing" in p.changes[0].reason
+
+
+def test_micro_batch_keeps_effective_batch_and_takes_largest_that_fits():
+    t = ts(grad_accum=3)
+    at = {b: peak(t.replace(grad_checkpoint=True, batch_size=b, grad_accum=3 * 8 // b)) for b in (8, 4, 2, 1)}
+    p = plan(spec(), t, at[2])      # 2 fits, 4 does not
+    assert at[4] > at[2]
+    c = p.train_spec
+    assert (c.batch_size, c.grad_accum, c.grad_checkpoint) == (2, 12, True)
+    assert c.effective_batch == t.effective_batch == 24
+    assert p.split_factor == 4
+    fields = [ch.field for ch in p.changes]
+    assert fields == ["grad_checkpoint", "batch_size", "grad_accum"]
+    reason = p.changes[1].reason
+    assert "8 -> 2" in reason and "3 -> 12" in reason and "effective batch of 24" in reason
+
+
+def test_odd_batch_uses_divisors():
+    t = ts(batch_size=6, grad_accum=1)
+    at1 = peak(t.replace(grad_checkpoint=True, batch_size=1, grad_accum=6))
+    at3 = peak(t.replace(grad_checkpoint=True, batch_size=3, grad_accum=2))
+    p = plan(spec(), t, at3)
+    assert (p.train_spec.batch_size, p.train_spec.grad_accum, p.split_factor) == (3, 2, 2)
+    p = plan(spec(), t, at1)
+    assert (p.train_spec.batch_size, p.train_spec.grad_accum, p.split_factor) == (1, 6, 6)
+    assert p.train_spec.effective_batch == 6
+
+
+def test_allow_limits_the_changes():
+    t = ts()
+    at2 = peak(t.replace(batch_size=2, grad_accum=4))
+    p = plan(spec(), t, at2, allow=("micro_batch",))
+    assert not p.train_spec.grad_checkpoint
+    assert (p.train_spec.batch_size, p.train_spec.grad_accum) == (2, 4)
+    # only checkpointing allowed and it is not enough -> does not fit
+    with pytest.raises(DoesNotFitError):
+        plan(spec(), t, at2, allow=("grad_checkpoint",))
+    with pytest.raises(ConfigError):
+        plan(spec(), t, at2, allow=("quantize",))
+
+
+def test_min_batch_respected():
+    t = ts()
+    at1 = peak(t.replace(grad_checkpoint=True, batch_size=1, grad_accum=8))
+    p = plan(spec(), t, at1, min_batch=2, allow=("grad_checkpoint", "micro_batch", "seq_length"))
+    assert p.train_spec.batch_size >= 2
+    assert p.train_spec.seq_length < 512          # had to shorten the sequence instead
+
+
+def test_sequence_then_rank_then_layers():
+    t = ts(batch_size=1)
+    floor = t.replace(grad_checkpoint=True)
+    half = floor.replace(seq_length=256)
+    p = plan(spec(), t, peak(half))
+    assert p.train_spec.seq_length == 256 and p.train_spec.lora_rank == 16
+    assert [c.field for c in p.changes] == ["grad_checkpoint", "seq_length"]
+
+
+def test_does_not_fit_error():
+    t = ts()
+    with pytest.raises(DoesNotFitError) as ei:
+        plan(spec(), t, 100 * 2**20)
+    err = ei.value
+    assert err.budget_bytes == 100 * 2**20
+    assert err.shortfall_bytes == err.best_peak_bytes - err.budget_bytes > 0
+    text = "\n".join(err.suggestions)
+    assert "4-bit" in text and "smaller model" in text and "more memory" in text
+    assert "8-bit optimizer" in text
+    # already applied by the planner: not suggested again
+    assert "enable gradient checkpointing" not in text
+    assert "micro-batch 1" not in text
+
+
+def test_budget_from_available():
+    assert budget_from_available(10_000) == 8_000
+    assert budget_from_available(10_000, 0.5) == 5_000
+    assert budget_from_available(10_000, 1.0) == 10_000
+    for bad in (0, -0.1, 1.2, "0.8"):
+        with pytest.raises(ConfigError):
+            budget_from_available(10_000, bad)
+    with pytest.raises(ConfigError):
+        budget_from_available(-1)
+
+
+def test_bad_inputs():
+    with pytest.raises(ConfigError):
+        plan("spec", ts(), 10**9)
+    with pytest.raises(ConfigError):
+        plan(spec(), {"batch_size": 1}, 10**9)
+    with pytest.raises(ConfigError):
+        plan(spec(), ts(), 0)
+    with pytest.raises(ConfigError):
+        plan(spec(), ts(), 10**9, min_batch=0)

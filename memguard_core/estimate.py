@@ -353,15 +353,18 @@ def _optimizer_temporaries(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
 
     * torch adam/adamw: HF's default ``adamw_torch_fused`` (transformers ``training_args.py``, torch
       >= 2.8) runs the fused kernel in place: none. sgd / sgd-momentum update in place: none.
-    * adafactor: HF's loop upcasts the gradient and builds ``update = grad**2 + eps`` and the
-      factored approximation for one parameter at a time: ~3 fp32 copies of the largest tensor.
+    * adafactor: HF's loop (transformers ``optimization.py`` ``Adafactor.step``) works one
+      parameter at a time: ``update = grad**2 + eps`` and ``update = _approx_sq_grad(row, col)``
+      (the first freed as the second is built, the rest in place) -- 2 fp32 copies of the largest
+      tensor; half-precision parameters add their fp32 upcasts of ``grad`` and ``p`` (2 more).
     * mlx: ``mx.eval`` of the new parameters and states materialises them before the old arrays
       are released: one extra copy of the trainable parameters (MLX arrays are immutable).
     """
     if ts.framework == "mlx" and ts.optimizer != "sgd":
         return trainable * _param_bytes_trainable(ms, ts)
     if ts.optimizer == "adafactor":
-        return 3 * 4 * _largest_trainable_tensor(ms, ts)
+        copies = 2 if _param_bytes_trainable(ms, ts) == 4 else 4
+        return copies * 4 * _largest_trainable_tensor(ms, ts)
     return 0
 
 

@@ -9,6 +9,9 @@ The monitor decides; the framework adapters act. Decisions escalate with the lev
   ``mx.clear_cache``); a critical level that persists after a clean escalates to ``split``
 * ``emergency`` -> ``split`` (the adapter doubles the micro-batch split factor k)
 
+The per-step sample (the peak of the last micro-batch) sets the level, up or down with hysteresis;
+the background sample (the current figure, which swings within a step) can only raise it.
+
 Usage is measured as a fraction of the *effective budget*::
 
     effective_budget = min(budget_bytes, (process_bytes + available_bytes) * safety_ratio)
@@ -228,6 +231,10 @@ class MemoryMonitor:
             self.max_usage = max(self.max_usage, usage)
             prev = self.level
             level = self.thresholds.level_for(usage, prev)
+            if source == "background" and level <= prev:
+                # the background thread sees the current figure, which swings within a step: it acts
+                # only when it escalates; the per-step peak alone keeps or lowers the level
+                return Action.NONE
             self.level = level
             action = Action.NONE
             if level == Level.OK:
@@ -269,9 +276,9 @@ class MemoryMonitor:
                 return action
             event = MemoryEvent(step, level, action, usage, int(used_bytes), int(budget_bytes),
                                 self._split, source, msg)
+        self._emit(event)
         if action is Action.CLEAN:
             self._safe(self._clean_fn, "clean")
-        self._emit(event)
         return action
 
     # ----- sampling ----------------------------------------------------------------------------

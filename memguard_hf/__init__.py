@@ -5,5 +5,6 @@
 """
 
 from .callback import MemGuardCallback, is_oom_error
+from .resume import RESUME_ENV, resume_checkpoint
 
-__all__ = ["MemGuardCallback", "is_oom_error"]
+__all__ = ["MemGuardCallback", "is_oom_error", "resume_checkpoint", "RESUME_ENV"]

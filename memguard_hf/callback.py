@@ -230,7 +230,7 @@ class MemGuardCallback(TrainerCallback):
             try:
                 self.preflight = run_preflight(trainer, budget_bytes=budget, safety_ratio=self.safety_ratio,
                                                seq_length=self.seq_length, apply=self.apply,
-                                               device=self.device)
+                                               device=self.device, plan_fraction=self.thresholds.warning)
             except DoesNotFitError:
                 if self.fail_fast:
                     raise

@@ -5,8 +5,9 @@ The model has SmolLM2-135M's architecture (Llama, 30 blocks, hidden 576, GQA 9/3
 no model hub here. The text shipped with memguard is tokenised byte-wise (ids 3..258 of the 49152
 vocabulary), so no tokenizer download is needed either.
 
-The budget is chosen so that the requested micro-batch does not fit (the estimate of half the
-micro-batch with checkpointing, plus 5 %); the preflight plans, and the callback applies the plan in
+The budget is chosen so that the requested micro-batch does not fit (half of it with
+checkpointing fits below the guard's 85 % warning level, which the preflight plans against); the
+preflight plans, and the callback applies the plan in
 place. At ``--squeeze-at`` the demo takes 15 % of the budget away, as a co-tenant arriving in the
 same container would, and the runtime guard reacts. At the end: the estimate vs the measured peak
 (VmHWM) and the proof that the effective batch was kept.
@@ -117,9 +118,9 @@ def run_demo(args) -> int:
         budget = int(args.budget_gib * 2**30)
     else:
         half = ts.replace(batch_size=max(1, ts.batch_size // 2), grad_accum=ts.grad_accum * 2, grad_checkpoint=True)
-        budget = int(estimate(ms, half).peak_bytes * 1.05)
-        con.print(f"budget: {gib(budget)} (chosen so the requested micro-batch does not fit: the estimate "
-                  f"of half of it with checkpointing, + 5%)")
+        budget = int(estimate(ms, half).peak_bytes / 0.85 * 1.03)
+        con.print(f"budget: {gib(budget)} (chosen so the requested micro-batch does not fit: half of it with "
+                  f"checkpointing fits below the guard's 85% warning level, which the preflight plans against)")
     con.print(estimate_table(requested, budget, title="preflight: requested settings"))
 
     guard = MemGuardCallback(budget_bytes=budget, seq_length=args.seq_length, monitor_interval_s=0.2)

@@ -161,6 +161,7 @@ class Preflight:
         estimate: ``MemoryEstimate`` of the requested settings.
         plan: ``Plan`` chosen (``plan.estimate`` is the chosen settings' estimate).
         budget_bytes: the memory budget (bytes).
+        plan_fraction: the plan targets ``plan_fraction x budget_bytes`` (below the warning level).
         split_factor: micro-batch split k applied in place.
         applied: plan changes applied in place.
         not_applied: plan changes the user must make (with the exact change in ``reason``).
@@ -172,6 +173,7 @@ class Preflight:
     plan: Any
     budget_bytes: int
     split_factor: int = 1
+    plan_fraction: float = 1.0
     applied: List[Any] = field(default_factory=list)
     not_applied: List[Any] = field(default_factory=list)
 
@@ -200,7 +202,9 @@ class Preflight:
         for c in self.not_applied:
             lines.append(f"  CHANGE NEEDED (not applicable in place): {c.reason}")
         if self.applied or self.not_applied:
-            lines.append(f"  planned peak {gib(self.plan.estimate.peak_bytes)} vs budget {gib(self.budget_bytes)}")
+            lines.append(f"  planned peak {gib(self.plan.estimate.peak_bytes)} vs plan target "
+                         f"{gib(self.plan.budget_bytes)} ({self.plan_fraction:.0%} of the budget: below the "
+                         f"guard's warning level)")
         return lines
 
 
@@ -214,8 +218,13 @@ def default_budget(device: str, safety_ratio: float) -> int:
 
 def run_preflight(trainer, *, budget_bytes: Optional[int], safety_ratio: float = 0.8,
                   seq_length: Optional[int] = None, apply: Sequence[str] = ("grad_checkpoint", "micro_batch"),
-                  device: str = "auto") -> Preflight:
+                  device: str = "auto", plan_fraction: float = 0.85) -> Preflight:
     """Estimate the run of ``trainer``, plan against the budget and apply what can be applied.
+
+    The plan targets ``plan_fraction x budget`` (the adapters pass the monitor's warning threshold):
+    a run planned right up to the budget would sit at the guard's critical level from its first step
+    and be split further for nothing; planning below the warning level keeps the guard quiet unless
+    something changes, and absorbs an estimate error of that size.
 
     Raises:
         DoesNotFitError: nothing in the allowed search fits.
@@ -230,8 +239,8 @@ def run_preflight(trainer, *, budget_bytes: Optional[int], safety_ratio: float =
         budget_bytes = default_budget(ts.device if device == "auto" else device, safety_ratio)
     est = estimate(ms, ts)
     allow = tuple(a for a in _PLAN_ORDER if a not in ("grad_checkpoint", "micro_batch") or a in apply)
-    chosen = make_plan(ms, ts, budget_bytes, allow=allow)
-    pf = Preflight(ms, ts, est, chosen, budget_bytes)
+    chosen = make_plan(ms, ts, int(budget_bytes * plan_fraction), allow=allow)
+    pf = Preflight(ms, ts, est, chosen, budget_bytes, plan_fraction=plan_fraction)
     for change in chosen.changes:
         if change.field in IN_PLACE_FIELDS:
             pf.applied.append(change)

@@ -146,3 +146,14 @@ def test_monitor_validates_inputs(kw, field):
     with pytest.raises(ConfigError) as e:
         MemoryMonitor(**kw)
     assert e.value.field == field
+
+
+def test_background_samples_only_escalate():
+    mon, _ = make()
+    assert mon.observe(int(8.7 * GiB), 10 * GiB, step=None, source="background") is Action.LOG
+    assert mon.level == Level.WARNING
+    # the current figure drops within the step: the level stays until a step peak says otherwise
+    assert mon.observe(int(5 * GiB), 10 * GiB, step=None, source="background") is Action.NONE
+    assert mon.level == Level.WARNING
+    assert mon.observe(int(5 * GiB), 10 * GiB, step=2, source="step") is Action.LOG
+    assert mon.level == Level.OK

@@ -1,0 +1,15 @@
+"""memguard for mlx_lm: ``memguard_mlx.train`` (a guarded drop-in for ``mlx_lm.tuner.trainer.train``),
+MLX memory controls, a leak detector and the seed's memory utilities.
+
+Importing this package imports mlx and mlx_lm (install the ``[mlx]`` extra).
+"""
+
+from .memory import (LeakDetector, LeakReport, MemoryControls, MemoryTimeline, PeakProfile,
+                     find_max_batch_size, is_allocation_error, profile_peak)
+from .spec import model_spec_from_mlx_module, train_spec_from_args
+from .trainer import MlxGuard, MlxPreflight, default_budget, run_preflight, train
+
+__all__ = ["train", "MlxGuard", "MlxPreflight", "run_preflight", "default_budget", "MemoryControls",
+           "LeakDetector", "LeakReport", "profile_peak", "PeakProfile", "MemoryTimeline",
+           "find_max_batch_size", "is_allocation_error", "model_spec_from_mlx_module",
+           "train_spec_from_args"]

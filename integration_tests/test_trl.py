@@ -1,0 +1,80 @@
+"""TRL's ``SFTTrainer`` (a ``Trainer`` subclass with its own ``compute_loss``) guarded by
+``trainer.add_callback(MemGuardCallback())`` alone: a split mid-run keeps the step count, the LR
+sequence, the samples per step and the logged loss."""
+
+from __future__ import annotations
+
+import pytest
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+import torch  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+from hf_tiny import SwitchSplit, loss_sequence, lr_sequence, params, tiny_llama  # noqa: E402
+from memguard_hf import MemGuardCallback  # noqa: E402
+
+WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(90)]
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer built in memory (no hub here), ids < the tiny model's vocab of 96."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def text_dataset(n: int = 64):
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(6, 24, (1,), generator=g))
+        rows.append(" ".join(f"w{int(i)}" for i in torch.randint(0, 90, (length,), generator=g)))
+    return datasets.Dataset.from_dict({"text": rows})
+
+
+def sft(out, guard=None, extra=(), steps=4):
+    cfg = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                        max_steps=steps, warmup_steps=1, logging_steps=1, save_strategy="no",
+                        report_to=[], use_cpu=True, seed=0, data_seed=0, max_length=32, packing=False,
+                        disable_tqdm=True, dataloader_num_workers=0,
+                        optim="sgd", learning_rate=0.5)
+    model = tiny_llama(0)
+    model.config.pad_token_id = 0
+    trainer = trl.SFTTrainer(model=model, args=cfg, train_dataset=text_dataset(), processing_class=word_tokenizer(),
+                             callbacks=list(extra))
+    if guard is not None:
+        trainer.add_callback(guard)
+    trainer.train()
+    return trainer
+
+
+def _runs(tmp_path):
+    base = sft(tmp_path / "base")
+    guard = MemGuardCallback(preflight=False, budget_bytes=64 * 2**30, monitor_interval_s=0)
+    split = sft(tmp_path / "split", guard=guard, extra=[SwitchSplit(guard, at_step={1: 2}, at_substep={2: 4})])
+    return base, guard, split
+
+
+def test_sft_trainer_is_guarded_by_add_callback_alone(tmp_path):
+    base, guard, split = _runs(tmp_path)
+    assert guard.trainer is split  # found by the stack walk from add_callback alone
+    assert split.state.global_step == base.state.global_step == 4
+    assert lr_sequence(split) == pytest.approx(lr_sequence(base))
+    assert guard.samples_per_step == [16] * 4
+    assert max(guard.forward_rows[4:]) < 8  # the split happened
+    assert loss_sequence(split) == pytest.approx(loss_sequence(base), rel=1e-3)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open: under TRL 1.16 SFTTrainer the accumulated gradients of a split run differ from the unsplit "
+    "run by ~0.2% (L2), although the same chunks fed through SFTTrainer.training_step outside the "
+    "Trainer loop agree to 2e-7; plain transformers Trainer runs agree exactly "
+    "(test_hf_microbatch.py). Kept strict so that a fix is noticed."))
+def test_sft_trainer_split_parameters_equal_unsplit(tmp_path):
+    base, guard, split = _runs(tmp_path)
+    pb, ps = params(base), params(split)
+    worst = max((pb[n] - ps[n]).abs().max().item() for n in pb)
+    assert worst < 2e-6, worst

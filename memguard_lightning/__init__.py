@@ -1,0 +1,9 @@
+"""Lightning adapter of memguard: ``L.Trainer(callbacks=[MemGuardCallback()])``.
+
+See :mod:`memguard_lightning.callback` for what it does and how the in-place micro-batch split
+runs inside Lightning's automatic optimization.
+"""
+
+from .callback import MemGuardCallback
+
+__all__ = ["MemGuardCallback"]

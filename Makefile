@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned: a plain `torch` requirement would pull a multi-GB CUDA build here
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[hf,dev]"
+	$(PIP) install -q -c constraints.txt -e ".[hf,lightning,mlx,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -103,16 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Runs a real HF Trainer LoRA fine-tune of SmolLM2-135M's architecture "
                                    "(random weights, no hub) on a text shipped with memguard, under a "
                                    "memory budget the requested batch does not fit, guarded by MemGuardCallback.")
-    d.add_argument("--framework", default="hf", choices=["hf"], help="which trainer [hf]")
-    d.add_argument("--steps", type=int, default=6, help="optimizer steps [6]")
+    d.add_argument("--framework", default="hf", choices=["hf", "lightning", "mlx"],
+                   help="which trainer: hf (transformers Trainer) | lightning | mlx (mlx_lm) [hf]")
+    d.add_argument("--steps", type=int, default=4, help="optimizer steps [4]")
     d.add_argument("--batch-size", type=int, default=8, help="requested micro-batch [8]")
     d.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation [1]")
     d.add_argument("--seq-length", type=int, default=64, help="tokens per row [64]")
     d.add_argument("--budget-gib", type=float, default=None,
                    help="memory budget; default: one that the requested batch does not fit")
-    d.add_argument("--squeeze-at", type=int, default=3,
+    d.add_argument("--squeeze-at", type=int, default=2,
                    help="optimizer step at which the demo takes 15%% of the budget away, as a "
-                        "co-tenant would, to show the runtime guard (0: never) [3]")
+                        "co-tenant would, to show the runtime guard (0: never) [2]")
     d.add_argument("--output-dir", default=None, help="trainer output dir [a temp dir]")
     return p
 
@@ -207,11 +208,24 @@ def cmd_probe(args) -> int:
     return 0
 
 
+_DEMOS = {
+    "hf": ("memguard_hf.demo", "the [hf] extra (torch, transformers, peft)"),
+    "lightning": ("memguard_lightning.demo", "the [lightning] extra (torch, lightning)"),
+    "mlx": ("memguard_mlx.demo", "the [mlx] extra (mlx, mlx-lm; on Linux mlx[cpu])"),
+}
+
+
 def cmd_demo(args) -> int:
+    for name in ("steps", "batch_size", "grad_accum", "seq_length"):
+        if getattr(args, name) < 1:
+            raise ConfigError("--" + name.replace("_", "-"), "an integer >= 1", getattr(args, name))
+    module, extra = _DEMOS[args.framework]
     try:
-        from memguard_hf.demo import run_demo
+        import importlib
+
+        run_demo = importlib.import_module(module).run_demo
     except ImportError as exc:
-        print(f"memguard demo needs the [hf] extra (torch, transformers, peft): {exc}", file=sys.stderr)
+        print(f"memguard demo --framework {args.framework} needs {extra}: {exc}", file=sys.stderr)
         return 2
     return run_demo(args)
 

@@ -11,13 +11,16 @@ import os
 import subprocess
 import sys
 
-import lightning.pytorch as pl
 import pytest
-import torch
 
-from lightning_tiny import TinyLM, fit, max_param_diff
-from memguard_core.estimate import estimate
-from memguard_lightning import MemGuardCallback
+pytest.importorskip("lightning")  # the [lightning] extra
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_tiny import TinyLM, fit, max_param_diff  # noqa: E402
+from memguard_core.estimate import estimate  # noqa: E402
+from memguard_lightning import MemGuardCallback  # noqa: E402
 
 BIG_BUDGET = 64 * 2**30  # the switches here are requested by the test, not by memory pressure
 

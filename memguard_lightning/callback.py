@@ -89,6 +89,7 @@ import functools
 import gc
 import logging
 import os
+import re
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -237,6 +238,13 @@ class MemGuardCallback(Callback):
         if isinstance(monitor_interval_s, bool) or not isinstance(monitor_interval_s, (int, float)) \
                 or monitor_interval_s < 0:
             raise ConfigError("monitor_interval_s", "a number of seconds >= 0", monitor_interval_s)
+        if thresholds is not None and not isinstance(thresholds, Thresholds):
+            raise ConfigError("thresholds", "a memguard_core.monitor.Thresholds", thresholds)
+        if not isinstance(device, str) or re.fullmatch(r"auto|cpu|mlx|cuda(:\d+)?", device) is None:
+            raise ConfigError("device", '"auto", "cpu", "cuda", "cuda:<index>" or "mlx"', device)
+        for name, flag in (("fail_fast", fail_fast), ("preflight", preflight)):
+            if not isinstance(flag, bool):
+                raise ConfigError(name, "True or False", flag)
         self.budget_bytes = budget_bytes
         self.thresholds = thresholds or Thresholds()
         self.seq_length = seq_length

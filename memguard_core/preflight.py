@@ -10,8 +10,9 @@ module imports no framework (the HF and Lightning adapters must not import each 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
+from .errors import DoesNotFitError, require_fraction
 from .spec import ModelSpec, TrainSpec
 
 __all__ = ["IN_PLACE_FIELDS", "PLAN_ORDER", "Preflight", "default_budget", "plan_in_place"]
@@ -36,6 +37,9 @@ class Preflight:
         split_factor: micro-batch split k applied in place.
         applied: plan changes applied in place.
         not_applied: plan changes the user must make (with the exact change in ``reason``).
+        plan_fraction: the plan targets ``plan_fraction x budget_bytes``.
+        resident_extra_bytes: memory the process already held at train start beyond the estimate's
+            runtime overhead and weights (model-loading heap, datasets), added to every estimate.
     """
 
     model_spec: ModelSpec
@@ -46,11 +50,14 @@ class Preflight:
     split_factor: int = 1
     applied: List[Any] = field(default_factory=list)
     not_applied: List[Any] = field(default_factory=list)
+    plan_fraction: float = 1.0
+    resident_extra_bytes: int = 0
 
     @property
     def best_peak_bytes(self) -> int:
-        """Estimated peak of the planned settings (bytes)."""
-        return int(self.plan.estimate.peak_bytes)
+        """Estimated peak of the planned settings (bytes), with the resident memory the model of
+        the estimate does not cover (see ``plan_in_place``)."""
+        return int(self.plan.estimate.peak_bytes) + self.resident_extra_bytes
 
     @property
     def shortfall_bytes(self) -> int:
@@ -80,8 +87,14 @@ class Preflight:
                 if c.reason not in seen:  # a micro-batch change is two Changes with one reason
                     seen.add(c.reason)
                     lines.append(f"  {label}: {c.reason}")
-        if self.applied or self.not_applied:
-            lines.append(f"  planned peak {gib(self.plan.estimate.peak_bytes)} vs budget {gib(self.budget_bytes)}")
+        if self.resident_extra_bytes:
+            lines.append(f"  + {gib(self.resident_extra_bytes)} already resident at train start beyond runtime and "
+                         f"weights (model loading heap, data), counted in every estimate")
+        if self.applied or self.not_applied or self.resident_extra_bytes:
+            target = f" vs plan target {gib(self.plan.budget_bytes + self.resident_extra_bytes)}"
+            if self.plan_fraction < 1:
+                target += f" ({self.plan_fraction:.0%} of the budget: below the guard's warning level)"
+            lines.append(f"  planned peak {gib(self.best_peak_bytes)}{target}")
         return lines
 
 
@@ -94,9 +107,15 @@ def default_budget(device: str, safety_ratio: float) -> int:
     return int((snap.process_bytes + snap.available_bytes) * safety_ratio)
 
 
+def allow_steps(apply: Sequence[str]) -> tuple:
+    """The planner steps an adapter allows: all but the in-place ones it cannot apply."""
+    return tuple(a for a in PLAN_ORDER if a not in ("grad_checkpoint", "micro_batch") or a in apply)
+
+
 def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
-                  apply: Sequence[str] = ("grad_checkpoint", "micro_batch")) -> Preflight:
-    """Estimate, plan against ``budget_bytes`` and sort the changes.
+                  apply: Sequence[str] = ("grad_checkpoint", "micro_batch"), plan_fraction: float = 1.0,
+                  resident_bytes: Optional[int] = None) -> Preflight:
+    """Estimate, plan against ``plan_fraction x budget_bytes`` and sort the changes.
 
     Args:
         model_spec / train_spec: the requested run.
@@ -104,6 +123,14 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
         apply: the in-place steps the adapter can take (``grad_checkpoint``, ``micro_batch``); the
             planner may still choose the other steps (sequence length, LoRA rank / layers), which
             land in ``not_applied`` with the exact change in their reason.
+        plan_fraction: the adapters pass the monitor's warning threshold (0.85): a run planned right
+            up to the budget would sit at the guard's critical level from its first step and be split
+            further for nothing; planning below the warning level keeps the guard quiet unless
+            something changes, and absorbs an estimate error of that size.
+        resident_bytes: what the process holds at train start (RSS on CPU), when the adapter runs in
+            the training process with the model loaded. Beyond the estimate's runtime overhead and
+            weights it holds what the estimate cannot see (the heap glibc kept from building the
+            model, datasets, other libraries): that surplus is added to every estimate.
 
     Returns:
         ``Preflight`` with ``split_factor`` = the plan's ``split_factor`` (>= 1). The caller turns on
@@ -116,10 +143,21 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
     from .estimate import estimate
     from .plan import plan as make_plan
 
+    fraction = require_fraction("plan_fraction", plan_fraction)
     est = estimate(model_spec, train_spec)
-    allow = tuple(a for a in PLAN_ORDER if a not in ("grad_checkpoint", "micro_batch") or a in apply)
-    chosen = make_plan(model_spec, train_spec, budget_bytes, allow=allow)
-    pf = Preflight(model_spec, train_spec, est, chosen, int(budget_bytes))
+    extra = 0
+    if resident_bytes:
+        static = est.breakdown.get("runtime_overhead", 0) + est.breakdown.get("weights", 0)
+        extra = max(0, int(resident_bytes) - static)
+    target = int(budget_bytes * fraction) - extra
+    if target <= 0:
+        raise DoesNotFitError(int(est.peak_bytes) + extra - int(budget_bytes * fraction), int(budget_bytes),
+                              int(est.peak_bytes) + extra,
+                              ["the process already holds more than the budget before training: raise the budget "
+                               "or free memory (other models, datasets) before train()"])
+    chosen = make_plan(model_spec, train_spec, target, allow=allow_steps(apply))
+    pf = Preflight(model_spec, train_spec, est, chosen, int(budget_bytes), plan_fraction=fraction,
+                   resident_extra_bytes=extra)
     for change in chosen.changes:
         (pf.applied if change.field in IN_PLACE_FIELDS else pf.not_applied).append(change)
     pf.split_factor = max(1, int(chosen.split_factor))

@@ -17,19 +17,14 @@ plan, and apply in place what can be applied.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
 import torch
 
-from memguard_core.errors import DoesNotFitError
+from memguard_core.preflight import Preflight, default_budget, plan_in_place
 from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
 
 logger = logging.getLogger("memguard.hf")
-
-IN_PLACE_FIELDS = {"grad_checkpoint": "grad_checkpoint", "batch_size": "micro_batch",
-                   "grad_accum": "micro_batch"}
-_PLAN_ORDER = ("grad_checkpoint", "micro_batch", "seq_length", "lora_rank", "lora_layers")
 
 
 def _optimizer_name(optim: Any) -> str:
@@ -152,101 +147,31 @@ def enable_activation_checkpointing(model) -> None:
         cfg.use_cache = False
 
 
-@dataclass
-class Preflight:
-    """Outcome of the HF preflight.
-
-    Attributes:
-        model_spec, train_spec: what was read from the trainer.
-        estimate: ``MemoryEstimate`` of the requested settings.
-        plan: ``Plan`` chosen (``plan.estimate`` is the chosen settings' estimate).
-        budget_bytes: the memory budget (bytes).
-        plan_fraction: the plan targets ``plan_fraction x budget_bytes`` (below the warning level).
-        split_factor: micro-batch split k applied in place.
-        applied: plan changes applied in place.
-        not_applied: plan changes the user must make (with the exact change in ``reason``).
-    """
-
-    model_spec: ModelSpec
-    train_spec: TrainSpec
-    estimate: Any
-    plan: Any
-    budget_bytes: int
-    split_factor: int = 1
-    plan_fraction: float = 1.0
-    applied: List[Any] = field(default_factory=list)
-    not_applied: List[Any] = field(default_factory=list)
-
-    @property
-    def best_peak_bytes(self) -> int:
-        return int(self.plan.estimate.peak_bytes)
-
-    @property
-    def shortfall_bytes(self) -> int:
-        return max(0, self.best_peak_bytes - self.budget_bytes)
-
-    def report_lines(self) -> List[str]:
-        """Human lines for the framework's logger."""
-        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
-        ts = self.train_spec
-        lines = [f"memguard preflight: {self.model_spec.name} ({self.model_spec.total_params / 1e6:.1f}M params, "
-                 f"{ts.method}, micro-batch {ts.batch_size} x accumulation {ts.grad_accum}, seq {ts.seq_length}, "
-                 f"{ts.optimizer}, {ts.dtype}{' mixed' if ts.mixed_precision else ''}, "
-                 f"checkpointing {'on' if ts.grad_checkpoint else 'off'})",
-                 f"  estimated peak {gib(self.estimate.peak_bytes)} ({self.estimate.counter}) vs budget "
-                 f"{gib(self.budget_bytes)}: {'fits' if self.estimate.peak_bytes <= self.budget_bytes else 'does NOT fit'}"]
-        for name, val in self.estimate.breakdown.items():
-            lines.append(f"    {name:<18} {gib(val)}")
-        for c in self.applied:
-            lines.append(f"  applied: {c.reason}")
-        for c in self.not_applied:
-            lines.append(f"  CHANGE NEEDED (not applicable in place): {c.reason}")
-        if self.applied or self.not_applied:
-            lines.append(f"  planned peak {gib(self.plan.estimate.peak_bytes)} vs plan target "
-                         f"{gib(self.plan.budget_bytes)} ({self.plan_fraction:.0%} of the budget: below the "
-                         f"guard's warning level)")
-        return lines
-
-
-def default_budget(device: str, safety_ratio: float) -> int:
-    """(memory held by this process + memory still available) x ``safety_ratio``, container-aware."""
-    from memguard_core.probes import probe
-
-    snap = probe(device)
-    return int((snap.process_bytes + snap.available_bytes) * safety_ratio)
-
-
 def run_preflight(trainer, *, budget_bytes: Optional[int], safety_ratio: float = 0.8,
                   seq_length: Optional[int] = None, apply: Sequence[str] = ("grad_checkpoint", "micro_batch"),
                   device: str = "auto", plan_fraction: float = 0.85) -> Preflight:
-    """Estimate the run of ``trainer``, plan against the budget and apply what can be applied.
-
-    The plan targets ``plan_fraction x budget`` (the adapters pass the monitor's warning threshold):
-    a run planned right up to the budget would sit at the guard's critical level from its first step
-    and be split further for nothing; planning below the warning level keeps the guard quiet unless
-    something changes, and absorbs an estimate error of that size.
+    """Estimate the run of ``trainer``, plan (``memguard_core.preflight.plan_in_place``: against
+    ``plan_fraction x budget``, with what this process already holds counted) and apply what can be
+    applied in place (activation checkpointing; the split factor is returned for the callback).
 
     Raises:
         DoesNotFitError: nothing in the allowed search fits.
     """
-    from memguard_core.estimate import estimate
-    from memguard_core.plan import plan as make_plan
+    from memguard_core.probes import probe
 
     model = _unwrap(trainer.model)
     ms = model_spec_from_module(model)
     ts = trainspec_from_trainer(trainer, ms, seq_length=seq_length, device=device)
+    probe_device = ts.device if device == "auto" else device
     if budget_bytes is None:
-        budget_bytes = default_budget(ts.device if device == "auto" else device, safety_ratio)
-    est = estimate(ms, ts)
-    allow = tuple(a for a in _PLAN_ORDER if a not in ("grad_checkpoint", "micro_batch") or a in apply)
-    chosen = make_plan(ms, ts, int(budget_bytes * plan_fraction), allow=allow)
-    pf = Preflight(ms, ts, est, chosen, budget_bytes, plan_fraction=plan_fraction)
-    for change in chosen.changes:
-        if change.field in IN_PLACE_FIELDS:
-            pf.applied.append(change)
-        else:
-            pf.not_applied.append(change)
-    if chosen.train_spec.grad_checkpoint and not ts.grad_checkpoint:
+        budget_bytes = default_budget(probe_device, safety_ratio)
+    resident = None
+    if ts.device == "cpu":
+        try:
+            resident = probe("cpu", cheap=True).process_bytes  # RSS with the model loaded
+        except Exception:
+            logger.debug("memguard: no RSS reading for the preflight", exc_info=True)
+    pf = plan_in_place(ms, ts, budget_bytes, apply=apply, plan_fraction=plan_fraction, resident_bytes=resident)
+    if pf.checkpointing_planned:
         enable_activation_checkpointing(trainer.model)
-    pf.split_factor = max(1, int(chosen.split_factor))
     return pf

@@ -346,7 +346,8 @@ class MemGuardCallback(Callback):
             try:
                 self.preflight = run_preflight(trainer, pl_module, batch, budget_bytes=budget,
                                                safety_ratio=self.safety_ratio, seq_length=self.seq_length,
-                                               apply=self.apply, device=self.device)
+                                               apply=self.apply, device=self.device,
+                                               plan_fraction=self.thresholds.warning)
             except DoesNotFitError:
                 if self.fail_fast:
                     raise

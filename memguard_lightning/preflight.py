@@ -225,9 +225,12 @@ def trainspec_from_lightning(trainer, pl_module, batch: Any, model_spec: ModelSp
 
 def run_preflight(trainer, pl_module, batch: Any, *, budget_bytes: Optional[int], safety_ratio: float = 0.8,
                   seq_length: Optional[int] = None,
-                  apply: Sequence[str] = ("grad_checkpoint", "micro_batch"), device: str = "auto") -> Preflight:
-    """Estimate the Lightning run, plan against the budget and apply what can be applied in place
-    (activation checkpointing of a HF model; the split factor is returned for the caller).
+                  apply: Sequence[str] = ("grad_checkpoint", "micro_batch"), device: str = "auto",
+                  plan_fraction: float = 0.85) -> Preflight:
+    """Estimate the Lightning run, plan against ``plan_fraction x budget`` (below the guard's warning
+    level, with what this process already holds counted: ``memguard_core.preflight.plan_in_place``)
+    and apply what can be applied in place (activation checkpointing of a HF model; the split factor
+    is returned for the caller).
 
     Raises:
         ConfigError: the model's shapes cannot be read (no config, no embedding + blocks).
@@ -239,7 +242,15 @@ def run_preflight(trainer, pl_module, batch: Any, *, budget_bytes: Optional[int]
     if budget_bytes is None:
         budget_bytes = default_budget(ts.device if device == "auto" else device, safety_ratio)
     allowed = tuple(a for a in apply if a != "grad_checkpoint" or can_checkpoint(pl_module))
-    pf = plan_in_place(ms, ts, budget_bytes, apply=allowed)
+    resident = None
+    if ts.device == "cpu":
+        try:
+            from memguard_core.probes import probe
+
+            resident = probe("cpu", cheap=True).process_bytes  # RSS with the model loaded
+        except Exception:
+            logger.debug("memguard: no RSS reading for the preflight", exc_info=True)
+    pf = plan_in_place(ms, ts, budget_bytes, apply=allowed, plan_fraction=plan_fraction, resident_bytes=resident)
     if pf.checkpointing_planned:
         enable_activation_checkpointing(pl_module)
     return pf

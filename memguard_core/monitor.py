@@ -7,7 +7,8 @@ The monitor decides; the framework adapters act. Decisions escalate with the lev
 * ``warning``   -> ``log``   (an event, nothing else)
 * ``critical``  -> ``clean`` (``gc.collect()`` + the device cache: ``torch.cuda.empty_cache`` /
   ``mx.clear_cache``); a critical level that persists after a clean escalates to ``split``
-* ``emergency`` -> ``split`` (the adapter doubles the micro-batch split factor k)
+* ``emergency`` -> ``split`` (the adapter doubles the micro-batch split factor k); a split also
+  cleans, since it is asked because memory is short
 
 The per-step sample (the peak of the last micro-batch) sets the level, up or down with hysteresis;
 the background sample (the current figure, which swings within a step) can only raise it.
@@ -21,6 +22,15 @@ own growth does. The per-step sample uses the peak since the last step (VmHWM on
 on CUDA, ``mx.get_peak_memory`` on MLX), reset after each read, so the transient peak of the
 backward pass is what is compared, not the quieter figure between steps.
 
+Memory pressure stall information (PSI, kernel Documentation/accounting/psi.rst) is an *early
+warning* on top of that, read by the background sample only: the probe's ``pressure`` (``some
+avg10``: the share of the last 10 s in which at least one task of the cgroup, or of the host where
+the cgroup has no ``memory.pressure``, stalled waiting for memory). Stalls mean the kernel is
+already reclaiming to keep the cgroup under its limit, before usage reaches it. One high sample
+is not acted on (``avg10`` of a busy host blips); see :class:`PsiPolicy`: pressure that stays at
+or above ``threshold`` for ``sustain_s`` seconds (``min_samples`` samples at least) *and* rose over
+that window first cleans caches, and if it is still sustained and rising a window later, splits.
+
 Nothing here raises into training: a failing probe or callback is logged once and skipped.
 """
 
@@ -29,6 +39,7 @@ from __future__ import annotations
 import enum
 import gc
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -94,6 +105,45 @@ class Thresholds:
         return Level.OK
 
 
+@dataclass(frozen=True)
+class PsiPolicy:
+    """When sustained memory pressure (PSI ``some avg10``, percent) triggers an action.
+
+    An *episode* starts when a background sample's pressure is >= ``threshold`` and ends when it
+    falls below ``threshold x release`` (hysteresis). Within an episode the monitor acts when the
+    samples since the episode start (or since its last action) span >= ``sustain_s`` seconds,
+    number >= ``min_samples``, and the newest pressure is higher than the oldest (rising). The
+    first action of an episode is ``clean``; each later one is ``split`` (k doubled). A falling
+    or flat window is not acted on: the kernel is recovering on its own.
+
+    Defaults: ``threshold`` 10 % is where the kernel documentation's example trigger for memory
+    pressure (``some 150000 1000000`` = 150 ms of stall per 1 s window, i.e. 15 %) and systemd-oomd's
+    default ``DefaultMemoryPressureLimit=60%`` bracket "pressure that costs throughput"; we warn
+    earlier than oomd acts. ``sustain_s`` 3 s = several 0.5 s samples, shorter than the 10 s
+    ``avg10`` window so a rising average is still news.
+
+    Raises:
+        ConfigError: ``threshold`` outside (0, 100], ``sustain_s`` < 0, ``min_samples`` < 1,
+            ``release`` outside (0, 1].
+    """
+
+    threshold: float = 10.0
+    sustain_s: float = 3.0
+    min_samples: int = 3
+    release: float = 0.5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
+                or not (0.0 < float(self.threshold) <= 100.0):
+            raise ConfigError("psi.threshold", "a percentage in (0, 100]", self.threshold)
+        if isinstance(self.sustain_s, bool) or not isinstance(self.sustain_s, (int, float)) \
+                or not self.sustain_s >= 0:
+            raise ConfigError("psi.sustain_s", "a number of seconds >= 0", self.sustain_s)
+        if isinstance(self.min_samples, bool) or not isinstance(self.min_samples, int) or self.min_samples < 1:
+            raise ConfigError("psi.min_samples", "an integer >= 1", self.min_samples)
+        require_fraction("psi.release", self.release)
+
+
 @dataclass
 class MemoryEvent:
     """One decision of the monitor.
@@ -106,7 +156,8 @@ class MemoryEvent:
         used_bytes: the process figure compared (step peak or current).
         budget_bytes: the effective budget at this sample.
         split: the split factor k after this decision.
-        source: ``step`` (per-step sample) or ``background``.
+        source: ``step`` (per-step sample), ``background``, ``psi`` (sustained memory pressure,
+            see :class:`PsiPolicy`; ``usage`` is then the latest usage) or ``request``.
         message: one human line.
     """
 
@@ -151,9 +202,12 @@ class MemoryMonitor:
             ``memguard_core.probes.probe(device, cheap=cheap)``.
         peak_fn: ``peak_fn() -> Optional[int]``: the process peak since the last call, resetting it
             (default: the probe's ``process_peak_bytes`` followed by ``stats.reset_peak_memory``).
+        psi: :class:`PsiPolicy` for the pressure early warning (background samples only); ``None``
+            turns it off.
 
     Raises:
-        ConfigError: invalid budget, ratio, interval or split.
+        ConfigError: invalid budget, device, ratio, thresholds, interval, split, max_split or psi
+            (the error names the argument).
     """
 
     def __init__(self, budget_bytes: int, *, device: str = "auto", safety_ratio: float = 0.8,
@@ -161,13 +215,28 @@ class MemoryMonitor:
                  max_split: Optional[int] = None, clean_fn: Optional[Callable[[], None]] = None,
                  on_event: Optional[Callable[[MemoryEvent], None]] = None,
                  probe_fn: Optional[Callable[[bool], object]] = None,
-                 peak_fn: Optional[Callable[[], Optional[int]]] = None):
+                 peak_fn: Optional[Callable[[], Optional[int]]] = None,
+                 psi: Optional[PsiPolicy] = PsiPolicy()):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ConfigError("budget_bytes", "a positive integer number of bytes", budget_bytes)
         if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or interval_s < 0:
             raise ConfigError("interval_s", "a number of seconds >= 0", interval_s)
         if isinstance(split, bool) or not isinstance(split, int) or split < 1:
             raise ConfigError("split", "an integer >= 1", split)
+        if max_split is not None and (isinstance(max_split, bool) or not isinstance(max_split, int)
+                                      or max_split < 1):
+            raise ConfigError("max_split", "an integer >= 1, or None", max_split)
+        if thresholds is not None and not isinstance(thresholds, Thresholds):
+            raise ConfigError("thresholds", "a memguard_core.monitor.Thresholds", thresholds)
+        if psi is not None and not isinstance(psi, PsiPolicy):
+            raise ConfigError("psi", "a memguard_core.monitor.PsiPolicy, or None", psi)
+        from .probes import _DEVICE_RE
+        if not isinstance(device, str) or _DEVICE_RE.match(device) is None:
+            raise ConfigError("device", '"auto", "cpu", "cuda", "cuda:<index>" or "mlx"', device)
+        for name, fn in (("clean_fn", clean_fn), ("on_event", on_event), ("probe_fn", probe_fn),
+                         ("peak_fn", peak_fn)):
+            if fn is not None and not callable(fn):
+                raise ConfigError(name, "a callable, or None", fn)
         self.budget_bytes = budget_bytes
         self.device = device
         self.safety_ratio = require_fraction("safety_ratio", safety_ratio)
@@ -192,6 +261,10 @@ class MemoryMonitor:
         self._step: Optional[int] = None
         self._step_samples = 0
         self._split_at_sample = -10
+        self.psi = psi
+        self.last_pressure: Optional[float] = None
+        self._psi_window: List[tuple] = []   # (monotonic seconds, pressure %) since episode/action
+        self._psi_episode_actions = 0
 
     # ----- decisions ---------------------------------------------------------------------------
     @property
@@ -277,7 +350,8 @@ class MemoryMonitor:
             event = MemoryEvent(step, level, action, usage, int(used_bytes), int(budget_bytes),
                                 self._split, source, msg)
         self._emit(event)
-        if action is Action.CLEAN:
+        if action in (Action.CLEAN, Action.SPLIT):
+            # a split is asked because memory is short: hand back what the allocators keep too
             self._safe(self._clean_fn, "clean")
         return action
 
@@ -333,14 +407,88 @@ class MemoryMonitor:
         return self.max_step_peak_bytes or None
 
     def background_sample(self) -> Action:
-        """One sample of the background thread (full probe: PSI, NVML). Never raises."""
+        """One sample of the background thread (full probe: PSI, NVML). Never raises.
+
+        The usage level is decided first (:meth:`observe`); when that asks for nothing, the
+        snapshot's ``pressure`` goes to :meth:`observe_pressure` (the PSI early warning).
+        """
         try:
             snap = self._probe(False)
-            return self.observe(int(snap.process_bytes), self.effective_budget(snap),
-                                step=self._step, source="background")
+            used, budget = int(snap.process_bytes), self.effective_budget(snap)
+            action = self.observe(used, budget, step=self._step, source="background")
         except Exception as exc:
             self._log_failure("background_sample", exc)
             return Action.NONE
+        try:
+            now = getattr(snap, "timestamp", None)
+            psi_action = self.observe_pressure(getattr(snap, "pressure", None),
+                                               time.monotonic() if now is None else float(now),
+                                               used_bytes=used, budget_bytes=budget,
+                                               act=action is Action.NONE)
+        except Exception as exc:
+            self._log_failure("pressure", exc)
+            return action
+        return action if action is not Action.NONE else psi_action
+
+    def observe_pressure(self, pressure: Optional[float], now: float, *, used_bytes: int = 0,
+                         budget_bytes: int = 0, act: bool = True) -> Action:
+        """Feed one PSI reading (``some avg10``, percent) taken at ``now`` (monotonic seconds).
+
+        Implements :class:`PsiPolicy`: returns ``CLEAN`` / ``SPLIT`` when pressure has been
+        sustained and rising for a window, else ``NONE``. ``None`` (no PSI on this system) is
+        ignored; garbage (not a number in 0..100) is logged once and ignored. With
+        ``act=False`` the reading is recorded but nothing is done (the usage check already acted
+        on this sample). ``used_bytes`` / ``budget_bytes`` only go into the event.
+        """
+        policy = self.psi
+        if policy is None or pressure is None:
+            return Action.NONE
+        if isinstance(pressure, bool) or not isinstance(pressure, (int, float)) \
+                or not math.isfinite(pressure) or not (0.0 <= pressure <= 100.0):
+            self._log_failure("pressure", ValueError(f"PSI reading {pressure!r} is not a percentage"))
+            return Action.NONE
+        p = float(pressure)
+        usage = used_bytes / budget_bytes if budget_bytes > 0 else 0.0
+        with self._lock:
+            self.last_pressure = p
+            win = self._psi_window
+            if not win:
+                if p >= policy.threshold:
+                    win.append((now, p))
+                return Action.NONE
+            if p < policy.threshold * policy.release:
+                win.clear()                      # the episode is over
+                self._psi_episode_actions = 0
+                return Action.NONE
+            win.append((now, p))
+            (t0, p0), (t1, p1) = win[0], win[-1]
+            span = t1 - t0
+            if not (act and len(win) >= policy.min_samples and span >= policy.sustain_s and p1 > p0):
+                return Action.NONE
+            what = (f"memory pressure: PSI some avg10 {p1:.1f}% (>= {policy.threshold:g}% for "
+                    f"{span:.1f} s, rising from {p0:.1f}%)")
+            if self._psi_episode_actions == 0:
+                action, msg = Action.CLEAN, f"{what}: cleaning caches"
+            else:
+                new = self._split * 2
+                if self.max_split is not None:
+                    new = min(new, self.max_split)
+                if new > self._split:
+                    action = Action.SPLIT
+                    msg = f"{what} after a clean: splitting micro-batches {self._split} -> {new}"
+                    self._split = new
+                    self._split_at_sample = self._step_samples
+                else:
+                    action = Action.LOG
+                    msg = f"{what}; the micro-batch cannot be split further (k={self._split})"
+            self._psi_episode_actions += 1
+            win[:] = [(t1, p1)]                  # the next action needs a new sustained window
+            event = MemoryEvent(self._step, self.level, action, usage, int(used_bytes),
+                                int(budget_bytes), self._split, "psi", msg)
+        if action in (Action.CLEAN, Action.SPLIT):
+            self._safe(self._clean_fn, "clean")
+        self._emit(event)
+        return action
 
     # ----- thread ------------------------------------------------------------------------------
     def start(self) -> "MemoryMonitor":
@@ -396,11 +544,41 @@ class MemoryMonitor:
                            type(exc).__name__, exc)
 
 
+def _malloc_trim() -> None:
+    """Return the free memory glibc's heap keeps to the kernel (``malloc_trim(0)``, malloc_trim(3)).
+
+    On CPU, torch allocates through ``malloc``; blocks below glibc's dynamic mmap threshold (up to
+    32 MiB, mallopt(3) ``M_MMAP_THRESHOLD``) come from the heap, and freed heap stays in the
+    process's RSS, still charged to its cgroup. No-op off glibc.
+    """
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import ctypes.util
+
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+_libc = None
+
+
 def default_clean() -> None:
-    """``gc.collect()`` plus the cache of whichever framework is loaded (never imports one)."""
+    """``gc.collect()``, glibc ``malloc_trim(0)`` on Linux, plus the cache of whichever framework is
+    loaded (never imports one)."""
     import sys
 
     gc.collect()
+    try:
+        _malloc_trim()
+    except Exception:  # pragma: no cover - exotic libc
+        pass
     torch = sys.modules.get("torch")
     if torch is not None:
         try:

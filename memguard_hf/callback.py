@@ -125,8 +125,20 @@ class MemGuardCallback(TrainerCallback):
                 raise ConfigError("MEMGUARD_SPLIT", "an integer >= 1", env_split) from None
         if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
             raise ConfigError("split", "an integer >= 1", split)
-        if seq_length is not None and (not isinstance(seq_length, int) or seq_length < 1):
+        if seq_length is not None and (isinstance(seq_length, bool) or not isinstance(seq_length, int)
+                                       or seq_length < 1):
             raise ConfigError("seq_length", "an integer >= 1", seq_length)
+        if thresholds is not None and not isinstance(thresholds, Thresholds):
+            raise ConfigError("thresholds", "a memguard_core.monitor.Thresholds", thresholds)
+        if isinstance(monitor_interval_s, bool) or not isinstance(monitor_interval_s, (int, float)) \
+                or monitor_interval_s < 0:
+            raise ConfigError("monitor_interval_s", "a number of seconds >= 0", monitor_interval_s)
+        from memguard_core.probes import _DEVICE_RE
+        if not isinstance(device, str) or _DEVICE_RE.match(device) is None:
+            raise ConfigError("device", '"auto", "cpu", "cuda", "cuda:<index>" or "mlx"', device)
+        for name, flag in (("fail_fast", fail_fast), ("preflight", preflight)):
+            if not isinstance(flag, bool):
+                raise ConfigError(name, "True or False", flag)
         self.budget_bytes = budget_bytes
         self.thresholds = thresholds or Thresholds()
         self.seq_length = seq_length
@@ -341,6 +353,15 @@ class MemGuardCallback(TrainerCallback):
                     or getattr(t, "compute_loss_func", None) is not None)
 
     def _guarded_training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
+        try:
+            return self._guarded_training_step_inner(model, inputs, num_items_in_batch, *args, **kwargs)
+        except BaseException:
+            # the run is leaving train() without on_train_end: stop the monitor thread with it
+            if self.monitor is not None:
+                self.monitor.stop()
+            raise
+
+    def _guarded_training_step_inner(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         mon = self.monitor
         if mon is None or self._disabled_split_reason is not None:
             return self._orig_training_step(model, inputs, num_items_in_batch, *args, **kwargs)

@@ -157,3 +157,116 @@ def test_background_samples_only_escalate():
     assert mon.level == Level.WARNING
     assert mon.observe(int(5 * GiB), 10 * GiB, step=2, source="step") is Action.LOG
     assert mon.level == Level.OK
+
+
+# ----- PSI early warning (sustained, rising pressure) ---------------------------------------------
+# The pressure readings are fed as numbers: this machine cannot make the kernel stall on memory on
+# demand (no swap, cgroup v1 has no per-cgroup memory.pressure). Reading PSI from the kernel's
+# files is tested in test_probes_linux.py.
+
+from memguard_core.monitor import PsiPolicy  # noqa: E402
+
+
+@dataclass
+class PSnap:
+    process_bytes: int
+    available_bytes: int
+    pressure: float = None
+    timestamp: float = 0.0
+    process_peak_bytes: int = None
+
+
+def feed(mon, readings, dt=0.5):
+    """Background samples at ``dt`` s intervals with the given pressures (usage far below budget)."""
+    it = iter(readings)
+    clock = mon.__dict__.setdefault("_test_clock", [100.0])  # one monotonic clock per monitor
+
+    def probe_fn(cheap):
+        clock[0] += dt
+        return PSnap(GiB, 50 * GiB, pressure=next(it), timestamp=clock[0])
+    mon._probe_fn = probe_fn
+    return [mon.background_sample() for _ in readings]
+
+
+def test_psi_one_high_sample_is_not_acted_on():
+    mon, cleans = make()
+    actions = feed(mon, [0.0, 80.0, 0.0, 0.0, 0.0, 0.0])
+    assert set(actions) == {Action.NONE} and not cleans and mon.split == 1 and not mon.events
+
+
+def test_psi_sustained_rising_pressure_cleans_then_splits():
+    mon, cleans = make(psi=PsiPolicy(threshold=10, sustain_s=2.0, min_samples=3))
+    rising = [12, 14, 16, 18, 20, 22, 24, 26, 28, 30]
+    actions = feed(mon, rising)
+    # 0.5 s apart: the window spans 2 s at the 5th sample -> clean; a further 2 s -> split
+    assert actions[:4] == [Action.NONE] * 4
+    assert actions[4] is Action.CLEAN
+    assert actions[5:8] == [Action.NONE] * 3
+    assert actions[8] is Action.SPLIT and mon.split == 2
+    assert cleans == [1, 1]  # the clean, and the split (which also hands back cached memory)
+    psi_events = [e for e in mon.events if e.source == "psi"]
+    assert [e.action for e in psi_events] == [Action.CLEAN, Action.SPLIT]
+    assert "PSI some avg10" in psi_events[0].message and "rising" in psi_events[0].message
+    assert mon.level == Level.OK  # the usage level is untouched: pressure is a separate signal
+
+
+def test_psi_sustained_but_falling_or_flat_pressure_is_left_alone():
+    mon, cleans = make(psi=PsiPolicy(threshold=10, sustain_s=1.0, min_samples=3))
+    assert set(feed(mon, [40, 38, 35, 30, 25, 20, 15, 12])) == {Action.NONE}
+    assert set(feed(mon, [20.0] * 8)) == {Action.NONE}
+    assert not cleans and mon.split == 1
+
+
+def test_psi_episode_ends_below_the_release_level_and_restarts():
+    mon, cleans = make(psi=PsiPolicy(threshold=10, sustain_s=1.0, min_samples=3, release=0.5))
+    # rising for 1 s -> clean; pressure drops below 5 % -> episode over; a new episode cleans again
+    actions = feed(mon, [11, 12, 13, 2, 11, 12, 13])
+    assert actions == [Action.NONE, Action.NONE, Action.CLEAN, Action.NONE, Action.NONE, Action.NONE,
+                       Action.CLEAN]
+    assert cleans == [1, 1] and mon.split == 1
+    # a dip into the hysteresis band (>= 5 %) does not end the episode: the next window splits
+    assert feed(mon, [7, 12, 14]) == [Action.NONE, Action.NONE, Action.SPLIT]
+    assert mon.split == 2
+
+
+def test_psi_absent_or_garbage_is_skipped_and_logged_once(caplog):
+    mon, cleans = make(psi=PsiPolicy(threshold=10, sustain_s=0.5, min_samples=2))
+    with caplog.at_level("WARNING", logger="memguard.monitor"):
+        assert set(feed(mon, [None] * 4 + [float("nan"), -3.0, 250.0, "12"])) == {Action.NONE}
+    assert [r for r in caplog.records if "pressure" in r.message and "failed" in r.message].__len__() == 1
+    assert not cleans and mon.split == 1
+
+
+def test_psi_off_and_usage_action_takes_precedence():
+    mon, cleans = make(psi=None)
+    assert set(feed(mon, [50, 60, 70, 80, 90, 95])) == {Action.NONE}
+    # with PSI on, a sample whose usage already triggered an action does not also act on pressure
+    mon, cleans = make(psi=PsiPolicy(threshold=10, sustain_s=0.5, min_samples=2))
+    clock = [0.0]
+
+    def probe_fn(cheap):
+        clock[0] += 0.5
+        return PSnap(int(9.9 * GiB), 50 * GiB, pressure=20.0 + clock[0], timestamp=clock[0])
+    mon._probe_fn = probe_fn
+    assert mon.background_sample() is Action.SPLIT          # usage 99 %: emergency
+    assert [e.source for e in mon.events] == ["background"]  # the PSI reading was only recorded
+    assert mon.last_pressure == 20.5
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(threshold=0), "psi.threshold"),
+    (dict(threshold=101), "psi.threshold"),
+    (dict(sustain_s=-1), "psi.sustain_s"),
+    (dict(min_samples=0), "psi.min_samples"),
+    (dict(release=0), "psi.release"),
+])
+def test_psi_policy_validates(kw, field):
+    with pytest.raises(ConfigError) as e:
+        PsiPolicy(**kw)
+    assert e.value.field == field
+
+
+def test_a_split_also_cleans():
+    mon, cleans = make()
+    assert mon.observe(int(9.9 * GiB), 10 * GiB, step=1, source="step") is Action.SPLIT
+    assert cleans == [1]

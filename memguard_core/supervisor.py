@@ -1,0 +1,458 @@
+"""``memguard run -- <command>``: restart a training command that was killed for memory.
+
+No in-process guard can catch the kernel's cgroup OOM killer (SIGKILL, no Python exception) or a
+Metal command-buffer abort: the process is gone. The supervisor runs the training command as a
+child and, when the child was killed *for memory*, starts it again with
+
+* a doubled micro-batch split: ``MEMGUARD_SPLIT=<2 x the previous>`` in the child's environment;
+  ``MemGuardCallback`` (memguard_hf) reads it at construction and starts with that split factor
+  k, so every batch runs in k row-chunks (effective batch, step count and LR schedule unchanged);
+* resume semantics: ``MEMGUARD_RESUME_FROM=<output dir>/checkpoint-<N>`` (largest N, the
+  ``transformers.trainer_utils.get_last_checkpoint`` rule). The training script passes it to
+  ``trainer.train(resume_from_checkpoint=memguard_hf.resume_checkpoint())``: a callback cannot,
+  because ``Trainer.train`` loads the checkpoint before the first callback event. Checkpoints
+  come from the script's own ``save_steps``; with none the restart begins at step 0 (reported).
+
+It restarts at most ``--max-restarts`` times (default 3) and reports every restart on stderr
+(and, with ``--report PATH``, as JSON). Any other exit (success, an exception, a SIGKILL that was
+not the OOM killer) ends supervision and its status is returned unchanged.
+
+Deciding "killed for memory" (:func:`classify_exit`):
+
+* Linux: the child died of SIGKILL (``-9``, or ``137`` through a shell) AND an OOM-kill counter
+  rose while it ran: the ``oom_kill`` count of the supervisor's memory cgroup
+  (``memguard_core.probes.linux.cgroup_memory``: v1 ``memory.oom_control``, v2
+  ``memory.events``; the child runs in the same cgroup, as in a container) or the host's
+  ``/proc/vmstat`` ``oom_kill`` (Linux 4.13+, kernel Documentation/admin-guide/mm). Where neither
+  counter can be read, a SIGKILL is taken as a memory kill and the report says it was assumed.
+* macOS: SIGKILL (jetsam, the memorystatus killer, sends it; there is no per-process counter an
+  unprivileged process can read, so it is assumed) or SIGABRT with Metal's
+  ``Insufficient Memory`` / ``kIOGPUCommandBufferCallbackErrorOutOfMemory`` in the stderr tail.
+* Windows: exit status ``0xC0000017`` (STATUS_NO_MEMORY) or ``0xC000012D``
+  (STATUS_COMMITMENT_LIMIT), NTSTATUS values from ntstatus.h.
+* Everywhere: an out-of-memory error that escaped the training script (``torch.OutOfMemoryError``,
+  ``CUDA out of memory``, ``MemoryError``, the CPU allocator's ``DefaultCPUAllocator: can't
+  allocate memory``) as the last traceback in the stderr tail and a non-zero exit.
+
+The child's stderr passes through the supervisor (a pipe, copied to our stderr as it comes, the
+last 64 KiB kept for the checks above); stdout and stdin are inherited.
+
+Python API::
+
+    from memguard_core.supervisor import supervise
+    result = supervise(["python", "train.py", "--output-dir", "out"], max_restarts=3)
+    result.returncode, [a.to_dict() for a in result.attempts]
+
+Exit status of ``main``: the last child's (a signal death as ``128 + signal``), ``2`` for bad
+arguments (the message names the flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+from .errors import ConfigError, require_positive_int
+
+logger = logging.getLogger("memguard.supervisor")
+
+SPLIT_ENV = "MEMGUARD_SPLIT"
+RESUME_ENV = "MEMGUARD_RESUME_FROM"
+ATTEMPT_ENV = "MEMGUARD_ATTEMPT"
+DEFAULT_MAX_RESTARTS = 3
+STDERR_TAIL_BYTES = 64 * 1024
+
+#: NTSTATUS codes of a process that died for lack of memory (ntstatus.h).
+WINDOWS_OOM_STATUS = (0xC0000017, 0xC000012D)
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_OUTPUT_DIR_FLAGS = ("--output-dir", "--output_dir")
+_METAL_OOM = ("Insufficient Memory", "kIOGPUCommandBufferCallbackErrorOutOfMemory")
+_PY_OOM = re.compile(r"^(torch\.OutOfMemoryError|torch\.cuda\.OutOfMemoryError|MemoryError|"
+                     r"RuntimeError: .*(out of memory|DefaultCPUAllocator: (can't|not enough))).*$",
+                     re.MULTILINE)
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+def latest_checkpoint(output_dir: Optional[str]) -> Optional[str]:
+    """``<output_dir>/checkpoint-N`` with the largest N (a directory), or None.
+
+    The rule of ``transformers.trainer_utils.get_last_checkpoint`` (the number, not the mtime).
+    A missing or unreadable ``output_dir`` gives None.
+    """
+    if not output_dir:
+        return None
+    try:
+        names = os.listdir(output_dir)
+    except OSError:
+        return None
+    best = None
+    for name in names:
+        m = _CHECKPOINT_RE.match(name)
+        if m and os.path.isdir(os.path.join(output_dir, name)):
+            n = int(m.group(1))
+            if best is None or n > best[0]:
+                best = (n, name)
+    return os.path.join(output_dir, best[1]) if best else None
+
+
+def detect_output_dir(cmd: Sequence[str]) -> Optional[str]:
+    """The value of ``--output-dir`` / ``--output_dir`` (``X`` or ``=X``) in ``cmd``, or None.
+
+    These are the spellings of HF ``TrainingArguments`` through ``HfArgumentParser`` (both are
+    accepted there) and of most training scripts.
+    """
+    for i, tok in enumerate(cmd):
+        for flag in _OUTPUT_DIR_FLAGS:
+            if tok == flag and i + 1 < len(cmd):
+                return cmd[i + 1]
+            if tok.startswith(flag + "="):
+                return tok[len(flag) + 1:]
+    return None
+
+
+def _vmstat_oom_kills(proc_root: str = "/proc") -> Optional[int]:
+    try:
+        with open(os.path.join(proc_root, "vmstat")) as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _cgroup_oom_kills() -> Optional[int]:
+    try:
+        from .probes.linux import cgroup_memory
+
+        cg = cgroup_memory(refresh=True, detail=True)
+        return None if cg is None else cg.oom_kill
+    except Exception as exc:  # a probe never stops supervision
+        logger.debug("cgroup oom_kill unreadable: %r", exc)
+        return None
+
+
+@dataclass(frozen=True)
+class OomCounters:
+    """OOM-kill counters read before and after a child ran (None: unreadable)."""
+
+    cgroup: Optional[int] = None
+    host: Optional[int] = None
+
+    @classmethod
+    def read(cls) -> "OomCounters":
+        """Read the current counters (Linux; both None elsewhere)."""
+        if not sys.platform.startswith("linux"):
+            return cls()
+        return cls(_cgroup_oom_kills(), _vmstat_oom_kills())
+
+
+def _rose(before: Optional[int], after: Optional[int]) -> Optional[bool]:
+    if before is None or after is None:
+        return None
+    return after > before
+
+
+def classify_exit(returncode: int, before: OomCounters, after: OomCounters, *,
+                  stderr_tail: str = "", platform: Optional[str] = None) -> tuple:
+    """Was the child killed for memory?
+
+    Args:
+        returncode: the child's status as ``subprocess`` reports it (``-N`` for signal N).
+        before, after: :class:`OomCounters` read around the run.
+        stderr_tail: the end of the child's stderr.
+        platform: ``sys.platform`` (default: this one).
+
+    Returns:
+        ``(for_memory: bool, reason: str)``; the reason says which evidence decided.
+    """
+    plat = sys.platform if platform is None else platform
+    if returncode == 0:
+        return False, "exited normally"
+    sigkill = returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+    if plat.startswith("linux") and sigkill:
+        cg, host = _rose(before.cgroup, after.cgroup), _rose(before.host, after.host)
+        if cg:
+            return True, (f"SIGKILL with the cgroup's oom_kill count up "
+                          f"({before.cgroup} -> {after.cgroup})")
+        if host:
+            return True, f"SIGKILL with the host's oom_kill count up ({before.host} -> {after.host})"
+        if cg is None and host is None:
+            return True, "SIGKILL and no OOM counter readable: assumed to be the OOM killer"
+        return False, "SIGKILL but no OOM kill was counted (killed by someone else)"
+    if plat == "darwin":
+        if sigkill:
+            return True, "SIGKILL on macOS: assumed to be the memorystatus (jetsam) killer"
+        if returncode in (-signal.SIGABRT, 128 + signal.SIGABRT) and any(s in stderr_tail for s in _METAL_OOM):
+            return True, "Metal command buffer aborted: Insufficient Memory"
+    if plat in ("win32", "cygwin") and (returncode & 0xFFFFFFFF) in WINDOWS_OOM_STATUS:
+        return True, f"Windows exit status {returncode & 0xFFFFFFFF:#x} (out of memory)"
+    m = None
+    for m in _PY_OOM.finditer(stderr_tail):
+        pass
+    if m is not None and "Traceback" in stderr_tail[:m.start()]:
+        return True, f"out-of-memory error escaped the script: {m.group(0)[:160]}"
+    if sigkill:
+        return False, "SIGKILL (not attributable to memory)"
+    return False, f"exited with status {returncode}"
+
+
+# ------------------------------------------------------------------------------------------- running
+
+@dataclass
+class Attempt:
+    """One run of the child.
+
+    Attributes:
+        number: 1 for the first run, 2 for the first restart, ...
+        split: the ``MEMGUARD_SPLIT`` it ran with (None: not set).
+        resume_from: the ``MEMGUARD_RESUME_FROM`` it ran with (None: from scratch).
+        returncode: its exit status (``-N``: killed by signal N).
+        killed_for_memory: :func:`classify_exit`'s verdict; ``reason`` its evidence.
+        wall_s: seconds it ran.
+    """
+
+    number: int
+    split: Optional[int]
+    resume_from: Optional[str]
+    returncode: Optional[int] = None
+    killed_for_memory: bool = False
+    reason: str = ""
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class SupervisorResult:
+    """Outcome of :func:`supervise`.
+
+    Attributes:
+        returncode: the last attempt's status, as a shell reports it (``128 + N`` for signal N).
+        attempts: every run, in order.
+        gave_up: the last attempt was killed for memory and no restart was left.
+    """
+
+    returncode: int
+    attempts: List[Attempt] = field(default_factory=list)
+    gave_up: bool = False
+
+    @property
+    def restarts(self) -> int:
+        return max(0, len(self.attempts) - 1)
+
+    def to_dict(self) -> dict:
+        return {"returncode": self.returncode, "restarts": self.restarts, "gave_up": self.gave_up,
+                "attempts": [a.to_dict() for a in self.attempts]}
+
+
+def _shell_status(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+def _tee(stream, sink, tail: bytearray) -> None:
+    """Copy ``stream`` to ``sink`` as it comes, keeping the last STDERR_TAIL_BYTES in ``tail``."""
+    try:
+        while True:
+            chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+            if not chunk:
+                break
+            try:
+                sink.write(chunk)
+                sink.flush()
+            except (OSError, ValueError):
+                pass
+            tail.extend(chunk)
+            if len(tail) > STDERR_TAIL_BYTES:
+                del tail[:len(tail) - STDERR_TAIL_BYTES]
+    except (OSError, ValueError):
+        pass
+
+
+def _run_once(cmd: Sequence[str], env: Mapping[str, str]) -> tuple:
+    """Run ``cmd`` to completion; returns (returncode, stderr_tail). Forwards SIGINT/SIGTERM."""
+    proc = subprocess.Popen(list(cmd), env=dict(env), stderr=subprocess.PIPE)
+    sink = getattr(sys.stderr, "buffer", None)
+    if sink is None:  # a replaced sys.stderr (pytest capture): write text
+        class _TextSink:
+            def write(self, b):
+                sys.stderr.write(b.decode("utf-8", "replace"))
+
+            def flush(self):
+                sys.stderr.flush()
+        sink = _TextSink()
+    tail = bytearray()
+    t = threading.Thread(target=_tee, args=(proc.stderr, sink, tail), name="memguard-run-tee",
+                         daemon=True)
+    t.start()
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        def forward(signum, frame):
+            try:
+                proc.send_signal(signum)
+            except OSError:
+                pass
+        for s in (signal.SIGINT, signal.SIGTERM):
+            try:
+                old[s] = signal.signal(s, forward)
+            except (ValueError, OSError):
+                pass
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    t.join(5.0)
+    try:
+        proc.stderr.close()
+    except OSError:
+        pass
+    return rc, bytes(tail).decode("utf-8", "replace")
+
+
+def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None,
+              max_restarts: int = DEFAULT_MAX_RESTARTS, split: Optional[int] = None,
+              env: Optional[Mapping[str, str]] = None,
+              report: Optional[Callable[[str], None]] = None,
+              runner: Optional[Callable[[Sequence[str], Mapping[str, str]], tuple]] = None,
+              counters: Optional[Callable[[], OomCounters]] = None) -> SupervisorResult:
+    """Run ``cmd``; restart it with a doubled split and resume after each memory kill.
+
+    Args:
+        cmd: the training command (argument list, no shell).
+        output_dir: where the script writes ``checkpoint-N``; default :func:`detect_output_dir`.
+        max_restarts: restarts allowed after memory kills (>= 0).
+        split: the first run's ``MEMGUARD_SPLIT`` (>= 1); default: the environment's, else unset
+            (the restart after a kill then uses 2).
+        env: base environment of the child (default ``os.environ``).
+        report: receives one human line per event (default: ``logger.warning``).
+        runner, counters: the child runner and the OOM-counter reader (defaults: a real
+            subprocess and :meth:`OomCounters.read`); replaceable for platforms this machine
+            cannot run (tests).
+
+    Returns:
+        :class:`SupervisorResult`.
+
+    Raises:
+        ConfigError: empty ``cmd``, bad ``max_restarts`` or ``split``.
+    """
+    if isinstance(cmd, (str, bytes)) or not cmd or not all(isinstance(c, str) for c in cmd):
+        raise ConfigError("command", "a non-empty list of arguments (memguard run -- python train.py ...)",
+                          cmd)
+    max_restarts = require_positive_int("max_restarts", max_restarts, allow_zero=True)
+    base_env: Dict[str, str] = dict(os.environ if env is None else env)
+    if split is None and base_env.get(SPLIT_ENV):
+        try:
+            split = int(base_env[SPLIT_ENV])
+        except ValueError:
+            raise ConfigError(SPLIT_ENV, "an integer >= 1", base_env[SPLIT_ENV]) from None
+    if split is not None:
+        split = require_positive_int("split", split)
+    out_dir = output_dir if output_dir is not None else detect_output_dir(cmd)
+    say = report or (lambda line: logger.warning("%s", line))
+    run = runner or _run_once
+    read_counters = counters or OomCounters.read
+
+    result = SupervisorResult(returncode=0)
+    resume: Optional[str] = base_env.get(RESUME_ENV) or None
+    while True:
+        attempt = Attempt(number=len(result.attempts) + 1, split=split, resume_from=resume)
+        child_env = dict(base_env)
+        child_env[ATTEMPT_ENV] = str(attempt.number)
+        if split is not None:
+            child_env[SPLIT_ENV] = str(split)
+        if resume:
+            child_env[RESUME_ENV] = resume
+        else:
+            child_env.pop(RESUME_ENV, None)
+        before = read_counters()
+        t0 = time.monotonic()
+        rc, tail = run(cmd, child_env)
+        attempt.wall_s = round(time.monotonic() - t0, 2)
+        after = read_counters()
+        attempt.returncode = rc
+        attempt.killed_for_memory, attempt.reason = classify_exit(rc, before, after, stderr_tail=tail)
+        result.attempts.append(attempt)
+        result.returncode = _shell_status(rc)
+        if not attempt.killed_for_memory:
+            if attempt.number > 1 or rc != 0:
+                say(f"memguard run: attempt {attempt.number} ended: {attempt.reason} (status {rc})")
+            return result
+        if result.restarts >= max_restarts:
+            result.gave_up = True
+            say(f"memguard run: attempt {attempt.number} killed for memory ({attempt.reason}); "
+                f"no restart left (--max-restarts {max_restarts}); giving up with status {result.returncode}")
+            return result
+        split = 2 * (split or 1)
+        resume = latest_checkpoint(out_dir) or None
+        where = (f"resuming from {resume}" if resume else
+                 "no checkpoint found" + (f" in {out_dir}" if out_dir else " (no --output-dir given or detected)")
+                 + ": restarting from step 0")
+        say(f"memguard run: attempt {attempt.number} killed for memory after {attempt.wall_s:.1f} s "
+            f"({attempt.reason}); restart {result.restarts + 1}/{max_restarts} with {SPLIT_ENV}={split}, {where}")
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="memguard run",
+        description="Run a training command; if it is killed for memory (the cgroup OOM killer, a "
+                    "Metal abort), restart it with a doubled micro-batch split (MEMGUARD_SPLIT) and "
+                    "from its latest checkpoint (MEMGUARD_RESUME_FROM).",
+        epilog="The script resumes with trainer.train(resume_from_checkpoint=memguard_hf.resume_checkpoint()).")
+    p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
+                   help=f"restarts after memory kills [{DEFAULT_MAX_RESTARTS}]")
+    p.add_argument("--output-dir", default=None,
+                   help="where the script writes checkpoint-N [detected from the command's --output-dir/--output_dir]")
+    p.add_argument("--split", type=int, default=None, help="first run's MEMGUARD_SPLIT [environment's, else unset]")
+    p.add_argument("--report", default=None, metavar="PATH", help="write the attempts as JSON to PATH")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
+    return p
+
+
+_FLAG_OF = {"max_restarts": "--max-restarts", "split": "--split", "command": "command"}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``memguard run [--max-restarts N] [--output-dir D] [--split K] [--report PATH] -- CMD...``.
+
+    Returns the exit status (see the module doc). Bad arguments: a message naming the flag on
+    stderr and status 2.
+    """
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    cmd = list(args.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        res = supervise(cmd, output_dir=args.output_dir, max_restarts=args.max_restarts, split=args.split,
+                        report=lambda line: print(line, file=sys.stderr, flush=True))
+    except ConfigError as exc:
+        flag = _FLAG_OF.get(exc.field, exc.field)
+        print(f"memguard run: error: invalid {flag}: expected {exc.expected}, got {exc.got!r}", file=sys.stderr)
+        return 2
+    if args.report:
+        try:
+            with open(args.report, "w") as f:
+                json.dump(res.to_dict(), f, indent=1)
+        except OSError as exc:
+            print(f"memguard run: could not write --report {args.report}: {exc}", file=sys.stderr)
+    return res.returncode
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,16 +1,16 @@
 """Container scenarios: real HF ``Trainer`` fine-tunes on CPU inside real memory cgroups.
 
 Each scenario runs ``container_train.py`` (a Llama-architecture model from config numbers, random
-weights; fp32 logits of 16 x 128 x 16384 dominate the peak) as a subprocess inside a child cgroup
+weights; fp32 logits of 16 x 256 x 16384 dominate the peak) as a subprocess inside a child cgroup
 of this test (``cgroup_harness.MemoryCgroup``: a real v1/v2 limit, no swap), once unguarded and
 once guarded, and asserts that the unguarded twin was really killed by the kernel's OOM killer
 (SIGKILL AND the cgroup's oom_kill count up, no ``result.json``) while the guarded run really
 completed (exit 0, every optimizer step done, the effective batch kept).
 
-Measured on this machine (2 cores, cgroup v1, no swap; charged peak of the cgroup,
-``memory.max_usage_in_bytes``, for micro-batch 16 x 128 tokens split in k row-chunks):
-k=1 ~886 MiB, k=2 ~697 MiB, k=4 ~598 MiB. The limits below keep ~90 MiB or more from each
-of these on the side that decides the outcome.
+Measured on this machine (2 cores, cgroup v1, no swap), micro-batch 16 x 256 tokens: unsplit it
+is OOM-killed at a 1100 MiB limit; split in k >= 2 row-chunks it completes there (cgroup peak
+~655-765 MiB with the preflight's plan). The runtime co-tenant leaves 1100 MiB of a 2400 MiB limit.
+Each scenario file run prints its figures (``pytest -s``).
 
 Skipped, with the reason, where child memory cgroups cannot be created.
 """
@@ -31,7 +31,6 @@ MiB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TRAIN = os.path.join(HERE, "container_train.py")
-BASE = ["--batch-size", "16", "--grad-accum", "1", "--seq-len", "128", "--layers", "2"]
 
 RT = ["--batch-size", "16", "--grad-accum", "1", "--seq-len", "256", "--layers", "2"]
 PREFLIGHT_LIMIT = 1100 * MiB    # 16 x 256: k=1 is killed below ~1.3 GiB; k=2 needs ~0.87 GiB

@@ -1,10 +1,11 @@
-"""``memguard`` command line: estimate | probe | demo.
+"""``memguard`` command line: estimate | probe | demo | run.
 
     memguard estimate --config config.json --batch-size 8 --seq-length 2048 --method lora
     memguard estimate --config config.json ... --budget-gib 20      # and plan against a budget
     memguard estimate ... --json                                     # one JSON object
     memguard probe                                                   # what this machine offers
     memguard demo                                                    # a guarded real fine-tune
+    memguard run -- python train.py --output_dir out                 # restart after an OOM kill
 
 Exit codes: 0 ok; 2 bad input (the message names the flag); 3 the run does not fit the budget.
 """
@@ -22,6 +23,7 @@ from .errors import ConfigError, DoesNotFitError, MemGuardError
 
 # TrainSpec / ModelSpec field -> the CLI flag that sets it (so errors name what the user typed)
 FLAG_OF = {
+    "config": "--config",
     "batch_size": "--batch-size", "seq_length": "--seq-length", "grad_accum": "--grad-accum",
     "method": "--method", "lora_rank": "--lora-rank", "lora_targets": "--lora-targets",
     "lora_layers": "--lora-layers", "optimizer": "--optimizer", "dtype": "--dtype",
@@ -115,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer step at which the demo takes 15%% of the budget away, as a "
                         "co-tenant would, to show the runtime guard (0: never) [2]")
     d.add_argument("--output-dir", default=None, help="trainer output dir [a temp dir]")
+
+    sub.add_parser("run", help="run a training command; after an out-of-memory kill, restart it with a doubled "
+                               "split from its latest checkpoint (memguard run -- python train.py ...)",
+                   add_help=False)
     return p
 
 
@@ -231,6 +237,11 @@ def cmd_demo(args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # the supervisor parses its own arguments (everything after -- is the command)
+        from .supervisor import main as run_main
+
+        return run_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     from rich.logging import RichHandler

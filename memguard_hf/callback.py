@@ -243,11 +243,19 @@ class MemGuardCallback(TrainerCallback):
                 self.preflight = run_preflight(trainer, budget_bytes=budget, safety_ratio=self.safety_ratio,
                                                seq_length=self.seq_length, apply=self.apply,
                                                device=self.device, plan_fraction=self.thresholds.warning)
-            except DoesNotFitError:
+            except DoesNotFitError as exc:
                 if self.fail_fast:
                     raise
-                logger.error("memguard preflight: nothing fits the budget; training continues with "
-                             "the largest split, the runtime guard watching", exc_info=True)
+                # the closest the in-place steps get: one-row chunks, checkpointing on
+                split = args.per_device_train_batch_size if "micro_batch" in self.apply else split
+                if "grad_checkpoint" in self.apply:
+                    try:
+                        from .preflight import enable_activation_checkpointing
+                        enable_activation_checkpointing(trainer.model)
+                    except Exception:
+                        logger.warning("memguard: could not enable activation checkpointing", exc_info=True)
+                logger.error("memguard preflight: nothing fits the budget (%s). Training continues with "
+                             "split k=%d and activation checkpointing, the runtime guard watching.", exc, split)
                 self.preflight = None
             except ConfigError:
                 raise

@@ -92,6 +92,14 @@ def infer_seq_length(trainer, given: Optional[int] = None, scan_rows: int = 2048
     return 512
 
 
+def _checkpointing_on(model) -> bool:
+    """Whether activation checkpointing is on (transformers 5 renamed the flag; read the new one first)."""
+    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), attr) or attr in getattr(model, "__dict__", {}):
+            return bool(getattr(model, attr, False))
+    return False
+
+
 def trainspec_from_trainer(trainer, model_spec: ModelSpec, *, seq_length: Optional[int] = None,
                            device: str = "auto") -> TrainSpec:
     """Build the ``TrainSpec`` of a ``Trainer`` run (see the module docstring for the mapping)."""
@@ -115,7 +123,7 @@ def trainspec_from_trainer(trainer, model_spec: ModelSpec, *, seq_length: Option
     attn = str(getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") or "sdpa")
     attn_impl = "eager" if attn == "eager" else "flash" if "flash" in attn else "sdpa"
     gc_on = bool(getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False)
-                 or getattr(model, "is_gradient_checkpointing", False))
+                 or _checkpointing_on(model))
     if device == "auto":
         dev = p.device.type if p is not None else "cpu"
         device = "cuda" if dev == "cuda" else "cpu"

@@ -1,0 +1,48 @@
+"""The adapters' shared preflight (memguard_core.preflight): plan target below the warning level,
+the resident surplus counted, and the demos' budget helper."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from memguard_core.errors import DoesNotFitError
+from memguard_core.estimate import estimate
+from memguard_core.preflight import budget_that_fits, plan_in_place, resident_extra
+from memguard_core.spec import TrainSpec, model_spec_from_hf_config
+
+SMOL = os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def ms():
+    return model_spec_from_hf_config(SMOL)
+
+
+def test_budget_that_fits_makes_the_planner_choose_that_split(ms):
+    ts = TrainSpec(batch_size=8, seq_length=256, method="lora", dtype="fp32")
+    half = ts.replace(batch_size=4, grad_accum=2, grad_checkpoint=True)
+    resident = estimate(ms, ts).breakdown["weights"] + estimate(ms, ts).breakdown["runtime_overhead"] + 80 * MiB
+    budget = budget_that_fits(ms, half, resident_bytes=resident)
+    pf = plan_in_place(ms, ts, budget, plan_fraction=0.85, resident_bytes=resident)
+    assert pf.split_factor == 2 and pf.checkpointing_planned
+    assert pf.resident_extra_bytes == 80 * MiB
+    assert pf.best_peak_bytes <= 0.85 * budget
+    # without the 80 MiB surplus the same budget would have fitted a larger plan than the one chosen
+    assert estimate(ms, half).peak_bytes + 80 * MiB == pf.best_peak_bytes
+
+
+def test_resident_extra_is_what_exceeds_runtime_and_weights():
+    b = {"runtime_overhead": 100, "weights": 50, "activations": 999}
+    assert resident_extra(b, 400) == 250
+    assert resident_extra(b, 120) == 0
+    assert resident_extra(b, None) == 0
+
+
+def test_a_process_already_over_budget_does_not_fit(ms):
+    ts = TrainSpec(batch_size=1, seq_length=64, method="lora")
+    with pytest.raises(DoesNotFitError) as e:
+        plan_in_place(ms, ts, 512 * MiB, plan_fraction=0.85, resident_bytes=4096 * MiB)
+    assert e.value.shortfall_bytes > 0 and "before training" in " ".join(e.value.suggestions)

@@ -31,6 +31,29 @@ is not acted on (``avg10`` of a busy host blips); see :class:`PsiPolicy`: pressu
 or above ``threshold`` for ``sustain_s`` seconds (``min_samples`` samples at least) *and* rose over
 that window first cleans caches, and if it is still sustained and rising a window later, splits.
 
+Growing back (:class:`GrowPolicy`): a split is not forever. After the per-step usage has stayed
+below ``grow.below`` (default 70 % of the effective budget, under ``warning - hysteresis``) for a
+sustained stretch (``grow.steps`` consecutive step samples *and* ``grow.seconds`` seconds, with no
+PSI episode open), k halves again (``k -> k // 2``), one halving per stretch, never below 1 and
+never above ``max_split`` (the micro-batch rows: a chunk never exceeds the user's micro-batch).
+Before halving, the peak at the smaller k is *predicted* from measured step peaks (:meth:`MemoryMonitor.predict_peak`):
+the peak measured earlier at that k if there is one, else a fit ``peak = base + per_row / k``
+through the peaks measured at two k. A grow-back to k' >= ``planned_split`` (the preflight plan's k,
+or the starting k) needs a prediction below the warning level of the current effective budget (or
+no prediction at all); below the plan's k it needs a *measured* prediction at or below
+``grow.below`` (measured peaks must prove that the larger micro-batch fits). The first step sample
+after a grow-back measures a micro-batch at the new k: at or above the warning level the grow-back
+is undone at once (k restored, a ``split`` event) and the stretch needed for the next attempt is
+multiplied by ``grow.backoff`` (2x, 4x, ... up to ``grow.max_backoff``); a split within
+``grow.steps`` samples after a grow-back counts as a failed one too, so pressure that returns
+cannot make k oscillate. Each grow-back is an event with action ``grow``.
+
+Per-step cost: :meth:`MemoryMonitor.step_sample` reads only cheap counters (``probe(cheap=True)``:
+/proc/self/status, /proc/meminfo and the cgroup's usage files through cached descriptors on Linux;
+the allocator counters on CUDA / MLX), resets the peak, and does a few comparisons: no
+allocation on the device, no synchronisation, nothing proportional to the model's size. PSI
+averages and NVML are read by the background thread only.
+
 Nothing here raises into training: a failing probe or callback is logged once and skipped.
 """
 
@@ -43,7 +66,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from .errors import ConfigError, require_fraction
 
@@ -66,6 +89,7 @@ class Action(str, enum.Enum):
     LOG = "log"
     CLEAN = "clean"
     SPLIT = "split"
+    GROW = "grow"
 
 
 @dataclass(frozen=True)
@@ -144,6 +168,45 @@ class PsiPolicy:
         require_fraction("psi.release", self.release)
 
 
+@dataclass(frozen=True)
+class GrowPolicy:
+    """When the split factor k may halve again after pressure has gone (see the module doc).
+
+    Args:
+        below: usage (fraction of the effective budget) under which a step sample counts as calm;
+            must be <= ``thresholds.warning - thresholds.hysteresis`` (checked by the monitor), so a
+            calm sample is always at the OK level. Default 0.70: a halving of k roughly doubles the
+            per-row part of the peak, and below 70 % there is room for that before the 85 % warning.
+        steps: consecutive calm step samples (micro-batches) needed before a halving (>= 1).
+        seconds: and at least this many seconds since the first calm sample of the stretch (>= 0).
+            Defaults 16 samples and 30 s: longer than PSI's 10 s average and a few optimizer
+            steps, so a co-tenant that pauses briefly does not invite a grow-back.
+        backoff: after a grow-back that failed (undone, or followed by a split within ``steps``
+            samples), the stretch needed for the next attempt is multiplied by this (> 1, default 2:
+            exponential backoff, as in TCP's retransmission timer, RFC 6298 5.5).
+        max_backoff: cap of that multiplier (>= 1, default 32).
+
+    Raises:
+        ConfigError: a value out of range (the error names ``grow.<field>``).
+    """
+
+    below: float = 0.70
+    steps: int = 16
+    seconds: float = 30.0
+    backoff: float = 2.0
+    max_backoff: float = 32.0
+
+    def __post_init__(self) -> None:
+        require_fraction("grow.below", self.below)
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ConfigError("grow.steps", "an integer >= 1", self.steps)
+        for name, lo, strict in (("seconds", 0.0, False), ("backoff", 1.0, True), ("max_backoff", 1.0, False)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or (v <= lo if strict else v < lo):
+                raise ConfigError(f"grow.{name}", f"a number {'>' if strict else '>='} {lo:g}", v)
+
+
 @dataclass
 class MemoryEvent:
     """One decision of the monitor.
@@ -157,7 +220,8 @@ class MemoryEvent:
         budget_bytes: the effective budget at this sample.
         split: the split factor k after this decision.
         source: ``step`` (per-step sample), ``background``, ``psi`` (sustained memory pressure,
-            see :class:`PsiPolicy`; ``usage`` is then the latest usage) or ``request``.
+            see :class:`PsiPolicy`; ``usage`` is then the latest usage) or ``request``. A
+            grow-back (action ``grow``) and its undo (action ``split``) come from ``step``.
         message: one human line.
     """
 
@@ -204,10 +268,15 @@ class MemoryMonitor:
             (default: the probe's ``process_peak_bytes`` followed by ``stats.reset_peak_memory``).
         psi: :class:`PsiPolicy` for the pressure early warning (background samples only); ``None``
             turns it off.
+        grow: :class:`GrowPolicy` for halving k again once pressure has gone; ``None`` turns
+            growing back off (k then only rises, as before).
+        planned_split: the k the preflight planned (default: ``split``). k goes below it only when
+            measured peaks predict that the larger micro-batch fits (see the module doc).
 
     Raises:
-        ConfigError: invalid budget, device, ratio, thresholds, interval, split, max_split or psi
-            (the error names the argument).
+        ConfigError: invalid budget, device, ratio, thresholds, interval, split, max_split, psi,
+            grow (or ``grow.below`` above ``warning - hysteresis``) or planned_split (the error
+            names the argument).
     """
 
     def __init__(self, budget_bytes: int, *, device: str = "auto", safety_ratio: float = 0.8,
@@ -216,7 +285,8 @@ class MemoryMonitor:
                  on_event: Optional[Callable[[MemoryEvent], None]] = None,
                  probe_fn: Optional[Callable[[bool], object]] = None,
                  peak_fn: Optional[Callable[[], Optional[int]]] = None,
-                 psi: Optional[PsiPolicy] = PsiPolicy()):
+                 psi: Optional[PsiPolicy] = PsiPolicy(),
+                 grow: Optional[GrowPolicy] = GrowPolicy(), planned_split: Optional[int] = None):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ConfigError("budget_bytes", "a positive integer number of bytes", budget_bytes)
         if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or interval_s < 0:
@@ -230,6 +300,11 @@ class MemoryMonitor:
             raise ConfigError("thresholds", "a memguard_core.monitor.Thresholds", thresholds)
         if psi is not None and not isinstance(psi, PsiPolicy):
             raise ConfigError("psi", "a memguard_core.monitor.PsiPolicy, or None", psi)
+        if grow is not None and not isinstance(grow, GrowPolicy):
+            raise ConfigError("grow", "a memguard_core.monitor.GrowPolicy, or None", grow)
+        if planned_split is not None and (isinstance(planned_split, bool) or not isinstance(planned_split, int)
+                                          or planned_split < 1):
+            raise ConfigError("planned_split", "an integer >= 1, or None", planned_split)
         from .probes import _DEVICE_RE
         if not isinstance(device, str) or _DEVICE_RE.match(device) is None:
             raise ConfigError("device", '"auto", "cpu", "cuda", "cuda:<index>" or "mlx"', device)
@@ -241,6 +316,9 @@ class MemoryMonitor:
         self.device = device
         self.safety_ratio = require_fraction("safety_ratio", safety_ratio)
         self.thresholds = thresholds or Thresholds()
+        if grow is not None and grow.below > self.thresholds.warning - self.thresholds.hysteresis + 1e-12:
+            raise ConfigError("grow.below", f"a fraction <= warning - hysteresis "
+                              f"({self.thresholds.warning - self.thresholds.hysteresis:.2f})", grow.below)
         self.interval_s = float(interval_s)
         self.max_split = max_split
         self._split = split
@@ -265,6 +343,20 @@ class MemoryMonitor:
         self.last_pressure: Optional[float] = None
         self._psi_window: List[tuple] = []   # (monotonic seconds, pressure %) since episode/action
         self._psi_episode_actions = 0
+        # growing back
+        self.grow = grow
+        self.planned_split = planned_split if planned_split is not None else split
+        self.peak_at_split: Dict[int, int] = {}  # k -> largest step peak measured at k (bytes)
+        self._k_running = split      # k of the micro-batch whose peak the next step sample reads
+        self._calm = 0               # consecutive calm step samples
+        self._calm_since: Optional[float] = None
+        self._grow_from: Optional[int] = None   # k before the last grow-back, until its probation
+        self._grow_sample = -10**9   # step-sample count at the last grow-back
+        self._grow_failures = 0
+        # hot-path caches (resolved on the first sample)
+        self._dev: Optional[str] = None
+        self._probe_impl: Optional[Callable[[bool], object]] = None
+        self._clear_refs_fd: Optional[int] = None
 
     # ----- decisions ---------------------------------------------------------------------------
     @property
@@ -280,6 +372,7 @@ class MemoryMonitor:
                 new = min(new, self.max_split)
             if new != self._split:
                 old, self._split = self._split, new
+                self._note_split()
                 self._emit(MemoryEvent(step, self.level, Action.SPLIT, 0.0, 0, self.budget_bytes,
                                        new, "request", f"split {old} -> {new}: {reason}"))
             return self._split
@@ -294,13 +387,19 @@ class MemoryMonitor:
     def observe(self, used_bytes: int, budget_bytes: int, *, step: Optional[int], source: str) -> Action:
         """Classify one sample and update the decision. Returns the action taken.
 
-        ``used_bytes`` and ``budget_bytes`` in bytes; ``budget_bytes`` > 0.
+        ``used_bytes`` and ``budget_bytes`` in bytes; ``budget_bytes`` > 0. A ``step`` sample's
+        ``used_bytes`` is the peak of the micro-batch just run (at the k read after the previous
+        step sample); step samples also drive growing back (:class:`GrowPolicy`).
         """
         usage = used_bytes / max(1, budget_bytes)
+        msg = ""
         with self._lock:
             self.samples += 1
             if source == "step":
                 self._step_samples += 1
+                k_ran = self._k_running
+                if used_bytes > self.peak_at_split.get(k_ran, 0):
+                    self.peak_at_split[k_ran] = int(used_bytes)
             self.max_usage = max(self.max_usage, usage)
             prev = self.level
             level = self.thresholds.level_for(usage, prev)
@@ -341,10 +440,18 @@ class MemoryMonitor:
                            f"({usage:.0%}): splitting micro-batches {self._split} -> {new}")
                     self._split = new
                     self._split_at_sample = self._step_samples
+                    self._note_split()
                 elif level > prev:
                     action = Action.LOG
                     msg = (f"memory {level.name.lower()}: {_gib(used_bytes)} of {_gib(budget_bytes)} "
                            f"({usage:.0%}) and the micro-batch cannot be split further (k={self._split})")
+            if source == "step":
+                if self.grow is not None:
+                    action, msg = self._grow_decide(usage, int(used_bytes), int(budget_bytes), level,
+                                                    action, msg)
+                self._k_running = self._split
+            elif level > prev:
+                self._calm, self._calm_since = 0, None   # a background escalation breaks the calm
             if action is Action.NONE:
                 return action
             event = MemoryEvent(step, level, action, usage, int(used_bytes), int(budget_bytes),
@@ -355,15 +462,142 @@ class MemoryMonitor:
             self._safe(self._clean_fn, "clean")
         return action
 
+    # ----- growing back ------------------------------------------------------------------------
+    def _note_split(self) -> None:
+        """Bookkeeping of any raise of k (lock held): the calm stretch restarts, and a split soon
+        after a grow-back counts as a failed grow-back (backoff)."""
+        self._calm, self._calm_since = 0, None
+        if self.grow is not None and self._grow_from is None \
+                and 0 < self._step_samples - self._grow_sample <= self.grow.steps:
+            self._grow_failures += 1
+            self._grow_sample = -10**9
+
+    def predict_peak(self, k: int) -> Optional[int]:
+        """Predicted step peak (bytes) at split factor ``k``, from measured step peaks only.
+
+        The peak measured at ``k`` itself if any (the largest one); else a least-squares fit of
+        ``peak = base + per_row / k`` (weights, gradients and optimizer states do not depend on the
+        chunk size, activations and logits grow linearly with the rows of a chunk: the estimator's
+        model, ``memguard_core.estimate``) through the peaks measured at two or more k; else None.
+        """
+        pts = self.peak_at_split
+        if k in pts:
+            return pts[k]
+        if len(pts) < 2:
+            return None
+        xs = [1.0 / kk for kk in pts]
+        ys = [float(v) for v in pts.values()]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx <= 0:
+            return None
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)
+        return int(max(my - slope * mx + slope / k, max(ys) if k < min(pts) else 0))
+
+    def _grow_decide(self, usage: float, used: int, budget: int, level: Level, action: Action,
+                     msg: str):
+        """Grow-back decision of one step sample (lock held). Returns ``(action, message)``."""
+        g = self.grow
+        n = self._step_samples
+        frm = self._grow_from
+        if frm is not None:
+            # this sample measured the first micro-batch run at the grown-back k: its probation
+            self._grow_from = None
+            if level >= Level.WARNING:
+                self._grow_failures += 1
+                self._grow_sample = -10**9
+                self._calm, self._calm_since = 0, None
+                if self._split < frm:
+                    old, self._split = self._split, frm
+                    self._split_at_sample = n
+                    factor = min(g.max_backoff, g.backoff ** self._grow_failures)
+                    return Action.SPLIT, (f"grow-back undone: the micro-batch at k={old} peaked at "
+                                          f"{_gib(used)} of {_gib(budget)} ({usage:.0%} >= "
+                                          f"{self.thresholds.warning:.0%}); k back to {frm}, next "
+                                          f"attempt after {factor:g}x the calm stretch")
+                return action, msg
+        elif self._grow_failures and n - self._grow_sample > g.steps and self._grow_sample > 0:
+            self._grow_failures = 0   # the last grow-back held for a whole stretch
+        calm = (usage < g.below and level == Level.OK and action in (Action.NONE, Action.LOG)
+                and not self._psi_window)
+        if not calm:
+            self._calm, self._calm_since = 0, None
+            return action, msg
+        now = time.monotonic()
+        self._calm += 1
+        if self._calm_since is None:
+            self._calm_since = now
+        k = self._split
+        if k <= 1 or action is not Action.NONE:
+            return action, msg
+        factor = min(g.max_backoff, g.backoff ** self._grow_failures)
+        if self._calm < g.steps * factor or now - self._calm_since < g.seconds * factor:
+            return action, msg
+        new = max(1, k // 2)
+        pred = self.predict_peak(new)
+        if new < self.planned_split:
+            ok = pred is not None and pred <= g.below * budget
+        else:
+            ok = pred is None or pred < self.thresholds.warning * budget
+        if not ok:
+            # not now: the same prediction would block the next sample too; wait another stretch
+            self._calm, self._calm_since = 0, None
+            return action, msg
+        calm_n, calm_s = self._calm, now - self._calm_since
+        self._grow_from, self._split = k, new
+        self._grow_sample = n
+        self._calm, self._calm_since = 0, None
+        ptxt = "no peak measured there yet" if pred is None else \
+            f"predicted peak {_gib(pred)} = {pred / max(1, budget):.0%}"
+        return Action.GROW, (f"pressure gone: {_gib(used)} of {_gib(budget)} ({usage:.0%} < "
+                             f"{g.below:.0%}) for {calm_n} micro-batches / {calm_s:.1f} s; growing "
+                             f"micro-batches back {k} -> {new} ({ptxt})")
+
     # ----- sampling ----------------------------------------------------------------------------
     def _probe(self, cheap: bool):
         if self._probe_fn is not None:
             return self._probe_fn(cheap)
-        from .probes import probe
-        return probe(self.device, cheap=cheap)
+        impl = self._probe_impl
+        if impl is None:
+            impl = self._probe_impl = self._resolve_probe()
+        return impl(cheap)
+
+    def _resolve_probe(self) -> Callable[[bool], object]:
+        """The probe for this monitor's device, resolved once (``auto`` looks at the imported
+        frameworks: resolving it at every step would query ``torch.cuda.is_available()`` each time).
+        On Linux CPU the host probe is called directly, and the peak is reset by writing to a kept
+        ``/proc/self/clear_refs`` descriptor."""
+        from .probes import probe, resolve_device
+        dev = self._dev = resolve_device(self.device)
+        if dev == "cpu":
+            from .probes import host_source
+            if host_source() == "linux":
+                import os
+                from .probes import linux
+                try:
+                    self._clear_refs_fd = os.open("/proc/self/clear_refs", os.O_WRONLY)
+                except OSError:
+                    self._clear_refs_fd = None
+                return lambda cheap: linux.probe(cheap=cheap)
+        return lambda cheap: probe(dev, cheap=cheap)
+
+    def _reset_peak(self) -> None:
+        fd = self._clear_refs_fd
+        if fd is not None:
+            import os
+            try:
+                os.write(fd, b"5")   # VmHWM := VmRSS (proc.rst, "clear_refs")
+                return
+            except OSError:
+                self._clear_refs_fd = None
+        from .stats import reset_peak_memory
+        reset_peak_memory(self._dev or self.device)
 
     def step_sample(self, step: Optional[int] = None) -> Action:
-        """Per-training-step check (the hot path): cheap counters only. Never raises."""
+        """Per-training-step check (the hot path): cheap counters only. Never raises.
+
+        Cost on this machine (Linux, cgroup v1, CPU): ~30 us, ``python bench/step_check.py``.
+        """
         self._step = step
         try:
             snap, used = self._read_step_peak()
@@ -377,12 +611,12 @@ class MemoryMonitor:
         if self._peak_fn is not None:
             peak = self._peak_fn()
         else:
-            peak = getattr(snap, "process_peak_bytes", None)
+            peak = snap.process_peak_bytes
             if peak is not None:
-                from .stats import reset_peak_memory
-                reset_peak_memory(self.device)
+                self._reset_peak()
         used = max(int(peak or 0), int(snap.process_bytes))
-        self.max_step_peak_bytes = max(self.max_step_peak_bytes, used)
+        if used > self.max_step_peak_bytes:
+            self.max_step_peak_bytes = used
         return snap, used
 
     def prime(self) -> None:
@@ -392,8 +626,9 @@ class MemoryMonitor:
             if self._peak_fn is not None:
                 self._peak_fn()
             else:
-                from .stats import reset_peak_memory
-                reset_peak_memory(self.device)
+                if self._probe_fn is None and self._probe_impl is None:
+                    self._probe_impl = self._resolve_probe()
+                self._reset_peak()
         except Exception as exc:
             self._log_failure("prime", exc)
 
@@ -478,6 +713,7 @@ class MemoryMonitor:
                     msg = f"{what} after a clean: splitting micro-batches {self._split} -> {new}"
                     self._split = new
                     self._split_at_sample = self._step_samples
+                    self._note_split()
                 else:
                     action = Action.LOG
                     msg = f"{what}; the micro-batch cannot be split further (k={self._split})"
@@ -507,6 +743,15 @@ class MemoryMonitor:
         if t is not None and t.is_alive() and t is not threading.current_thread():
             t.join(timeout)
         self._thread = None
+
+    def __del__(self):
+        fd = getattr(self, "_clear_refs_fd", None)
+        if fd is not None:
+            try:
+                import os
+                os.close(fd)
+            except Exception:
+                pass
 
     @property
     def running(self) -> bool:

@@ -53,7 +53,7 @@ import torch
 from transformers import TrainerCallback
 
 from memguard_core.errors import ConfigError, DoesNotFitError, require_fraction
-from memguard_core.monitor import Action, MemoryEvent, MemoryMonitor, Thresholds
+from memguard_core.monitor import Action, GrowPolicy, MemoryEvent, MemoryMonitor, Thresholds
 
 from memguard_core import microbatch
 from .preflight import Preflight, run_preflight
@@ -102,6 +102,12 @@ class MemGuardCallback(TrainerCallback):
     Raises:
         ConfigError: invalid arguments.
     """
+
+    #: when the split k may halve again after pressure has gone
+    #: (``memguard_core.monitor.GrowPolicy``; ``None``: never). Set on the instance before
+    #: ``train()`` to change it, e.g. ``guard.grow = GrowPolicy(steps=4, seconds=0)``.
+    grow: Optional[GrowPolicy] = GrowPolicy()
+    _rows_resolved = 0
 
     def __init__(self, *, budget_bytes: Optional[int] = None, safety_ratio: float = 0.8,
                  thresholds: Optional[Thresholds] = None, seq_length: Optional[int] = None,
@@ -278,7 +284,8 @@ class MemGuardCallback(TrainerCallback):
         rows = args.per_device_train_batch_size
         self.monitor = MemoryMonitor(budget, device=self.device, safety_ratio=self.safety_ratio,
                                      thresholds=self.thresholds, interval_s=self.monitor_interval_s,
-                                     split=min(split, rows), max_split=rows, on_event=self._on_event)
+                                     split=min(split, rows), max_split=rows, on_event=self._on_event,
+                                     grow=self.grow)
         if split > 1:
             logger.info("memguard: micro-batch split k=%d (micro-batch %d rows -> %d-row chunks; "
                         "effective batch unchanged)", min(split, rows), rows, -(-rows // min(split, rows)))
@@ -289,7 +296,14 @@ class MemGuardCallback(TrainerCallback):
         self._rows_this_step = 0
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.samples_per_step.append(self._rows_this_step)
+        # packed batches on an accelerator were counted on the device (no sync per micro-batch):
+        # resolved here, once per optimizer step
+        self.samples_per_step.append(int(self._rows_this_step))
+        fr = self.forward_rows
+        for i in range(self._rows_resolved, len(fr)):
+            if not isinstance(fr[i], int):
+                fr[i] = int(fr[i])
+        self._rows_resolved = len(fr)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or self.monitor is None:
@@ -463,11 +477,17 @@ class MemGuardCallback(TrainerCallback):
 
     @staticmethod
     def _rows_of(inputs) -> int:
-        """Rows of a forward (packed: sequences)."""
+        """Rows of a forward (packed: sequences). A packed batch on an accelerator is counted on
+        the device (a 0-dim tensor, resolved at ``on_step_end``): ``sequence_starts`` would copy
+        its ``position_ids`` to the host and synchronise the device at every micro-batch."""
         try:
             rows = microbatch.batch_rows(inputs)
         except ValueError:
             return 0
+        pos = inputs.get("position_ids")
+        if rows == 1 and torch.is_tensor(pos) and pos.dim() == 2 and pos.device.type != "cpu":
+            p = pos[0]
+            return ((p == 0).sum() + (p[0] != 0).long()).clamp(min=1)
         seqs = microbatch.sequence_starts(inputs)
         return rows if seqs is None else len(seqs)
 

@@ -55,8 +55,56 @@ UNLIMITED_THRESHOLD = 1 << 60
 # ----------------------------------------------------------------------------------------------
 # tolerant readers
 
+class _KeptFiles(threading.local):
+    """Per-step fast path: read-only descriptors kept open per path and read with ``pread`` at
+    offset 0 (procfs, sysfs and cgroupfs regenerate the content on a read from offset 0), about 5x
+    cheaper than open + read + close through Python's text layer (~3 us vs ~15 us a file here).
+    Active only inside :func:`probe` with ``cheap=True`` on the real roots (``/proc``, ``""``)."""
+
+    on = False
+
+
+_kept = _KeptFiles()
+_kept_fds: Dict[str, int] = {}
+_kept_lock = threading.Lock()
+
+
+def _read_kept(path: str) -> Optional[str]:
+    fd = _kept_fds.get(path)
+    if fd is None:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError:
+            return None   # the slow path below logs it
+        with _kept_lock:
+            old = _kept_fds.get(path)
+            if old is None:
+                _kept_fds[path] = fd
+            else:
+                os.close(fd)
+                fd = old
+    try:
+        return os.pread(fd, 16384, 0).decode("ascii", "replace")
+    except OSError:
+        # the file went away (a removed cgroup) or cannot be re-read: forget the descriptor
+        with _kept_lock:
+            if _kept_fds.get(path) == fd:
+                del _kept_fds[path]
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        return None
+
+
 def _read_text(path: str) -> Optional[str]:
     """File contents, or None. Missing files are silent; other errors warn once per path."""
+    if _kept.on:
+        text = _read_kept(path)
+        if text is not None:
+            return text
     try:
         with open(path, "r", encoding="ascii", errors="replace") as fh:
             return fh.read()
@@ -125,9 +173,18 @@ def parse_meminfo(text: str, where: str = "meminfo",
         KiB, proc.rst). Lines that do not parse or hold negative numbers are skipped (logged once).
     """
     out: Dict[str, int] = {}
-    for line in text.splitlines():
-        if keys is not None and line.partition(":")[0] not in keys:
-            continue
+    if keys is not None:
+        lines = []
+        for key in keys:   # find the few wanted lines instead of scanning all ~50 (per-step path)
+            i = text.find(key + ":")
+            while i > 0 and text[i - 1] != "\n":
+                i = text.find(key + ":", i + 1)
+            if i >= 0:
+                j = text.find("\n", i)
+                lines.append(text[i:] if j < 0 else text[i:j])
+    else:
+        lines = text.splitlines()
+    for line in lines:
         m = _KB_LINE.match(line.strip())
         if not m:
             continue
@@ -593,9 +650,21 @@ def probe(cheap: bool = False, *, proc_root: str = "/proc", sys_root: str = "") 
     ``memory.pressure`` where present, else /proc/pressure/memory). ``limit_bytes`` is the
     cgroup limit when it is below MemTotal (a larger one is not in force), else None.
 
-    ``cheap=True`` reuses the cached cgroup location (no mountinfo parse); everything else is
-    single small file reads. Never raises.
+    ``cheap=True`` (the per-step path) reuses the cached cgroup location (no mountinfo parse),
+    reads through kept descriptors (:class:`_KeptFiles`) and skips PSI (``pressure`` is None: the
+    monitor reads PSI averages in its background thread only); everything else is single small
+    file reads. Never raises.
     """
+    if cheap and proc_root == "/proc" and sys_root == "":
+        _kept.on = True
+        try:
+            return _probe(True, proc_root, sys_root)
+        finally:
+            _kept.on = False
+    return _probe(cheap, proc_root, sys_root)
+
+
+def _probe(cheap: bool, proc_root: str, sys_root: str) -> MemorySnapshot:
     now = time.monotonic()
     mem = read_meminfo(proc_root, _MEMINFO_KEYS)
     host_total = mem.get("MemTotal")
@@ -633,10 +702,11 @@ def probe(cheap: bool = False, *, proc_root: str = "/proc", sys_root: str = "") 
     avail = max(0, min(avail, total)) if total > 0 else max(0, avail)
 
     pressure = None
-    loc = _location(proc_root, sys_root, refresh=False)
-    psi = read_psi(proc_root, sys_root, cgroup_dir=loc.v2_dir or "")
-    if psi is not None:
-        pressure = psi.some_avg10
+    if not cheap:
+        loc = _location(proc_root, sys_root, refresh=False)
+        psi = read_psi(proc_root, sys_root, cgroup_dir=loc.v2_dir or "")
+        if psi is not None:
+            pressure = psi.some_avg10
 
     return MemorySnapshot(device="cpu", total_bytes=int(total), available_bytes=int(avail),
                           process_bytes=int(rss), process_peak_bytes=hwm, pressure=pressure,

@@ -46,7 +46,7 @@ from .errors import ConfigError
 from .spec import LinearShape, ModelSpec, TrainSpec
 
 __all__ = ["MemoryEstimate", "estimate", "trainable_param_count", "RUNTIME_OVERHEAD_BYTES",
-           "BREAKDOWN_ORDER"]
+           "BREAKDOWN_ORDER", "runtime_overhead_bytes"]
 
 MiB = 1 << 20
 
@@ -72,6 +72,34 @@ NF4_DOUBLE_QUANT_BITS = 4.127
 #: mlx: ``mx.get_peak_memory()`` counts only MLX buffers: no overhead.
 RUNTIME_OVERHEAD_BYTES = {"cpu": 368 * MiB, "cuda": 500 * MiB, "mlx": 0}
 
+#: cpu, HF ``Trainer``: ``transformers/trainer.py`` imports ``datasets`` at module level when it is
+#: installed (``if is_datasets_available(): import datasets``), which pulls pyarrow and pandas in:
+#: +98 MiB of VmHWM, measured on this machine (the ``tiny`` bench cases: 467.7 vs 370.1 MiB with
+#: and without ``datasets`` 5.2 / pyarrow 26 / pandas 3.1 installed).
+HF_DATASETS_IMPORT_BYTES = 98 * MiB
+
+_DATASETS_INSTALLED: Optional[bool] = None
+
+
+def runtime_overhead_bytes(ts: TrainSpec) -> int:
+    """Runtime overhead of the counter ``ts.device`` (bytes): ``RUNTIME_OVERHEAD_BYTES``, plus
+    ``HF_DATASETS_IMPORT_BYTES`` for an HF ``Trainer`` on CPU when ``datasets`` is importable here
+    (checked once with ``importlib.util.find_spec``, nothing is imported)."""
+    global _DATASETS_INSTALLED
+    b = RUNTIME_OVERHEAD_BYTES[ts.device]
+    if ts.device == "cpu" and ts.framework == "hf":
+        if _DATASETS_INSTALLED is None:
+            try:
+                import importlib.util
+
+                _DATASETS_INSTALLED = importlib.util.find_spec("datasets") is not None
+            except Exception:
+                _DATASETS_INSTALLED = False
+        if _DATASETS_INSTALLED:
+            b += HF_DATASETS_IMPORT_BYTES
+    return b
+
+
 #: Reserved-but-unallocated slack of PyTorch's CUDA caching allocator (blocks rounded to 512 B /
 #: 2 MiB segments, ``c10/cuda/CUDACachingAllocator.cpp``); 5% of the allocated peak is the usual
 #: range of ``memory_reserved / max_memory_allocated`` on training loops. Assumption, not measured
@@ -93,6 +121,9 @@ CUDA_FRAGMENTATION = 0.05
 #: leave no slack. Fitted over 27 real HF Trainer runs (LoRA and full; fp32, bf16, autocast; sdpa,
 #: eager; checkpointing on/off; Llama, GPT-2, Qwen2, Mixtral). ``MALLOC_MMAP_THRESHOLD_=131072``
 #: in the training process's environment removes most of this slack.
+#: Dense V x h tensors at the end of an HF full fine-tune's backward beyond ``.grad`` (see
+#: ``estimate``'s backward moment).
+EMBEDDING_GRAD_COPIES = 2
 CPU_HEAP_SLACK_FORWARD = 0.6
 CPU_HEAP_SLACK_BACKWARD = 1.2
 MMAP_THRESHOLD_MAX = 32 * MiB
@@ -581,6 +612,76 @@ def _activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
     return int(hidden), int(scores), int(lo), one
 
 
+#: mlx_lm: the backward's one-time working set beyond the blocks' saved arrays, per token, in
+#: units of compute-dtype elements: ``MLX_ONE_TIME_H`` x hidden + ``MLX_ONE_TIME_I`` x intermediate
+#: (the top block's backward temporaries -- each LoRA'd / trained linear produces its base and
+#: adapter input-gradients before they are summed -- plus the final norm, the head's input and its
+#: gradient). Measured on this machine (mlx 0.32.4 CPU, mlx-lm 0.32.2): ``mx.get_peak_memory()`` of
+#: real ``mlx_lm.tuner.trainer.train`` runs is linear in the number of blocks with the slope the
+#: saved-array count below predicts (within 6%); the intercept at 0 blocks, regressed over hidden
+#: 64/256 and intermediate 128/512 (Llama layout, LoRA all-linear), gives 16 x h + 6 x i.
+MLX_ONE_TIME_H = 16
+MLX_ONE_TIME_I = 6
+#: mlx_lm ``default_loss``: logits (B, L, V) in the model dtype, ``nn.losses.cross_entropy``'s
+#: ``logsumexp`` and the gathered-target difference, the logits' gradient and the ``astype``: 4 x
+#: e x V per token, measured as the vocabulary slope (16.0 B/token/vocab fp32, 8.1 bf16).
+MLX_LOGITS_COPIES = 4
+#: mlx_lm ``grad_checkpoint`` (``mx.checkpoint`` around each block's ``__call__``): per block, 4
+#: hidden-sized arrays per token stay (the checkpoint's input and output and their cotangent
+#: buffers), measured as the per-block slope with checkpointing (0.25 MiB per block at 256 tokens,
+#: hidden 64, fp32).
+MLX_CKPT_H = 4
+
+
+def _mlx_activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
+    """mlx_lm's activation memory for ``mx.get_peak_memory()``: (blocks, attention probs, one-time
+    backward working set, logits) in bytes for the micro-batch.
+
+    MLX differentiates the lazy graph (``nn.value_and_grad``) and ``mx.eval`` of the compiled step
+    keeps every forward array a VJP reads until the backward consumes it (``mlx/transforms.cpp``
+    ``vjp``; arrays are released when their last consumer ran). For one mlx_lm Llama/Qwen2 block
+    (``mlx_lm/models/llama.py``) the arrays read by the backward are, per token: the block input
+    and the post-attention residual (RMSNorm's VJP reads its input: ``mx.fast.rms_norm``), the two
+    normalised tensors (inputs of the LoRA'd / trained projections), q and k after RoPE and v
+    (``mx.fast.scaled_dot_product_attention``'s CPU fallback: ``softmax(q k^T) v``), the
+    attention output (o_proj's input), and in the MLP gate, sigmoid(gate), silu(gate), up and the
+    product (down_proj's input): e x (4h + 2 q_dim + 2 kv_dim + 5i), plus the softmax output
+    (heads x seq per token, compute dtype). Half-precision blocks with fp32 LoRA adapters promote
+    each LoRA'd input to fp32 for ``x @ lora_a`` (mlx_lm ``tuner/lora.py``): 4 bytes per element of
+    each LoRA'd input group. MoE (``SwitchGLU``): the MLP terms per routed expert (top-k), plus the
+    router's logits and scores. Blocks below the lowest trained block keep nothing (no VJP reaches
+    them). With checkpointing each block keeps ``MLX_CKPT_H`` hidden-sized arrays and one block's
+    saved set is recomputed at a time. Constants ``MLX_*`` above: measured, see their comments.
+    """
+    e = DTYPE_BYTES[ts.dtype]
+    tokens = ts.batch_size * ts.seq_length
+    h, hd = ms.hidden_size, ms.head_dim
+    qd, kvd = ms.num_heads * hd, ms.num_kv_heads * hd
+    n = _grad_layers(ms, ts)
+    if ms.is_moe:
+        k = max(ms.num_experts_per_tok, 1)
+        i = (ms.moe_intermediate_size or ms.intermediate_size)
+        mlp = k * (5 * i + h) + 2 * ms.num_experts
+        i_eff = k * i
+    else:
+        i = ms.intermediate_size
+        mlp = 5 * i
+        i_eff = i
+    per_block = e * (4 * h + 2 * qd + 2 * kvd + mlp)
+    if ts.method != "full" and e < 4:
+        names = {ls.name for ls in _lora_linears(ms, ts)}
+        groups = [(("q_proj", "k_proj", "v_proj"), h), (("o_proj",), qd), (("gate_proj", "up_proj"), h),
+                  (("down_proj",), i)]
+        per_block += sum(4 * fin for ns, fin in groups if names & set(ns))
+    probs = e * ms.num_heads * ts.seq_length
+    one_time = e * (MLX_ONE_TIME_H * h + MLX_ONE_TIME_I * i_eff) * tokens
+    logits = MLX_LOGITS_COPIES * e * ms.vocab_size * tokens
+    if ts.grad_checkpoint:
+        blocks = n * MLX_CKPT_H * e * h * tokens + (per_block + probs) * tokens
+        return int(blocks), 0, int(one_time), int(logits)
+    return int(n * per_block * tokens), int(n * probs * tokens), int(one_time), int(logits)
+
+
 def _activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
     """Bytes of activations one step saves across all blocks without checkpointing (with
     checkpointing the same bytes pass through the heap during the recompute); drives the CPU heap
@@ -672,25 +773,43 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     opt_tmp = _optimizer_temporaries(ms, ts, trainable)
     hidden, scores, lora_act, one_block = _activations(ms, ts)
     logits_peak, _ = _logits(ms, ts)
+    if ts.framework == "mlx":  # MLX's lazy graph: see _mlx_activations
+        hidden, scores, one_time, logits_peak = _mlx_activations(ms, ts)
+        lora_act, one_block = one_time, 0
     # the final norm's saved input and the head's input (saved when the head trains)
-    head_in = 4 * ms.hidden_size * tokens
+    head_in = 4 * ms.hidden_size * tokens if ts.framework != "mlx" else 0
     if ts.method == "full" and ts.framework != "mlx":
         head_in += e * ms.hidden_size * tokens * 2
     # eager causal mask (batch x 1 x s x s in the compute dtype), built once per forward
     mask = ts.batch_size * ts.seq_length ** 2 * e if ts.attn_impl == "eager" else 0
     # gradient checkpointing: the recomputed block's working set during the backward
     recompute = one_block if ts.grad_checkpoint else 0
-    overhead = RUNTIME_OVERHEAD_BYTES[ts.device]
+    overhead = runtime_overhead_bytes(ts)
 
     # moment 1: loss (grads resident only while accumulating)
     grads_at_loss = grads if ts.grad_accum > 1 else 0
+    mlx_update = 0
+    if ts.framework == "mlx" and ts.method == "full":
+        # mlx_lm compiles backward and ``optimizer.update`` into one graph: while the lower blocks'
+        # saved arrays are still held, the upper blocks' new arrays (SGD: the updated parameters;
+        # Adam: the new moments, which replace the old ones the optimizer holds) already exist; the
+        # old parameters and states are released only after ``mx.eval`` returns. Measured on the
+        # bench's MLX full fine-tunes (AdamW vs SGD, same model): the moment holds
+        # max(optimizer states, one copy of the trainable parameters).
+        mlx_update = max(0, trainable * _param_bytes_trainable(ms, ts) - states)
     loss = dict(weights=weights, weight_copies=copies, gradients=grads_at_loss,
-                optimizer_states=states, master_weights=master, optimizer_temporaries=0,
+                optimizer_states=states, master_weights=master, optimizer_temporaries=mlx_update,
                 backward_transients=0, activations=hidden + lora_act + head_in + recompute,
                 attention_scores=scores + mask, logits=logits_peak, runtime_overhead=overhead)
     # moment 2: end of backward: all grads + embedding-grad transient (dense V x h, added into
-    # .grad: torch ``embedding_dense_backward`` + AccumulateGrad) + the first block's working set
-    emb_tmp = ms.vocab_size * ms.hidden_size * pb if (ts.method == "full" and ts.framework != "mlx") else 0
+    # .grad: torch ``embedding_dense_backward`` + AccumulateGrad) + the first block's working set.
+    # EMBEDDING_GRAD_COPIES (2) dense V x h tensors: the embedding's dense gradient and a second one
+    # (the sum AccumulateGrad forms with the tied head's gradient, or the head's own gradient still
+    # referenced by autograd when the head is untied) -- measured on the bench's full fine-tunes
+    # (bench/results/bench_cpu.md: the backward-moment residual of 7 HF cases with tied and untied
+    # heads was 0.6-1.0 x V x h before this term).
+    emb_tmp = (EMBEDDING_GRAD_COPIES * ms.vocab_size * ms.hidden_size * pb
+               if (ts.method == "full" and ts.framework != "mlx") else 0)
     bwd = dict(weights=weights, weight_copies=copies, gradients=grads, backward_transients=emb_tmp,
                optimizer_states=states, master_weights=master, optimizer_temporaries=0,
                activations=min(one_block, hidden + lora_act + recompute) if _grad_layers(ms, ts) else 0,

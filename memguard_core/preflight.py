@@ -40,6 +40,9 @@ class Preflight:
         plan_fraction: the plan targets ``plan_fraction x budget_bytes``.
         resident_extra_bytes: memory the process already held at train start beyond the estimate's
             runtime overhead and weights (model-loading heap, datasets), added to every estimate.
+        correction: calibration factor applied to every estimate (``memguard_core.calibration``:
+            median measured / estimated of this machine's comparable past runs; 1.0 = none).
+        calibration_runs: comparable past runs found in the calibration store.
     """
 
     model_spec: ModelSpec
@@ -52,6 +55,8 @@ class Preflight:
     not_applied: List[Any] = field(default_factory=list)
     plan_fraction: float = 1.0
     resident_extra_bytes: int = 0
+    correction: float = 1.0
+    calibration_runs: int = 0
 
     @property
     def best_peak_bytes(self) -> int:
@@ -87,6 +92,13 @@ class Preflight:
                 if c.reason not in seen:  # a micro-batch change is two Changes with one reason
                     seen.add(c.reason)
                     lines.append(f"  {label}: {c.reason}")
+        if self.correction != 1.0 or self.calibration_runs:
+            from .calibration import MIN_RUNS
+
+            lines.append(f"  calibration: x{self.correction:.3f} from {self.calibration_runs} comparable past runs on "
+                         f"this machine" if self.correction != 1.0 else
+                         f"  calibration: {self.calibration_runs} comparable past run(s); a correction applies from "
+                         f"{MIN_RUNS}")
         if self.resident_extra_bytes:
             lines.append(f"  + {gib(self.resident_extra_bytes)} already resident at train start beyond runtime and "
                          f"weights (model loading heap, data), counted in every estimate")
@@ -114,7 +126,7 @@ def allow_steps(apply: Sequence[str]) -> tuple:
 
 def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
                   apply: Sequence[str] = ("grad_checkpoint", "micro_batch"), plan_fraction: float = 1.0,
-                  resident_bytes: Optional[int] = None) -> Preflight:
+                  resident_bytes: Optional[int] = None, correction: Optional[float] = None) -> Preflight:
     """Estimate, plan against ``plan_fraction x budget_bytes`` and sort the changes.
 
     Args:
@@ -131,6 +143,9 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
             the training process with the model loaded. Beyond the estimate's runtime overhead and
             weights it holds what the estimate cannot see (the heap glibc kept from building the
             model, datasets, other libraries): that surplus is added to every estimate.
+        correction: calibration factor for ``estimate(..., correction=...)``; None (default) looks it
+            up in the calibration store (``memguard_core.calibration.correction_for``: 1.0 until 3
+            comparable runs were recorded on this machine; a failing store gives 1.0).
 
     Returns:
         ``Preflight`` with ``split_factor`` = the plan's ``split_factor`` (>= 1). The caller turns on
@@ -144,7 +159,13 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
     from .plan import plan as make_plan
 
     fraction = require_fraction("plan_fraction", plan_fraction)
-    est = estimate(model_spec, train_spec)
+    runs = 0
+    if correction is None:  # calibration (issue #6): never raises, 1.0 without 3 comparable runs
+        from .calibration import correction_for
+
+        found = correction_for(model_spec, train_spec)
+        correction, runs = found.factor, found.runs
+    est = estimate(model_spec, train_spec, correction=correction)
     extra = 0
     if resident_bytes:
         static = est.breakdown.get("runtime_overhead", 0) + est.breakdown.get("weights", 0)
@@ -155,9 +176,9 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
                               int(est.peak_bytes) + extra,
                               ["the process already holds more than the budget before training: raise the budget "
                                "or free memory (other models, datasets) before train()"])
-    chosen = make_plan(model_spec, train_spec, target, allow=allow_steps(apply))
+    chosen = make_plan(model_spec, train_spec, target, allow=allow_steps(apply), correction=correction)
     pf = Preflight(model_spec, train_spec, est, chosen, int(budget_bytes), plan_fraction=fraction,
-                   resident_extra_bytes=extra)
+                   resident_extra_bytes=extra, correction=float(correction), calibration_runs=runs)
     for change in chosen.changes:
         (pf.applied if change.field in IN_PLACE_FIELDS else pf.not_applied).append(change)
     pf.split_factor = max(1, int(chosen.split_factor))

@@ -333,6 +333,9 @@ class MemGuardCallback(TrainerCallback):
         }
         self.summary = summary
         logger.info("memguard summary: %s", summary)
+        # calibration (issue #6): record estimate vs measured peak; logs, never raises
+        from memguard_core.calibration import record_preflight
+        record_preflight(self.preflight, measured, split=None if self.oom_retries else mon.split)
 
     def on_event_log(self, event: MemoryEvent) -> None:  # pragma: no cover - override hook
         pass

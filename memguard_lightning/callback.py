@@ -459,6 +459,9 @@ class MemGuardCallback(Callback):
             "split_disabled": self.split_disabled_reason,
         }
         logger.info("memguard summary: %s", self.summary)
+        # calibration (issue #6): record estimate vs measured peak; logs, never raises
+        from memguard_core.calibration import record_preflight
+        record_preflight(self.preflight, measured, split=None if self.oom_retries else mon.split)
 
     # ------------------------------------------------------------------ manual optimization helper
     def chunks(self, batch: Any) -> Iterator[Tuple[Any, float]]:

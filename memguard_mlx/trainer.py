@@ -393,6 +393,10 @@ class MlxGuard:
             "events": len(self.events),
         }
         logger.info("memguard summary: %s", self.summary)
+        # calibration (issue #6): record estimate vs measured peak; logs, never raises
+        from memguard_core.calibration import record_preflight
+        if mon is not None and not self.alloc_retries:
+            record_preflight(pf, self.max_peak_bytes, split=mon.split)
 
     # ----------------------------------------------------------------- per batch
     def split_for_batch(self, it: int, rows: int) -> int:

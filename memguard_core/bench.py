@@ -1,0 +1,729 @@
+"""``memguard bench``: the estimator against real training runs on this machine.
+
+Every case is a real fine-tuning run in a FRESH subprocess (so the counter it reads is that run's
+own high-water mark): a real architecture built from its published config numbers with random
+weights (no model hub), a few optimizer steps, and the counter the estimate predicts
+(``memguard_core.estimate``, README "The estimate"):
+
+* HF ``Trainer`` on torch CPU: ``VmHWM`` of the process (/proc/self/status);
+* HF ``Trainer`` on CUDA, when a GPU is present (``--cuda``): the CUDA context + peak reserved bytes
+  of the caching allocator (``torch.cuda.max_memory_reserved``);
+* mlx_lm (``mlx_lm.tuner.trainer.train``, unmodified) on MLX: ``mx.get_peak_memory()``.
+
+The child records the model facts (``memguard_core.spec.model_spec_from_module`` /
+``memguard_mlx.spec.model_spec_from_mlx_module`` on the live model) next to the measurement; the
+parent estimates from them, so ``--reuse`` re-scores a saved measurement after a model change
+without re-running it. When the seed product (``ml-memguard``, import ``memory_guard``) is
+installed, its ``estimate_training_memory`` is scored on the same measured cases (``--seed``).
+
+    python -m memguard_core.bench                 # full matrix (~20 min on 2 cores)
+    python -m memguard_core.bench --quick         # a ~1-2 minute subset (CI)
+    python -m memguard_core.bench --only smollm2  # cases whose name contains the text
+    python -m memguard_core.bench --json out.json --markdown out.md
+    python -m memguard_core.bench --reuse bench/results/bench_cpu.json   # re-estimate only
+    python -m memguard_core.bench --submit        # a markdown report to file as an issue
+
+This module imports no framework at module level (the children import torch / mlx).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["main", "CASES", "cases", "run_case", "score", "summarize", "seed_estimate_bytes",
+           "machine_fingerprint", "markdown_report"]
+
+MiB = 1 << 20
+
+# ---------------------------------------------------------------------------------------------
+# architectures: published config numbers (random weights); layer counts cut where noted so that
+# one case runs in well under a minute on 2 cores.
+
+#: HF ``AutoConfig.for_model(model_type, **numbers)``.
+HF_ARCHS: Dict[str, dict] = {
+    # HuggingFaceTB/SmolLM2-135M config.json (all 30 layers)
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                         rope_theta=100000.0),
+    # the same, 8 of its 30 layers (sweeps)
+    "smollm2-8l": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                       num_hidden_layers=8, num_attention_heads=9, num_key_value_heads=3,
+                       tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                       rope_theta=100000.0),
+    # openai-community/gpt2, 4 of its 12 layers
+    "gpt2-4l": dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=4, n_head=12,
+                    n_positions=1024),
+    # Qwen/Qwen2.5-0.5B config.json (vocab 151936, GQA 14/2, tied), 4 of its 24 layers
+    "qwen2.5-0.5b-4l": dict(model_type="qwen2", vocab_size=151936, hidden_size=896,
+                            intermediate_size=4864, num_hidden_layers=4, num_attention_heads=14,
+                            num_key_value_heads=2, tie_word_embeddings=True,
+                            max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # TinyLlama/TinyLlama-1.1B (hidden 2048, GQA 32/4, vocab 32000, untied), 2 of its 22 layers
+    "tinyllama-2l": dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                         num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4,
+                         tie_word_embeddings=False, max_position_embeddings=2048, rms_norm_eps=1e-5),
+    # a small Mixtral: 8 experts, top-2 (mistralai/Mixtral-8x7B's routing, narrowed), 4 layers
+    "mixtral-4l": dict(model_type="mixtral", vocab_size=32000, hidden_size=256, intermediate_size=512,
+                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                       num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
+                       max_position_embeddings=4096),
+    # a negligible Llama: what remains is the runtime of Python + torch + Trainer
+    "tiny": dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 tie_word_embeddings=True, max_position_embeddings=512),
+}
+
+#: mlx_lm ``models.<model_type>.ModelArgs(**numbers)``. MLX's CPU backend runs matmuls at ~3
+#: GFLOP/s here (vs ~40 for torch), so the MLX cases keep 1-2 blocks and short rows.
+MLX_ARCHS: Dict[str, dict] = {
+    "smollm2-135m-2l": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                            num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                            tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0),
+    "qwen2.5-0.5b-1l": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                            num_hidden_layers=1, num_attention_heads=14, num_key_value_heads=2,
+                            tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0),
+    # TinyLlama's head layout (head_dim 64, GQA 8:1 -> 8/1 here), vocab 32000, narrowed to 512
+    "tinyllama-narrow-2l": dict(model_type="llama", vocab_size=32000, hidden_size=512, intermediate_size=1408,
+                                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1,
+                                tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "mixtral-2l": dict(model_type="mixtral", vocab_size=32000, hidden_size=256, intermediate_size=512,
+                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                       num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5),
+    "tiny": dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 tie_word_embeddings=False, rms_norm_eps=1e-5),
+}
+
+_DEFAULTS = dict(method="lora", batch_size=2, seq_length=128, dtype="fp32", optimizer="adamw",
+                 attn_impl="sdpa", grad_checkpoint=False, lora_rank=8, lora_targets=None,
+                 mixed_precision=False, grad_accum=1, lora_layers=None)
+
+
+def _case(backend: str, arch: str, quick: bool = False, **kw) -> dict:
+    t = dict(_DEFAULTS, **kw)
+    if t["lora_targets"] is None:
+        t["lora_targets"] = ["q_proj", "v_proj"] if backend == "hf" else ["all-linear"]
+    parts = [backend, arch, t["method"] if t["method"] == "full" else f"lora-r{t['lora_rank']}",
+             f"b{t['batch_size']}", f"s{t['seq_length']}", t["dtype"]]
+    if t["mixed_precision"]:
+        parts.append("amp")
+    if backend == "hf" and t["attn_impl"] != "sdpa":
+        parts.append(t["attn_impl"])
+    if t["grad_checkpoint"]:
+        parts.append("gc")
+    if t["optimizer"] != "adamw":
+        parts.append(t["optimizer"])
+    if t["grad_accum"] != 1:
+        parts.append(f"ga{t['grad_accum']}")
+    if t["lora_layers"]:
+        parts.append(f"last{t['lora_layers']}")
+    default_t = ["q_proj", "v_proj"] if backend == "hf" else ["all-linear"]
+    if t["method"] != "full" and t["lora_targets"] != default_t:
+        parts.append("+".join(t["lora_targets"]))
+    return dict(name="-".join(parts), backend=backend, arch=arch, train=t, quick=quick)
+
+
+def cases() -> List[dict]:
+    """The bench matrix: HF Trainer on torch CPU, and mlx_lm on MLX (run when mlx is installed)."""
+    c: List[dict] = []
+    hf = lambda arch, quick=False, **kw: c.append(_case("hf", arch, quick, **kw))  # noqa: E731
+    mlx = lambda arch, quick=False, **kw: c.append(_case("mlx", arch, quick, **kw))  # noqa: E731
+    # --- HF Trainer, torch CPU
+    hf("tiny", True, batch_size=1, seq_length=32)
+    hf("tiny", True, method="full", batch_size=1, seq_length=32)
+    hf("smollm2-135m", batch_size=2, seq_length=128, lora_rank=16,
+       lora_targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    hf("smollm2-135m", method="full", batch_size=1, seq_length=128)
+    hf("smollm2-135m", batch_size=4, seq_length=256, grad_checkpoint=True)
+    for b, s in [(1, 128), (4, 128), (2, 512)]:            # batch / sequence sweep
+        hf("smollm2-8l", batch_size=b, seq_length=s)
+    hf("smollm2-8l", batch_size=2, seq_length=256, attn_impl="eager")
+    hf("smollm2-8l", batch_size=2, seq_length=256, dtype="bf16")
+    hf("smollm2-8l", batch_size=2, seq_length=256, dtype="bf16", mixed_precision=True)
+    hf("smollm2-8l", method="full", batch_size=2, seq_length=128, optimizer="sgd")
+    hf("smollm2-8l", method="full", batch_size=2, seq_length=128, optimizer="adafactor")
+    hf("gpt2-4l", batch_size=4, seq_length=256, lora_targets=["c_attn"])
+    hf("gpt2-4l", method="full", batch_size=4, seq_length=128)
+    hf("gpt2-4l", method="full", batch_size=2, seq_length=256, attn_impl="eager")
+    hf("qwen2.5-0.5b-4l", batch_size=2, seq_length=256)
+    hf("qwen2.5-0.5b-4l", batch_size=4, seq_length=256, grad_checkpoint=True)
+    hf("qwen2.5-0.5b-4l", batch_size=2, seq_length=256, dtype="bf16", lora_targets=["all-linear"])
+    hf("qwen2.5-0.5b-4l", method="full", batch_size=1, seq_length=256, dtype="bf16")
+    hf("tinyllama-2l", batch_size=4, seq_length=256, lora_targets=["all-linear"])
+    hf("tinyllama-2l", method="full", batch_size=2, seq_length=128, grad_accum=2)
+    hf("mixtral-4l", batch_size=4, seq_length=256)
+    hf("mixtral-4l", method="full", batch_size=4, seq_length=256)
+    # --- mlx_lm on MLX (all-linear LoRA on the last blocks, as mlx_lm's lora does)
+    mlx("tiny", True, batch_size=4, seq_length=64, lora_rank=4)
+    mlx("tiny", True, method="full", batch_size=4, seq_length=64)
+    for b, s in [(1, 64), (4, 64), (2, 128)]:
+        mlx("smollm2-135m-2l", batch_size=b, seq_length=s)
+    mlx("smollm2-135m-2l", batch_size=2, seq_length=128, dtype="bf16")
+    mlx("smollm2-135m-2l", batch_size=4, seq_length=64, grad_checkpoint=True)
+    mlx("smollm2-135m-2l", batch_size=2, seq_length=64, lora_layers=1, lora_rank=16)
+    mlx("smollm2-135m-2l", method="full", batch_size=2, seq_length=64)
+    mlx("smollm2-135m-2l", method="full", batch_size=2, seq_length=64, optimizer="sgd")
+    mlx("qwen2.5-0.5b-1l", batch_size=1, seq_length=64)
+    mlx("tinyllama-narrow-2l", batch_size=4, seq_length=128)
+    mlx("tinyllama-narrow-2l", method="full", batch_size=2, seq_length=128, dtype="bf16")
+    mlx("mixtral-2l", batch_size=4, seq_length=128)
+    return c
+
+
+CASES = cases()
+
+# ---------------------------------------------------------------------------------------------
+# children (run in a fresh interpreter: ``python -m memguard_core.bench --child JSON``)
+
+
+def _status_kib(key: str) -> int:
+    import re
+
+    try:
+        with open("/proc/self/status") as f:
+            m = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M)
+        return int(m.group(1)) if m else 0
+    except OSError:
+        return 0
+
+
+def _peak_rss_bytes() -> int:
+    """VmHWM on Linux; ``ru_maxrss`` elsewhere (KiB on Linux, bytes on macOS)."""
+    v = _status_kib("VmHWM")
+    if v:
+        return v * 1024
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r if sys.platform == "darwin" else r * 1024)
+
+
+def _child_hf(case: dict) -> dict:
+    """One HF ``Trainer`` run (2 optimizer steps) on random token ids; returns the measurement."""
+    t0 = time.time()
+    import dataclasses
+
+    import torch
+    from torch.utils.data import Dataset
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from memguard_core.spec import model_spec_from_module
+
+    torch.manual_seed(0)
+    kw = case["train"]
+    device = case.get("device", "cpu")
+    arch = dict(HF_ARCHS[case["arch"]])
+    mt = arch.pop("model_type")
+    config = AutoConfig.for_model(mt, **arch)
+    half = kw["dtype"] in ("bf16", "fp16") and not kw["mixed_precision"]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(kw["dtype"]) if half else torch.float32
+    ctx = 0
+    if device == "cuda":
+        torch.zeros(1, device="cuda")
+        free, total = torch.cuda.mem_get_info()
+        ctx = (total - free) - torch.cuda.memory_reserved()  # context (assumes an otherwise idle GPU)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kw["attn_impl"])
+    if kw["method"] != "full":
+        from peft import LoraConfig, get_peft_model
+
+        targets = kw["lora_targets"]
+        lc = LoraConfig(r=kw["lora_rank"], lora_alpha=2 * kw["lora_rank"], lora_dropout=0.0,
+                        target_modules="all-linear" if targets == ["all-linear"] else targets,
+                        task_type="CAUSAL_LM")
+        model = get_peft_model(model, lc)
+    spec = dataclasses.asdict(model_spec_from_module(model, name=case["arch"]))
+    n, s = kw["batch_size"] * kw["grad_accum"] * 2, kw["seq_length"]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (n, s), generator=g)
+
+    class DS(Dataset):
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return {"input_ids": ids[i], "labels": ids[i], "attention_mask": torch.ones(s, dtype=torch.long)}
+
+    optim = {"adamw": "adamw_torch_fused", "adam": "adamw_torch_fused", "sgd": "sgd",
+             "adafactor": "adafactor"}[kw["optimizer"]]
+    amp = kw["mixed_precision"]
+    args = TrainingArguments(
+        output_dir="/tmp/memguard_bench_out", per_device_train_batch_size=kw["batch_size"],
+        gradient_accumulation_steps=kw["grad_accum"], max_steps=2, learning_rate=1e-4,
+        optim=optim, bf16=amp and kw["dtype"] == "bf16", fp16=amp and kw["dtype"] == "fp16",
+        use_cpu=device == "cpu", gradient_checkpointing=kw["grad_checkpoint"], report_to=[],
+        save_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+        remove_unused_columns=False)
+    trainer = Trainer(model=model, args=args, train_dataset=DS())
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    if device == "cuda":
+        peak = int(ctx + torch.cuda.max_memory_reserved())
+    else:
+        peak = _peak_rss_bytes()
+    return dict(peak_bytes=peak, counter=device, seconds=time.time() - t0, model_spec=spec)
+
+
+def _child_mlx(case: dict) -> dict:
+    """One unmodified ``mlx_lm.tuner.trainer.train`` run (2 iterations) on random token rows;
+    the peak is ``mx.get_peak_memory()`` from before the first step (the weights, evaluated before,
+    are in it)."""
+    t0 = time.time()
+    import dataclasses
+    import importlib
+
+    import numpy as np
+    import mlx.core as mx
+    import mlx.optimizers as optim
+    from mlx_lm.tuner.trainer import TrainingArgs, train
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from memguard_mlx.spec import model_spec_from_mlx_module, train_spec_from_args
+
+    kw = case["train"]
+    arch = dict(MLX_ARCHS[case["arch"]])
+    mod = importlib.import_module(f"mlx_lm.models.{arch['model_type']}")
+    mx.random.seed(0)
+    model = mod.Model(mod.ModelArgs.from_dict(arch))
+    if kw["dtype"] in ("bf16", "fp16"):
+        model.set_dtype(mx.bfloat16 if kw["dtype"] == "bf16" else mx.float16)
+    model.freeze()
+    n_layers = kw["lora_layers"] or arch["num_hidden_layers"]
+    if kw["method"] == "full":
+        for layer in model.layers[-n_layers:]:  # mlx_lm lora.py, fine_tune_type="full"
+            layer.unfreeze()
+    else:
+        cfg = {"rank": kw["lora_rank"], "scale": 20.0, "dropout": 0.0}
+        if kw["lora_targets"] != ["all-linear"]:
+            cfg["keys"] = [f"self_attn.{t}" for t in kw["lora_targets"]]
+        linear_to_lora_layers(model, n_layers, cfg)
+    mx.eval(model.parameters())
+    s = kw["seq_length"]
+    rng = np.random.default_rng(1)
+    rows = [(rng.integers(3, arch["vocab_size"], size=s + 1).tolist(), 0)
+            for _ in range(kw["batch_size"] * kw["grad_accum"] * 2)]
+
+    class Rows:
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            return rows[i]
+
+    opt = {"adamw": optim.AdamW, "adam": optim.Adam, "sgd": optim.SGD}[kw["optimizer"]](learning_rate=1e-4)
+    out = os.path.join("/tmp", f"memguard_bench_{os.getpid()}.safetensors")
+    args = TrainingArgs(batch_size=kw["batch_size"], iters=2 * kw["grad_accum"], steps_per_report=1000,
+                        steps_per_eval=10**6, steps_per_save=10**6, max_seq_length=s + 1,
+                        adapter_file=out, grad_checkpoint=kw["grad_checkpoint"],
+                        grad_accumulation_steps=kw["grad_accum"])
+    ms = model_spec_from_mlx_module(model, args, name=case["arch"])
+    ts = train_spec_from_args(model, opt, args, ms, train_dataset=Rows())
+    mx.reset_peak_memory()
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        train(model, opt, Rows(), None, args=args)
+    peak = int(mx.get_peak_memory())
+    try:
+        os.remove(out)
+    except OSError:
+        pass
+    return dict(peak_bytes=peak, counter="mlx", seconds=time.time() - t0, model_spec=dataclasses.asdict(ms),
+                train_spec=dataclasses.asdict(ts))
+
+
+def _child(case: dict) -> dict:
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    return _child_mlx(case) if case["backend"] == "mlx" else _child_hf(case)
+
+
+# ---------------------------------------------------------------------------------------------
+# parent: run, estimate, score
+
+
+def _root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_case(case: dict, timeout_s: float = 600.0) -> dict:
+    """Run one case in a fresh interpreter; returns the child's record, or ``{"error": ...}``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _root() + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)  # measure glibc's defaults, which the model assumes
+    try:
+        p = subprocess.run([sys.executable, "-m", "memguard_core.bench", "--child", json.dumps(case)],
+                           capture_output=True, text=True, cwd=_root(), env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f}s"}
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode != 0 or not line:
+        return {"error": f"rc={p.returncode}: {(p.stderr or p.stdout)[-1500:]}"}
+    return json.loads(line[-1][7:])
+
+
+def _model_spec(d: dict):
+    from .spec import LinearShape, ModelSpec, ParamCounts
+
+    d = dict(d)
+    d["params"] = ParamCounts(**d["params"])
+    d["block_linears"] = tuple(LinearShape(**x) for x in d.get("block_linears") or ())
+    return ModelSpec(**d)
+
+
+def specs_of(case: dict, rec: dict):
+    """(ModelSpec, TrainSpec) of a measured case: the model as introspected in the child; the
+    settings from the case (HF) or as ``memguard_mlx`` read them from mlx_lm's args (MLX)."""
+    from .spec import TrainSpec
+
+    ms = _model_spec(rec["model_spec"])
+    if rec.get("train_spec"):
+        t = dict(rec["train_spec"])
+        t["lora_targets"] = tuple(t["lora_targets"])
+        return ms, TrainSpec(**t)
+    kw = case["train"]
+    return ms, TrainSpec(batch_size=kw["batch_size"], seq_length=kw["seq_length"], grad_accum=kw["grad_accum"],
+                         method=kw["method"], lora_rank=kw["lora_rank"], lora_targets=tuple(kw["lora_targets"]),
+                         lora_layers=kw["lora_layers"], optimizer=kw["optimizer"], dtype=kw["dtype"],
+                         mixed_precision=kw["mixed_precision"], grad_checkpoint=kw["grad_checkpoint"],
+                         attn_impl=kw["attn_impl"], framework="hf", device=case.get("device", "cpu"))
+
+
+def seed_estimate_bytes(ms, ts) -> Optional[int]:
+    """The seed product's estimate (``ml-memguard``'s ``memory_guard.estimate_training_memory``,
+    when installed) for the same model and settings, in bytes; None when it is not installed or
+    refuses the input. Mapping: total parameters, hidden / heads / kv heads / layers /
+    intermediate size, weight bits, MoE experts; method, micro-batch, sequence, LoRA rank, LoRA
+    layers (all blocks unless limited), number of LoRA'd projections per block, optimizer,
+    checkpointing, accumulation, mixed precision (= a half compute dtype), flash attention
+    (= not eager), MLX lazy evaluation for MLX runs."""
+    try:
+        import memory_guard as mg  # noqa: F401
+        from memory_guard.estimator import (FinetuneMethod, ModelArch, ModelSpec as SMS, TrainSpec as STS,
+                                            estimate_training_memory)
+    except Exception:
+        return None
+    try:
+        from .estimate import _block_linears, _lora_linears
+
+        n_targets = len(_lora_linears(ms, ts)) if ts.method != "full" else 0
+        moe = ms.num_experts > 1
+        sm = SMS(params=int(ms.total_params), hidden_dim=ms.hidden_size, num_heads=ms.num_heads,
+                 num_kv_heads=ms.num_kv_heads, num_layers=ms.num_layers,
+                 intermediate_dim=ms.moe_intermediate_size or ms.intermediate_size,
+                 bits=int(min(32, max(4, round(ms.dense_bits)))),
+                 arch=ModelArch.MOE if moe else ModelArch.DENSE,
+                 num_experts=max(1, ms.num_experts), num_active_experts=max(1, ms.num_experts_per_tok))
+        method = {"full": FinetuneMethod.FULL, "lora": FinetuneMethod.LORA, "qlora": FinetuneMethod.QLORA}[ts.method]
+        opt = {"adamw-8bit": "adamw"}.get(ts.optimizer, ts.optimizer)
+        st = STS(method=method, batch_size=ts.batch_size, seq_length=ts.seq_length, lora_rank=ts.lora_rank,
+                 lora_layers=ts.lora_layers or ms.num_layers, lora_targets=max(1, n_targets),
+                 optimizer=opt.replace("sgd-momentum", "sgd"), grad_checkpoint=ts.grad_checkpoint,
+                 grad_accumulation=ts.grad_accum, mixed_precision=ts.dtype != "fp32",
+                 flash_attention=ts.attn_impl != "eager", lazy_evaluation=ts.framework == "mlx")
+        del _block_linears
+        return int(estimate_training_memory(model=sm, train=st).total_mb * MiB)
+    except Exception:
+        return None
+
+
+def score(case: dict, rec: dict, *, seed: bool = True) -> dict:
+    """Estimate a measured case; returns a result row (name, backend, counter, estimate_bytes,
+    actual_bytes, error = (estimate - actual) / actual, phase, seconds, breakdown, seed_*)."""
+    from .estimate import estimate
+
+    ms, ts = specs_of(case, rec)
+    est = estimate(ms, ts)
+    actual = int(rec["peak_bytes"])
+    row = dict(name=case["name"], backend=case["backend"], counter=rec.get("counter", ts.device),
+               estimate_bytes=int(est.peak_bytes), actual_bytes=actual,
+               error=(est.peak_bytes - actual) / actual, phase=est.phase, seconds=rec.get("seconds"),
+               breakdown=est.breakdown)
+    if seed:
+        sb = seed_estimate_bytes(ms, ts)
+        if sb is not None:
+            row["seed_estimate_bytes"] = sb
+            row["seed_error"] = (sb - actual) / actual
+    return row
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    """The q-quantile (linear interpolation between order statistics, numpy's default)."""
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    pos = (len(xs) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(rows: Sequence[dict], key: str = "error") -> dict:
+    """``{"cases", "median_abs", "p90_abs", "worst_under", "worst_over", "worst_under_case"}`` over
+    the rows that have ``key`` (fractions, signed: negative = under-estimate)."""
+    rs = [r for r in rows if r.get(key) is not None]
+    if not rs:
+        return {"cases": 0}
+    errs = [r[key] for r in rs]
+    under = min(rs, key=lambda r: r[key])
+    return dict(cases=len(rs), median_abs=statistics.median(abs(e) for e in errs),
+                p90_abs=_pct([abs(e) for e in errs], 0.9), worst_under=min(errs), worst_over=max(errs),
+                worst_under_case=under["name"])
+
+
+def machine_fingerprint() -> dict:
+    """What the results depend on: OS, CPU, cores, memory, Python and framework versions."""
+    fp = dict(os=f"{platform.system()} {platform.release()}", machine=platform.machine(),
+              cpu=platform.processor() or "", cores=os.cpu_count(), python=platform.python_version())
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("model name"):
+                    fp["cpu"] = ln.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        from .probes import probe
+
+        snap = probe()
+        fp["memory_total_gib"] = round(snap.total_bytes / 2**30, 1)
+    except Exception:
+        pass
+    from importlib import metadata
+
+    for pkg in ("memguard-train", "torch", "transformers", "peft", "accelerate", "mlx", "mlx-lm", "ml-memguard"):
+        try:
+            fp[pkg] = metadata.version(pkg)
+        except Exception:
+            pass
+    return fp
+
+
+def _fmt_mib(b: Optional[int]) -> str:
+    return "-" if b is None else f"{b / MiB:,.1f}"
+
+
+def _fmt_err(e: Optional[float]) -> str:
+    return "-" if e is None else f"{e * 100:+.1f}%"
+
+
+def _summary_line(s: dict, label: str) -> str:
+    if not s.get("cases"):
+        return f"{label}: no cases"
+    return (f"{label}: {s['cases']} cases, median |error| {s['median_abs'] * 100:.1f}%, p90 "
+            f"{s['p90_abs'] * 100:.1f}%, worst under-estimate {s['worst_under'] * 100:+.1f}% "
+            f"({s['worst_under_case']}), worst over {s['worst_over'] * 100:+.1f}%")
+
+
+def markdown_report(rows: Sequence[dict], fingerprint: Optional[dict] = None, *, elapsed_s: float = 0,
+                    title: str = "memguard bench") -> str:
+    """A markdown report: the machine, one table row per case, the summaries (memguard, and the
+    seed package when it was scored)."""
+    out = [f"## {title}", ""]
+    if fingerprint:
+        out += ["Machine: " + ", ".join(f"{k} `{v}`" for k, v in fingerprint.items()), ""]
+    has_seed = any("seed_error" in r for r in rows)
+    hdr = "| case | counter | estimate MiB | actual MiB | error | phase |" + (" ml-memguard MiB | ml-memguard error |" if has_seed else "")
+    out += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for r in rows:
+        line = (f"| {r['name']} | {r.get('counter', '')} | {_fmt_mib(r.get('estimate_bytes'))} | "
+                f"{_fmt_mib(r.get('actual_bytes'))} | {_fmt_err(r.get('error')) if 'error' in r else 'FAILED'} | "
+                f"{r.get('phase', '')} |")
+        if has_seed:
+            line += f" {_fmt_mib(r.get('seed_estimate_bytes'))} | {_fmt_err(r.get('seed_error'))} |"
+        out.append(line)
+    out.append("")
+    ok = [r for r in rows if "error" in r]
+    for backend in sorted({r["backend"] for r in ok}):
+        out.append("- " + _summary_line(summarize([r for r in ok if r["backend"] == backend]), f"memguard, {backend}"))
+    out.append("- " + _summary_line(summarize(ok), "**memguard, all**"))
+    if has_seed:
+        out.append("- " + _summary_line(summarize(ok, "seed_error"), "ml-memguard (seed), same cases"))
+    failed = [r["name"] for r in rows if "error" not in r]
+    if failed:
+        out.append(f"- failed: {', '.join(failed)}")
+    if elapsed_s:
+        out.append(f"- wall time {elapsed_s / 60:.1f} min")
+    out.append("")
+    return "\n".join(out)
+
+
+def _rich_table(rows: Sequence[dict]):
+    from rich.table import Table
+
+    has_seed = any("seed_error" in r for r in rows)
+    t = Table(title="memguard bench: estimate vs measured peak (fresh process per case)")
+    for col, just in (("case", "left"), ("counter", "left"), ("estimate MiB", "right"), ("actual MiB", "right"),
+                      ("error", "right"), ("phase", "left"), ("s", "right")):
+        t.add_column(col, justify=just)
+    if has_seed:
+        t.add_column("ml-memguard MiB", justify="right")
+        t.add_column("ml-memguard err", justify="right")
+    for r in rows:
+        if "error" not in r:
+            t.add_row(r["name"], "", "", "", "[red]FAILED[/red]", "", "")
+            continue
+        e = r["error"]
+        col = "red" if e < -0.05 else ("yellow" if abs(e) > 0.10 else "green")
+        cells = [r["name"], r["counter"], _fmt_mib(r["estimate_bytes"]), _fmt_mib(r["actual_bytes"]),
+                 f"[{col}]{_fmt_err(e)}[/{col}]", r.get("phase", ""), f"{r.get('seconds') or 0:.0f}"]
+        if has_seed:
+            cells += [_fmt_mib(r.get("seed_estimate_bytes")), _fmt_err(r.get("seed_error"))]
+        t.add_row(*cells)
+    return t
+
+
+def _mlx_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_lm") is not None
+
+
+def _cuda_available() -> bool:
+    try:
+        p = subprocess.run([sys.executable, "-c", "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
+                           capture_output=True, timeout=120)
+        return p.returncode == 0
+    except Exception:
+        return False
+
+
+def select(quick: bool = False, only: Sequence[str] = (), backends: Sequence[str] = ("hf", "mlx"),
+           cuda: bool = False) -> List[dict]:
+    """The cases to run: the quick subset or all, filtered by name substrings and backend; with
+    ``cuda`` each HF case also runs on the GPU (counter ``cuda``)."""
+    out = []
+    for c in CASES:
+        if quick and not c["quick"]:
+            continue
+        if only and not any(o in c["name"] for o in only):
+            continue
+        if c["backend"] not in backends:
+            continue
+        out.append(c)
+        if cuda and c["backend"] == "hf":
+            g = dict(c, device="cuda", name=c["name"].replace("hf-", "hf-cuda-", 1))
+            out.append(g)
+    return out
+
+
+def _write_json(path: str, records: list, rows: list, elapsed: float, fp: Optional[dict] = None) -> None:
+    ok = [r for r in rows if "error" in r]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(dict(fingerprint=fp or {}, elapsed_s=elapsed, summary=summarize(ok),
+                       seed_summary=summarize(ok, "seed_error"),
+                       cases=[dict(r, result=row) for r, row in zip(records, rows)]), f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``memguard bench``: run the matrix, print the table and the summary. Returns the exit code
+    (0: every selected case ran; 1: some failed; 2: bad arguments)."""
+    ap = argparse.ArgumentParser(prog="memguard bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a small subset (~1-2 min; CI)")
+    ap.add_argument("--only", action="append", default=[], metavar="TEXT",
+                    help="cases whose name contains TEXT (repeatable)")
+    ap.add_argument("--backend", action="append", choices=("hf", "mlx"),
+                    help="only these backends (default: hf, and mlx when installed)")
+    ap.add_argument("--cuda", action="store_true", help="also run the HF cases on CUDA (when a GPU is present)")
+    ap.add_argument("--json", metavar="PATH", help="write cases, measurements and results as JSON")
+    ap.add_argument("--markdown", metavar="PATH", help="write the markdown report")
+    ap.add_argument("--submit", action="store_true", help="print a ready-to-file markdown report")
+    ap.add_argument("--reuse", metavar="PATH", help="re-estimate measurements saved by --json (runs only the missing)")
+    ap.add_argument("--no-seed", action="store_true", help="do not score ml-memguard even when installed")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per case [600]")
+    ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print("RESULT " + json.dumps(_child(json.loads(a.child))), flush=True)
+        return 0
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    con = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    backends = a.backend or (["hf", "mlx"] if _mlx_available() else ["hf"])
+    if "mlx" in backends and not _mlx_available():
+        con.print("[yellow]mlx / mlx-lm not installed: skipping the MLX cases[/yellow]")
+        backends = [b for b in backends if b != "mlx"]
+    cuda = bool(a.cuda and _cuda_available())
+    if a.cuda and not cuda:
+        con.print("[yellow]--cuda: no CUDA device visible to torch; CPU only[/yellow]")
+    sel = select(a.quick, a.only, backends, cuda)
+    if a.list:
+        for c in sel:
+            con.print(c["name"])
+        return 0
+    if not sel:
+        con.print("[red]no case matches[/red]")
+        return 2
+    saved: Dict[str, Any] = {}
+    measured_s = 0.0  # wall time of the runs a reused file measured
+    if a.reuse and os.path.exists(a.reuse):
+        with open(a.reuse) as f:
+            old = json.load(f)
+        saved = {r["name"]: r for r in old.get("cases", [])}
+        measured_s = float(old.get("elapsed_s") or 0)
+    t0 = time.time()
+    rows, records = [], []
+    with Progress(TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=con,
+                  transient=False) as prog:
+        task = prog.add_task("", total=len(sel))
+        for c in sel:
+            prog.update(task, description=c["name"])
+            rec = saved.get(c["name"], {}).get("measured") if a.reuse else None
+            if rec is None:
+                rec = run_case(c, a.timeout)
+            records.append(dict(name=c["name"], case=c, measured=rec))
+            if "error" in rec:
+                rows.append(dict(name=c["name"], backend=c["backend"], failure=rec["error"]))
+                prog.console.print(f"[red]{c['name']}: FAILED[/red] {rec['error'][-400:]}")
+            else:
+                try:
+                    rows.append(score(c, rec, seed=not a.no_seed))
+                except Exception as exc:  # an estimator error is a bench result, not a crash
+                    rows.append(dict(name=c["name"], backend=c["backend"], failure=repr(exc)))
+                    prog.console.print(f"[red]{c['name']}: estimate failed[/red] {exc!r}")
+            prog.advance(task)
+            if a.json:  # after every case: a long run interrupted keeps what it measured
+                _write_json(a.json, records, rows, time.time() - t0)
+    elapsed = time.time() - t0
+    if a.reuse and all(c["name"] in saved for c in sel):
+        elapsed = max(elapsed, measured_s)
+    con.print(_rich_table(rows))
+    ok = [r for r in rows if "error" in r]
+    for backend in sorted({r["backend"] for r in ok}):
+        con.print(_summary_line(summarize([r for r in ok if r["backend"] == backend]), f"memguard {backend}"))
+    con.print("[bold]" + _summary_line(summarize(ok), "memguard all") + "[/bold]")
+    if any("seed_error" in r for r in ok):
+        con.print(_summary_line(summarize(ok, "seed_error"), "ml-memguard (seed) on the same cases"))
+    con.print(f"wall time {elapsed:.0f} s{' (of the reused measurements)' if a.reuse else ''}")
+    fp = machine_fingerprint()
+    if a.json:
+        _write_json(a.json, records, rows, elapsed, fp)
+    md = markdown_report(rows, fp, elapsed_s=elapsed)
+    if a.markdown:
+        os.makedirs(os.path.dirname(os.path.abspath(a.markdown)), exist_ok=True)
+        with open(a.markdown, "w") as f:
+            f.write(md)
+    if a.submit:
+        print("\n<!-- memguard bench report: paste into a new issue -->\n" + md)
+    return 0 if len(ok) == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""memguard bench: the matrix, the statistics and the reports (cheap; the real runs are
+``python -m memguard_core.bench --quick`` in CI and the full bench in bench/results/)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from memguard_core import bench
+
+
+def test_matrix_is_wide_and_names_are_unique():
+    names = [c["name"] for c in bench.CASES]
+    assert len(names) == len(set(names))
+    assert len(bench.CASES) >= 30
+    assert {c["backend"] for c in bench.CASES} == {"hf", "mlx"}
+    quick = bench.select(quick=True, backends=("hf", "mlx"))
+    assert 2 <= len(quick) <= 6 and all(c["quick"] for c in quick)
+    archs = {c["arch"] for c in bench.CASES}
+    for a in ("smollm2-135m", "gpt2-4l", "qwen2.5-0.5b-4l", "tinyllama-2l", "mixtral-4l"):
+        assert a in archs
+    trains = [c["train"] for c in bench.CASES]
+    for key, val in (("method", "full"), ("optimizer", "sgd"), ("optimizer", "adafactor"), ("dtype", "bf16"),
+                     ("grad_checkpoint", True), ("mixed_precision", True), ("attn_impl", "eager")):
+        assert any(t[key] == val for t in trains), (key, val)
+
+
+def test_select_filters_and_cuda_variants():
+    sel = bench.select(only=["gpt2"], backends=("hf",), cuda=True)
+    assert sel and all("gpt2" in c["name"] for c in sel)
+    assert sum(c.get("device") == "cuda" for c in sel) == len(sel) // 2
+
+
+def test_summary_statistics():
+    rows = [dict(name=f"c{i}", error=e) for i, e in enumerate([-0.04, 0.01, 0.02, -0.10, 0.30])]
+    s = bench.summarize(rows)
+    assert s["cases"] == 5
+    assert s["median_abs"] == pytest.approx(0.04)
+    assert s["worst_under"] == pytest.approx(-0.10) and s["worst_under_case"] == "c3"
+    assert s["worst_over"] == pytest.approx(0.30)
+    assert s["p90_abs"] == pytest.approx(0.10 + 0.6 * 0.20)   # linear interpolation at rank 3.6
+    assert bench.summarize([]) == {"cases": 0}
+
+
+def test_markdown_report_has_rows_summary_and_seed_column():
+    rows = [dict(name="hf-a", backend="hf", counter="cpu", estimate_bytes=110 << 20, actual_bytes=100 << 20,
+                 error=0.1, phase="loss", seed_estimate_bytes=50 << 20, seed_error=-0.5),
+            dict(name="mlx-b", backend="mlx", failure="rc=1")]
+    md = bench.markdown_report(rows, {"cores": 2})
+    assert "| hf-a | cpu | 110.0 | 100.0 | +10.0% | loss | 50.0 | -50.0% |" in md
+    assert "FAILED" in md and "failed: mlx-b" in md and "ml-memguard (seed)" in md and "cores `2`" in md
+
+
+def test_score_reestimates_a_saved_measurement():
+    """A measurement record (as a child writes it) is scored by the current estimator."""
+    import dataclasses
+
+    from memguard_core.spec import model_spec_from_numbers
+
+    ms = model_spec_from_numbers(model_params=10_000_000, hidden_dim=256, num_layers=2, num_heads=4,
+                                 vocab_size=1000, intermediate_size=512, model_bits=32)
+    case = bench._case("hf", "tiny", batch_size=2, seq_length=64)
+    rec = dict(peak_bytes=500 << 20, counter="cpu", seconds=1.0, model_spec=dataclasses.asdict(ms))
+    row = bench.score(case, rec, seed=False)
+    assert row["actual_bytes"] == 500 << 20 and row["estimate_bytes"] > 0
+    assert row["error"] == pytest.approx((row["estimate_bytes"] - (500 << 20)) / (500 << 20))
+
+
+def test_cli_lists_cases_without_running_them():
+    p = subprocess.run([sys.executable, "-m", "memguard_core.bench", "--list", "--quick", "--backend", "hf"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0
+    assert p.stdout.split() == [c["name"] for c in bench.select(quick=True, backends=("hf",))]
+
+
+def test_seed_estimate_is_bytes_or_none():
+    from memguard_core.spec import TrainSpec, model_spec_from_numbers
+
+    ms = model_spec_from_numbers(model_params=50_000_000, hidden_dim=512, num_layers=4, num_heads=8,
+                                 vocab_size=32000, intermediate_size=1376, model_bits=32)
+    v = bench.seed_estimate_bytes(ms, TrainSpec(method="lora", dtype="fp32"))
+    assert v is None or (isinstance(v, int) and v > 0)
+    json.dumps(bench.machine_fingerprint())

@@ -1,0 +1,160 @@
+"""Fit quality: under a memory budget, how close do memguard's chosen settings come to the budget
+(without going over) and to the throughput of the best hand-picked setting that fits?
+
+    python bench/fit_quality.py            # ~8-10 min on 2 cores
+
+The run: HF ``Trainer`` full fine-tune on CPU of a Llama-architecture model from config numbers
+(random weights; hidden 256, 2 blocks, vocab 32000, untied head), micro-batch 16 x 128 tokens,
+AdamW, 5 optimizer steps; every run in a FRESH subprocess, its peak = VmHWM (what a cgroup limit
+would see), its throughput = rows per second over steps 2..5 (median step time).
+
+1. **Hand-picked grid** (unguarded): micro-batch 16/k with ``gradient_accumulation_steps`` k (the
+   same effective batch) for k in 1, 2, 4 without and 1, 2, 4, 8 with activation checkpointing. The
+   unsplit peak P is the k=1 run without checkpointing.
+2. **memguard**: for budgets of 50 %..100 % of P, ``MemGuardCallback(budget_bytes=budget)`` on the
+   unsplit settings (it plans below its warning level, 85 %, and applies checkpointing and the split
+   in place). Reported: measured peak / budget (target 80-100 %, never over), the settings it chose,
+   and its throughput / the best hand-picked setting whose peak fits the budget (target >= 90 %).
+
+Writes bench/results/fit_quality.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+ROWS, SEQ, VOCAB, HIDDEN, LAYERS, STEPS = 16, 128, 32000, 256, 2, 5
+
+
+def child(k: int, ckpt: bool, budget: int) -> dict:
+    import tempfile
+    import torch
+    from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments)
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(1, VOCAB, (SEQ,), generator=g) for _ in range(ROWS * STEPS)]
+
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": ids[i], "labels": ids[i]}
+
+    times, t = [], [0.0]
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **kw):
+            t[0] = time.perf_counter()
+
+        def on_step_end(self, *a, **kw):
+            times.append(time.perf_counter() - t[0])
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                      tie_word_embeddings=False, pad_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=ROWS // k,
+                             gradient_accumulation_steps=k, max_steps=STEPS, learning_rate=1e-4,
+                             logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                             disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=ckpt,
+                             gradient_checkpointing_kwargs={"use_reentrant": False} if ckpt else None)
+    cbs = [Clock()]
+    guard = None
+    if budget:
+        from memguard_hf import MemGuardCallback
+        guard = MemGuardCallback(budget_bytes=budget, seq_length=SEQ)
+        cbs.insert(0, guard)
+    tr = Trainer(model=model, args=args, train_dataset=DS(), callbacks=cbs)
+    tr.train()
+    with open("/proc/self/status") as f:
+        hwm = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
+    out = {"peak": hwm, "step_s": statistics.median(times[1:]), "steps": tr.state.global_step}
+    if guard is not None:
+        pf = guard.preflight
+        out["k"] = guard.monitor.split
+        out["planned_k"] = pf.split_factor if pf else None
+        out["ckpt"] = bool(getattr(model, "is_gradient_checkpointing", False))
+        out["splits"] = sum(1 for e in guard.events if e["action"] == "split")
+    return out
+
+
+def run(k=1, ckpt=False, budget=0) -> dict:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MEMGUARD_SPLIT", None)
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps([k, ckpt, budget])],
+                       capture_output=True, text=True, env=env, timeout=600)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"child failed rc={p.returncode}: {p.stderr[-2000:]}")
+    return json.loads(line[7:])
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        k, ckpt, budget = json.loads(argv[1])
+        print("RESULT " + json.dumps(child(k, ckpt, budget)), flush=True)
+        return 0
+    t0 = time.time()
+    MiB = 2**20
+    grid = {}
+    for k, ckpt in ((1, False), (2, False), (4, False), (1, True), (2, True), (4, True), (8, True)):
+        if True:
+            r = run(k, ckpt)
+            grid[(k, ckpt)] = r
+            print(f"hand-picked k={k} ckpt={ckpt}: peak {r['peak'] / MiB:.0f} MiB, {r['step_s']:.2f} s/step", flush=True)
+    P = grid[(1, False)]["peak"]
+    rows = []
+    for frac in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
+        budget = int(P * frac)
+        r = run(budget=budget)
+        fits = [(ROWS / v["step_s"], kk, c) for (kk, c), v in grid.items() if v["peak"] <= budget]
+        best = max(fits) if fits else None
+        thr = ROWS / r["step_s"]
+        chosen = f"k={r['k']}" + (" + ckpt" if r["ckpt"] else "") + (f" (planned {r['planned_k']})"
+                                                                       if r["planned_k"] != r["k"] else "")
+        rows.append([f"{frac:.0%}", f"{budget / MiB:.0f}", chosen, f"{r['peak'] / MiB:.0f}",
+                     f"{r['peak'] / budget:.0%}" + (" OVER" if r["peak"] > budget else ""),
+                     "-" if best is None else f"k={best[1]}" + (" + ckpt" if best[2] else ""),
+                     "-" if best is None else f"{thr / best[0]:.0%}", f"{r['steps']}/{STEPS}"])
+        print(rows[-1], flush=True)
+    header = ["budget / unsplit peak", "budget MiB", "memguard chose", "measured peak MiB",
+              "peak / budget (target 80-100 %)", "best hand-picked that fits", "throughput vs it (target >= 90 %)",
+              "steps"]
+    glines = ["| hand-picked | peak MiB | s/step |", "|---|---|---|"]
+    glines += [f"| k={kk}{' + ckpt' if c else ''} (micro-batch {ROWS // kk} x accumulation {kk}) | "
+               f"{v['peak'] / MiB:.0f} | {v['step_s']:.2f} |" for (kk, c), v in sorted(grid.items(), key=lambda x: (x[0][1], x[0][0]))]
+    lines = ["# Fit quality", "",
+             f"`python bench/fit_quality.py` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, shared machine, "
+             f"{(time.time() - t0) / 60:.1f} min). HF Trainer full fine-tune on CPU, Llama shape (hidden {HIDDEN}, "
+             f"{LAYERS} blocks, vocab {VOCAB}), micro-batch {ROWS} x {SEQ}, AdamW, {STEPS} steps, fresh process per "
+             f"run; peak = VmHWM; unsplit peak P = {P / MiB:.0f} MiB.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", *glines]
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "fit_quality.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"memguard fit quality (unsplit peak {P / MiB:.0f} MiB)")
+    for h in header:
+        t.add_column(h, justify="right")
+    for r in rows:
+        t.add_row(*r)
+    Console().print(t)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

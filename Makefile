@@ -24,6 +24,7 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests integration_tests
+	$(VENV)/bin/memguard bench --quick
 
 unit: install
 	$(PY) -m pytest -q tests

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+
+# Guarded runs in the tests record into the calibration store: keep that out of the user's data dir,
+# or after 3 repeated runs a correction factor would start changing the tests' own plans.
+os.environ.setdefault("MEMGUARD_DATA_DIR", tempfile.mkdtemp(prefix="memguard-test-data-"))
 from contextlib import ExitStack
 from typing import Callable, Iterator, Optional
 

@@ -1,4 +1,4 @@
-"""``memguard`` command line: estimate | probe | demo | run.
+"""``memguard`` command line: estimate | probe | demo | run | bench | calibration.
 
     memguard estimate --config config.json --batch-size 8 --seq-length 2048 --method lora
     memguard estimate --config config.json ... --budget-gib 20      # and plan against a budget
@@ -6,6 +6,8 @@
     memguard probe                                                   # what this machine offers
     memguard demo                                                    # a guarded real fine-tune
     memguard run -- python train.py --output_dir out                 # restart after an OOM kill
+    memguard bench [--quick] [--only TEXT] [--json PATH] [--submit]  # the estimate vs real runs here
+    memguard calibration show | reset                                # the auto-calibration store
 
 Exit codes: 0 ok; 2 bad input (the message names the flag); 3 the run does not fit the budget.
 """
@@ -121,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help="run a training command; after an out-of-memory kill, restart it with a doubled "
                                "split from its latest checkpoint (memguard run -- python train.py ...)",
                    add_help=False)
+    sub.add_parser("bench", help="run real training cases here and score the estimate against them "
+                                 "(--quick: a 30-second subset; --submit: a markdown report)", add_help=False)
+    sub.add_parser("calibration", help="the auto-calibration store: show | reset", add_help=False)
     return p
 
 
@@ -242,6 +247,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .supervisor import main as run_main
 
         return run_main(argv[1:])
+    if argv[:1] == ["bench"]:  # the bench parses its own arguments
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv[:1] == ["calibration"]:  # memguard calibration show [--json] | reset
+        from .calibration import main as calibration_main
+
+        return calibration_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     from rich.logging import RichHandler

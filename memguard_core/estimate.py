@@ -62,7 +62,8 @@ NF4_DOUBLE_QUANT_BITS = 4.127
 #: Runtime overhead per counter, bytes.
 #: cpu: VmHWM of a HF ``Trainer`` run (torch 2.13.0+cpu, transformers 5.23.0, peft 0.21.2,
 #:   accelerate 1.15.0, Python 3.11, Linux x86-64) on a negligible model (2-layer Llama, hidden 64,
-#:   vocab 256): 368-370 MiB, measured on this machine with ``bench/measure_hf_cpu.py`` (cases
+#:   vocab 256): 368-370 MiB, measured on this machine with the real-run bench (``memguard bench``, first runs in
+#:   ``bench/results/hf_cpu.json``; cases
 #:   ``tiny-*``). It is the interpreter + torch/transformers/peft/accelerate imports + Trainer setup.
 #: cuda: the CUDA context of a PyTorch process (cuBLAS/cuDNN handles and kernels loaded lazily),
 #:   which ``torch.cuda.memory_reserved`` does not count; PyTorch's CUDA semantics notes put it at
@@ -111,7 +112,7 @@ CUDA_FRAGMENTATION = 0.05
 #: threshold (it rises to the size of the largest freed mmapped block, at most 32 MiB:
 #: ``M_MMAP_THRESHOLD`` in mallopt(3)) from the heap, and freed heap pages stay resident,
 #: fragmented; blocks >= 32 MiB are mmapped and go back to the OS on free. Measured on this
-#: machine (``bench/measure_hf_cpu.py`` plus a VmRSS sampler through single steps): with
+#: machine (the real-run bench, ``bench/results/hf_cpu.json``, plus a VmRSS sampler through single steps): with
 #: ``MALLOC_MMAP_THRESHOLD_=131072`` pinning the threshold, the RSS rise over a step equals the
 #: live set this module predicts to a few percent; with glibc's defaults the forward leaves
 #: resident heap pages of about 0.6 x the step's activation traffic (the activations saved by all

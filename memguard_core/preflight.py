@@ -166,10 +166,7 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
         found = correction_for(model_spec, train_spec)
         correction, runs = found.factor, found.runs
     est = estimate(model_spec, train_spec, correction=correction)
-    extra = 0
-    if resident_bytes:
-        static = est.breakdown.get("runtime_overhead", 0) + est.breakdown.get("weights", 0)
-        extra = max(0, int(resident_bytes) - static)
+    extra = resident_extra(est.breakdown, resident_bytes)
     target = int(budget_bytes * fraction) - extra
     if target <= 0:
         raise DoesNotFitError(int(est.peak_bytes) + extra - int(budget_bytes * fraction), int(budget_bytes),
@@ -183,3 +180,23 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
         (pf.applied if change.field in IN_PLACE_FIELDS else pf.not_applied).append(change)
     pf.split_factor = max(1, int(chosen.split_factor))
     return pf
+
+
+def resident_extra(estimate_breakdown: dict, resident_bytes: Optional[int]) -> int:
+    """What a process holds beyond the estimate's runtime overhead and weights (bytes, >= 0)."""
+    if not resident_bytes:
+        return 0
+    static = estimate_breakdown.get("runtime_overhead", 0) + estimate_breakdown.get("weights", 0)
+    return max(0, int(resident_bytes) - static)
+
+
+def budget_that_fits(model_spec: ModelSpec, train_spec: TrainSpec, *, resident_bytes: Optional[int] = None,
+                     plan_fraction: float = 0.85, margin: float = 1.03) -> int:
+    """The budget (bytes) at which ``train_spec`` just fits an adapter's preflight: its estimate plus
+    the resident surplus, over ``plan_fraction``, times ``margin``. The demos use it to pick a budget
+    that the requested settings do not fit but a given split does."""
+    from .estimate import estimate
+
+    est = estimate(model_spec, train_spec)
+    return int((est.peak_bytes + resident_extra(est.breakdown, resident_bytes)) / plan_fraction * margin)
+

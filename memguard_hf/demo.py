@@ -25,6 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from memguard_core.estimate import estimate
+from memguard_core.preflight import budget_that_fits
 from memguard_core.probes import probe
 from memguard_core.report import console, estimate_table, gib, plan_table, probe_table
 from memguard_core.spec import model_spec_from_module
@@ -118,9 +119,10 @@ def run_demo(args) -> int:
         budget = int(args.budget_gib * 2**30)
     else:
         half = ts.replace(batch_size=max(1, ts.batch_size // 2), grad_accum=ts.grad_accum * 2, grad_checkpoint=True)
-        budget = int(estimate(ms, half).peak_bytes / 0.85 * 1.03)
+        budget = budget_that_fits(ms, half, resident_bytes=probe("cpu", cheap=True).process_bytes)
         con.print(f"budget: {gib(budget)} (chosen so the requested micro-batch does not fit: half of it with "
-                  f"checkpointing fits below the guard's 85% warning level, which the preflight plans against)")
+                  f"checkpointing, plus what this process already holds, fits below the guard's 85% warning "
+                  f"level, which the preflight plans against)")
     con.print(estimate_table(requested, budget, title="preflight: requested settings"))
 
     guard = MemGuardCallback(budget_bytes=budget, seq_length=args.seq_length, monitor_interval_s=0.2)

@@ -88,8 +88,6 @@ import contextlib
 import functools
 import gc
 import logging
-import os
-import re
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -97,7 +95,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.memory import is_oom_error
 
-from memguard_core.errors import ConfigError, DoesNotFitError, require_fraction
+from memguard_core.errors import ConfigError, DoesNotFitError
 from memguard_core.monitor import MemoryEvent, MemoryMonitor, Thresholds
 from memguard_core.preflight import Preflight
 
@@ -106,7 +104,8 @@ from .preflight import find_model, run_preflight
 
 logger = logging.getLogger("memguard.lightning")
 
-_APPLY_CHOICES = ("grad_checkpoint", "micro_batch")
+from memguard_core.options import APPLY_CHOICES as _APPLY_CHOICES  # noqa: E402
+from memguard_core.options import GuardOptions  # noqa: E402
 
 
 class _LogRecorder:
@@ -209,54 +208,27 @@ class MemGuardCallback(Callback):
                  loss_weighting: str = "auto", label_key: LabelKey = None,
                  shift_labels: Optional[bool] = None, split: Optional[int] = None,
                  monitor_interval_s: float = 0.5, device: str = "auto", preflight: bool = True):
-        if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
-                                         or budget_bytes <= 0):
-            raise ConfigError("budget_bytes", "a positive integer number of bytes or None", budget_bytes)
-        self.safety_ratio = require_fraction("safety_ratio", safety_ratio)
-        if isinstance(apply, str):
-            apply = (apply,)
-        for a in apply:
-            if a not in _APPLY_CHOICES:
-                raise ConfigError("apply", f"a subset of {_APPLY_CHOICES}", list(apply))
-        if loss_weighting not in ("auto", "tokens", "rows"):
-            raise ConfigError("loss_weighting", "'auto', 'tokens' or 'rows'", loss_weighting)
+        opts = GuardOptions.from_kwargs(
+            budget_bytes=budget_bytes, safety_ratio=safety_ratio, thresholds=thresholds, seq_length=seq_length,
+            apply=apply, fail_fast=fail_fast, loss_weighting=loss_weighting, split=split,
+            monitor_interval_s=monitor_interval_s, device=device, preflight=preflight)
         if label_key is not None and (isinstance(label_key, bool) or not isinstance(label_key, (str, int))):
             raise ConfigError("label_key", "a dict key (str), a tuple index (int) or None", label_key)
         if shift_labels is not None and not isinstance(shift_labels, bool):
             raise ConfigError("shift_labels", "True, False or None (auto)", shift_labels)
-        env_split = os.environ.get("MEMGUARD_SPLIT")
-        if split is None and env_split:
-            try:
-                split = int(env_split)
-            except ValueError:
-                raise ConfigError("MEMGUARD_SPLIT", "an integer >= 1", env_split) from None
-        if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
-            raise ConfigError("split", "an integer >= 1", split)
-        if seq_length is not None and (isinstance(seq_length, bool) or not isinstance(seq_length, int)
-                                       or seq_length < 1):
-            raise ConfigError("seq_length", "an integer >= 1", seq_length)
-        if isinstance(monitor_interval_s, bool) or not isinstance(monitor_interval_s, (int, float)) \
-                or monitor_interval_s < 0:
-            raise ConfigError("monitor_interval_s", "a number of seconds >= 0", monitor_interval_s)
-        if thresholds is not None and not isinstance(thresholds, Thresholds):
-            raise ConfigError("thresholds", "a memguard_core.monitor.Thresholds", thresholds)
-        if not isinstance(device, str) or re.fullmatch(r"auto|cpu|mlx|cuda(:\d+)?", device) is None:
-            raise ConfigError("device", '"auto", "cpu", "cuda", "cuda:<index>" or "mlx"', device)
-        for name, flag in (("fail_fast", fail_fast), ("preflight", preflight)):
-            if not isinstance(flag, bool):
-                raise ConfigError(name, "True or False", flag)
-        self.budget_bytes = budget_bytes
-        self.thresholds = thresholds or Thresholds()
-        self.seq_length = seq_length
-        self.apply = tuple(apply)
-        self.fail_fast = fail_fast
-        self.loss_weighting = loss_weighting
+        self.budget_bytes = opts.budget_bytes
+        self.safety_ratio = opts.safety_ratio
+        self.thresholds = opts.thresholds
+        self.seq_length = opts.seq_length
+        self.apply = opts.apply
+        self.fail_fast = opts.fail_fast
+        self.loss_weighting = opts.loss_weighting
         self.label_key = label_key
         self.shift_labels = shift_labels
-        self.initial_split = split or 1
-        self.monitor_interval_s = float(monitor_interval_s)
-        self.device = device
-        self.do_preflight = preflight
+        self.initial_split = opts.split
+        self.monitor_interval_s = opts.monitor_interval_s
+        self.device = opts.device
+        self.do_preflight = opts.preflight
 
         self.trainer = None
         self.pl_module = None

@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 
 from memguard_core.estimate import estimate
+from memguard_core.preflight import budget_that_fits
 from memguard_core.probes import probe
 from memguard_core.report import console, estimate_table, gib, plan_table, probe_table
 from memguard_core.spec import TrainSpec, model_spec_from_module
@@ -111,9 +112,10 @@ def run_demo(args) -> int:
         budget = int(args.budget_gib * 2**30)
     else:
         half = ts.replace(batch_size=max(1, ts.batch_size // 2), grad_accum=ts.grad_accum * 2, grad_checkpoint=True)
-        budget = int(estimate(ms, half).peak_bytes * 1.05)
-        con.print(f"budget: {gib(budget)} (chosen so the requested micro-batch does not fit: the estimate "
-                  f"of half of it with checkpointing, + 5%)")
+        budget = budget_that_fits(ms, half, resident_bytes=probe("cpu", cheap=True).process_bytes)
+        con.print(f"budget: {gib(budget)} (chosen so the requested micro-batch does not fit: half of it with "
+                  f"checkpointing, plus what this process already holds, fits below the guard's 85% warning "
+                  f"level, which the preflight plans against)")
     con.print(estimate_table(requested, budget, title="preflight: requested settings"))
 
     out = args.output_dir or tempfile.mkdtemp(prefix="memguard_demo_lightning_")

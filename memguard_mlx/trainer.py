@@ -63,9 +63,7 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -91,7 +89,8 @@ logger = logging.getLogger("memguard.mlx")
 
 __all__ = ["train", "MlxGuard", "MlxPreflight", "run_preflight", "default_budget", "row_token_counts"]
 
-_APPLY_CHOICES = ("grad_checkpoint", "micro_batch")
+from memguard_core.options import APPLY_CHOICES as _APPLY_CHOICES  # noqa: E402
+from memguard_core.options import GuardOptions  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,23 +223,12 @@ class MlxGuard:
                  monitor_interval_s: float = 0.5, clear_cache_on_warning: bool = True,
                  chunk_weight: Optional[Callable] = None,
                  on_event: Optional[Callable[[MemoryEvent], None]] = None):
-        if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
-                                         or budget_bytes <= 0):
-            raise ConfigError("budget_bytes", "a positive integer number of bytes or None", budget_bytes)
-        self.safety_ratio = require_fraction("safety_ratio", safety_ratio)
-        for a in apply:
-            if a not in _APPLY_CHOICES:
-                raise ConfigError("apply", f"a subset of {_APPLY_CHOICES}", list(apply))
-        env = os.environ.get("MEMGUARD_SPLIT")
-        if split is None and env:
-            try:
-                split = int(env)
-            except ValueError:
-                raise ConfigError("MEMGUARD_SPLIT", "an integer >= 1", env) from None
-        if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
-            raise ConfigError("split", "an integer >= 1", split)
-        if seq_length is not None and (not isinstance(seq_length, int) or seq_length < 1):
-            raise ConfigError("seq_length", "an integer >= 1", seq_length)
+        opts = GuardOptions.from_kwargs(
+            budget_bytes=budget_bytes, safety_ratio=safety_ratio, thresholds=thresholds, seq_length=seq_length,
+            apply=apply, fail_fast=fail_fast, split=split, monitor_interval_s=monitor_interval_s,
+            device="mlx", preflight=preflight)
+        if not isinstance(clear_cache_on_warning, bool):
+            raise ConfigError("clear_cache_on_warning", "True or False", clear_cache_on_warning)
         if memory_controls is True:
             memory_controls = MemoryControls()
         elif memory_controls in (False, None):
@@ -255,16 +243,17 @@ class MlxGuard:
             raise ConfigError("leak_detector", "True, False or a LeakDetector", leak_detector)
         if chunk_weight is not None and not callable(chunk_weight):
             raise ConfigError("chunk_weight", "a callable fn(chunk, value, weight) or None", chunk_weight)
-        self.budget_bytes = budget_bytes
-        self.thresholds = thresholds or Thresholds()
-        self.initial_split = split or 1
-        self.do_preflight = preflight
-        self.apply = tuple(apply)
-        self.fail_fast = fail_fast
-        self.seq_length = seq_length
+        self.budget_bytes = opts.budget_bytes
+        self.safety_ratio = opts.safety_ratio
+        self.thresholds = opts.thresholds
+        self.initial_split = opts.split
+        self.do_preflight = opts.preflight
+        self.apply = opts.apply
+        self.fail_fast = opts.fail_fast
+        self.seq_length = opts.seq_length
         self.controls: Optional[MemoryControls] = memory_controls
         self.leak: Optional[LeakDetector] = leak_detector
-        self.monitor_interval_s = monitor_interval_s
+        self.monitor_interval_s = opts.monitor_interval_s
         self.clear_cache_on_warning = clear_cache_on_warning
         self.chunk_weight = chunk_weight
         self._user_on_event = on_event

@@ -37,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["main", "CASES", "cases", "run_case", "score", "summarize", "seed_estimate_bytes",
            "machine_fingerprint", "markdown_report"]

@@ -76,7 +76,7 @@ def sequence_starts(inputs: Mapping[str, Any]) -> Optional[List[int]]:
     return starts if len(starts) > 1 else None
 
 
-def _shifted_valid(labels: torch.Tensor, shift: bool) -> torch.Tensor:
+def _shifted_valid(labels: Any, shift: bool) -> Any:
     """Per-position validity of the labels the loss uses (shifted by one for causal LMs)."""
     lab = labels[..., 1:] if shift else labels
     return lab.ne(IGNORE_INDEX)

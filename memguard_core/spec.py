@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from .errors import ConfigError, require_choice, require_positive_int

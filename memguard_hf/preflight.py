@@ -17,7 +17,7 @@ plan, and apply in place what can be applied.
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 

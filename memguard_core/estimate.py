@@ -121,7 +121,8 @@ CUDA_FRAGMENTATION = 0.05
 #: peak) about 1.2 x that traffic is still resident. Logits tensors >= 32 MiB are mmapped and
 #: leave no slack. Fitted over 27 real HF Trainer runs (LoRA and full; fp32, bf16, autocast; sdpa,
 #: eager; checkpointing on/off; Llama, GPT-2, Qwen2, Mixtral). ``MALLOC_MMAP_THRESHOLD_=131072``
-#: in the training process's environment removes most of this slack.
+#: in the training process's environment removes most of this slack. Under PEFT LoRA the forward's
+#: traffic also includes each LoRA'd linear's unsaved temporaries (``LORA_FORWARD_TEMPORARIES``).
 #: Dense V x h tensors at the end of an HF full fine-tune's backward beyond ``.grad`` (see
 #: ``estimate``'s backward moment).
 EMBEDDING_GRAD_COPIES = 2
@@ -691,6 +692,50 @@ def _activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
     return h + sc + lo
 
 
+#: Out-sized tensors one LoRA'd linear allocates in its forward beyond the base layer's output,
+#: freed before the next module runs. PEFT 0.21 ``tuners/lora/layer.py`` ``Linear.forward``:
+#: ``result = result + lora_B(lora_A(dropout(x))) * scaling`` -- the ``lora_B`` output, the scaled
+#: product and the out-of-place sum (which replaces the base output) are three tensors of
+#: (tokens x out_features) each; none is saved for the backward (``mul`` by a Python scalar and
+#: ``add`` save nothing: ``derivatives.yaml``), so they are not activations, but on CPU they pass
+#: through glibc's heap like the saved activations do and leave resident pages behind (see
+#: ``CPU_HEAP_SLACK_FORWARD``). Measured on this machine: replacing the two out-of-place ops by an
+#: in-place ``result.add_(lora_B(...), alpha=scaling)`` (one temporary instead of three) lowered the
+#: HF ``Trainer`` VmHWM of the bench's GPT-2 ``c_attn`` case by 42 MiB (predicted: 2 x 36 MiB x 0.6
+#: = 43) and of the TinyLlama all-linear case by 116 MiB (predicted 168).
+LORA_FORWARD_TEMPORARIES = 3
+
+
+def _lora_forward_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Heap traffic (bytes) of the LoRA temporaries of one forward, HF/Lightning (PEFT) only:
+    ``LORA_FORWARD_TEMPORARIES`` tensors of tokens x out_features per LoRA'd linear of each LoRA'd
+    block, in the adapter's dtype (fp32,
+    PEFT ``autocast_adapter_dtype``; the compute dtype under autocast), plus the cast of the sum back
+    to a half-precision base dtype (``result.to(torch_result_dtype)``). Tensors >= the largest mmap
+    threshold (32 MiB) are mmapped and leave no heap slack, so they are not counted.
+
+    Zero under gradient checkpointing: the checkpointed forward saves nothing inside a block, so
+    each block's temporaries are freed into a heap that no saved tensor pins and the next block
+    reuses the same chunks; the recompute in the backward holds one block at a time. (The
+    loss-moment slack there is already ``CPU_HEAP_SLACK_FORWARD`` x the un-checkpointed traffic,
+    which over-estimates the bench's checkpointed LoRA cases by 3-7 %.)"""
+    if ts.method == "full" or ts.framework == "mlx" or ts.grad_checkpoint:
+        return 0
+    e = DTYPE_BYTES[ts.dtype]
+    amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
+    tokens = ts.batch_size * ts.seq_length
+    total = 0
+    for ls in _lora_linears(ms, ts):
+        sizes = [(2 if amp else 4)] * LORA_FORWARD_TEMPORARIES
+        if e < 4 and not amp:
+            sizes.append(e)
+        for b in sizes:
+            t = tokens * ls.out_features * b
+            if t < MMAP_THRESHOLD_MAX:
+                total += ls.count * t
+    return int(total * _num_lora_layers(ms, ts))
+
+
 def _logits(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int]:
     """Logits and loss working set, (loss-moment peak, final-norm/head saved) in bytes.
 
@@ -824,13 +869,14 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     totals = {k: sum(v.values()) for k, v in phases.items()}
     traffic = _activation_traffic(ms, ts)
     logits_tensor = ts.batch_size * ts.seq_length * ms.vocab_size * 4
+    lora_traffic = _lora_forward_traffic(ms, ts)
     for k, v in phases.items():
         if ts.device == "cuda":
             slack = int(CUDA_FRAGMENTATION * (totals[k] - overhead))
         elif ts.device == "cpu":
             if k == "loss":
                 small_logits = logits_peak if logits_tensor < MMAP_THRESHOLD_MAX else 0
-                slack = int(CPU_HEAP_SLACK_FORWARD * (traffic + small_logits))
+                slack = int(CPU_HEAP_SLACK_FORWARD * (traffic + small_logits + lora_traffic))
             else:
                 slack = int(CPU_HEAP_SLACK_BACKWARD * traffic)
         else:

@@ -141,6 +141,27 @@ def test_lora_activations_hand_computed():
     assert lb["attention_scores"] == 16 * 16 * 2
 
 
+def test_cpu_heap_slack_counts_lora_forward_temporaries():
+    # HF on CPU, loss moment: slack = 0.6 x (saved-activation traffic + logits working set (a
+    # 64000-byte tensor, below the 32 MiB mmap threshold) + LoRA forward temporaries).
+    #   traffic = 3072*16*2 + 16*16*2 + 64*16*2 = 98304 + 512 + 2048 = 100864 (as above)
+    #   logits  = 12 * 16000 = 192000
+    #   LoRA temporaries (PEFT: lora_B output, scaled product, out-of-place sum, fp32), q (out 64)
+    #   and v (out 32): 3 x 4 B x (64 + 32) x 16 tokens x 2 blocks = 36864
+    #   0.6 x (100864 + 192000 + 36864) = 0.6 x 329728 = 197836.8 -> 197836
+    e = estimate(tiny(), ts(method="lora"))
+    assert e.phase_breakdowns["loss"]["allocator_slack"] == 197836
+    # bf16 base, fp32 adapters: 3 fp32 temporaries + the sum cast back to bf16 = 14 B per element:
+    # 14 x 96 x 16 x 2 = 43008 of the slack's input
+    e16 = estimate(tiny(weight_bits=16.0, dense_bits=16.0), ts(method="lora", dtype="bf16"))
+    from memguard_core.estimate import _lora_forward_traffic
+    assert _lora_forward_traffic(e16.model_spec, e16.train_spec) == 43008
+    # no term for full fine-tuning, MLX, or under checkpointing (nothing pins the heap there)
+    assert _lora_forward_traffic(tiny(), ts(method="lora", grad_checkpoint=True)) == 0
+    assert _lora_forward_traffic(tiny(), ts(method="full")) == 0
+    assert _lora_forward_traffic(tiny(), ts(method="lora", framework="mlx", device="mlx")) == 0
+
+
 def test_mlx_full_trains_blocks_only():
     m = tiny()
     blocks = 2 * 12288 + 2 * 24576 + 2 * 128

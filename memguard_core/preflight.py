@@ -200,3 +200,39 @@ def budget_that_fits(model_spec: ModelSpec, train_spec: TrainSpec, *, resident_b
     est = estimate(model_spec, train_spec)
     return int((est.peak_bytes + resident_extra(est.breakdown, resident_bytes)) / plan_fraction * margin)
 
+
+def attn_impl_from(name: Optional[str]) -> str:
+    """TrainSpec ``attn_impl`` from a HF ``config._attn_implementation`` (``eager`` keeps the O(s^2)
+    scores; ``flash_attention_*`` -> ``flash``; ``sdpa`` and anything else -> ``sdpa``)."""
+    name = str(name or "sdpa")
+    return "eager" if name == "eager" else "flash" if "flash" in name else "sdpa"
+
+
+def method_and_lora(model: Any, model_spec: ModelSpec) -> tuple:
+    """``(method, lora_kwargs)`` of a live torch module for a ``TrainSpec``: ``qlora`` when the block
+    weights are 4-bit, ``lora`` when PEFT adapters are on it (a ``peft_config`` or ``lora_A``
+    parameters), else ``full``; ``lora_kwargs`` holds ``lora_rank`` (found on the model, else 8) and
+    ``lora_targets`` (PEFT's ``target_modules``, else the names of the adapted modules).
+
+    Reads ``model.named_parameters()`` only: no framework import.
+    """
+    names = [n for n, _ in model.named_parameters()]
+    peft = hasattr(model, "peft_config") or any("lora_A" in n for n in names)
+    method = "qlora" if model_spec.weight_bits < 8 else "lora" if peft else "full"
+    if method == "full":
+        return method, {}
+    kwargs: dict = {"lora_rank": model_spec.lora_rank_found or 8}
+    targets = None
+    cfg = getattr(model, "peft_config", None)
+    if isinstance(cfg, dict) and cfg:
+        t = getattr(next(iter(cfg.values())), "target_modules", None)
+        if isinstance(t, str):
+            targets = ("all-linear",) if t == "all-linear" else (t,)
+        elif t:
+            targets = tuple(sorted(t))
+    if targets is None:
+        targets = tuple(sorted({n.split(".lora_A")[0].rsplit(".", 1)[-1] for n in names if ".lora_A" in n})) or None
+    if targets:
+        kwargs["lora_targets"] = targets
+    return method, kwargs
+

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from memguard_core.preflight import Preflight, default_budget, plan_in_place
+from memguard_core.preflight import Preflight, attn_impl_from, default_budget, method_and_lora, plan_in_place
 from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
 
 logger = logging.getLogger("memguard.hf")
@@ -45,24 +45,6 @@ def _unwrap(model):
     while hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):
         model = model.module
     return model
-
-
-def _is_peft(model) -> bool:
-    return hasattr(model, "peft_config") or any("lora_A" in n for n, _ in model.named_parameters())
-
-
-def _lora_targets(model) -> Optional[tuple]:
-    cfg = getattr(model, "peft_config", None)
-    if isinstance(cfg, dict) and cfg:
-        first = next(iter(cfg.values()))
-        targets = getattr(first, "target_modules", None)
-        if isinstance(targets, str):
-            return ("all-linear",) if targets == "all-linear" else (targets,)
-        if targets:
-            return tuple(sorted(targets))
-    names = sorted({n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters()
-                    if ".lora_A" in n})
-    return tuple(names) or None
 
 
 def infer_seq_length(trainer, given: Optional[int] = None, scan_rows: int = 2048) -> int:
@@ -107,12 +89,7 @@ def trainspec_from_trainer(trainer, model_spec: ModelSpec, *, seq_length: Option
     model = _unwrap(trainer.model)
     p = next((p for p in model.parameters()), None)
     weight_dtype = p.dtype if p is not None else torch.float32
-    if model_spec.weight_bits < 8:
-        method = "qlora"
-    elif _is_peft(model):
-        method = "lora"
-    else:
-        method = "full"
+    method, kwargs = method_and_lora(model, model_spec)
     half = args.bf16 or args.fp16
     if weight_dtype == torch.float32:
         dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -120,19 +97,12 @@ def trainspec_from_trainer(trainer, model_spec: ModelSpec, *, seq_length: Option
     else:
         dtype = "fp16" if weight_dtype == torch.float16 else "bf16"
         mixed = False
-    attn = str(getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") or "sdpa")
-    attn_impl = "eager" if attn == "eager" else "flash" if "flash" in attn else "sdpa"
+    attn_impl = attn_impl_from(getattr(getattr(model, "config", None), "_attn_implementation", None))
     gc_on = bool(getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False)
                  or _checkpointing_on(model))
     if device == "auto":
         dev = p.device.type if p is not None else "cpu"
         device = "cuda" if dev == "cuda" else "cpu"
-    kwargs = {}
-    if method != "full":
-        kwargs["lora_rank"] = model_spec.lora_rank_found or 8
-        targets = _lora_targets(model)
-        if targets:
-            kwargs["lora_targets"] = targets
     return TrainSpec(batch_size=args.per_device_train_batch_size, seq_length=infer_seq_length(trainer, seq_length),
                      grad_accum=args.gradient_accumulation_steps, method=method, optimizer=_optimizer_name(args.optim),
                      dtype=dtype, mixed_precision=mixed, grad_checkpoint=gc_on, attn_impl=attn_impl,

@@ -22,14 +22,13 @@ import lightning.pytorch as pl
 import torch
 
 from memguard_core.estimate import estimate
-from memguard_core.preflight import budget_that_fits
+from memguard_core.preflight import budget_that_fits, method_and_lora
 from memguard_core.probes import probe
 from memguard_core.report import console, estimate_table, gib, plan_table, probe_table
 from memguard_core.spec import TrainSpec, model_spec_from_module
 from memguard_hf.demo import ByteRows, build_model, corpus_text
 
 from .callback import MemGuardCallback
-from .preflight import _lora_targets
 
 logger = logging.getLogger("memguard.demo")
 
@@ -104,9 +103,9 @@ def run_demo(args) -> int:
               f"{args.batch_size * args.grad_accum}, {args.steps} optimizer steps")
 
     ms = model_spec_from_module(model)
+    method, lora = method_and_lora(model, ms)
     ts = TrainSpec(batch_size=args.batch_size, seq_length=args.seq_length, grad_accum=args.grad_accum,
-                   method="lora", lora_rank=16, lora_targets=_lora_targets(model), optimizer="adamw",
-                   dtype="fp32", framework="lightning", device="cpu")
+                   method=method, optimizer="adamw", dtype="fp32", framework="lightning", device="cpu", **lora)
     requested = estimate(ms, ts)
     if args.budget_gib:
         budget = int(args.budget_gib * 2**30)

@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from memguard_core.preflight import Preflight, default_budget, plan_in_place
+from memguard_core.preflight import Preflight, attn_impl_from, default_budget, method_and_lora, plan_in_place
 from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
 
 from .batch import batch_units
@@ -86,23 +86,6 @@ def enable_activation_checkpointing(pl_module: torch.nn.Module) -> None:
     cfg = getattr(target, "config", None)
     if cfg is not None and hasattr(cfg, "use_cache"):
         cfg.use_cache = False
-
-
-def _is_peft(model) -> bool:
-    return hasattr(model, "peft_config") or any("lora_A" in n for n, _ in model.named_parameters())
-
-
-def _lora_targets(model) -> Optional[tuple]:
-    cfg = getattr(model, "peft_config", None)
-    if isinstance(cfg, dict) and cfg:
-        targets = getattr(next(iter(cfg.values())), "target_modules", None)
-        if isinstance(targets, str):
-            return ("all-linear",) if targets == "all-linear" else (targets,)
-        if targets:
-            return tuple(sorted(targets))
-    names = sorted({n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters()
-                    if ".lora_A" in n})
-    return tuple(names) or None
 
 
 def optimizer_name(optimizer: Any) -> str:
@@ -188,16 +171,10 @@ def trainspec_from_lightning(trainer, pl_module, batch: Any, model_spec: ModelSp
     model = find_model(pl_module)
     p = next((p for p in model.parameters()), None)
     weight_dtype = p.dtype if p is not None else torch.float32
-    if model_spec.weight_bits < 8:
-        method = "qlora"
-    elif _is_peft(model):
-        method = "lora"
-    else:
-        method = "full"
+    method, kwargs = method_and_lora(model, model_spec)
     dtype, mixed = precision_settings(getattr(trainer, "precision", "32-true"), weight_dtype)
     cfg = getattr(_hf_model(model) or model, "config", None)
-    attn = str(getattr(cfg, "_attn_implementation", "sdpa") or "sdpa")
-    attn_impl = "eager" if attn == "eager" else "flash" if "flash" in attn else "sdpa"
+    attn_impl = attn_impl_from(getattr(cfg, "_attn_implementation", None))
     hf = _hf_model(model)
     gc_on = False
     if hf is not None:
@@ -210,12 +187,6 @@ def trainspec_from_lightning(trainer, pl_module, batch: Any, model_spec: ModelSp
     if isinstance(dl_bs, int) and dl_bs > rows:
         rows = dl_bs
     opts = getattr(trainer, "optimizers", None) or []
-    kwargs = {}
-    if method != "full":
-        kwargs["lora_rank"] = model_spec.lora_rank_found or 8
-        targets = _lora_targets(model)
-        if targets:
-            kwargs["lora_targets"] = targets
     return TrainSpec(batch_size=max(1, rows), seq_length=infer_seq_length(trainer, pl_module, batch, seq_length),
                      grad_accum=max(1, int(trainer.accumulate_grad_batches)), method=method,
                      optimizer=optimizer_name(opts[0]) if opts else "adamw", dtype=dtype,

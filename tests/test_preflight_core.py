@@ -46,3 +46,22 @@ def test_a_process_already_over_budget_does_not_fit(ms):
     with pytest.raises(DoesNotFitError) as e:
         plan_in_place(ms, ts, 512 * MiB, plan_fraction=0.85, resident_bytes=4096 * MiB)
     assert e.value.shortfall_bytes > 0 and "before training" in " ".join(e.value.suggestions)
+
+
+def test_method_and_lora_read_from_live_modules():
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memguard_core.preflight import attn_impl_from, method_and_lora
+    from memguard_core.spec import model_spec_from_module
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2))
+    assert method_and_lora(base, model_spec_from_module(base)) == ("full", {})
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    method, kw = method_and_lora(lora, model_spec_from_module(lora))
+    assert method == "lora" and kw == {"lora_rank": 4, "lora_targets": ("q_proj", "v_proj")}
+    assert [attn_impl_from(n) for n in ("eager", "sdpa", "flash_attention_2", None)] == \
+        ["eager", "sdpa", "flash", "sdpa"]

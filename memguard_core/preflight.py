@@ -236,3 +236,20 @@ def method_and_lora(model: Any, model_spec: ModelSpec) -> tuple:
         kwargs["lora_targets"] = targets
     return method, kwargs
 
+
+def resident_bytes_for(train_spec: TrainSpec) -> Optional[int]:
+    """What this process holds now (RSS) when the estimate predicts the CPU counter, for
+    ``plan_in_place(resident_bytes=...)``; ``None`` for other counters or when it cannot be read
+    (logged at debug level, never raised)."""
+    if train_spec.device != "cpu":
+        return None
+    try:
+        from .probes import probe
+
+        return probe("cpu", cheap=True).process_bytes
+    except Exception:
+        import logging
+
+        logging.getLogger("memguard.preflight").debug("no RSS reading for the preflight", exc_info=True)
+        return None
+

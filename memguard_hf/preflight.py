@@ -21,7 +21,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from memguard_core.preflight import Preflight, attn_impl_from, default_budget, method_and_lora, plan_in_place
+from memguard_core.preflight import (Preflight, attn_impl_from, default_budget, method_and_lora, plan_in_place,
+                                     resident_bytes_for)
 from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
 
 logger = logging.getLogger("memguard.hf")
@@ -135,20 +136,13 @@ def run_preflight(trainer, *, budget_bytes: Optional[int], safety_ratio: float =
     Raises:
         DoesNotFitError: nothing in the allowed search fits.
     """
-    from memguard_core.probes import probe
-
     model = _unwrap(trainer.model)
     ms = model_spec_from_module(model)
     ts = trainspec_from_trainer(trainer, ms, seq_length=seq_length, device=device)
     probe_device = ts.device if device == "auto" else device
     if budget_bytes is None:
         budget_bytes = default_budget(probe_device, safety_ratio)
-    resident = None
-    if ts.device == "cpu":
-        try:
-            resident = probe("cpu", cheap=True).process_bytes  # RSS with the model loaded
-        except Exception:
-            logger.debug("memguard: no RSS reading for the preflight", exc_info=True)
+    resident = resident_bytes_for(ts)  # RSS with the model loaded (CPU counter only)
     pf = plan_in_place(ms, ts, budget_bytes, apply=apply, plan_fraction=plan_fraction, resident_bytes=resident)
     if pf.checkpointing_planned:
         enable_activation_checkpointing(trainer.model)

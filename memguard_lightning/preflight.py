@@ -33,7 +33,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from memguard_core.preflight import Preflight, attn_impl_from, default_budget, method_and_lora, plan_in_place
+from memguard_core.preflight import (Preflight, attn_impl_from, default_budget, method_and_lora, plan_in_place,
+                                     resident_bytes_for)
 from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
 
 from .batch import batch_units
@@ -213,14 +214,7 @@ def run_preflight(trainer, pl_module, batch: Any, *, budget_bytes: Optional[int]
     if budget_bytes is None:
         budget_bytes = default_budget(ts.device if device == "auto" else device, safety_ratio)
     allowed = tuple(a for a in apply if a != "grad_checkpoint" or can_checkpoint(pl_module))
-    resident = None
-    if ts.device == "cpu":
-        try:
-            from memguard_core.probes import probe
-
-            resident = probe("cpu", cheap=True).process_bytes  # RSS with the model loaded
-        except Exception:
-            logger.debug("memguard: no RSS reading for the preflight", exc_info=True)
+    resident = resident_bytes_for(ts)  # RSS with the model loaded (CPU counter only)
     pf = plan_in_place(ms, ts, budget_bytes, apply=allowed, plan_fraction=plan_fraction, resident_bytes=resident)
     if pf.checkpointing_planned:
         enable_activation_checkpointing(pl_module)

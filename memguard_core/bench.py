@@ -104,12 +104,67 @@ MLX_ARCHS: Dict[str, dict] = {
                  tie_word_embeddings=False, rms_norm_eps=1e-5),
 }
 
+#: Held-out architectures: never used to fit a constant of the estimator (no constant was
+#: measured on them or tuned while looking at them); their cases are scored separately.
+HF_HELD_OUT_ARCHS: Dict[str, dict] = {
+    # microsoft/Phi-3-mini-4k-instruct config.json (fused qkv_proj and gate_up_proj), 2 of 32 layers
+    "phi3-mini-2l": dict(model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                         num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=32,
+                         tie_word_embeddings=False, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                         pad_token_id=32000),
+    # google/gemma-2-2b config.json (head_dim 256, vocab 256000, tied, soft-capping), 2 of 26 layers
+    "gemma2-2b-2l": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                         query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+                         attn_logit_softcapping=50.0, tie_word_embeddings=True, max_position_embeddings=8192),
+    # Qwen/Qwen3-0.6B config.json (head_dim 128 != hidden / heads, q/k norms), 4 of 28 layers
+    "qwen3-0.6b-4l": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                          num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                          tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0,
+                          rms_norm_eps=1e-6),
+    # EleutherAI/pythia-160m config.json (GPT-NeoX: fused query_key_value, parallel residual), 6 of 12
+    "pythia-160m-6l": dict(model_type="gpt_neox", vocab_size=50304, hidden_size=768, intermediate_size=3072,
+                           num_hidden_layers=6, num_attention_heads=12, rotary_pct=0.25,
+                           max_position_embeddings=2048, use_parallel_residual=True, tie_word_embeddings=False),
+    # facebook/opt-125m config.json (learned positions, LayerNorm, fc1/fc2), all 12 layers
+    "opt-125m": dict(model_type="opt", vocab_size=50272, hidden_size=768, ffn_dim=3072, num_hidden_layers=12,
+                     num_attention_heads=12, max_position_embeddings=2048, word_embed_proj_dim=768,
+                     do_layer_norm_before=True, tie_word_embeddings=True),
+    # meta-llama/Llama-3.2-1B config.json (vocab 128256, tied, GQA 32/8), 2 of 16 layers
+    "llama3.2-1b-2l": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                           num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                           tie_word_embeddings=True, max_position_embeddings=131072, rope_theta=500000.0,
+                           rms_norm_eps=1e-5),
+}
+
+#: Held-out mlx_lm architectures (see ``HF_HELD_OUT_ARCHS``).
+MLX_HELD_OUT_ARCHS: Dict[str, dict] = {
+    # Qwen/Qwen3-0.6B, 1 of 28 layers
+    "qwen3-0.6b-1l": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                          num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                          tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0,
+                          rms_norm_eps=1e-6),
+    # microsoft/Phi-3-mini-4k-instruct, 1 of 32 layers
+    "phi3-mini-1l": dict(model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                         num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=32,
+                         rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False),
+    # EleutherAI/pythia-160m, 2 of 12 layers
+    "pythia-160m-2l": dict(model_type="gpt_neox", vocab_size=50304, hidden_size=768, intermediate_size=3072,
+                           num_hidden_layers=2, num_attention_heads=12, rotary_pct=0.25,
+                           max_position_embeddings=2048, use_parallel_residual=True, layer_norm_eps=1e-5,
+                           rotary_emb_base=10000),
+    # HuggingFaceTB/SmolLM2-360M (hidden 960, GQA 15/5, tied), 2 of 32 layers
+    "smollm2-360m-2l": dict(model_type="llama", vocab_size=49152, hidden_size=960, intermediate_size=2560,
+                            num_hidden_layers=2, num_attention_heads=15, num_key_value_heads=5,
+                            tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0),
+}
+
 _DEFAULTS = dict(method="lora", batch_size=2, seq_length=128, dtype="fp32", optimizer="adamw",
                  attn_impl="sdpa", grad_checkpoint=False, lora_rank=8, lora_targets=None,
                  mixed_precision=False, grad_accum=1, lora_layers=None)
 
 
-def _case(backend: str, arch: str, quick: bool = False, **kw) -> dict:
+def _case(backend: str, arch: str, quick: bool = False, held_out: bool = False, **kw) -> dict:
     t = dict(_DEFAULTS, **kw)
     if t["lora_targets"] is None:
         t["lora_targets"] = ["q_proj", "v_proj"] if backend == "hf" else ["all-linear"]
@@ -130,7 +185,7 @@ def _case(backend: str, arch: str, quick: bool = False, **kw) -> dict:
     default_t = ["q_proj", "v_proj"] if backend == "hf" else ["all-linear"]
     if t["method"] != "full" and t["lora_targets"] != default_t:
         parts.append("+".join(t["lora_targets"]))
-    return dict(name="-".join(parts), backend=backend, arch=arch, train=t, quick=quick)
+    return dict(name="-".join(parts), backend=backend, arch=arch, train=t, quick=quick, held_out=held_out)
 
 
 def cases() -> List[dict]:
@@ -177,6 +232,20 @@ def cases() -> List[dict]:
     mlx("tinyllama-narrow-2l", batch_size=4, seq_length=128)
     mlx("tinyllama-narrow-2l", method="full", batch_size=2, seq_length=128, dtype="bf16")
     mlx("mixtral-2l", batch_size=4, seq_length=128)
+    # --- held out: architectures no constant was fitted on (scored apart)
+    ho = lambda arch, **kw: c.append(_case("hf", arch, held_out=True, **kw))  # noqa: E731
+    ho("phi3-mini-2l", batch_size=2, seq_length=128, lora_targets=["qkv_proj", "o_proj"])
+    ho("gemma2-2b-2l", batch_size=1, seq_length=256, dtype="bf16", lora_rank=16, lora_targets=["all-linear"],
+       attn_impl="eager")  # transformers 5.23 has no SDPA path for Gemma-2
+    ho("qwen3-0.6b-4l", method="full", batch_size=1, seq_length=128)
+    ho("pythia-160m-6l", method="full", batch_size=2, seq_length=256)
+    ho("opt-125m", batch_size=4, seq_length=256, grad_checkpoint=True)
+    ho("llama3.2-1b-2l", batch_size=2, seq_length=256, dtype="bf16", mixed_precision=True)
+    mo = lambda arch, **kw: c.append(_case("mlx", arch, held_out=True, **kw))  # noqa: E731
+    mo("qwen3-0.6b-1l", batch_size=1, seq_length=64)
+    mo("phi3-mini-1l", batch_size=1, seq_length=64, lora_rank=16)
+    mo("pythia-160m-2l", method="full", batch_size=2, seq_length=64)
+    mo("smollm2-360m-2l", method="full", batch_size=2, seq_length=64, dtype="bf16")
     return c
 
 
@@ -222,7 +291,7 @@ def _child_hf(case: dict) -> dict:
     torch.manual_seed(0)
     kw = case["train"]
     device = case.get("device", "cpu")
-    arch = dict(HF_ARCHS[case["arch"]])
+    arch = dict({**HF_ARCHS, **HF_HELD_OUT_ARCHS}[case["arch"]])
     mt = arch.pop("model_type")
     config = AutoConfig.for_model(mt, **arch)
     half = kw["dtype"] in ("bf16", "fp16") and not kw["mixed_precision"]
@@ -291,7 +360,7 @@ def _child_mlx(case: dict) -> dict:
     from memguard_mlx.spec import model_spec_from_mlx_module, train_spec_from_args
 
     kw = case["train"]
-    arch = dict(MLX_ARCHS[case["arch"]])
+    arch = dict({**MLX_ARCHS, **MLX_HELD_OUT_ARCHS}[case["arch"]])
     mod = importlib.import_module(f"mlx_lm.models.{arch['model_type']}")
     mx.random.seed(0)
     model = mod.Model(mod.ModelArgs.from_dict(arch))
@@ -446,7 +515,8 @@ def score(case: dict, rec: dict, *, seed: bool = True) -> dict:
     ms, ts = specs_of(case, rec)
     est = estimate(ms, ts)
     actual = int(rec["peak_bytes"])
-    row = dict(name=case["name"], backend=case["backend"], counter=rec.get("counter", ts.device),
+    row = dict(name=case["name"], backend=case["backend"], held_out=bool(case.get("held_out")),
+               counter=rec.get("counter", ts.device),
                estimate_bytes=int(est.peak_bytes), actual_bytes=actual,
                error=(est.peak_bytes - actual) / actual, phase=est.phase, seconds=rec.get("seconds"),
                breakdown=est.breakdown)
@@ -548,6 +618,12 @@ def markdown_report(rows: Sequence[dict], fingerprint: Optional[dict] = None, *,
     for backend in sorted({r["backend"] for r in ok}):
         out.append("- " + _summary_line(summarize([r for r in ok if r["backend"] == backend]), f"memguard, {backend}"))
     out.append("- " + _summary_line(summarize(ok), "**memguard, all**"))
+    held = [r for r in ok if r.get("held_out")]
+    if held:
+        out.append("- " + _summary_line(summarize([r for r in ok if not r.get("held_out")]),
+                                         "memguard, the matrix the constants were fitted on"))
+        out.append("- " + _summary_line(summarize(held), "**memguard, held out** (architectures no constant was "
+                                                         "fitted on)"))
     if has_seed:
         out.append("- " + _summary_line(summarize(ok, "seed_error"), "ml-memguard (seed), same cases"))
     failed = [r["name"] for r in rows if "error" not in r]
@@ -599,13 +675,25 @@ def _cuda_available() -> bool:
         return False
 
 
+#: ``--set`` choices: the fitted matrix, the held-out architectures, or both.
+CASE_SETS = ("all", "matrix", "held-out")
+
+
 def select(quick: bool = False, only: Sequence[str] = (), backends: Sequence[str] = ("hf", "mlx"),
-           cuda: bool = False) -> List[dict]:
-    """The cases to run: the quick subset or all, filtered by name substrings and backend; with
-    ``cuda`` each HF case also runs on the GPU (counter ``cuda``)."""
+           cuda: bool = False, case_set: str = "all") -> List[dict]:
+    """The cases to run: the quick subset or all, filtered by name substrings, backend and set
+    (``CASE_SETS``); with ``cuda`` each HF case also runs on the GPU (counter ``cuda``).
+
+    Raises:
+        ValueError: ``case_set`` not in ``CASE_SETS``.
+    """
+    if case_set not in CASE_SETS:
+        raise ValueError(f"case_set: expected one of {CASE_SETS}, got {case_set!r}")
     out = []
     for c in CASES:
         if quick and not c["quick"]:
+            continue
+        if (case_set == "matrix" and c.get("held_out")) or (case_set == "held-out" and not c.get("held_out")):
             continue
         if only and not any(o in c["name"] for o in only):
             continue
@@ -635,6 +723,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a small subset (~1-2 min; CI)")
     ap.add_argument("--only", action="append", default=[], metavar="TEXT",
                     help="cases whose name contains TEXT (repeatable)")
+    ap.add_argument("--set", dest="case_set", choices=CASE_SETS, default="all",
+                    help="the matrix the estimator's constants were fitted on, the held-out "
+                         "architectures, or all [all]")
     ap.add_argument("--backend", action="append", choices=("hf", "mlx"),
                     help="only these backends (default: hf, and mlx when installed)")
     ap.add_argument("--cuda", action="store_true", help="also run the HF cases on CUDA (when a GPU is present)")
@@ -662,7 +753,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cuda = bool(a.cuda and _cuda_available())
     if a.cuda and not cuda:
         con.print("[yellow]--cuda: no CUDA device visible to torch; CPU only[/yellow]")
-    sel = select(a.quick, a.only, backends, cuda)
+    sel = select(a.quick, a.only, backends, cuda, a.case_set)
     if a.list:
         for c in sel:
             con.print(c["name"])
@@ -709,6 +800,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for backend in sorted({r["backend"] for r in ok}):
         con.print(_summary_line(summarize([r for r in ok if r["backend"] == backend]), f"memguard {backend}"))
     con.print("[bold]" + _summary_line(summarize(ok), "memguard all") + "[/bold]")
+    if any(r.get("held_out") for r in ok):
+        con.print(_summary_line(summarize([r for r in ok if not r.get("held_out")]), "memguard fitted matrix"))
+        con.print("[bold]" + _summary_line(summarize([r for r in ok if r.get("held_out")]), "memguard held out")
+                  + "[/bold]")
     if any("seed_error" in r for r in ok):
         con.print(_summary_line(summarize(ok, "seed_error"), "ml-memguard (seed) on the same cases"))
     con.print(f"wall time {elapsed:.0f} s{' (of the reused measurements)' if a.reuse else ''}")

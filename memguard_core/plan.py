@@ -1,25 +1,28 @@
 """Planner: the least-degrading training settings that fit a memory budget.
 
 ``plan(model_spec, train_spec, budget_bytes)`` returns the requested settings unchanged when their
-estimate fits; otherwise it walks the quality-preserving order of the seed product (memory-guard's
-auto-downgrade):
+estimate fits; otherwise it downgrades in the quality-preserving order of the seed product
+(memory-guard's auto-downgrade), with one refinement:
 
-1. gradient checkpointing (no quality cost, ~30% more compute);
-2. a smaller micro-batch with more gradient accumulation -- the effective batch is kept exactly:
-   the micro-batch is a divisor of the requested one (so an adapter can cut every batch into
-   ``split_factor`` equal row-chunks in place) and accumulation grows by the same factor;
-3. halve the sequence length;
-4. halve the LoRA rank;
-5. halve the number of LoRA layers;
+1. the two changes that cost no quality -- gradient checkpointing (one more forward of the blocks
+   in the backward) and a smaller micro-batch with more gradient accumulation (the effective batch
+   is kept exactly: the micro-batch is a divisor of the requested one, so an adapter can cut every
+   batch into ``split_factor`` equal row-chunks in place, and accumulation grows by the same
+   factor) -- are searched together, and among the combinations that fit the one with the
+   shortest predicted step time is taken (``relative_step_time``: a split costs little while
+   micro-batches stay large, checkpointing costs a fixed third to half of the compute);
+2. halve the sequence length;
+3. halve the LoRA rank;
+4. halve the number of LoRA layers;
 
-stopping at the first step where the estimate fits (earlier steps stay applied). Within the
-micro-batch step the LARGEST micro-batch that fits is taken; after a later step fits, the
-micro-batch is re-maximised for the new settings (a shorter sequence may let a larger micro-batch
-fit again). ``allow`` limits the steps (an adapter that can only split batches in place passes
-``allow=("grad_checkpoint", "micro_batch")``). When nothing fits, ``DoesNotFitError`` carries the
-shortfall and the suggestions that were not already applied (seed 002's list: 4-bit / QLoRA,
-shorter sequences, smaller LoRA rank, fewer LoRA layers, a smaller model, an 8-bit optimizer,
-more memory).
+stopping at the first step where the estimate fits (earlier steps stay applied; when no
+combination of step 1 fits, checkpointing and the smallest micro-batch stay applied for the later
+steps). After a later step fits, the micro-batch is re-maximised for the new settings (a shorter
+sequence may let a larger micro-batch fit again). ``allow`` limits the steps (an adapter that can
+only split batches in place passes ``allow=("grad_checkpoint", "micro_batch")``). When nothing
+fits, ``DoesNotFitError`` carries the shortfall and the suggestions that were not already applied
+(seed 002's list: 4-bit / QLoRA, shorter sequences, smaller LoRA rank, fewer LoRA layers, a
+smaller model, an 8-bit optimizer, more memory).
 """
 
 from __future__ import annotations
@@ -31,13 +34,22 @@ from .errors import ConfigError, DoesNotFitError, require_fraction, require_posi
 from .estimate import MemoryEstimate, estimate
 from .spec import ModelSpec, TrainSpec
 
-__all__ = ["Change", "Plan", "plan", "budget_from_available", "STEPS", "DEFAULT_SAFETY_RATIO"]
+__all__ = ["Change", "Plan", "plan", "budget_from_available", "relative_step_time", "STEPS",
+           "DEFAULT_SAFETY_RATIO", "MICRO_BATCH_OVERHEAD_TOKENS"]
 
 #: The downgrade steps in the order they are tried.
 STEPS = ("grad_checkpoint", "micro_batch", "seq_length", "lora_rank", "lora_layers")
 
 #: Fraction of the available memory the planner may use (the seed's ``safety_ratio=0.80``).
 DEFAULT_SAFETY_RATIO = 0.8
+
+#: Fixed cost of one micro-batch (its forward and backward launch, Python and framework work, the
+#: weights read once per micro-batch) in tokens' worth of compute: a micro-batch of M tokens runs at
+#: M / (M + MICRO_BATCH_OVERHEAD_TOKENS) of full efficiency. Measured on this machine's CPU
+#: (bench/fit_quality.py hand-picked table: HF Trainer full fine-tune, 2048 tokens per step, split
+#: into 2 and 4 micro-batches took 1.11x and 1.17-1.3x the unsplit step). GPUs lose more to small
+#: micro-batches (kernel launches, occupancy); the value there is an assumption, not measured.
+MICRO_BATCH_OVERHEAD_TOKENS = 256
 
 #: Floors of the halving steps.
 MIN_SEQ_LENGTH = 64
@@ -147,6 +159,30 @@ def _validate(ms, ts, budget_bytes, allow, min_batch) -> Tuple[int, Tuple[str, .
     return budget, allow, min_batch
 
 
+def relative_step_time(model_spec: ModelSpec, train_spec: TrainSpec, reference: TrainSpec) -> float:
+    """Predicted time of one optimizer step under ``train_spec`` relative to ``reference`` (same
+    model, same effective batch), for choosing between changes that cost no quality.
+
+    Compute per token: a forward F = 2 x active parameters (Kaplan et al. 2020, "Scaling Laws for
+    Neural Language Models", C_forward ~ 2N); a backward of 2F when the weights train (input and
+    weight gradients) and of ~F when they are frozen (LoRA / QLoRA: only input gradients flow
+    through the base weights). Gradient checkpointing adds one forward of the blocks (Chen et al.
+    2016, "Training Deep Nets with Sublinear Memory Cost"): x (1 + F / (F + B)), i.e. 4/3 for a full
+    fine-tune and 3/2 for LoRA. A micro-batch of M tokens runs at efficiency M / (M +
+    ``MICRO_BATCH_OVERHEAD_TOKENS``), so splitting is nearly free while micro-batches stay large.
+
+    Returns:
+        the ratio (> 1: slower than the reference).
+    """
+    def cost(t: TrainSpec) -> float:
+        backward = 2.0 if t.method == "full" else 1.0
+        ckpt = 1.0 + 1.0 / (1.0 + backward) if t.grad_checkpoint else 1.0
+        micro_tokens = max(1, t.batch_size * t.seq_length)
+        return ckpt * (1.0 + MICRO_BATCH_OVERHEAD_TOKENS / micro_tokens)
+
+    return cost(train_spec) / cost(reference)
+
+
 class _Search:
     def __init__(self, ms, ts, budget, correction):
         self.ms, self.budget, self.correction = ms, budget, correction
@@ -176,24 +212,40 @@ class _Search:
 
     # ---- steps -------------------------------------------------------------------------------
 
-    def micro_batch(self, original: TrainSpec, min_batch: int) -> None:
-        """Largest divisor of the original micro-batch (>= min_batch) that fits, accumulation
-        scaled by the same factor; the smallest such divisor when none fits."""
+    def quality_preserving(self, original: TrainSpec, min_batch: int, allow: Tuple[str, ...]) -> None:
+        """Checkpointing and the micro-batch together: the fitting combination with the shortest
+        ``relative_step_time``; when none fits, checkpointing and the smallest micro-batch."""
+        c = self.cur
         ob, oa = original.batch_size, original.grad_accum
-        cands = [d for d in _divisors_desc(ob) if d >= min(min_batch, ob) and d <= self.cur.batch_size]
-        if not cands:
-            return
-        chosen = None
-        for d in cands:
-            t = self.cur.replace(batch_size=d, grad_accum=oa * (ob // d))
-            chosen = t
-            if self.fits(t):
-                break
-        if chosen is None or chosen.batch_size == self.cur.batch_size:
-            return
-        self._apply_micro(chosen)
+        ckpts = [c.grad_checkpoint] + ([True] if "grad_checkpoint" in allow and not c.grad_checkpoint else [])
+        if "micro_batch" in allow:
+            divs = [d for d in _divisors_desc(ob) if d >= min(min_batch, ob) and d <= c.batch_size]
+        else:
+            divs = [c.batch_size]
+        cands = [c.replace(grad_checkpoint=g, batch_size=d, grad_accum=oa * (ob // d) if d != c.batch_size
+                           else c.grad_accum) for g in ckpts for d in divs]
+        fitting = [t for t in cands if self.fits(t)]
+        if fitting:
+            best = min(fitting, key=lambda t: (relative_step_time(self.ms, t, c), -t.batch_size))
+        else:
+            best = c.replace(grad_checkpoint=ckpts[-1], batch_size=divs[-1],
+                             grad_accum=oa * (ob // divs[-1]) if divs[-1] != c.batch_size else c.grad_accum)
+        others = ""
+        if fitting and len(fitting) > 1:
+            alt = sorted(fitting, key=lambda t: relative_step_time(self.ms, t, c))[1]
+            others = (f"; predicted step time x{relative_step_time(self.ms, best, c):.2f} of the requested "
+                      f"settings vs x{relative_step_time(self.ms, alt, c):.2f} for the next option that fits "
+                      f"({_describe(alt)})")
+        if best.grad_checkpoint != c.grad_checkpoint:
+            t = c.replace(grad_checkpoint=True)
+            self.apply(t, ("grad_checkpoint",),
+                       "gradient checkpointing keeps one block input per layer and recomputes the "
+                       f"rest in the backward; {self.verdict(t)}"
+                       + (others if best.batch_size == c.batch_size else ""))
+        if best.batch_size != self.cur.batch_size:
+            self._apply_micro(best, others)
 
-    def _apply_micro(self, t: TrainSpec) -> None:
+    def _apply_micro(self, t: TrainSpec, extra: str = "") -> None:
         c = self.cur
         eff = t.batch_size * t.grad_accum
         tail = self.verdict(t)
@@ -204,7 +256,7 @@ class _Search:
             if e_n.peak_bytes > self.budget:
                 tail += f" (at {nxt}: {_gib(e_n.peak_bytes)} > budget)"
         reason = (f"micro-batch {c.batch_size} -> {t.batch_size} with gradient accumulation "
-                  f"{c.grad_accum} -> {t.grad_accum} keeps the effective batch of {eff}; {tail}")
+                  f"{c.grad_accum} -> {t.grad_accum} keeps the effective batch of {eff}; {tail}{extra}")
         self.apply(t, ("batch_size", "grad_accum"), reason)
 
     def remaximise_micro(self, original: TrainSpec) -> None:
@@ -268,17 +320,14 @@ def plan(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
     if s.fits():
         return done()
     lora = ts.method != "full"
-    for step in STEPS:
+    if "grad_checkpoint" in allow or "micro_batch" in allow:
+        s.quality_preserving(ts, min_batch, allow)
+        if s.fits():
+            return done()
+    for step in STEPS[2:]:
         if step not in allow:
             continue
-        if step == "grad_checkpoint" and not s.cur.grad_checkpoint:
-            t = s.cur.replace(grad_checkpoint=True)
-            s.apply(t, ("grad_checkpoint",),
-                    f"gradient checkpointing keeps one block input per layer and recomputes the "
-                    f"rest in the backward; {s.verdict(t)}")
-        elif step == "micro_batch":
-            s.micro_batch(ts, min_batch)
-        elif step == "seq_length":
+        if step == "seq_length":
             s.halve("seq_length", min(MIN_SEQ_LENGTH, s.cur.seq_length), "sequence length")
         elif step == "lora_rank" and lora:
             s.halve("lora_rank", MIN_LORA_RANK, "LoRA rank")
@@ -289,6 +338,10 @@ def plan(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
 
     raise DoesNotFitError(s.est.peak_bytes - budget, budget, s.est.peak_bytes,
                           _suggestions(ms, ts, s.cur, allow))
+
+
+def _describe(t: TrainSpec) -> str:
+    return f"micro-batch {t.batch_size}" + (" + checkpointing" if t.grad_checkpoint else "")
 
 
 def _suggestions(ms: ModelSpec, original: TrainSpec, cur: TrainSpec, allow) -> List[str]:

@@ -5,10 +5,10 @@ The model has SmolLM2-135M's architecture (Llama, 30 blocks, hidden 576, GQA 9/3
 no model hub here. The text shipped with memguard is tokenised byte-wise (ids 3..258 of the 49152
 vocabulary), so no tokenizer download is needed either.
 
-The budget is chosen so that the requested micro-batch does not fit (half of it with
-checkpointing fits below the guard's 85 % warning level, which the preflight plans against); the
-preflight plans, and the callback applies the plan in
-place. At ``--squeeze-at`` the demo takes 15 % of the budget away, as a co-tenant arriving in the
+The budget is chosen so that the requested micro-batch does not fit (half of it fits below the
+guard's 85 % warning level, which the preflight plans against); the preflight plans (checkpointing
+and/or a split, whichever fits with the shortest predicted step), and the callback applies the plan
+in place. At ``--squeeze-at`` the demo takes 15 % of the budget away, as a co-tenant arriving in the
 same container would, and the runtime guard reacts. At the end: the estimate vs the measured peak
 (VmHWM) and the proof that the effective batch was kept.
 """
@@ -118,10 +118,10 @@ def run_demo(args) -> int:
     if args.budget_gib:
         budget = int(args.budget_gib * 2**30)
     else:
-        half = ts.replace(batch_size=max(1, ts.batch_size // 2), grad_accum=ts.grad_accum * 2, grad_checkpoint=True)
+        half = ts.replace(batch_size=max(1, ts.batch_size // 2), grad_accum=ts.grad_accum * 2)
         budget = budget_that_fits(ms, half, resident_bytes=probe("cpu", cheap=True).process_bytes)
-        con.print(f"budget: {gib(budget)} (chosen so the requested micro-batch does not fit: half of it with "
-                  f"checkpointing, plus what this process already holds, fits below the guard's 85% warning "
+        con.print(f"budget: {gib(budget)} (chosen so the requested micro-batch does not fit: half of it, "
+                  f"plus what this process already holds, fits below the guard's 85% warning "
                   f"level, which the preflight plans against)")
     con.print(estimate_table(requested, budget, title="preflight: requested settings"))
 

@@ -3,8 +3,7 @@
 The same guarded LoRA fine-tune as :mod:`memguard_hf.demo` (SmolLM2-135M's architecture with random
 weights, LoRA r=16 on q/k/v/o, the text shipped with memguard tokenised byte-wise; model and data
 come from there), run by a ``lightning.pytorch.Trainer`` on CPU with ``MemGuardCallback`` under a
-budget the requested micro-batch does not fit (the estimate of half the micro-batch with
-checkpointing, plus 5 %). The preflight plans and the callback applies the plan in place (the
+budget the requested micro-batch does not fit (the estimate of half the micro-batch, plus 5 %). The preflight plans and the callback applies the plan in place (the
 dataloader and ``accumulate_grad_batches`` are untouched); at ``--squeeze-at`` the demo takes 15 %
 of the budget away, as a co-tenant would, and the runtime guard reacts. At the end: the estimate
 vs the measured peak (VmHWM), the memguard figures Lightning's logger received, and the proof that
@@ -110,10 +109,10 @@ def run_demo(args) -> int:
     if args.budget_gib:
         budget = int(args.budget_gib * 2**30)
     else:
-        half = ts.replace(batch_size=max(1, ts.batch_size // 2), grad_accum=ts.grad_accum * 2, grad_checkpoint=True)
+        half = ts.replace(batch_size=max(1, ts.batch_size // 2), grad_accum=ts.grad_accum * 2)
         budget = budget_that_fits(ms, half, resident_bytes=probe("cpu", cheap=True).process_bytes)
-        con.print(f"budget: {gib(budget)} (chosen so the requested micro-batch does not fit: half of it with "
-                  f"checkpointing, plus what this process already holds, fits below the guard's 85% warning "
+        con.print(f"budget: {gib(budget)} (chosen so the requested micro-batch does not fit: half of it, "
+                  f"plus what this process already holds, fits below the guard's 85% warning "
                   f"level, which the preflight plans against)")
     con.print(estimate_table(requested, budget, title="preflight: requested settings"))
 

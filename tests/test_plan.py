@@ -8,7 +8,7 @@ import pytest
 
 from memguard_core.errors import ConfigError, DoesNotFitError
 from memguard_core.estimate import estimate
-from memguard_core.plan import Plan, budget_from_available, plan
+from memguard_core.plan import MICRO_BATCH_OVERHEAD_TOKENS, Plan, budget_from_available, plan, relative_step_time
 from memguard_core.spec import ModelSpec, ParamCounts, TrainSpec
 
 
@@ -41,38 +41,90 @@ def test_fits_unchanged():
     assert p.estimate.peak_bytes == peak(t)
 
 
-def test_checkpointing_first():
-    t = ts()
+def _combos(t, allow_ckpt=True):
+    """Every checkpointing x divisor-micro-batch combination of ``t`` (effective batch kept)."""
+    divs = [d for d in range(t.batch_size, 0, -1) if t.batch_size % d == 0]
+    return [t.replace(grad_checkpoint=g, batch_size=d, grad_accum=t.grad_accum * (t.batch_size // d))
+            for g in ((False, True) if allow_ckpt else (False,)) for d in divs]
+
+
+def test_relative_step_time_model():
+    # checkpointing: one more forward -- 4/3 of a full fine-tune's step, 3/2 of a LoRA step
+    full = ts(method="full")
+    assert relative_step_time(spec(), full.replace(grad_checkpoint=True), full) == pytest.approx(4 / 3)
+    lora = ts()
+    assert relative_step_time(spec(), lora.replace(grad_checkpoint=True), lora) == pytest.approx(1.5)
+    # a split costs MICRO_BATCH_OVERHEAD_TOKENS per extra micro-batch: cheap for big micro-batches
+    t = ts(batch_size=8, seq_length=512)
+    half = t.replace(batch_size=4, grad_accum=2)
+    m0 = MICRO_BATCH_OVERHEAD_TOKENS
+    assert relative_step_time(spec(), half, t) == pytest.approx((1 + m0 / 2048) / (1 + m0 / 4096))
+    small = ts(batch_size=8, seq_length=64)
+    assert relative_step_time(spec(), small.replace(batch_size=1, grad_accum=8), small) > 1.5
+
+
+def test_split_preferred_while_micro_batches_stay_large():
+    t = ts()                                    # micro-batch 8 x 512 tokens, LoRA
+    half = t.replace(batch_size=4, grad_accum=2)
+    gc = t.replace(grad_checkpoint=True)
+    budget = max(peak(half), peak(gc))          # both fit
+    p = plan(spec(), t, budget)
+    assert p.train_spec == half                 # 2 x 2048 tokens beats recomputing every block
+    assert [c.field for c in p.changes] == ["batch_size", "grad_accum"]
+    assert "effective batch of 8" in p.changes[0].reason and "predicted step time" in p.changes[0].reason
+    assert p.split_factor == 2
+
+
+def test_checkpointing_when_it_is_the_fastest_that_fits():
+    # short rows: splitting 8 x 32 tokens is expensive, checkpointing is cheaper
+    t = ts(seq_length=32, attn_impl="sdpa", method="full")
     gc = t.replace(grad_checkpoint=True)
     assert peak(gc) < peak(t)
+    fitting = [c for c in _combos(t) if peak(c) <= peak(gc)]
+    expect = min(fitting, key=lambda c: (relative_step_time(spec(), c, t), -c.batch_size))
+    assert expect == gc                         # 8 x 32-token micro-batches: a split costs more
     p = plan(spec(), t, peak(gc))
     assert p.train_spec == gc
     assert [c.field for c in p.changes] == ["grad_checkpoint"]
-    assert p.split_factor == 1 and "checkpointing" in p.changes[0].reason
+    assert "checkpointing" in p.changes[0].reason and "x1.33" in p.changes[0].reason
+
+
+@pytest.mark.parametrize("frac", [0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95])
+def test_quality_preserving_choice_is_the_fastest_that_fits(frac):
+    t = ts(grad_accum=3)
+    budget = int(peak(t) * frac)
+    fitting = [c for c in _combos(t) if peak(c) <= budget]
+    if not fitting:
+        return
+    expect = min(fitting, key=lambda c: (relative_step_time(spec(), c, t), -c.batch_size))
+    p = plan(spec(), t, budget)
+    assert p.train_spec == expect
+    assert p.train_spec.effective_batch == t.effective_batch == 24
+    assert p.estimate.peak_bytes <= budget
+    assert p.split_factor == 8 // p.train_spec.batch_size
 
 
 def test_micro_batch_keeps_effective_batch_and_takes_largest_that_fits():
     t = ts(grad_accum=3)
-    at = {b: peak(t.replace(grad_checkpoint=True, batch_size=b, grad_accum=3 * 8 // b)) for b in (8, 4, 2, 1)}
-    p = plan(spec(), t, at[2])      # 2 fits, 4 does not
+    at = {b: peak(t.replace(batch_size=b, grad_accum=3 * 8 // b)) for b in (8, 4, 2, 1)}
+    p = plan(spec(), t, at[2], allow=("micro_batch",))      # 2 fits, 4 does not
     assert at[4] > at[2]
     c = p.train_spec
-    assert (c.batch_size, c.grad_accum, c.grad_checkpoint) == (2, 12, True)
+    assert (c.batch_size, c.grad_accum, c.grad_checkpoint) == (2, 12, False)
     assert c.effective_batch == t.effective_batch == 24
     assert p.split_factor == 4
-    fields = [ch.field for ch in p.changes]
-    assert fields == ["grad_checkpoint", "batch_size", "grad_accum"]
-    reason = p.changes[1].reason
+    assert [ch.field for ch in p.changes] == ["batch_size", "grad_accum"]
+    reason = p.changes[0].reason
     assert "8 -> 2" in reason and "3 -> 12" in reason and "effective batch of 24" in reason
 
 
 def test_odd_batch_uses_divisors():
     t = ts(batch_size=6, grad_accum=1)
-    at1 = peak(t.replace(grad_checkpoint=True, batch_size=1, grad_accum=6))
-    at3 = peak(t.replace(grad_checkpoint=True, batch_size=3, grad_accum=2))
-    p = plan(spec(), t, at3)
+    at1 = peak(t.replace(batch_size=1, grad_accum=6))
+    at3 = peak(t.replace(batch_size=3, grad_accum=2))
+    p = plan(spec(), t, at3, allow=("micro_batch",))
     assert (p.train_spec.batch_size, p.train_spec.grad_accum, p.split_factor) == (3, 2, 2)
-    p = plan(spec(), t, at1)
+    p = plan(spec(), t, at1, allow=("micro_batch",))
     assert (p.train_spec.batch_size, p.train_spec.grad_accum, p.split_factor) == (1, 6, 6)
     assert p.train_spec.effective_batch == 6
 

@@ -36,8 +36,8 @@ __all__ = ["model_spec_from_mlx_module", "train_spec_from_args", "lora_layers_of
            "optimizer_name"]
 
 _LORA_ARRAYS = ("lora_a", "lora_b", "m")
-_EMBED_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embedding")
-_HEAD_NAMES = ("lm_head", "output")
+_EMBED_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embedding", "embed_in")
+_HEAD_NAMES = ("lm_head", "output", "embed_out")
 _MOE_EXPERT_PARTS = ("switch_mlp", "experts")
 
 
@@ -157,6 +157,22 @@ def _model_args_numbers(model: Any) -> Dict[str, Any]:
                 moe_intermediate_size=int(get("moe_intermediate_size", default=0) or 0))
 
 
+def _block_prefixes(model: Any) -> Dict[str, int]:
+    """``{module path: block index}`` of the transformer blocks: the modules in ``model.layers``
+    wherever they sit in the tree (``model.layers.3`` in Llama, ``model.h.3`` in GPT-NeoX, whose
+    ``Model.layers`` property returns ``model.h``)."""
+    ids = {id(b): i for i, b in enumerate(model.layers)}
+    return {path: ids[id(mod)] for path, mod in model.named_modules() if id(mod) in ids and path}
+
+
+def _block_of(path: str, prefixes: Dict[str, int]) -> Tuple[Optional[int], str]:
+    """(block index, path inside the block) of a module path, or (None, path) outside the blocks."""
+    for pre, i in prefixes.items():
+        if path == pre or path.startswith(pre + "."):
+            return i, path[len(pre) + 1:]
+    return None, path
+
+
 def model_spec_from_mlx_module(model: Any, args: Any = None, name: Optional[str] = None) -> ModelSpec:
     """``ModelSpec`` of a live MLX language model (mlx_lm ``Model``), LoRA and quantization aware.
 
@@ -188,21 +204,16 @@ def model_spec_from_mlx_module(model: Any, args: Any = None, name: Optional[str]
     dense_bits = None
     block_lin: Dict[str, dict] = {}
     seen = set()
-    layers = model.layers
+    prefixes = _block_prefixes(model)
     for path, mod in model.named_modules():
         if _is_lora(mod):
             continue  # its arrays are adapters; the base `linear` child is visited on its own
         own = _own_arrays(mod)
         if not own:
             continue
-        parts = [p for p in path.split(".") if p]
-        in_block = "layers" in parts
-        clean = _clean(path)
-        block_idx = None
-        if in_block:
-            i = parts.index("layers")
-            if i + 1 < len(parts) and parts[i + 1].isdigit():
-                block_idx = int(parts[i + 1])
+        block_idx, rel = _block_of(path, prefixes)
+        in_block = block_idx is not None
+        clean = _clean(rel if in_block else path)
         quant = _is_quantized(mod)
         if quant or (hasattr(mod, "weight") and not _is_norm(mod) and own.get("weight") is not None
                      and own["weight"].ndim >= 2 and type(mod).__name__ not in ("Embedding",)):
@@ -230,7 +241,7 @@ def model_spec_from_mlx_module(model: Any, args: Any = None, name: Optional[str]
                 q_elems += n
                 q_bytes += nbytes
             if block_idx == 0:
-                bpath = ".".join(clean[clean.index("layers") + 1:] if "layers" in clean else clean)
+                bpath = ".".join(clean)
                 block_lin.setdefault(bpath, dict(name=clean[-1], in_features=fin, out_features=fout,
                                                  count=count, kind=kind, bias=bias, path=bpath,
                                                  is_param=False))

@@ -50,6 +50,27 @@ def test_spec_counts_every_parameter_by_kind(arch):
     assert ms.lora_rank_found is None and ms.weight_bits == 32.0
 
 
+def test_spec_finds_blocks_outside_model_layers():
+    """GPT-NeoX keeps its blocks in ``model.h`` (``Model.layers`` is a property returning them), its
+    embeddings in ``embed_in`` and its untied head in ``embed_out``: every parameter must still land
+    in its kind, and block 0's linears must be found."""
+    from mlx_lm.models import gpt_neox
+
+    a = dict(model_type="gpt_neox", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             rotary_pct=0.25, max_position_embeddings=128, use_parallel_residual=True, layer_norm_eps=1e-5,
+             rotary_emb_base=10000)
+    m = gpt_neox.Model(gpt_neox.ModelArgs.from_dict(a))
+    ms = model_spec_from_mlx_module(m)
+    p = ms.params
+    assert ms.total_params == _total(m) and p.other == 0
+    assert p.embeddings == 512 * 64 and p.lm_head == 512 * 64 and not ms.tie_word_embeddings
+    assert p.attention == 2 * (64 * 192 + 192 + 64 * 64 + 64)       # fused query_key_value + dense
+    assert p.mlp == 2 * (64 * 256 + 256 + 256 * 64 + 64)
+    assert p.norms_in_blocks == 2 * 2 * 2 * 64 and p.norms == p.norms_in_blocks + 2 * 64
+    assert {lin.name for lin in ms.block_linears} == {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}
+    assert ms.intermediate_size == 256
+
+
 def test_spec_lora_found_on_the_model():
     m = build_model("llama", lora_rank=4, lora_layers=1)
     ms = model_spec_from_mlx_module(m)

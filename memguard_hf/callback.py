@@ -51,6 +51,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from transformers import TrainerCallback
 
+from memguard_core.distributed import agree_max
 from memguard_core.errors import ConfigError, DoesNotFitError
 from memguard_core.monitor import GrowPolicy, MemoryEvent, MemoryMonitor, Thresholds
 from memguard_core.options import APPLY_CHOICES as _APPLY_CHOICES
@@ -333,15 +334,9 @@ class MemGuardCallback(TrainerCallback):
             return (out[0] * scale,) + tuple(out[1:])
         return out * scale
 
-    def _agreed_split(self, k: int, device) -> int:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return k
-        if torch.distributed.get_world_size() <= 1:
-            return k
-        t = torch.tensor([k], dtype=torch.int64,
-                         device=device if torch.distributed.get_backend() == "nccl" else "cpu")
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return int(t.item())
+    def _agreed_split(self, k: int) -> int:
+        """The MAX of k over ranks, on a gloo side group (no device sync under NCCL)."""
+        return agree_max(k)
 
     def _loss_is_token_normalised(self, num_items_in_batch) -> bool:
         t = self.trainer
@@ -367,7 +362,7 @@ class MemGuardCallback(TrainerCallback):
         mon.step_sample(self.trainer.state.global_step)
         k = mon.split
         try:
-            k = self._agreed_split(k, self.trainer.args.device)
+            k = self._agreed_split(k)
         except Exception:
             logger.warning("memguard: split all-reduce failed; using the local k", exc_info=True)
         if k != mon.split:

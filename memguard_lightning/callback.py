@@ -95,6 +95,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.memory import is_oom_error
 
+from memguard_core.distributed import agree_max
 from memguard_core.errors import ConfigError, DoesNotFitError
 from memguard_core.monitor import MemoryEvent, MemoryMonitor, Thresholds
 from memguard_core.preflight import Preflight
@@ -465,17 +466,9 @@ class MemGuardCallback(Callback):
         self.split_disabled_reason = why
 
     def _agreed_split(self, k: int) -> int:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return k
-        if torch.distributed.get_world_size() <= 1:
-            return k
+        """The MAX of k over ranks, on a gloo side group (no device sync under NCCL)."""
         try:
-            dev = "cpu"
-            if torch.distributed.get_backend() == "nccl":
-                dev = self.trainer.strategy.root_device
-            t = torch.tensor([k], dtype=torch.int64, device=dev)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            return int(t.item())
+            return agree_max(k)
         except Exception:
             logger.warning("memguard: split all-reduce failed; using the local k", exc_info=True)
             return k

@@ -1,0 +1,55 @@
+"""Rank agreement on the split factor k, shared by the torch adapters.
+
+Under data parallelism every rank must run the same number of forwards and backwards per
+optimizer step (DDP's gradient all-reduce fires in each synchronised backward), so the split k is
+agreed as the MAX over ranks before every micro-batch. The agreement runs on a gloo process group
+of its own with a CPU tensor: an all-reduce on the NCCL default group would need a device tensor,
+and reading it back (``.item()``) would synchronise the device at every micro-batch. The side
+group is created once, collectively, at the first agreement (every rank reaches it at its first
+training step), as ``torch.distributed.new_group`` requires
+(https://pytorch.org/docs/stable/distributed.html#torch.distributed.new_group).
+
+torch is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+logger = logging.getLogger("memguard.distributed")
+
+__all__ = ["agree_max"]
+
+_GROUPS: dict = {}
+
+
+def _side_group() -> Optional[Any]:
+    """The gloo group for the agreement (cached per default group); ``None`` means the default
+    group itself is gloo and is used directly."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo")
+    return _GROUPS[key]
+
+
+def agree_max(k: int) -> int:
+    """The largest ``k`` over all ranks (``k`` itself outside an initialised process group of more
+    than one rank).
+
+    Raises:
+        whatever ``torch.distributed`` raises (a dead peer, a timeout): the adapters catch it, log
+        it and keep the local k.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return k
+    t = torch.tensor([int(k)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_side_group())
+    return int(t.item())

@@ -1,16 +1,17 @@
 """Guard overhead: median step time of the same real training run with and without memguard.
 
-    python bench/overhead.py            # HF Trainer, Lightning, mlx_lm; ~6-8 min on 2 cores
-    python bench/overhead.py --rounds 2 --only hf
+    python bench/overhead.py            # HF Trainer, Lightning, mlx_lm; ~8 min on 2 cores
+    python bench/overhead.py --sessions 1 --rounds 4 --only hf
 
 For each framework, the same run (a Llama-architecture model from config numbers, random weights:
 hidden 128, 2 blocks, vocab 4096, micro-batch 8 x 64 tokens, full fine-tune with AdamW; mlx_lm:
-hidden 64, vocab 1024, LoRA r=8 on every linear, as MLX's CPU backend is slow here) is run in fresh subprocesses, unguarded and guarded (the adapter's
-defaults: preflight, monitor thread at 0.5 s, per-micro-batch check), interleaved (A B, B A, A B,
-...) so that drifts of this shared machine hit both arms alike. Each run's step time is the
-median over its steps after a warm-up. The ratio is (guarded best run) / (unguarded best run): the
-least-disturbed run of each arm, since other jobs on a shared machine only ever add time; the ratio
-of the median runs and the spread of the per-round paired ratios are shown too. Target: <= 1.005.
+hidden 64, vocab 1024, LoRA r=8 on every linear, as MLX's CPU backend is slow here) is trained
+repeatedly in ONE process, unguarded and guarded in alternating order (off/on, on/off, ...; a
+fresh Trainer / loop each time, the same model), after a warm-up pair. A run's step time is the
+median over its steps after a warm-up; each adjacent pair gives a ratio guarded / unguarded, and
+the result is the median of those ratios over all pairs of ``--sessions`` fresh processes: the
+pairing cancels what differs between processes (memory layout, thread placement) and the drifts
+of a shared machine, which made ratios of separate processes swing by +-5 % here. Target: <= 1.005.
 
 Also measured (in this process): the cost of one per-step check (``MemoryMonitor.step_sample`` on
 the real probe: /proc/self/status, /proc/meminfo, cgroup files, peak reset) and of one background
@@ -55,7 +56,7 @@ def _rows(n):
     return [torch.randint(1, VOCAB, (SEQ,), generator=g) for _ in range(n)]
 
 
-def child_hf(guarded: bool, steps: int) -> list:
+def child_hf(guarded: bool, steps: int, cache: dict) -> list:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
     torch.set_num_threads(2)
@@ -85,11 +86,13 @@ def child_hf(guarded: bool, steps: int) -> list:
     if guarded:
         from memguard_hf import MemGuardCallback
         cbs.append(MemGuardCallback())
-    Trainer(model=_llama(), args=args, train_dataset=DS(), callbacks=cbs).train()
+    if "m" not in cache:
+        cache["m"] = _llama()
+    Trainer(model=cache["m"], args=args, train_dataset=DS(), callbacks=cbs).train()
     return times
 
 
-def child_lightning(guarded: bool, steps: int) -> list:
+def child_lightning(guarded: bool, steps: int, cache: dict) -> list:
     import logging
     import lightning.pytorch as pl
     import torch
@@ -125,11 +128,13 @@ def child_lightning(guarded: bool, steps: int) -> list:
     loader = torch.utils.data.DataLoader(torch.stack(ids), batch_size=ROWS)
     tr = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, callbacks=cbs)
-    tr.fit(LM(), loader)
+    if "m" not in cache:
+        cache["m"] = LM()
+    tr.fit(cache["m"], loader)
     return times
 
 
-def child_mlx(guarded: bool, steps: int) -> list:
+def child_mlx(guarded: bool, steps: int, cache: dict) -> list:
     import tempfile
     import numpy as np
     import mlx.optimizers as optim
@@ -137,8 +142,10 @@ def child_mlx(guarded: bool, steps: int) -> list:
     from mlx_lm.tuner.trainer import TrainingArgs
     from mlx_tiny import TokenRows, build_model
     # MLX's CPU backend runs matmuls at a few GFLOP/s here: a smaller shape keeps steps near 0.1 s
-    model = build_model("llama", lora_rank=8, lora_layers=LAYERS, hidden_size=64, num_hidden_layers=LAYERS,
-                        intermediate_size=128, vocab_size=1024)
+    if "m" not in cache:
+        cache["m"] = build_model("llama", lora_rank=8, lora_layers=LAYERS, hidden_size=64, num_hidden_layers=LAYERS,
+                                 intermediate_size=128, vocab_size=1024)
+    model = cache["m"]
     stamps = []
 
     class Clock(TrainingCallback):
@@ -165,15 +172,34 @@ CHILDREN = {"hf": child_hf, "lightning": child_lightning, "mlx": child_mlx}
 LABELS = {"hf": "HF Trainer", "lightning": "Lightning", "mlx": "mlx_lm (MLX CPU)"}
 
 
-def run_child(fw: str, guarded: bool, steps: int) -> list:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", fw, "--steps", str(steps)] + (["--guarded"] if guarded else [])
+def session(fw: str, steps: int, rounds: int) -> dict:
+    """One process: the same model trained ``rounds`` times unguarded and guarded, in the order
+    off/on, on/off, off/on, ... (a fresh ``Trainer`` / loop each time, the guard attached or not).
+    Round 0 is a warm-up (allocator, compile caches, page faults) and is dropped. Returns the
+    per-run median step times (s) of each arm and the per-round paired ratios on/off."""
+    cache: dict = {}
+    off, on, pairs = [], [], []
+    for r in range(rounds + 1):
+        got = {}
+        for g in ((False, True) if r % 2 == 0 else (True, False)):
+            got[g] = statistics.median(CHILDREN[fw](g, steps, cache)[WARMUP:])
+        if r == 0:
+            continue
+        off.append(got[False])
+        on.append(got[True])
+        pairs.append(got[True] / got[False])
+    return {"off": off, "on": on, "pairs": pairs}
+
+
+def run_session(fw: str, steps: int, rounds: int) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", fw, "--steps", str(steps), "--rounds", str(rounds)]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("MEMGUARD_SPLIT", None)
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     for line in p.stdout.splitlines():
-        if line.startswith("TIMES "):
-            return json.loads(line[6:])
-    raise RuntimeError(f"{fw} child failed (rc={p.returncode}): {p.stderr[-2000:]}")
+        if line.startswith("SESSION "):
+            return json.loads(line[8:])
+    raise RuntimeError(f"{fw} session failed (rc={p.returncode}): {p.stderr[-2000:]}")
 
 
 def check_costs(n: int = 3000) -> dict:
@@ -200,14 +226,14 @@ def check_costs(n: int = 3000) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--sessions", type=int, default=2, help="fresh processes per framework [2]")
+    ap.add_argument("--rounds", type=int, default=8, help="paired rounds per process, after a warm-up round [8]")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--only", default="", help="comma list of hf,lightning,mlx")
     ap.add_argument("--child", default=None)
-    ap.add_argument("--guarded", action="store_true")
     a = ap.parse_args(argv)
     if a.child:
-        print("TIMES " + json.dumps(CHILDREN[a.child](a.guarded, a.steps)), flush=True)
+        print("SESSION " + json.dumps(session(a.child, a.steps, a.rounds)), flush=True)
         return 0
     fws = [f for f in (a.only.split(",") if a.only else list(CHILDREN))]
     try:
@@ -219,38 +245,38 @@ def main(argv=None) -> int:
     except Exception:
         fws = [f for f in fws if f != "lightning"]
     t_start = time.time()
-    res = {f: {"off": [], "on": []} for f in fws}
-    for r in range(a.rounds):
+    res = {f: {"off": [], "on": [], "pairs": []} for f in fws}
+    for sidx in range(a.sessions):
         for f in fws:
-            order = (False, True) if r % 2 == 0 else (True, False)
-            for g in order:
-                times = run_child(f, g, a.steps)[WARMUP:]
-                res[f]["on" if g else "off"].append(statistics.median(times))
-                print(f"round {r} {f} {'guarded' if g else 'unguarded'}: median step {statistics.median(times) * 1e3:.1f} ms",
-                      flush=True)
+            r = run_session(f, a.steps, a.rounds)
+            for key in ("off", "on", "pairs"):
+                res[f][key] += r[key]
+            print(f"session {sidx} {f}: paired ratios " + " ".join(f"{x:.3f}" for x in r["pairs"]) +
+                  f" (median {statistics.median(r['pairs']):.4f})", flush=True)
     costs = check_costs()
     rows = []
     for f in fws:
-        off, on = res[f]["off"], res[f]["on"]
-        # the least-disturbed run of each arm (its minimum median step) is the estimate least
-        # affected by other jobs on a shared machine; the median of the run medians is shown too
-        ratio = min(on) / min(off)
-        ratio_med = statistics.median(on) / statistics.median(off)
-        paired = sorted(b / x for x, b in zip(off, on))
-        rows.append([LABELS[f], f"{min(off) * 1e3:.1f}", f"{min(on) * 1e3:.1f}",
-                     f"{ratio:.4f}", f"{ratio_med:.3f}", f"{paired[0]:.3f} .. {paired[-1]:.3f}", str(len(off)),
-                     f"{costs['step_us'] / (min(off) * 1e6) * 100:.3f} %"])
-    header = ["run", "unguarded ms/step (best run)", "guarded ms/step (best run)", "ratio (target <= 1.005)",
-              "ratio of median runs", "paired ratios (min .. max)",
-              "rounds", "per-step check / step"]
+        off, on, pairs = res[f]["off"], res[f]["on"], sorted(res[f]["pairs"])
+        n = len(pairs)
+        q1, q3 = pairs[n // 4], pairs[(3 * n) // 4]
+        rows.append([LABELS[f], f"{statistics.median(off) * 1e3:.1f}", f"{statistics.median(on) * 1e3:.1f}",
+                     f"{statistics.median(pairs):.4f}", f"{q1:.3f} .. {q3:.3f}",
+                     f"{statistics.median(on) / statistics.median(off):.4f}", str(n),
+                     f"{costs['step_us'] / (statistics.median(off) * 1e6) * 100:.3f} %"])
+    header = ["run", "unguarded ms/step (median run)", "guarded ms/step (median run)",
+              "median paired ratio (target <= 1.005)", "paired ratios, quartiles", "ratio of medians",
+              "pairs", "per-step check / step"]
     wall = time.time() - t_start
     lines = ["# Guard overhead", "",
              f"`python bench/overhead.py` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, shared machine; "
              f"{wall / 60:.1f} min). Llama-shape model (hidden {HIDDEN}, {LAYERS} blocks, vocab {VOCAB}), micro-batch "
-             f"{ROWS} x {SEQ} tokens, AdamW (mlx_lm: LoRA r=8); medians over steps {WARMUP + 1}..{a.steps} of each "
-             f"run, fresh process per run, guarded and unguarded runs interleaved. mlx_lm: hidden 64, vocab 1024, LoRA r=8.",
-             "The machine was shared with other jobs (load average above the core count): paired ratios show "
-             "that noise; the per-step check's own cost is the last column.", "",
+             f"{ROWS} x {SEQ} tokens, AdamW, full fine-tune (mlx_lm: hidden 64, vocab 1024, LoRA r=8 on every "
+             f"linear). Each process trains the same model {a.rounds + 1} x 2 times, unguarded and guarded "
+             f"in alternating order (a fresh Trainer / loop each time, the guard with its defaults: preflight, "
+             f"monitor thread at 0.5 s, per-micro-batch check), the first pair dropped as warm-up; "
+             f"{a.sessions} processes per framework. A run's step time is the median of steps {WARMUP + 1}.."
+             f"{a.steps}; a pair's ratio is guarded / unguarded of two adjacent runs, so drifts of this "
+             f"shared machine and differences between processes cancel.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", f"Per-step check (`MemoryMonitor.step_sample`, real Linux probe, this machine): "

@@ -18,8 +18,8 @@ Scenarios: *between steps* (the trainer waits after step 2 while the co-tenant t
 *mid-step* (the co-tenant takes 700 or 600 MiB while step 3 is running; the in-flight forward
 cannot change). With 800 / 700 MiB the step's peak lands at the emergency level (>= 95 % of the
 effective budget): split at once. With 600 MiB it lands at the critical level (90-95 %): the
-monitor's ladder cleans caches first and splits at the next sample if it is still critical, so one
-forward runs at the old size by design. Skipped, with the reason, where memory cgroups are not writable.
+monitor's ladder cleans caches first, reads the figure again and, when the clean freed too little
+to bring the peak under the critical line, splits in the same sample. Skipped, with the reason, where memory cgroups are not writable.
 Writes bench/results/reaction.md.
 """
 

@@ -6,7 +6,10 @@ The monitor decides; the framework adapters act. Decisions escalate with the lev
 
 * ``warning``   -> ``log``   (an event, nothing else)
 * ``critical``  -> ``clean`` (``gc.collect()`` + the device cache: ``torch.cuda.empty_cache`` /
-  ``mx.clear_cache``); a critical level that persists after a clean escalates to ``split``
+  ``mx.clear_cache``); at a per-step sample the current figure is read again right after the
+  clean, and when the clean freed too little to bring the last peak under the critical line
+  (peak - freed still >= critical) it splits at once, so the next micro-batch is already smaller;
+  a critical level that persists after a clean escalates to ``split``
 * ``emergency`` -> ``split`` (the adapter doubles the micro-batch split factor k); a split also
   cleans, since it is asked because memory is short
 
@@ -601,10 +604,41 @@ class MemoryMonitor:
         self._step = step
         try:
             snap, used = self._read_step_peak()
-            return self.observe(used, self.effective_budget(snap), step=step, source="step")
+            budget = self.effective_budget(snap)
+            action = self.observe(used, budget, step=step, source="step")
+            if action is Action.CLEAN:
+                action = self._split_if_clean_fell_short(snap, used, budget, step)
+            return action
         except Exception as exc:  # a probe failure never reaches training
             self._log_failure("step_sample", exc)
             return Action.NONE
+
+    def _split_if_clean_fell_short(self, snap, used: int, budget: int, step: Optional[int]) -> Action:
+        """After a critical clean at a step sample: read the current figure again; the next
+        micro-batch's peak is predicted as the last peak minus what the clean freed, and when that
+        is still at the critical level, split now rather than one micro-batch later."""
+        after = self._probe(True)
+        freed = max(0, int(snap.process_bytes) - int(after.process_bytes))
+        predicted = int(used) - freed
+        if predicted < self.thresholds.critical * budget:
+            return Action.CLEAN
+        with self._lock:
+            new = self._split * 2
+            if self.max_split is not None:
+                new = min(new, self.max_split)
+            if new <= self._split:
+                return Action.CLEAN
+            msg = (f"memory critical after a clean that freed {_gib(freed)}: the next micro-batch's predicted "
+                   f"peak {_gib(predicted)} is {predicted / budget:.0%} of {_gib(budget)}: splitting "
+                   f"micro-batches {self._split} -> {new}")
+            self._split = new
+            self._split_at_sample = self._step_samples
+            self._k_running = new
+            self._note_split()
+            event = MemoryEvent(step, self.level, Action.SPLIT, predicted / budget, predicted, int(budget),
+                                new, "step", msg)
+        self._emit(event)
+        return Action.SPLIT
 
     def _read_step_peak(self):
         snap = self._probe(True)

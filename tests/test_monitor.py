@@ -96,6 +96,28 @@ def test_step_sample_uses_the_step_peak_and_resets_it():
     assert mon.events[-1].step == 7
 
 
+@pytest.mark.parametrize("freed_gib,expect_split", [(0.1, True), (1.0, False)])
+def test_critical_clean_that_frees_too_little_splits_before_the_next_micro_batch(freed_gib, expect_split):
+    """A step peak at 92 % cleans caches; the current figure is read again right after the clean
+    (probe_fn: the thinnest boundary, a fake snapshot). Freeing 0.1 GiB leaves the predicted next peak
+    at 91 %: split now. Freeing 1 GiB predicts 82 %: the clean was enough, no split."""
+    current = [5 * GiB]
+    mon, cleans = make(probe_fn=lambda cheap: Snap(current[0], 50 * GiB), peak_fn=lambda: int(9.2 * GiB))
+    mon._clean_fn = lambda: (cleans.append(1), current.__setitem__(0, current[0] - int(freed_gib * GiB)))
+    action = mon.step_sample(3)
+    assert cleans == [1]
+    if expect_split:
+        assert action is Action.SPLIT and mon.split == 2
+        assert [e.action for e in mon.events] == [Action.CLEAN, Action.SPLIT]
+        assert "freed 0.10 GiB" in mon.events[-1].message
+        # the split acts at the next micro-batch: no second split before its peak is read
+        current[0] = 5 * GiB
+        assert mon.step_sample(4) is Action.NONE and mon.split == 2
+    else:
+        assert action is Action.CLEAN and mon.split == 1
+        assert [e.action for e in mon.events] == [Action.CLEAN]
+
+
 def test_failing_probe_is_logged_once_and_never_raises(caplog):
     def broken(cheap):
         raise OSError("cannot read /sys/fs/cgroup/memory.max")

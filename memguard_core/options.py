@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Sequence, Tuple
 
 from .errors import ConfigError, require_fraction
@@ -17,6 +17,10 @@ APPLY_CHOICES = ("grad_checkpoint", "micro_batch")
 #: How chunk losses are weighted.
 LOSS_WEIGHTINGS = ("auto", "tokens", "rows")
 _DEVICE = re.compile(r"auto|cpu|mlx|cuda(:\d+)?")
+#: Fields of ``GuardOptions`` that an adapter (HF and Lightning ``MemGuardCallback``, ``MlxGuard``)
+#: keeps under another public name: the monitor's ``split`` is the live one, and ``preflight``
+#: holds the preflight's result there. Every other field keeps its own name.
+ADAPTER_NAMES = {"split": "initial_split", "preflight": "do_preflight"}
 
 
 @dataclass(frozen=True)
@@ -87,3 +91,20 @@ class GuardOptions:
                    seq_length=seq_length, apply=tuple(apply), fail_fast=fail_fast, loss_weighting=loss_weighting,
                    split=split or 1, monitor_interval_s=float(monitor_interval_s), device=device,
                    preflight=preflight)
+
+    def set_on(self, adapter: object, skip: Sequence[str] = ()) -> None:
+        """Set every option on ``adapter`` under its public name (``ADAPTER_NAMES``), except
+        the fields named in ``skip`` (options the adapter does not have, e.g. ``MlxGuard`` has no
+        ``loss_weighting`` nor ``device``). The adapters' ``__init__`` call this once, after
+        ``from_kwargs``.
+
+        Raises:
+            ConfigError: ``skip`` names something that is not a field.
+        """
+        names = [f.name for f in fields(self)]
+        for name in skip:
+            if name not in names:
+                raise ConfigError("skip", f"field names among {tuple(names)}", name)
+        for name in names:
+            if name not in skip:
+                setattr(adapter, ADAPTER_NAMES.get(name, name), getattr(self, name))

@@ -119,17 +119,7 @@ class MemGuardCallback(TrainerCallback):
             budget_bytes=budget_bytes, safety_ratio=safety_ratio, thresholds=thresholds, seq_length=seq_length,
             apply=apply, fail_fast=fail_fast, loss_weighting=loss_weighting, split=split,
             monitor_interval_s=monitor_interval_s, device=device, preflight=preflight)
-        self.budget_bytes = opts.budget_bytes
-        self.safety_ratio = opts.safety_ratio
-        self.thresholds = opts.thresholds
-        self.seq_length = opts.seq_length
-        self.apply = opts.apply
-        self.fail_fast = opts.fail_fast
-        self.loss_weighting = opts.loss_weighting
-        self.initial_split = opts.split
-        self.monitor_interval_s = opts.monitor_interval_s
-        self.device = opts.device
-        self.do_preflight = opts.preflight
+        opts.set_on(self)  # budget_bytes, ..., initial_split, do_preflight
 
         self.trainer = None
         self.monitor: Optional[MemoryMonitor] = None

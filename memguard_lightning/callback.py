@@ -217,19 +217,9 @@ class MemGuardCallback(Callback):
             raise ConfigError("label_key", "a dict key (str), a tuple index (int) or None", label_key)
         if shift_labels is not None and not isinstance(shift_labels, bool):
             raise ConfigError("shift_labels", "True, False or None (auto)", shift_labels)
-        self.budget_bytes = opts.budget_bytes
-        self.safety_ratio = opts.safety_ratio
-        self.thresholds = opts.thresholds
-        self.seq_length = opts.seq_length
-        self.apply = opts.apply
-        self.fail_fast = opts.fail_fast
-        self.loss_weighting = opts.loss_weighting
+        opts.set_on(self)  # budget_bytes, ..., initial_split, do_preflight
         self.label_key = label_key
         self.shift_labels = shift_labels
-        self.initial_split = opts.split
-        self.monitor_interval_s = opts.monitor_interval_s
-        self.device = opts.device
-        self.do_preflight = opts.preflight
 
         self.trainer = None
         self.pl_module = None

@@ -243,17 +243,9 @@ class MlxGuard:
             raise ConfigError("leak_detector", "True, False or a LeakDetector", leak_detector)
         if chunk_weight is not None and not callable(chunk_weight):
             raise ConfigError("chunk_weight", "a callable fn(chunk, value, weight) or None", chunk_weight)
-        self.budget_bytes = opts.budget_bytes
-        self.safety_ratio = opts.safety_ratio
-        self.thresholds = opts.thresholds
-        self.initial_split = opts.split
-        self.do_preflight = opts.preflight
-        self.apply = opts.apply
-        self.fail_fast = opts.fail_fast
-        self.seq_length = opts.seq_length
+        opts.set_on(self, skip=("loss_weighting", "device"))  # budget_bytes, ..., initial_split, do_preflight
         self.controls: Optional[MemoryControls] = memory_controls
         self.leak: Optional[LeakDetector] = leak_detector
-        self.monitor_interval_s = opts.monitor_interval_s
         self.clear_cache_on_warning = clear_cache_on_warning
         self.chunk_weight = chunk_weight
         self._user_on_event = on_event

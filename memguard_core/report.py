@@ -1,13 +1,21 @@
-"""Readable tables (rich) for estimates, plans and probes."""
+"""Readable tables (rich) for estimates, plans and probes; the summary the torch adapters
+(HF and Lightning ``MemGuardCallback``) make at the end of a run; and the parts the
+``memguard demo`` runs (HF ``Trainer``, Lightning, mlx_lm) share: the shipped text as byte-token
+rows, the budget choice, the co-tenant squeeze and the result table. No framework import here:
+the callers pass in what they measured.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from rich.console import Console
 from rich.table import Table
 
 GiB = 2**30
+MiB = 2**20
 _console: Optional[Console] = None
 
 
@@ -19,7 +27,19 @@ def console() -> Console:
 
 
 def gib(n: Optional[float]) -> str:
+    """Bytes as GiB with 2 decimals; ``-`` for None."""
     return "-" if n is None else f"{n / GiB:,.2f} GiB"
+
+
+def mib(n: Optional[float]) -> str:
+    """Bytes as MiB with 3 decimals (figures of tens of MiB, which ``gib`` shows as 0.00 GiB); ``-``
+    for None."""
+    return "-" if n is None else f"{n / MiB:,.3f} MiB"
+
+
+def yes_no(ok: bool) -> str:
+    """A green ``yes`` or a red ``NO`` (rich markup)."""
+    return "[green]yes[/green]" if ok else "[red]NO[/red]"
 
 
 def estimate_table(est, budget_bytes: Optional[int] = None, title: str = "memguard estimate") -> Table:
@@ -96,3 +116,134 @@ def probe_table(snap) -> Table:
 
 def print_probe(snap) -> None:
     console().print(probe_table(snap))
+
+
+def finish_guarded_run(guard, optimizer_steps: int, log: logging.Logger, **extra: Any) -> Optional[Dict[str, Any]]:
+    """End a torch adapter's run (HF and Lightning ``MemGuardCallback``, passed as ``guard``): stop
+    its monitor, take the final sample (the last micro-batch's peak included), log the run's
+    summary on ``log`` and record the preflight's estimate against the measured peak
+    (``memguard_core.calibration.record_preflight``; logs, never raises; a run with OOM retries
+    passes no split, one the guard split further than planned is not recorded).
+
+    Returns the summary, or None when no monitor ran: ``split`` (final k), ``max_usage`` (fraction
+    of the budget), ``budget_bytes``, ``measured_peak_bytes`` (the adapter's counter),
+    ``estimated_peak_bytes`` (the planned settings; None without a preflight),
+    ``requested_peak_bytes``, ``optimizer_steps``, ``samples_per_step`` (the distinct values),
+    ``oom_retries``, ``events`` (how many), then ``extra``.
+    """
+    from .calibration import record_preflight
+
+    mon, pf = guard.monitor, guard.preflight
+    if mon is None:
+        return None
+    mon.stop()
+    measured = mon.final_sample()
+    summary = {
+        "split": mon.split,
+        "max_usage": round(mon.max_usage, 4),
+        "budget_bytes": mon.budget_bytes,
+        "measured_peak_bytes": measured,
+        "estimated_peak_bytes": pf.best_peak_bytes if pf else None,
+        "requested_peak_bytes": pf.estimate.peak_bytes if pf else None,
+        "optimizer_steps": optimizer_steps,
+        "samples_per_step": sorted(set(guard.samples_per_step)),
+        "oom_retries": guard.oom_retries,
+        "events": len(guard.events),
+        **extra,
+    }
+    log.info("memguard summary: %s", summary)
+    record_preflight(pf, measured, split=None if guard.oom_retries else mon.split)
+    return summary
+
+
+# ---------------------------------------------------------------------------------- the demos
+#: Where the text shipped for the demos lies (package data of ``memguard_hf``, read by path so that
+#: the MLX demo need not import ``memguard_hf``, which needs torch).
+DEMO_CORPUS = Path(__file__).resolve().parents[1] / "memguard_hf" / "data" / "demo_corpus.txt"
+#: Byte ``b`` of the text is token ``b + BYTE_OFFSET`` (ids 0..2 are the special tokens of the
+#: demo models' configs: SmolLM2's bos 1, eos/pad 2).
+BYTE_OFFSET = 3
+
+
+def demo_rows(seq_length: int) -> List[List[int]]:
+    """The shipped text, tokenised byte-wise (no tokenizer download), as non-overlapping windows of
+    ``seq_length`` tokens (the last partial window dropped)."""
+    ids = [b + BYTE_OFFSET for b in DEMO_CORPUS.read_text(encoding="utf-8").encode("utf-8")]
+    return [ids[i:i + seq_length] for i in range(0, len(ids) - seq_length + 1, seq_length)]
+
+Format = Callable[[Optional[float]], str]
+
+
+def demo_budget(model_spec, train_spec, budget_gib: Optional[float] = None, *,
+                resident_bytes: Optional[int] = None, margin: float = 1.03, what: str = "micro-batch",
+                fmt: Format = gib) -> int:
+    """The budget of a ``memguard demo`` run (bytes), printed with why it was chosen.
+
+    ``budget_gib`` GiB when given (the ``--budget-gib`` flag; None or 0: choose). Else a budget the
+    requested ``train_spec`` does not fit but half its micro-batch does (the same effective batch:
+    half the rows, twice the accumulation): that spec's estimate plus what this process holds
+    beyond it (``resident_bytes``, the CPU counter's RSS; None where the counter does not see the
+    process, as ``mx.get_peak_memory``), over the guard's warning level (``Thresholds().warning``,
+    which the preflights plan against), times ``margin``
+    (``memguard_core.preflight.budget_that_fits``).
+    """
+    if budget_gib:
+        return int(budget_gib * GiB)
+    from .monitor import Thresholds
+    from .preflight import budget_that_fits
+
+    warning = Thresholds().warning
+    half = train_spec.replace(batch_size=max(1, train_spec.batch_size // 2), grad_accum=train_spec.grad_accum * 2)
+    budget = budget_that_fits(model_spec, half, resident_bytes=resident_bytes, plan_fraction=warning, margin=margin)
+    held = ", plus what this process already holds," if resident_bytes else ""
+    console().print(f"budget: {fmt(budget)} (chosen so the requested {what} does not fit: half of it{held} fits "
+                    f"below the guard's {warning:.0%} warning level, which the preflight plans against, "
+                    f"with a {margin - 1:.0%} margin)")
+    return budget
+
+
+def demo_squeeze(monitor, fraction: float, when: str, fmt: Format = gib) -> None:
+    """Take ``fraction`` of ``monitor.budget_bytes`` away, as a co-tenant arriving in the same
+    container would, and say so (``when``: e.g. ``step 2``)."""
+    old = monitor.budget_bytes
+    monitor.budget_bytes = int(old * (1 - fraction))
+    console().print(f"[yellow]demo: a co-tenant arrives at {when}: the budget drops "
+                    f"{fmt(old)} -> {fmt(monitor.budget_bytes)}[/yellow]")
+
+
+def print_applied_plan(preflight) -> None:
+    """Print the plan of an adapter's preflight (``memguard_core.preflight.Preflight``) when it
+    changed anything; nothing for None (no preflight ran) or an empty plan."""
+    if preflight is not None and preflight.plan.changes:
+        console().print(plan_table(preflight.plan))
+
+
+def demo_result_table(title: str, rows: Sequence[Tuple[str, str]], *, requested_peak_bytes: int,
+                      summary: Optional[Mapping[str, Any]], measured: str, budget_bytes: int,
+                      end_budget_bytes: Optional[int], wall_s: float, extra_rows: Sequence[Tuple[str, str]] = (),
+                      fmt: Format = gib) -> Table:
+    """The result table of a ``memguard demo`` run: the framework's own ``rows`` (what / value),
+    then the estimates against the measured peak, the budget at the start and at the end, the
+    training wall time, then ``extra_rows``.
+
+    ``summary``: the guard's ``summary`` (``estimated_peak_bytes``: the planned settings' estimate,
+    ``measured_peak_bytes``: the peak measured by ``measured``, e.g. ``VmHWM, training steps``);
+    None or missing keys show as ``-``. The estimate error is (estimated - measured) / measured.
+    """
+    s = summary or {}
+    est, meas = s.get("estimated_peak_bytes"), s.get("measured_peak_bytes")
+    t = Table(title=title)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    for what, value in rows:
+        t.add_row(what, value)
+    t.add_row("estimated peak, requested settings", fmt(requested_peak_bytes))
+    t.add_row("estimated peak, planned settings", fmt(est))
+    t.add_row(f"measured peak ({measured})", fmt(meas))
+    if est and meas:
+        t.add_row("estimate error (planned vs measured)", f"{(est - meas) / meas:+.1%}")
+    t.add_row("budget (start / end)", f"{fmt(budget_bytes)} / {fmt(end_budget_bytes)}")
+    t.add_row("training wall time", f"{wall_s:.0f} s")
+    for what, value in extra_rows:
+        t.add_row(what, value)
+    return t

@@ -56,6 +56,7 @@ from memguard_core.errors import ConfigError, DoesNotFitError
 from memguard_core.monitor import GrowPolicy, MemoryEvent, MemoryMonitor, Thresholds
 from memguard_core.options import APPLY_CHOICES as _APPLY_CHOICES
 from memguard_core.options import GuardOptions
+from memguard_core.report import finish_guarded_run
 
 from memguard_core import microbatch
 from .preflight import Preflight, run_preflight
@@ -279,28 +280,8 @@ class MemGuardCallback(TrainerCallback):
         logs["memguard_usage"] = round(mon.max_usage, 3)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.monitor is None:
-            return
-        self.monitor.stop()
-        mon = self.monitor
-        measured = mon.final_sample()  # includes the last micro-batch's peak
-        summary = {
-            "split": mon.split,
-            "max_usage": round(mon.max_usage, 4),
-            "budget_bytes": mon.budget_bytes,
-            "measured_peak_bytes": measured,
-            "estimated_peak_bytes": self.preflight.best_peak_bytes if self.preflight else None,
-            "requested_peak_bytes": self.preflight.estimate.peak_bytes if self.preflight else None,
-            "optimizer_steps": state.global_step,
-            "samples_per_step": sorted(set(self.samples_per_step)),
-            "oom_retries": self.oom_retries,
-            "events": len(self.events),
-        }
-        self.summary = summary
-        logger.info("memguard summary: %s", summary)
-        # calibration (issue #6): record estimate vs measured peak; logs, never raises
-        from memguard_core.calibration import record_preflight
-        record_preflight(self.preflight, measured, split=None if self.oom_retries else mon.split)
+        if self.monitor is not None:
+            self.summary = finish_guarded_run(self, state.global_step, logger)
 
     def on_event_log(self, event: MemoryEvent) -> None:  # pragma: no cover - override hook
         pass

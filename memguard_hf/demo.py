@@ -19,15 +19,15 @@ import logging
 import os
 import tempfile
 import time
-from importlib import resources
+from typing import Any, List, Sequence, Tuple
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from memguard_core.estimate import estimate
-from memguard_core.preflight import budget_that_fits
 from memguard_core.probes import probe
-from memguard_core.report import console, estimate_table, gib, plan_table, probe_table
+from memguard_core.report import (console, demo_budget, demo_result_table, demo_rows, demo_squeeze, estimate_table,
+                                  print_applied_plan, probe_table, yes_no)
 from memguard_core.spec import model_spec_from_module
 
 from .callback import MemGuardCallback
@@ -39,19 +39,14 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                     tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0,
                     bos_token_id=1, eos_token_id=2, pad_token_id=2)
-BYTE_OFFSET = 3
-
-
-def corpus_text() -> str:
-    return resources.files("memguard_hf").joinpath("data/demo_corpus.txt").read_text(encoding="utf-8")
 
 
 class ByteRows(torch.utils.data.Dataset):
-    """Non-overlapping windows of ``seq_length`` byte tokens over the shipped text."""
+    """Non-overlapping windows of ``seq_length`` byte tokens over the shipped text
+    (``memguard_core.report.demo_rows``)."""
 
-    def __init__(self, text: str, seq_length: int):
-        ids = [b + BYTE_OFFSET for b in text.encode("utf-8")]
-        self.rows = [ids[i:i + seq_length] for i in range(0, len(ids) - seq_length + 1, seq_length)]
+    def __init__(self, seq_length: int):
+        self.rows = demo_rows(seq_length)
 
     def __len__(self):
         return len(self.rows)
@@ -70,10 +65,7 @@ class Squeeze(TrainerCallback):
     def on_step_begin(self, args, state, control, **kw):
         mon = self.guard.monitor
         if self.at and state.global_step == self.at and mon is not None:
-            old = mon.budget_bytes
-            mon.budget_bytes = int(old * (1 - self.fraction))
-            console().print(f"[yellow]demo: a co-tenant arrives at step {state.global_step}: the budget drops "
-                            f"{gib(old)} -> {gib(mon.budget_bytes)}[/yellow]")
+            demo_squeeze(mon, self.fraction, f"step {state.global_step}")
 
 
 def build_model(seed: int = 0):
@@ -86,44 +78,68 @@ def build_model(seed: int = 0):
     return get_peft_model(model, lora)
 
 
-def run_demo(args) -> int:
-    """Run the demo; returns 0 when the run completed with the effective batch kept."""
-    for name in ("transformers", "accelerate", "peft"):
+def start(args, framework: str, quiet: Sequence[str] = ()) -> Tuple[Any, Any, ByteRows]:
+    """What the torch demos (HF ``Trainer`` and Lightning) do first: quiet the ``quiet`` loggers, use
+    every core, print the header and the CPU probe, build the model (:func:`build_model`) and the
+    data (``args.seq_length`` byte tokens per row) and describe both. Returns (console, model, data)."""
+    for name in quiet:
         logging.getLogger(name).setLevel(logging.WARNING)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     con = console()
-    con.rule("[bold]memguard demo: a guarded LoRA fine-tune (HF Trainer, CPU)")
+    con.rule(f"[bold]memguard demo: a guarded LoRA fine-tune ({framework}, CPU)")
     con.print(probe_table(probe("cpu")))
-
     t0 = time.time()
     model = build_model()
     n_total = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     con.print(f"model: SmolLM2-135M architecture, random weights, LoRA r=16 on q/k/v/o: "
               f"{n_total / 1e6:.1f}M params, {n_train / 1e6:.2f}M trainable (built in {time.time() - t0:.1f}s)")
-    data = ByteRows(corpus_text(), args.seq_length)
+    data = ByteRows(args.seq_length)
+    con.print(f"data: {len(data)} rows of {args.seq_length} byte tokens from the shipped text; requested "
+              f"micro-batch {args.batch_size} x accumulation {args.grad_accum} = effective batch "
+              f"{args.batch_size * args.grad_accum}, {args.steps} optimizer steps")
+    return con, model, data
+
+
+def requested_and_budget(args, model_spec, train_spec) -> Tuple[Any, int]:
+    """Estimate the requested settings, choose the budget (``memguard_core.report.demo_budget``, with
+    what this process holds counted) and print the estimate against it. Returns (the requested
+    settings' ``MemoryEstimate``, the budget in bytes)."""
+    requested = estimate(model_spec, train_spec)
+    budget = demo_budget(model_spec, train_spec, args.budget_gib,
+                         resident_bytes=probe("cpu", cheap=True).process_bytes)
+    console().print(estimate_table(requested, budget, title="preflight: requested settings"))
+    return requested, budget
+
+
+def outcome(guard, args, steps_done: int) -> Tuple[bool, List[Tuple[str, str]]]:
+    """Whether a torch demo kept the requested run (``args.steps`` optimizer steps, each of
+    ``batch_size x grad_accum`` samples), and the result rows that show it."""
+    eff = args.batch_size * args.grad_accum
+    kept = bool(guard.samples_per_step) and all(n == eff for n in guard.samples_per_step) \
+        and steps_done == args.steps
+    rows = [("optimizer steps (requested / done)", f"{args.steps} / {steps_done}"),
+            ("samples per optimizer step", ", ".join(str(n) for n in guard.samples_per_step)),
+            ("effective batch kept", yes_no(kept)),
+            ("rows per forward seen", ", ".join(str(r) for r in sorted(set(guard.forward_rows)))),
+            ("final split k", str((guard.summary or {}).get("split"))),
+            ("runtime decisions", str(len(guard.events)))]
+    return kept, rows
+
+
+def run_demo(args) -> int:
+    """Run the demo; returns 0 when the run completed with the effective batch kept."""
+    con, model, data = start(args, "HF Trainer", quiet=("transformers", "accelerate", "peft"))
     out = args.output_dir or tempfile.mkdtemp(prefix="memguard_demo_")
     targs = TrainingArguments(
         output_dir=out, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
         max_steps=args.steps, learning_rate=2e-4, warmup_steps=1, logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=False)
     trainer = Trainer(model=model, args=targs, train_dataset=data)
-    con.print(f"data: {len(data)} rows of {args.seq_length} byte tokens from the shipped text; requested "
-              f"micro-batch {args.batch_size} x accumulation {args.grad_accum} = effective batch "
-              f"{args.batch_size * args.grad_accum}, {args.steps} optimizer steps")
 
     ms = model_spec_from_module(model)
     ts = trainspec_from_trainer(trainer, ms, seq_length=args.seq_length, device="cpu")
-    requested = estimate(ms, ts)
-    if args.budget_gib:
-        budget = int(args.budget_gib * 2**30)
-    else:
-        half = ts.replace(batch_size=max(1, ts.batch_size // 2), grad_accum=ts.grad_accum * 2)
-        budget = budget_that_fits(ms, half, resident_bytes=probe("cpu", cheap=True).process_bytes)
-        con.print(f"budget: {gib(budget)} (chosen so the requested micro-batch does not fit: half of it, "
-                  f"plus what this process already holds, fits below the guard's 85% warning "
-                  f"level, which the preflight plans against)")
-    con.print(estimate_table(requested, budget, title="preflight: requested settings"))
+    requested, budget = requested_and_budget(args, ms, ts)
 
     guard = MemGuardCallback(budget_bytes=budget, seq_length=args.seq_length, monitor_interval_s=0.2)
     trainer.add_callback(guard)
@@ -132,31 +148,10 @@ def run_demo(args) -> int:
     trainer.train()
     wall = time.time() - t1
 
-    pf = guard.preflight
-    if pf is not None and pf.plan.changes:
-        con.print(plan_table(pf.plan))
-    s = guard.summary
-    eff = args.batch_size * args.grad_accum
-    kept = all(n == eff for n in guard.samples_per_step) and trainer.state.global_step == args.steps
-    from rich.table import Table
-
-    t = Table(title="memguard demo: result")
-    t.add_column("what")
-    t.add_column("value", justify="right")
-    t.add_row("optimizer steps (requested / done)", f"{args.steps} / {trainer.state.global_step}")
-    t.add_row("samples per optimizer step", ", ".join(str(n) for n in guard.samples_per_step))
-    t.add_row("effective batch kept", "[green]yes[/green]" if kept else "[red]NO[/red]")
-    sizes = sorted(set(guard.forward_rows))
-    t.add_row("rows per forward seen", ", ".join(str(r) for r in sizes))
-    t.add_row("final split k", str(s["split"]))
-    t.add_row("runtime decisions", str(len(guard.events)))
-    t.add_row("estimated peak, requested settings", gib(requested.peak_bytes))
-    t.add_row("estimated peak, planned settings", gib(s["estimated_peak_bytes"]))
-    t.add_row("measured peak (VmHWM, training steps)", gib(s["measured_peak_bytes"]))
-    if s["estimated_peak_bytes"] and s["measured_peak_bytes"]:
-        err = (s["estimated_peak_bytes"] - s["measured_peak_bytes"]) / s["measured_peak_bytes"]
-        t.add_row("estimate error (planned vs measured)", f"{err:+.1%}")
-    t.add_row("budget (start / end)", f"{gib(budget)} / {gib(guard.monitor.budget_bytes)}")
-    t.add_row("training wall time", f"{wall:.0f} s")
-    con.print(t)
+    print_applied_plan(guard.preflight)
+    kept, rows = outcome(guard, args, trainer.state.global_step)
+    con.print(demo_result_table(
+        "memguard demo: result", rows, requested_peak_bytes=requested.peak_bytes, summary=guard.summary,
+        measured="VmHWM, training steps", budget_bytes=budget, end_budget_bytes=guard.monitor.budget_bytes,
+        wall_s=wall))
     return 0 if kept else 1

@@ -107,6 +107,7 @@ logger = logging.getLogger("memguard.lightning")
 
 from memguard_core.options import APPLY_CHOICES as _APPLY_CHOICES  # noqa: E402
 from memguard_core.options import GuardOptions  # noqa: E402
+from memguard_core.report import finish_guarded_run  # noqa: E402
 
 
 class _LogRecorder:
@@ -403,28 +404,9 @@ class MemGuardCallback(Callback):
             logger.debug("memguard: could not log to Lightning", exc_info=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        mon = self.monitor
-        if mon is None:
-            return
-        mon.stop()
-        measured = mon.final_sample()
-        self.summary = {
-            "split": mon.split,
-            "max_usage": round(mon.max_usage, 4),
-            "budget_bytes": mon.budget_bytes,
-            "measured_peak_bytes": measured,
-            "estimated_peak_bytes": self.preflight.best_peak_bytes if self.preflight else None,
-            "requested_peak_bytes": self.preflight.estimate.peak_bytes if self.preflight else None,
-            "optimizer_steps": trainer.global_step,
-            "samples_per_step": sorted(set(self.samples_per_step)),
-            "oom_retries": self.oom_retries,
-            "events": len(self.events),
-            "split_disabled": self.split_disabled_reason,
-        }
-        logger.info("memguard summary: %s", self.summary)
-        # calibration (issue #6): record estimate vs measured peak; logs, never raises
-        from memguard_core.calibration import record_preflight
-        record_preflight(self.preflight, measured, split=None if self.oom_retries else mon.split)
+        if self.monitor is not None:
+            self.summary = finish_guarded_run(self, trainer.global_step, logger,
+                                              split_disabled=self.split_disabled_reason)
 
     # ------------------------------------------------------------------ manual optimization helper
     def chunks(self, batch: Any) -> Iterator[Tuple[Any, float]]:

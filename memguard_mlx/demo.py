@@ -33,7 +33,8 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from memguard_core.estimate import estimate
 from memguard_core.probes import probe
-from memguard_core.report import console, plan_table, probe_table
+from memguard_core.report import (console, demo_budget, demo_result_table, demo_rows, demo_squeeze, mib,
+                                  print_applied_plan, probe_table, yes_no)
 
 from .spec import model_spec_from_mlx_module, train_spec_from_args
 from .trainer import MlxGuard, train
@@ -41,12 +42,9 @@ from .trainer import MlxGuard, train
 logger = logging.getLogger("memguard.demo")
 
 
-def gib(n) -> str:
-    """MiB with 3 decimals: the demo's figures are tens of MiB (``report.gib`` rounds to 0.00 GiB)."""
-    return "-" if n is None else f"{n / 2**20:,.3f} MiB"
-
-
 def estimate_table(est, budget_bytes, title):
+    """The estimate's terms in MiB (the demo's figures are tens of MiB) and the verdict against
+    ``budget_bytes``; ``memguard_core.report.estimate_table`` shows GiB."""
     from rich.table import Table
 
     t = Table(title=title, caption=f"predicts {est.counter}: mx.get_peak_memory(); phase {est.phase}")
@@ -54,33 +52,25 @@ def estimate_table(est, budget_bytes, title):
     t.add_column("bytes", justify="right")
     for name, val in est.breakdown.items():
         if val:
-            t.add_row(name, gib(val))
+            t.add_row(name, mib(val))
     t.add_section()
-    t.add_row("[bold]peak", f"[bold]{gib(est.peak_bytes)}")
+    t.add_row("[bold]peak", f"[bold]{mib(est.peak_bytes)}")
     fits = est.peak_bytes <= budget_bytes
-    t.add_row("budget", f"{gib(budget_bytes)} ({'fits' if fits else '[red]does not fit[/red]'})")
+    t.add_row("budget", f"{mib(budget_bytes)} ({'fits' if fits else '[red]does not fit[/red]'})")
     return t
+
 
 DEMO_MODEL = dict(model_type="llama", hidden_size=128, num_hidden_layers=4, intermediate_size=384,
                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=259,
                   rope_theta=100000.0, tie_word_embeddings=True)
-BYTE_OFFSET = 3
-
-
-def corpus_text() -> str:
-    """The text shipped with memguard (``memguard_hf/data/demo_corpus.txt``), read without
-    importing memguard_hf (which needs torch)."""
-    path = Path(__file__).resolve().parents[1] / "memguard_hf" / "data" / "demo_corpus.txt"
-    return path.read_text(encoding="utf-8")
 
 
 class ByteRows:
     """mlx_lm dataset protocol (``ds[i] -> (tokens, offset)``): non-overlapping windows of
-    ``seq_length`` byte tokens over the shipped text."""
+    ``seq_length`` byte tokens over the shipped text (``memguard_core.report.demo_rows``)."""
 
-    def __init__(self, text: str, seq_length: int):
-        ids = [b + BYTE_OFFSET for b in text.encode("utf-8")]
-        self.rows = [ids[i:i + seq_length] for i in range(0, len(ids) - seq_length + 1, seq_length)]
+    def __init__(self, seq_length: int):
+        self.rows = demo_rows(seq_length)
 
     def __len__(self):
         return len(self.rows)
@@ -113,10 +103,7 @@ def _squeezing_batches(guard: MlxGuard, at_update: int, grad_accum: int, fractio
         for i, b in enumerate(iterate_batches(**kw)):
             mon = guard.monitor
             if at_update and i == at_update * grad_accum and mon is not None:
-                old = mon.budget_bytes
-                mon.budget_bytes = int(old * (1 - fraction))
-                console().print(f"[yellow]demo: a co-tenant arrives at update {at_update}: the budget drops "
-                                f"{gib(old)} -> {gib(mon.budget_bytes)}[/yellow]")
+                demo_squeeze(mon, fraction, f"update {at_update}", fmt=mib)
             yield b
 
     return batches
@@ -135,7 +122,7 @@ def run_demo(args) -> int:
     con.print(f"model: mlx_lm Llama, hidden 128, 4 blocks, GQA 4/2, tied head, random weights; LoRA r=16 on "
               f"q/k/v/o: {ms.total_params / 1e6:.2f}M params, {ms.trainable_params / 1e6:.3f}M trainable "
               f"(built in {time.time() - t0:.1f}s)")
-    data = ByteRows(corpus_text(), args.seq_length + 1)
+    data = ByteRows(args.seq_length + 1)
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="memguard_mlx_demo_"))
     out.mkdir(parents=True, exist_ok=True)
     iters = args.steps * args.grad_accum  # mlx_lm counts batches; an update every grad_accum of them
@@ -150,14 +137,8 @@ def run_demo(args) -> int:
 
     ts = train_spec_from_args(model, opt, targs, ms, train_dataset=data)
     requested = estimate(ms, ts)
-    if args.budget_gib:
-        budget = int(args.budget_gib * 2**30)
-    else:
-        half = ts.replace(batch_size=max(1, ts.batch_size // 2), grad_accum=ts.grad_accum * 2)
-        warning = MlxGuard().thresholds.warning  # the preflight plans below the warning level
-        budget = int(estimate(ms, half).peak_bytes * 1.05 / warning)
-        con.print(f"budget: {gib(budget)} (chosen so the requested batch does not fit: the estimate of half "
-                  f"of it + 5%, over the {warning:.0%} the preflight plans to)")
+    # mx.get_peak_memory does not see the process's other memory: no resident surplus to count
+    budget = demo_budget(ms, ts, args.budget_gib, margin=1.05, what="batch", fmt=mib)
     con.print(estimate_table(requested, budget, title="preflight: requested settings"))
 
     guard = MlxGuard(budget_bytes=budget, monitor_interval_s=0.2, apply=("micro_batch",),
@@ -168,37 +149,24 @@ def run_demo(args) -> int:
           iterate_batches=_squeezing_batches(guard, args.squeeze_at, args.grad_accum))
     wall = time.time() - t1
 
-    pf = guard.preflight
-    if pf is not None and pf.plan.changes:
-        con.print(plan_table(pf.plan))
+    print_applied_plan(guard.preflight)
     s = guard.summary
     updates = int(opt.state["step"])
     expected_lr = [float(sched(mx.array(i))) for i in range(args.steps)]  # lr used at update i+1 (mlx: scheduler(step) before step += 1)
     lr_ok = np.allclose(guard.learning_rates, expected_lr, rtol=1e-6, atol=1e-12)
     rows_per_update = sum(guard.chunk_rows) / max(1, updates)
     kept = updates == args.steps and lr_ok and rows_per_update == args.batch_size * args.grad_accum
-    from rich.table import Table
-
-    t = Table(title="memguard demo (mlx): result")
-    t.add_column("what")
-    t.add_column("value", justify="right")
-    t.add_row("optimizer updates (requested / done)", f"{args.steps} / {updates}")
-    t.add_row("LR schedule followed", "[green]yes[/green]" if lr_ok else "[red]NO[/red]")
-    t.add_row("rows per optimizer update", f"{rows_per_update:g}")
-    t.add_row("effective batch kept", "[green]yes[/green]" if kept else "[red]NO[/red]")
-    t.add_row("rows per forward seen", ", ".join(str(r) for r in sorted(set(guard.chunk_rows))))
-    t.add_row("split k by iteration", ", ".join(f"it {it}: k={k}" for it, k in guard.split_history))
-    t.add_row("runtime decisions", str(len(guard.events)))
-    t.add_row("MLX limits set", ", ".join(f"{k}={gib(v)}" for k, v in guard.limits.items()) or "-")
-    t.add_row("leak reports", str(s["leaks"]))
-    t.add_row("estimated peak, requested settings", gib(requested.peak_bytes))
-    t.add_row("estimated peak, planned settings", gib(s["estimated_peak_bytes"]))
-    t.add_row("measured peak (mx.get_peak_memory)", gib(s["measured_peak_bytes"]))
-    if s["estimated_peak_bytes"] and s["measured_peak_bytes"]:
-        err = (s["estimated_peak_bytes"] - s["measured_peak_bytes"]) / s["measured_peak_bytes"]
-        t.add_row("estimate error (planned vs measured)", f"{err:+.1%}")
-    t.add_row("budget (start / end)", f"{gib(budget)} / {gib(guard.monitor.budget_bytes)}")
-    t.add_row("training wall time", f"{wall:.0f} s")
-    t.add_row("adapters", str(targs.adapter_file))
-    con.print(t)
+    rows = [("optimizer updates (requested / done)", f"{args.steps} / {updates}"),
+            ("LR schedule followed", yes_no(lr_ok)),
+            ("rows per optimizer update", f"{rows_per_update:g}"),
+            ("effective batch kept", yes_no(kept)),
+            ("rows per forward seen", ", ".join(str(r) for r in sorted(set(guard.chunk_rows)))),
+            ("split k by iteration", ", ".join(f"it {it}: k={k}" for it, k in guard.split_history)),
+            ("runtime decisions", str(len(guard.events))),
+            ("MLX limits set", ", ".join(f"{k}={mib(v)}" for k, v in guard.limits.items()) or "-"),
+            ("leak reports", str(s["leaks"]))]
+    con.print(demo_result_table(
+        "memguard demo (mlx): result", rows, requested_peak_bytes=requested.peak_bytes, summary=s,
+        measured="mx.get_peak_memory", budget_bytes=budget, end_budget_bytes=guard.monitor.budget_bytes,
+        wall_s=wall, extra_rows=[("adapters", str(targs.adapter_file))], fmt=mib))
     return 0 if kept else 1

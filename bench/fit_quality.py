@@ -32,54 +32,23 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results")
+from _common import child_env, hf_run, llama, print_table, token_rows, write_result
+
 ROWS, SEQ, VOCAB, HIDDEN, LAYERS, STEPS = 16, 128, 32000, 256, 2, 8
 
 
 def child(k: int, ckpt: bool, budget: int) -> dict:
-    import tempfile
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments)
     torch.set_num_threads(2)
-    g = torch.Generator().manual_seed(1)
-    ids = [torch.randint(1, VOCAB, (SEQ,), generator=g) for _ in range(ROWS * STEPS)]
-
-    class DS(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(ids)
-
-        def __getitem__(self, i):
-            return {"input_ids": ids[i], "labels": ids[i]}
-
-    times, t = [], [0.0]
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, *a, **kw):
-            t[0] = time.perf_counter()
-
-        def on_step_end(self, *a, **kw):
-            times.append(time.perf_counter() - t[0])
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                      tie_word_embeddings=False, pad_token_id=0)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg)
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=ROWS // k,
-                             gradient_accumulation_steps=k, max_steps=STEPS, learning_rate=1e-4,
-                             logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                             disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=ckpt,
-                             gradient_checkpointing_kwargs={"use_reentrant": False} if ckpt else None)
-    cbs = [Clock()]
+    ids = token_rows(ROWS * STEPS, SEQ, VOCAB)
+    model = llama(VOCAB, HIDDEN, LAYERS, SEQ)
     guard = None
     if budget:
         from memguard_hf import MemGuardCallback
         guard = MemGuardCallback(budget_bytes=budget, seq_length=SEQ)
-        cbs.insert(0, guard)
-    tr = Trainer(model=model, args=args, train_dataset=DS(), callbacks=cbs)
-    tr.train()
+    tr, times = hf_run(model, ids, batch_size=ROWS // k, grad_accum=k, steps=STEPS,
+                       callbacks=[guard] if guard else [], gradient_checkpointing=ckpt,
+                       gradient_checkpointing_kwargs={"use_reentrant": False} if ckpt else None)
     with open("/proc/self/status") as f:
         hwm = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
     out = {"peak": hwm, "step_s": statistics.median(times[1:]), "steps": tr.state.global_step}
@@ -97,10 +66,8 @@ def child(k: int, ckpt: bool, budget: int) -> dict:
 
 
 def run(k=1, ckpt=False, budget=0) -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("MEMGUARD_SPLIT", None)
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps([k, ckpt, budget])],
-                       capture_output=True, text=True, env=env, timeout=600)
+                       capture_output=True, text=True, env=child_env(), timeout=600)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"child failed rc={p.returncode}: {p.stderr[-2000:]}")
@@ -178,17 +145,8 @@ def main(argv=None) -> int:
         lines += ["", f"Throughput vs the best hand-picked setting: median {statistics.median(ratios_all):.0%}, "
                       f"worst {min(ratios_all):.0%} over {len(ratios_all)} budgets where a setting fits."]
     lines += ["", *glines]
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "fit_quality.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    from rich.console import Console
-    from rich.table import Table
-    t = Table(title=f"memguard fit quality (unsplit peak {P / MiB:.0f} MiB)")
-    for h in header:
-        t.add_column(h, justify="right")
-    for r in rows:
-        t.add_row(*r)
-    Console().print(t)
+    write_result("fit_quality.md", lines)
+    print_table(f"memguard fit quality (unsplit peak {P / MiB:.0f} MiB)", header, rows)
     return 0
 
 

@@ -30,8 +30,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results")
+from _common import ROOT, child_env, hf_run, llama, print_table, token_rows, write_result
+
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "integration_tests"))
 
@@ -39,57 +39,17 @@ HIDDEN, LAYERS, VOCAB, ROWS, SEQ = 128, 2, 4096, 8, 64
 WARMUP = 3
 
 
-def _llama():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                      tie_word_embeddings=False, pad_token_id=0)
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg)
-
-
-def _rows(n):
-    import torch
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(1, VOCAB, (SEQ,), generator=g) for _ in range(n)]
-
-
 def child_hf(guarded: bool, steps: int, cache: dict) -> list:
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
     torch.set_num_threads(2)
-    ids = _rows(ROWS * steps)
-
-    class DS(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(ids)
-
-        def __getitem__(self, i):
-            return {"input_ids": ids[i], "labels": ids[i]}
-
-    times, t = [], [0.0]
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            t[0] = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - t[0])
-
-    import tempfile
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=ROWS, max_steps=steps,
-                             learning_rate=1e-4, logging_steps=10**6, save_strategy="no", report_to=[],
-                             use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
-    cbs = [Clock()]
+    ids = token_rows(ROWS * steps, SEQ, VOCAB)
+    cbs = []
     if guarded:
         from memguard_hf import MemGuardCallback
         cbs.append(MemGuardCallback())
     if "m" not in cache:
-        cache["m"] = _llama()
-    Trainer(model=cache["m"], args=args, train_dataset=DS(), callbacks=cbs).train()
-    return times
+        cache["m"] = llama(VOCAB, HIDDEN, LAYERS, SEQ)
+    return hf_run(cache["m"], ids, batch_size=ROWS, steps=steps, callbacks=cbs)[1]
 
 
 def child_lightning(guarded: bool, steps: int, cache: dict) -> list:
@@ -99,12 +59,12 @@ def child_lightning(guarded: bool, steps: int, cache: dict) -> list:
     for n in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(n).setLevel(logging.ERROR)
     torch.set_num_threads(2)
-    ids = _rows(ROWS * steps)
+    ids = token_rows(ROWS * steps, SEQ, VOCAB)
 
     class LM(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.model = _llama()
+            self.model = llama(VOCAB, HIDDEN, LAYERS, SEQ)
 
         def training_step(self, batch, batch_idx):
             return self.model(input_ids=batch, labels=batch).loss
@@ -193,9 +153,7 @@ def session(fw: str, steps: int, rounds: int) -> dict:
 
 def run_session(fw: str, steps: int, rounds: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", fw, "--steps", str(steps), "--rounds", str(rounds)]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("MEMGUARD_SPLIT", None)
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=1800)
     for line in p.stdout.splitlines():
         if line.startswith("SESSION "):
             return json.loads(line[8:])
@@ -282,17 +240,8 @@ def main(argv=None) -> int:
     lines += ["", f"Per-step check (`MemoryMonitor.step_sample`, real Linux probe, this machine): "
               f"{costs['step_us']:.0f} us best of 5 x 3000 (median {costs['step_us_median']:.0f} us); background "
               f"sample (full probe with PSI, every 0.5 s on its own thread): {costs['background_us']:.0f} us."]
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "overhead.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    from rich.console import Console
-    from rich.table import Table
-    t = Table(title="memguard guard overhead")
-    for h in header:
-        t.add_column(h, justify="right")
-    for r in rows:
-        t.add_row(*r)
-    Console().print(t)
+    write_result("overhead.md", lines)
+    print_table("memguard guard overhead", header, rows)
     print(lines[-1])
     return 0
 

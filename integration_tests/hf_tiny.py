@@ -15,14 +15,22 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallbac
 VOCAB = 96
 
 
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    """4-layer Llama with GQA (4 query heads, 2 KV heads), hidden 32; deterministic weights."""
+def llama(vocab: int, hidden: int, layers: int, max_positions: int, seed: int = 0) -> LlamaForCausalLM:
+    """A Llama-architecture decoder from config numbers with random weights (``torch.manual_seed(seed)``
+    first, so they are deterministic): ``vocab`` tokens, ``hidden`` wide, ``layers`` blocks, GQA with
+    4 query / 2 KV heads, MLP 2 x hidden, untied head, pad id 0, SDPA attention, no dropout.
+    Also the model of the container scenarios and of ``bench/`` (through ``bench/_common.py``)."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                       attention_dropout=0.0, tie_word_embeddings=False, pad_token_id=0)
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg)
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    """4-layer Llama with GQA (4 query heads, 2 KV heads), hidden 32; deterministic weights."""
+    return llama(VOCAB, hidden=32, layers=4, max_positions=128, seed=seed)
 
 
 class RowsDataset(torch.utils.data.Dataset):

@@ -1,0 +1,103 @@
+"""What the HF ``Trainer`` benchmarks share (``fit_quality.py``, ``overhead.py``): the environment
+of their child processes, the model and data of a run, a timed ``Trainer`` run, and how the
+results are written and shown.
+
+The model is ``integration_tests/hf_tiny.llama`` (a Llama-architecture decoder from config numbers,
+random weights seeded with 0: 4 query / 2 KV heads, MLP 2 x hidden, untied head, SDPA); the rows
+are random token ids (``torch.Generator`` seeded with 1), labels = inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Dict, List, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+
+def child_env() -> Dict[str, str]:
+    """The environment of a benchmark's child process: memguard importable from this checkout, and
+    no ``MEMGUARD_SPLIT`` left over from a supervisor (it would set the starting split)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MEMGUARD_SPLIT", None)
+    return env
+
+
+def llama(vocab: int, hidden: int, layers: int, seq: int):
+    """``hf_tiny.llama(vocab, hidden, layers, max_positions=seq)``, weights seeded with 0."""
+    here = os.path.join(ROOT, "integration_tests")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from hf_tiny import llama as build
+
+    return build(vocab, hidden, layers, max_positions=seq)
+
+
+def token_rows(n: int, seq: int, vocab: int) -> list:
+    """``n`` rows of ``seq`` random token ids in [1, vocab) (int64 tensors; generator seeded with 1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(1, vocab, (seq,), generator=g) for _ in range(n)]
+
+
+def hf_run(model, ids: Sequence[Any], *, batch_size: int, steps: int, grad_accum: int = 1,
+           callbacks: Sequence[Any] = (), **training_args) -> Tuple[Any, List[float]]:
+    """Train ``model`` with a HF ``Trainer`` on CPU over ``ids`` (labels = inputs) for ``steps``
+    optimizer steps of ``batch_size`` x ``grad_accum`` rows: AdamW at 1e-4, no logging, no saving,
+    seed 0, ``training_args`` added (e.g. ``gradient_checkpointing``). The timing callback comes
+    after ``callbacks`` (a ``MemGuardCallback`` moves itself to the front when it binds anyway).
+
+    Returns (the trainer, the wall time of each optimizer step in seconds, from ``on_step_begin`` to
+    ``on_step_end``)."""
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": ids[i], "labels": ids[i]}
+
+    times, t = [], [0.0]
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **kw):
+            t[0] = time.perf_counter()
+
+        def on_step_end(self, *a, **kw):
+            times.append(time.perf_counter() - t[0])
+
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size,
+                             gradient_accumulation_steps=grad_accum, max_steps=steps, learning_rate=1e-4,
+                             logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                             disable_tqdm=True, dataloader_num_workers=0, **training_args)
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[*callbacks, Clock()])
+    trainer.train()
+    return trainer, times
+
+
+def write_result(name: str, lines: Sequence[str]) -> None:
+    """Write ``lines`` to ``bench/results/<name>``."""
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, name), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Print the result rows as a rich table, every column right-aligned."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for h in header:
+        t.add_column(h, justify="right")
+    for r in rows:
+        t.add_row(*r)
+    Console().print(t)

@@ -83,6 +83,12 @@ def hf_run(model, ids: Sequence[Any], *, batch_size: int, steps: int, grad_accum
     return trainer, times
 
 
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> List[str]:
+    """The lines of a Markdown table: header, separator, a line a row."""
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
 def write_result(name: str, lines: Sequence[str]) -> None:
     """Write ``lines`` to ``bench/results/<name>``."""
     os.makedirs(RESULTS, exist_ok=True)

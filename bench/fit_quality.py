@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 
-from _common import child_env, hf_run, llama, print_table, token_rows, write_result
+from _common import child_env, hf_run, llama, markdown_table, print_table, token_rows, write_result
 
 ROWS, SEQ, VOCAB, HIDDEN, LAYERS, STEPS = 16, 128, 32000, 256, 2, 8
 
@@ -139,8 +139,7 @@ def main(argv=None) -> int:
              f"interleaved, ratio of the medians. \"closest hand-picked\" is the largest peak of the hand-picked "
              f"grid under the budget: the ceiling the discrete choices (micro-batch a divisor of {ROWS}, "
              f"checkpointing on/off) allow.", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+             *markdown_table(header, rows)]
     if ratios_all:
         lines += ["", f"Throughput vs the best hand-picked setting: median {statistics.median(ratios_all):.0%}, "
                       f"worst {min(ratios_all):.0%} over {len(ratios_all)} budgets where a setting fits."]

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from _common import ROOT, child_env, hf_run, llama, print_table, token_rows, write_result
+from _common import ROOT, child_env, hf_run, llama, markdown_table, print_table, token_rows, write_result
 
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "integration_tests"))
@@ -235,8 +235,7 @@ def main(argv=None) -> int:
              f"{a.sessions} processes per framework. A run's step time is the median of steps {WARMUP + 1}.."
              f"{a.steps}; a pair's ratio is guarded / unguarded of two adjacent runs, so drifts of this "
              f"shared machine and differences between processes cancel.", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+             *markdown_table(header, rows)]
     lines += ["", f"Per-step check (`MemoryMonitor.step_sample`, real Linux probe, this machine): "
               f"{costs['step_us']:.0f} us best of 5 x 3000 (median {costs['step_us_median']:.0f} us); background "
               f"sample (full probe with PSI, every 0.5 s on its own thread): {costs['background_us']:.0f} us."]

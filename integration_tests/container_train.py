@@ -46,44 +46,31 @@ _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from train_scripts import (model_of, script_parser, training_args, vm_hwm_bytes, wait_for_go,  # noqa: E402
+                           write_result)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--output-dir", required=True)
+    p = script_parser(__doc__.split("\n\n")[0], steps=6, layers=4)
     p.add_argument("--guard", action="store_true", help="add MemGuardCallback (default budget)")
     p.add_argument("--no-preflight", action="store_true", help="guard without the preflight")
     p.add_argument("--guard-seq-length", type=int, default=None,
                    help="seq_length given to MemGuardCallback (default: scanned from the data)")
     p.add_argument("--monitor-interval", type=float, default=0.5)
-    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--long-seq-len", type=int, default=0)
     p.add_argument("--long-from-step", type=int, default=0)
-    p.add_argument("--vocab", type=int, default=16384)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: never)")
     p.add_argument("--resume", action="store_true", help="resume from MEMGUARD_RESUME_FROM if set")
     p.add_argument("--pause-at-step", type=int, default=0)
     p.add_argument("--go-file", default=None)
-    p.add_argument("--threads", type=int, default=2)
     return p.parse_args(argv)
-
-
-def vm_hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     torch.set_num_threads(a.threads)
     os.makedirs(a.output_dir, exist_ok=True)
@@ -120,23 +107,11 @@ def main(argv=None) -> int:
                 f.write(f"{os.getpid()} {s} {rows_per_step}\n")
             open(os.path.join(out, f"step-{s}.done"), "w").close()
             if a.pause_at_step and s == a.pause_at_step and a.go_file:
-                deadline = time.monotonic() + 120
-                while not os.path.exists(a.go_file) and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                wait_for_go(a.go_file, timeout_s=120, poll_s=0.05)
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
-                      num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=max(a.seq_len, a.long_seq_len), tie_word_embeddings=False,
-                      pad_token_id=0)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg)
-    targs = TrainingArguments(
-        output_dir=out, per_device_train_batch_size=a.batch_size, gradient_accumulation_steps=a.grad_accum,
-        max_steps=a.steps, learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=1, logging_steps=1,
-        save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
-        report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
-        train_sampling_strategy="sequential", optim="adamw_torch")
+    model = model_of(a, max_positions=max(a.seq_len, a.long_seq_len))
+    targs = training_args(a, gradient_accumulation_steps=a.grad_accum,
+                          save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500)
     guard = None
     callbacks = [StepMarks()]
     if a.guard:
@@ -176,8 +151,7 @@ def main(argv=None) -> int:
             "preflight_split": guard.preflight.split_factor if guard.preflight else None,
             "preflight_changes": [c.reason for c in guard.preflight.applied] if guard.preflight else [],
         }
-    with open(os.path.join(out, "result.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    write_result(out, result)
     print("container_train: done " + json.dumps({k: result[k] for k in ("global_step", "vm_hwm_bytes", "wall_s")}),
           flush=True)
     return 0

@@ -33,30 +33,24 @@ _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from train_scripts import model_of, script_parser, training_args, vm_hwm_bytes, wait_for_go, write_result  # noqa: E402
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--output-dir", required=True)
+    p = script_parser(__doc__.split("\n\n")[0], steps=12, layers=2)
     p.add_argument("--no-guard", action="store_true")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=16384)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--pause-at", default="", help="comma list of optimizer steps to pause after")
     p.add_argument("--grow-steps", type=int, default=2)
     p.add_argument("--grow-seconds", type=float, default=0.0)
     p.add_argument("--no-grow", action="store_true")
     p.add_argument("--interval", type=float, default=0.5, help="monitor background interval (s)")
-    p.add_argument("--threads", type=int, default=2)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     torch.set_num_threads(a.threads)
     out = a.output_dir
@@ -88,17 +82,9 @@ def main(argv=None) -> int:
             s = state.global_step
             if s in pauses:
                 open(os.path.join(out, f"step-{s}.done"), "w").close()
-                go = os.path.join(out, f"go-{s}")
-                deadline = time.monotonic() + 300
-                while not os.path.exists(go) and time.monotonic() < deadline:
-                    time.sleep(0.02)
+                wait_for_go(os.path.join(out, f"go-{s}"), timeout_s=300, poll_s=0.02)
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
-                      num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=a.seq_len, tie_word_embeddings=False, pad_token_id=0)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg)
+    model = model_of(a, max_positions=a.seq_len)
     flog = open(os.path.join(out, "forwards.log"), "w", buffering=1)
 
     def pre_hook(module, args, kwargs):
@@ -107,11 +93,7 @@ def main(argv=None) -> int:
         flog.write(f"{time.time():.4f} {st.global_step if st else -1} {int(ids.shape[0])}\n")
 
     model.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    targs = TrainingArguments(
-        output_dir=out, per_device_train_batch_size=a.batch_size, gradient_accumulation_steps=1,
-        max_steps=a.steps, learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=1, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0,
-        disable_tqdm=True, train_sampling_strategy="sequential", optim="adamw_torch")
+    targs = training_args(a, gradient_accumulation_steps=1, save_strategy="no")
     guard = None
     callbacks = [Pause()]
     if not a.no_guard:
@@ -126,9 +108,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     trainer.train()
     flog.close()
-    with open("/proc/self/status") as f:
-        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    result = {"global_step": trainer.state.global_step, "max_steps": a.steps, "vm_hwm_bytes": hwm,
+    result = {"global_step": trainer.state.global_step, "max_steps": a.steps, "vm_hwm_bytes": vm_hwm_bytes(),
               "wall_s": round(time.monotonic() - t0, 2)}
     if guard is not None:
         mon = guard.monitor
@@ -139,8 +119,7 @@ def main(argv=None) -> int:
             "peak_at_split": {str(k): v for k, v in mon.peak_at_split.items()},
             "preflight_split": guard.preflight.split_factor if guard.preflight else None,
         }
-    with open(os.path.join(out, "result.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    write_result(out, result)
     print("grow_train: done " + json.dumps({k: result[k] for k in ("global_step", "wall_s")}), flush=True)
     return 0
 

@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
-import pytest
-
-from cgroup_harness import MemoryCgroup
+from train_scripts import child_env, read_result, start_cotenant, start_trainer, wait_for
 
 MiB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 TRAIN = os.path.join(HERE, "container_train.py")
 
 RT = ["--batch-size", "16", "--grad-accum", "1", "--seq-len", "256", "--layers", "2"]
@@ -37,35 +33,6 @@ PREFLIGHT_LIMIT = 1100 * MiB    # 16 x 256: k=1 is killed below ~1.3 GiB; k=2 ne
 RUNTIME_LIMIT = 2400 * MiB      # 16 x 256 at k=1 fits with room to spare
 RUNTIME_ROOM_LEFT = 1100 * MiB  # what the co-tenant leaves: 16 x 256 at k=1 needs more, k=2 less
 SUPERVISOR_LIMIT = 1100 * MiB   # 16 x 32-token steps fit; a 16 x 256-token step at k=1 does not
-
-# The co-tenant: takes argv[1] MiB (every page touched), says "held", holds it until killed.
-HOLD = """
-import sys, time
-n = int(sys.argv[1]) << 20
-b = bytearray(n)
-for i in range(0, n, 4096):
-    b[i] = 1
-print("held", flush=True)
-while True:
-    time.sleep(60)
-"""
-
-
-def _env(**extra):
-    env = dict(os.environ)
-    env.pop("MEMGUARD_SPLIT", None)
-    env.pop("MEMGUARD_RESUME_FROM", None)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
-
-
-def _result(out_dir):
-    path = os.path.join(out_dir, "result.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def _steps_log(out_dir):
@@ -84,13 +51,13 @@ def _report(name, **figures):
 def _assert_oom_killed(res, out_dir):
     assert res.returncode in (-9, 137), (res.returncode, res.stderr[-2000:])
     assert res.oom_kills >= 1 and res.killed_by_oom, res
-    assert _result(out_dir) is None  # train() never returned
+    assert read_result(out_dir) is None  # train() never returned
 
 
 def _assert_completed(res, out_dir, steps):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.oom_kills == 0
-    r = _result(out_dir)
+    r = read_result(out_dir)
     assert r is not None and r["completed"] and r["global_step"] == steps
     g = r["guard"]
     # the effective batch is kept: every optimizer step ran all 16 rows, in smaller forwards
@@ -104,14 +71,14 @@ def test_preflight_fits_the_run_to_the_container_limit(memory_cgroup, tmp_path):
     cg = memory_cgroup(limit, name="preflight-unguarded")
     out_u = str(tmp_path / "unguarded")
     res_u = cg.run([sys.executable, TRAIN, "--output-dir", out_u, "--steps", str(steps), *RT],
-                   env=_env(), timeout=300)
+                   env=child_env(), timeout=300)
     _assert_oom_killed(res_u, out_u)
     assert _steps_log(out_u) == []  # died in its first step
 
     cg = memory_cgroup(limit, name="preflight-guarded")
     out_g = str(tmp_path / "guarded")
     res_g = cg.run([sys.executable, TRAIN, "--output-dir", out_g, "--steps", str(steps), "--guard", *RT],
-                   env=_env(), timeout=300)
+                   env=child_env(), timeout=300)
     r = _assert_completed(res_g, out_g, steps)
     g = r["guard"]
     assert g["preflight_split"] >= 2 and g["max_forward_rows"] <= 8, g
@@ -137,21 +104,9 @@ def _run_with_cotenant(cg, out_dir, guard, steps, pause_at, take_bytes):
     cg.reset_max_usage()
     oom0 = cg.oom_kill_count()
     t0 = time.monotonic()
-    log = open(os.path.join(out_dir, "trainer.log"), "w")
-    trainer = cg.popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-    # the trainer is the process the OOM killer should take, as in a container whose other tenant
-    # is a service (lowering the co-tenant's score needs CAP_SYS_RESOURCE; raising ours does not)
-    with open(f"/proc/{trainer.pid}/oom_score_adj", "w") as f:
-        f.write("500")
-    marker = os.path.join(out_dir, f"step-{pause_at}.done")
-    deadline = time.monotonic() + 240
-    while not os.path.exists(marker):
-        assert trainer.poll() is None, f"trainer ended before step {pause_at}: {trainer.returncode}"
-        assert time.monotonic() < deadline, "trainer too slow"
-        time.sleep(0.1)
-    cotenant = cg.popen([sys.executable, "-c", HOLD, str(take_bytes // MiB)], stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True)
-    assert cotenant.stdout.readline().strip() == "held"
+    trainer, log = start_trainer(cg, cmd, out_dir)  # the process the OOM killer should take
+    wait_for(os.path.join(out_dir, f"step-{pause_at}.done"), trainer, timeout_s=240, poll_s=0.1)
+    cotenant = start_cotenant(cg, take_bytes)
     open(go, "w").close()
     try:
         rc = trainer.wait(timeout=300)
@@ -169,7 +124,7 @@ def test_runtime_cotenant_takes_memory_mid_run(memory_cgroup, tmp_path):
     rc_u, oom_u, peak_u, wall_u, co_u = _run_with_cotenant(cg, out_u, False, steps, pause_at, take)
     assert rc_u in (-9, 137) and oom_u >= 1, (rc_u, oom_u)
     assert co_u, "the OOM killer should have taken the trainer, not the co-tenant"
-    assert _result(out_u) is None
+    assert read_result(out_u) is None
     assert [s for _, s, _ in _steps_log(out_u)] == list(range(1, pause_at + 1))  # died right after
 
     cg = memory_cgroup(RUNTIME_LIMIT, name="runtime-guarded")
@@ -177,7 +132,7 @@ def test_runtime_cotenant_takes_memory_mid_run(memory_cgroup, tmp_path):
     rc_g, oom_g, peak_g, wall_g, co_g = _run_with_cotenant(cg, out_g, True, steps, pause_at, take)
     assert rc_g == 0 and oom_g == 0, open(os.path.join(out_g, "trainer.log")).read()[-3000:]
     assert co_g
-    r = _result(out_g)
+    r = read_result(out_g)
     assert r is not None and r["global_step"] == steps
     g = r["guard"]
     assert g["preflight_split"] == 1  # it started fitting, unsplit
@@ -203,7 +158,7 @@ def test_supervisor_restarts_a_killed_run_without_repeating_steps(memory_cgroup,
              "--seq-len", "32", "--long-seq-len", "256", "--long-from-step", "3", "--layers", "2"]
     cg = memory_cgroup(SUPERVISOR_LIMIT, name="supervisor")
     res = cg.run([sys.executable, "-m", "memguard_core.supervisor", "--max-restarts", "2", "--report", report,
-                  "--", *train], env=_env(), timeout=400)
+                  "--", *train], env=child_env(), timeout=400)
     assert res.returncode == 0, res.stderr[-4000:]
     with open(report) as f:
         rep = json.load(f)
@@ -219,7 +174,7 @@ def test_supervisor_restarts_a_killed_run_without_repeating_steps(memory_cgroup,
     assert len(pids) == 2
     assert [s for p, s, _ in log if p == pids[0]] == [1, 2]
     assert [s for p, s, _ in log if p == pids[1]] == [3, 4]
-    r = _result(out)
+    r = read_result(out)
     assert r["global_step"] == steps and r["resumed_from"].endswith("checkpoint-2")
     assert r["log_steps"] == [1, 2, 3, 4]  # trainer_state's history: each step once
     assert r["guard"]["max_forward_rows"] <= 8
@@ -227,5 +182,5 @@ def test_supervisor_restarts_a_killed_run_without_repeating_steps(memory_cgroup,
         assert [h["step"] for h in json.load(f)["log_history"] if "loss" in h] == [1, 2, 3, 4]
     _report("supervisor", limit_mib=SUPERVISOR_LIMIT // MiB,
             attempt1=f"rc={a1['returncode']} ({a1['reason']}) after {a1['wall_s']}s",
-            attempt2=f"rc=0 MEMGUARD_SPLIT=2 from checkpoint-2, steps 3-4",
+            attempt2="rc=0 MEMGUARD_SPLIT=2 from checkpoint-2, steps 3-4",
             cgroup_peak_mib=round(res.max_usage_bytes / MiB), wall_s=round(res.wall_s, 1))

@@ -15,49 +15,19 @@ oscillation, every optimizer step done and the effective batch kept.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import time
 
-import pytest
 from transformers import TrainerCallback
 
 from hf_tiny import make_trainer
 from memguard_core.monitor import GrowPolicy
 from memguard_hf import MemGuardCallback
+from train_scripts import read_result, start_cotenant, start_trainer, wait_for
 
 MiB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 TRAIN = os.path.join(HERE, "grow_train.py")
-
-HOLD = """
-import sys, time
-n = int(sys.argv[1]) << 20
-b = bytearray(n)
-for i in range(0, n, 4096):
-    b[i] = 1
-print("held", flush=True)
-while True:
-    time.sleep(60)
-"""
-
-
-def _env():
-    env = dict(os.environ)
-    env.pop("MEMGUARD_SPLIT", None)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def _wait_for(path, proc, timeout=240):
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert proc.poll() is None, f"trainer ended early: rc={proc.returncode}"
-        assert time.monotonic() < deadline, f"timed out waiting for {path}"
-        time.sleep(0.05)
 
 
 def _rows_by_step(out):
@@ -83,21 +53,17 @@ def test_grow_back_after_a_cotenant_leaves(memory_cgroup, tmp_path):
     cg = memory_cgroup(limit, name="grow-back")
     out = str(tmp_path / "run")
     os.makedirs(out)
-    log = open(os.path.join(out, "trainer.log"), "w")
     cmd = [sys.executable, TRAIN, "--output-dir", out, "--steps", str(steps), "--seq-len", "128",
            "--pause-at", f"{arrive},{leave}", "--grow-steps", "2", "--grow-seconds", "0"]
     oom0 = cg.oom_kill_count()
-    trainer = cg.popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-    with open(f"/proc/{trainer.pid}/oom_score_adj", "w") as f:
-        f.write("500")   # the trainer, not the co-tenant, is what an over-limit cgroup would lose
+    # the trainer, not the co-tenant, is what an over-limit cgroup would lose
+    trainer, log = start_trainer(cg, cmd, out)
     cotenant = None
     try:
-        _wait_for(os.path.join(out, f"step-{arrive}.done"), trainer)
-        cotenant = cg.popen([sys.executable, "-c", HOLD, str(take // MiB)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-        assert cotenant.stdout.readline().strip() == "held"
+        wait_for(os.path.join(out, f"step-{arrive}.done"), trainer)
+        cotenant = start_cotenant(cg, take)
         open(os.path.join(out, f"go-{arrive}"), "w").close()
-        _wait_for(os.path.join(out, f"step-{leave}.done"), trainer)
+        wait_for(os.path.join(out, f"step-{leave}.done"), trainer)
         assert cotenant.poll() is None
         cotenant.kill()
         cotenant.wait(10)
@@ -110,7 +76,7 @@ def test_grow_back_after_a_cotenant_leaves(memory_cgroup, tmp_path):
                 p.kill()
     tail = open(os.path.join(out, "trainer.log")).read()[-3000:]
     assert rc == 0 and cg.oom_kill_count() == oom0, tail
-    r = json.load(open(os.path.join(out, "result.json")))
+    r = read_result(out)
     g = r["guard"]
     assert r["global_step"] == steps                              # the same optimizer step count
     assert g["samples_per_step"] == [16] * steps                  # the effective batch kept

@@ -122,7 +122,8 @@ CUDA_FRAGMENTATION = 0.05
 #: leave no slack. Fitted over 27 real HF Trainer runs (LoRA and full; fp32, bf16, autocast; sdpa,
 #: eager; checkpointing on/off; Llama, GPT-2, Qwen2, Mixtral). ``MALLOC_MMAP_THRESHOLD_=131072``
 #: in the training process's environment removes most of this slack. Under PEFT LoRA the forward's
-#: traffic also includes each LoRA'd linear's unsaved temporaries (``LORA_FORWARD_TEMPORARIES``).
+#: traffic also includes each LoRA'd linear's unsaved temporaries (``LORA_FORWARD_TEMPORARIES``, at
+#: their own measured factor ``LORA_TEMP_SLACK``).
 #: Dense V x h tensors at the end of an HF full fine-tune's backward beyond ``.grad`` (see
 #: ``estimate``'s backward moment).
 EMBEDDING_GRAD_COPIES = 2
@@ -348,7 +349,10 @@ def _optimizer_states(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
 
     * adam / adamw: exp_avg + exp_avg_sq in the parameter's dtype (``torch/optim/adamw.py``
       ``_init_group``; mlx ``optimizers.Adam.init_single``): 2 x param bytes per trainable element.
-    * sgd: HF ``optim="sgd"`` builds ``torch.optim.SGD`` without momentum: no state.
+    * sgd: HF ``optim="sgd"`` builds ``torch.optim.SGD`` without momentum: no state. MLX's
+      ``optimizers.SGD.init_single`` creates ``v = zeros_like(parameter)`` whatever the momentum,
+      and the compiled step keeps it: one buffer per parameter (measured: the held memory between
+      mlx_lm steps is weights + 1 x the trainable bytes with SGD, + 2 x with AdamW).
     * sgd-momentum: one momentum buffer per parameter.
     * adafactor: factored second moments, see ``_adafactor_state_elems``.
     * adamw-8bit: bitsandbytes block-wise 8-bit states (Dettmers et al. 2022, "8-bit Optimizers
@@ -360,7 +364,7 @@ def _optimizer_states(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
     if o in ("adam", "adamw"):
         return 2 * pb * trainable
     if o == "sgd":
-        return 0
+        return pb * trainable if ts.framework == "mlx" else 0
     if o == "sgd-momentum":
         return pb * trainable
     if o == "adafactor":
@@ -624,6 +628,37 @@ def _activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
 #: 64/256 and intermediate 128/512 (Llama layout, LoRA all-linear), gives 16 x h + 6 x i.
 MLX_ONE_TIME_H = 16
 MLX_ONE_TIME_I = 6
+#: Why a one-time working set at all, and why it differs between LoRA and full fine-tuning: MLX's
+#: CPU backend evaluates asynchronously. ``mx.eval`` walks the tape on the calling thread and, for
+#: each array, allocates its output (``eval_cpu``) and enqueues the kernel on the stream's worker
+#: thread; the caller only blocks when more than ``MAX_ACTIVE_TASKS`` (10, ``mlx/transforms.cpp``)
+#: scheduler tasks are pending, and the CPU encoder counts one task per ``DISPATCHES_PER_TASK``
+#: (10, ``mlx/backend/cpu/encoder.h`` of the installed wheel) dispatches -- so up to ~100 dispatches
+#: (about 50 ops, kernel + buffer release each) are encoded, their outputs allocated, while the
+#: worker still holds the inputs of the ops it has not run. The peak is the live set at the loss
+#: plus the outputs of the first ~50 backward ops. Measured (mlx 0.32.4 CPU, tiny Llama h 64 /
+#: i 128, 256 tokens): with ``mx.set_memory_limit(1)`` (the eval loop then waits for every task,
+#: i.e. synchronous execution) the step's peak above the held weights and states is 3.5-3.7 MiB,
+#: deterministic; asynchronous, 5.3-6.1 MiB, varying between runs by whole arrays (64 KiB steps).
+#: The ``MLX_ONE_TIME_*`` terms are that window. Its content depends on the backward's op mix:
+#: under LoRA each adapted linear's backward is ~6 ops (base and adapter input-gradients, scaled,
+#: summed; ``x @ A`` and ``g @ B^T`` products), so the window ends inside the top block's MLP, with
+#: ~3 extra intermediate-sized arrays from ``down_proj``; a full fine-tune's linear backward is 2
+#: ops (``g @ W`` and ``g^T x``), so the same window reaches through the top block's attention
+#: backward, which on CPU (``mx.fast.scaled_dot_product_attention``'s fallback, ``softmax(q k^T)
+#: v``) allocates two score-sized arrays (the probabilities' cotangent ``g v^T`` and the softmax
+#: VJP), heads x seq per token each. Full fine-tune window: ``MLX_FULL_ONE_TIME_H`` x h +
+#: ``MLX_FULL_ONE_TIME_I`` x i per token plus ``MLX_FULL_BWD_SCORES`` score arrays, regressed over
+#: 16 real mlx_lm full fine-tunes (tiny Llama; blocks 1-3, batch 2-16 x seq 16-128, hidden 64/128,
+#: intermediate 128/256, heads 2/4/8, vocab 256/1024): the score slope was 2.0-2.2 arrays at 1, 2
+#: and 3 blocks, and with these terms every run's peak is predicted within -0.3 .. +1.6 % (the
+#: bench's ``mlx-tiny-full`` case: -9 % before). The LoRA runs of the same sweep keep a score slope
+#: of 0 at 2 blocks. Not covered: bf16 tiny models, where the same window is relatively larger
+#: (tiny LoRA and full bf16 runs measured 5-9 % above the estimate at 2 blocks; the bench's bf16
+#: MLX cases, logits-dominated, are within 1.5 %).
+MLX_FULL_ONE_TIME_H = 20
+MLX_FULL_ONE_TIME_I = 3
+MLX_FULL_BWD_SCORES = 2
 #: mlx_lm ``default_loss``: logits (B, L, V) in the model dtype, ``nn.losses.cross_entropy``'s
 #: ``logsumexp`` and the gathered-target difference, the logits' gradient and the ``astype``: 4 x
 #: e x V per token, measured as the vocabulary slope (16.0 B/token/vocab fp32, 8.1 bf16).
@@ -633,6 +668,57 @@ MLX_LOGITS_COPIES = 4
 #: buffers), measured as the per-block slope with checkpointing (0.25 MiB per block at 256 tokens,
 #: hidden 64, fp32).
 MLX_CKPT_H = 4
+
+
+#: mlx_lm full fine-tune, the end of the compiled step (``train``'s ``step``: backward and
+#: ``optimizer.update`` in one ``mx.compile``d graph, evaluated by one ``mx.eval``): the update of a
+#: parameter is encoded as soon as its gradient is, so, with the asynchronous window described at
+#: ``MLX_ONE_TIME_I``, the gradients and the new arrays of the last blocks reached by the backward
+#: are allocated together while the old parameters and states are still held. Per trainable element
+#: in flight, in the parameter's bytes: Adam/AdamW 4 (the gradient, the new m, the new v and the new
+#: parameter; ``mlx/optimizers/optimizers.py`` ``Adam.apply_single``); SGD without momentum 1.25
+#: (the gradient; ``parameter - lr * gradient`` mostly reuses the gradient's buffer, MLX donating an
+#: elementwise op's sole-reference input; measured 1.16-1.41 x with 1-2 blocks including the
+#: backward's window); others: the gradient, one new array per state and the new parameter.
+#: The window holds the updates of about ``MLX_UPDATE_WINDOW_BLOCKS`` blocks. Measured on this
+#: machine (mlx 0.32.4 CPU, 16 tokens so the parameters dominate, Llama layout with hidden/intermediate
+#: 256/512, 512/1024, 256/1536): AdamW steps peak 4.06-4.19 x the trainable bytes above the held
+#: weights and states with 1-2 trained blocks, and 8.4-9.0 x one block's trainable bytes with 3, 4
+#: and 6 blocks (2.1-2.25 blocks x 4 arrays); the same steps evaluated synchronously
+#: (``mx.set_memory_limit(1)``) rise by only 0.7-1.8 x.
+MLX_UPDATE_ARRAYS = {"adam": 4, "adamw": 4, "sgd": 1.25, "sgd-momentum": 3}
+MLX_UPDATE_WINDOW_BLOCKS = 2.25
+
+
+def _mlx_full_optimizer_moment(ms: ModelSpec, ts: TrainSpec, trainable: int) -> Tuple[int, int, int, int]:
+    """mlx_lm full fine-tune, the end of the compiled step: (gradients, new parameters and states,
+    activations, attention-score arrays) in flight, bytes.
+
+    * the update window: ``MLX_UPDATE_ARRAYS`` arrays per trainable element of the last
+      min(trained blocks, ``MLX_UPDATE_WINDOW_BLOCKS``) blocks, the first of them the gradient
+      (the rest reported as optimizer temporaries); one block's trainable elements are
+      ``params.blocks / num_layers``, so a spec that does not know how many blocks train (mlx_lm's
+      ``num_layers`` is not on the model) still gets the window right from ``trainable``;
+    * the backward still running below it: the saved arrays of the trained blocks beyond the window
+      (the backward has not reached them yet), plus the backward's one-time window
+      (``MLX_FULL_ONE_TIME_*`` and the attention backward's ``MLX_FULL_BWD_SCORES``).
+    Measured: see ``MLX_UPDATE_ARRAYS`` (parameter-dominated steps) -- and with 256 tokens on hidden
+    256 / intermediate 512, 1-6 blocks: the peak rose with the blocks beyond ~2.25 by about their
+    saved arrays (within -5 % .. +5 %)."""
+    e = DTYPE_BYTES[ts.dtype]
+    tokens = ts.batch_size * ts.seq_length
+    per_block_params = ms.params.blocks / max(ms.num_layers, 1)
+    n_spec = max(_num_lora_layers(ms, ts), 1)
+    n_trained = min(float(n_spec), trainable / per_block_params) if per_block_params > 0 else n_spec
+    pb = _param_bytes_trainable(ms, ts)
+    window = pb * min(trainable, MLX_UPDATE_WINDOW_BLOCKS * per_block_params)
+    arrays = MLX_UPDATE_ARRAYS.get(ts.optimizer, 4)
+    hidden, scores, one_time, _ = _mlx_activations(ms, ts)
+    bwd_scores = MLX_FULL_BWD_SCORES * e * ms.num_heads * ts.seq_length * tokens
+    saved_per_block = (hidden + scores - bwd_scores) / n_spec
+    lower = max(n_trained - MLX_UPDATE_WINDOW_BLOCKS, 0.0)
+    return (int(window), int(max(arrays - 1, 0) * window), int(one_time + lower * saved_per_block),
+            int(bwd_scores))
 
 
 def _mlx_activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
@@ -653,7 +739,12 @@ def _mlx_activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
     each LoRA'd input group. MoE (``SwitchGLU``): the MLP terms per routed expert (top-k), plus the
     router's logits and scores. Blocks below the lowest trained block keep nothing (no VJP reaches
     them). With checkpointing each block keeps ``MLX_CKPT_H`` hidden-sized arrays and one block's
-    saved set is recomputed at a time. Constants ``MLX_*`` above: measured, see their comments.
+    saved set is recomputed at a time. A full fine-tune (mlx_lm unfreezes whole blocks, norms
+    included) also keeps each trained RMSNorm's normalised input for its weight's gradient (2 x e x
+    h per token per block: with synchronous evaluation, freezing the norms of the tiny bench model's
+    full fine-tune removed exactly the full-vs-LoRA difference of the live set), and its one-time
+    window is ``MLX_FULL_ONE_TIME_*`` plus ``MLX_FULL_BWD_SCORES`` score-sized arrays (returned in
+    the probs term). Constants ``MLX_*`` above: measured, see their comments.
     """
     e = DTYPE_BYTES[ts.dtype]
     tokens = ts.batch_size * ts.seq_length
@@ -670,18 +761,28 @@ def _mlx_activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
         mlp = 5 * i
         i_eff = i
     per_block = e * (4 * h + 2 * qd + 2 * kvd + mlp)
+    if ts.method == "full":
+        # trained RMSNorm weights: the VJP for each norm's weight reads the normalised input
+        # (``x * rsqrt(mean(x^2) + eps)``), one hidden-sized array per norm, 2 per block -- like
+        # HF's ``_block_act_per_token`` (the "normalised" term of a trainable block)
+        per_block += e * 2 * h
     if ts.method != "full" and e < 4:
         names = {ls.name for ls in _lora_linears(ms, ts)}
         groups = [(("q_proj", "k_proj", "v_proj"), h), (("o_proj",), qd), (("gate_proj", "up_proj"), h),
                   (("down_proj",), i)]
         per_block += sum(4 * fin for ns, fin in groups if names & set(ns))
     probs = e * ms.num_heads * ts.seq_length
-    one_time = e * (MLX_ONE_TIME_H * h + MLX_ONE_TIME_I * i_eff) * tokens
+    if ts.method == "full":
+        one_time = e * (MLX_FULL_ONE_TIME_H * h + MLX_FULL_ONE_TIME_I * i_eff) * tokens
+        bwd_scores = MLX_FULL_BWD_SCORES * probs * tokens
+    else:
+        one_time = e * (MLX_ONE_TIME_H * h + MLX_ONE_TIME_I * i_eff) * tokens
+        bwd_scores = 0
     logits = MLX_LOGITS_COPIES * e * ms.vocab_size * tokens
     if ts.grad_checkpoint:
         blocks = n * MLX_CKPT_H * e * h * tokens + (per_block + probs) * tokens
-        return int(blocks), 0, int(one_time), int(logits)
-    return int(n * per_block * tokens), int(n * probs * tokens), int(one_time), int(logits)
+        return int(blocks), int(bwd_scores), int(one_time), int(logits)
+    return int(n * per_block * tokens), int(n * probs * tokens + bwd_scores), int(one_time), int(logits)
 
 
 def _activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
@@ -694,16 +795,27 @@ def _activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
 
 #: Out-sized tensors one LoRA'd linear allocates in its forward beyond the base layer's output,
 #: freed before the next module runs. PEFT 0.21 ``tuners/lora/layer.py`` ``Linear.forward``:
-#: ``result = result + lora_B(lora_A(dropout(x))) * scaling`` -- the ``lora_B`` output, the scaled
-#: product and the out-of-place sum (which replaces the base output) are three tensors of
-#: (tokens x out_features) each; none is saved for the backward (``mul`` by a Python scalar and
+#: ``result = result + lora_B(lora_A(dropout(x))) * scaling`` then ``result.to(torch_result_dtype)``
+#: -- the ``lora_B`` output, the scaled product and the out-of-place sum are three tensors of
+#: (tokens x out_features) in the adapter's dtype (fp32: PEFT keeps fp32 adapters on a bf16 base,
+#: and ``bf16 + fp32`` promotes, so the sum is fp32 too), and with a half-precision base the cast
+#: back is a fourth, in the base dtype. None is saved for the backward (``mul`` by a Python scalar and
 #: ``add`` save nothing: ``derivatives.yaml``), so they are not activations, but on CPU they pass
-#: through glibc's heap like the saved activations do and leave resident pages behind (see
-#: ``CPU_HEAP_SLACK_FORWARD``). Measured on this machine: replacing the two out-of-place ops by an
-#: in-place ``result.add_(lora_B(...), alpha=scaling)`` (one temporary instead of three) lowered the
-#: HF ``Trainer`` VmHWM of the bench's GPT-2 ``c_attn`` case by 42 MiB (predicted: 2 x 36 MiB x 0.6
-#: = 43) and of the TinyLlama all-linear case by 116 MiB (predicted 168).
+#: through glibc's heap and leave resident pages behind. All four are distinct chunks (checked with
+#: ``data_ptr()`` on this machine: torch's CPU allocator asks ``posix_memalign`` for 64-byte
+#: alignment, whose padded request an exactly-sized freed chunk cannot serve, so the sum does not
+#: land in the freed ``lora_B`` output nor the cast in the freed base output).
 LORA_FORWARD_TEMPORARIES = 3
+#: Resident slack per byte of those temporaries at the loss moment. Lower than the saved
+#: activations' ``CPU_HEAP_SLACK_FORWARD`` (0.6): the temporaries' holes are partly refilled by the
+#: following allocations. Measured on this machine with an A/B of the bench's HF ``Trainer`` cases
+#: against a forward with no out-sized temporary at all (the same LoRA math in place:
+#: ``result.view(-1, out).addmm_(lora_A(x), lora_B.weight.t(), alpha=scaling)``): VmHWM dropped by
+#: 44 MiB for GPT-2 ``c_attn`` fp32 (0.41 x the 108 MiB of temporaries), 189 MiB for TinyLlama
+#: all-linear fp32 (0.45 x 420), 128 MiB for Qwen2.5 bf16 all-linear (0.37 x 346; mean of 7 stock
+#: runs that ranged 2008-2123 MiB, against 1949 MiB twice) and 23 MiB for Gemma-2 bf16 all-linear
+#: (0.12 x 186, 256 tokens). With the 0.6 factor the bf16 Qwen2.5 case was over-estimated by ~10 %.
+LORA_TEMP_SLACK = 0.4
 
 
 def _lora_forward_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
@@ -712,7 +824,8 @@ def _lora_forward_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
     block, in the adapter's dtype (fp32,
     PEFT ``autocast_adapter_dtype``; the compute dtype under autocast), plus the cast of the sum back
     to a half-precision base dtype (``result.to(torch_result_dtype)``). Tensors >= the largest mmap
-    threshold (32 MiB) are mmapped and leave no heap slack, so they are not counted.
+    threshold (32 MiB) are mmapped and leave no heap slack, so they are not counted. The estimate
+    charges ``LORA_TEMP_SLACK`` x this at the loss moment.
 
     Zero under gradient checkpointing: the checkpointed forward saves nothing inside a block, so
     each block's temporaries are freed into a heap that no saved tensor pins and the next block
@@ -834,15 +947,11 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
 
     # moment 1: loss (grads resident only while accumulating)
     grads_at_loss = grads if ts.grad_accum > 1 else 0
+    # mlx_lm full fine-tune: the update's arrays are not live at the loss (measured with synchronous
+    # evaluation: the loss-moment live set of AdamW and SGD steps is the same); the step's update
+    # window is the optimizer moment below (``_mlx_full_optimizer_moment``). (SGD's extra copy of
+    # the trainable parameters, once modelled here, is MLX SGD's ``v`` buffer: a state.)
     mlx_update = 0
-    if ts.framework == "mlx" and ts.method == "full":
-        # mlx_lm compiles backward and ``optimizer.update`` into one graph: while the lower blocks'
-        # saved arrays are still held, the upper blocks' new arrays (SGD: the updated parameters;
-        # Adam: the new moments, which replace the old ones the optimizer holds) already exist; the
-        # old parameters and states are released only after ``mx.eval`` returns. Measured on the
-        # bench's MLX full fine-tunes (AdamW vs SGD, same model): the moment holds
-        # max(optimizer states, one copy of the trainable parameters).
-        mlx_update = max(0, trainable * _param_bytes_trainable(ms, ts) - states)
     loss = dict(weights=weights, weight_copies=copies, gradients=grads_at_loss,
                 optimizer_states=states, master_weights=master, optimizer_temporaries=mlx_update,
                 backward_transients=0, activations=hidden + lora_act + head_in + recompute,
@@ -865,6 +974,12 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
                master_weights=master, optimizer_temporaries=opt_tmp, backward_transients=0,
                activations=0,
                attention_scores=0, logits=0, runtime_overhead=overhead)
+    if ts.framework == "mlx" and ts.method == "full":
+        # the update is part of the backward's graph: gradients and new arrays of the last blocks
+        # in flight together while the backward still runs below them -- see MLX_UPDATE_ARRAYS
+        g_fly, new_fly, acts, sc = _mlx_full_optimizer_moment(ms, ts, trainable)
+        opt.update(gradients=g_fly, optimizer_temporaries=new_fly, activations=acts,
+                   attention_scores=sc)
     phases = {"loss": loss, "backward": bwd, "optimizer": opt}
     totals = {k: sum(v.values()) for k, v in phases.items()}
     traffic = _activation_traffic(ms, ts)
@@ -876,7 +991,8 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
         elif ts.device == "cpu":
             if k == "loss":
                 small_logits = logits_peak if logits_tensor < MMAP_THRESHOLD_MAX else 0
-                slack = int(CPU_HEAP_SLACK_FORWARD * (traffic + small_logits + lora_traffic))
+                slack = int(CPU_HEAP_SLACK_FORWARD * (traffic + small_logits)
+                            + LORA_TEMP_SLACK * lora_traffic)
             else:
                 slack = int(CPU_HEAP_SLACK_BACKWARD * traffic)
         else:

@@ -342,13 +342,20 @@ def _dtype_name(model: Any) -> str:
     return "fp32"
 
 
+def _trained_blocks(model: Any) -> int:
+    """Blocks of ``model.layers`` holding at least one trainable (unfrozen) array."""
+    from mlx.utils import tree_flatten
+
+    return sum(1 for block in model.layers if tree_flatten(block.trainable_parameters()))
+
+
 def train_spec_from_args(model: Any, optimizer: Any, args: Any, model_spec: ModelSpec, *,
                          train_dataset: Any = None, seq_length: Optional[int] = None) -> TrainSpec:
     """``TrainSpec`` of an mlx_lm run: micro-batch ``args.batch_size``, accumulation
     ``args.grad_accumulation_steps``, ``grad_checkpoint``, the sequence length of the data (see
     :func:`seq_length_of`, or ``seq_length``), method (``qlora`` for quantized blocks with LoRA,
     ``lora`` when adapters are found, else ``full``), LoRA rank / targets / number of blocks found on
-    the model, the optimizer's class, the weights' dtype; ``framework="mlx"``, ``device="mlx"``
+    the model (a full fine-tune of the last n blocks only, mlx_lm ``num_layers``: ``lora_layers=n``), the optimizer's class, the weights' dtype; ``framework="mlx"``, ``device="mlx"``
     (the estimate predicts ``mx.get_peak_memory()``).
 
     Raises:
@@ -369,6 +376,10 @@ def train_spec_from_args(model: Any, optimizer: Any, args: Any, model_spec: Mode
             kw["lora_targets"] = lora["targets"]
         if lora["blocks"] and lora["blocks"] < model_spec.num_layers:
             kw["lora_layers"] = lora["blocks"]
+    else:
+        trained = _trained_blocks(model)
+        if 0 < trained < model_spec.num_layers:
+            kw["lora_layers"] = trained  # mlx_lm's full fine-tune unfreezes the last num_layers blocks
     return TrainSpec(batch_size=int(args.batch_size), seq_length=int(seq_length),
                      grad_accum=int(args.grad_accumulation_steps), method=method,
                      optimizer=optimizer_name(optimizer), dtype=_dtype_name(model), mixed_precision=False,

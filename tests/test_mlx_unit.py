@@ -71,6 +71,20 @@ def test_spec_finds_blocks_outside_model_layers():
     assert ms.intermediate_size == 256
 
 
+def test_full_fine_tune_of_the_last_blocks_sets_lora_layers():
+    """mlx_lm's full fine-tune with num_layers=1 unfreezes only the last block: the TrainSpec says so
+    (the estimator's backward and trainable counts cover that block alone)."""
+    m = build_model("llama", lora_rank=0)
+    m.layers[-1].unfreeze()
+    ms = model_spec_from_mlx_module(m)
+    ts = train_spec_from_args(m, optim.AdamW(learning_rate=1e-3), TrainingArgs(batch_size=2), ms, seq_length=16)
+    assert ts.method == "full" and ts.lora_layers == 1
+    for layer in m.layers:
+        layer.unfreeze()
+    ts = train_spec_from_args(m, optim.AdamW(learning_rate=1e-3), TrainingArgs(batch_size=2), ms, seq_length=16)
+    assert ts.method == "full" and ts.lora_layers is None
+
+
 def test_spec_lora_found_on_the_model():
     m = build_model("llama", lora_rank=4, lora_layers=1)
     ms = model_spec_from_mlx_module(m)

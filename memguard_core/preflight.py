@@ -253,3 +253,21 @@ def resident_bytes_for(train_spec: TrainSpec) -> Optional[int]:
         logging.getLogger("memguard.preflight").debug("no RSS reading for the preflight", exc_info=True)
         return None
 
+
+def enable_hf_checkpointing(target: Any) -> None:
+    """Per-block activation checkpointing of a transformers ``PreTrainedModel``, in place:
+    non-reentrant (``use_reentrant=False``, so PEFT models need no ``enable_input_require_grads``),
+    through ``activation_checkpointing_enable`` (transformers >= 5) or
+    ``gradient_checkpointing_enable``; ``config.use_cache`` is turned off, as transformers requires
+    with checkpointing. Imports nothing (the model's own methods do the work).
+
+    Raises:
+        AttributeError: ``target`` has neither method.
+    """
+    if hasattr(target, "activation_checkpointing_enable"):
+        target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = getattr(target, "config", None)
+    if cfg is not None and hasattr(cfg, "use_cache"):
+        cfg.use_cache = False

@@ -21,7 +21,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from memguard_core.preflight import (Preflight, attn_impl_from, default_budget, method_and_lora, plan_in_place,
+from memguard_core.preflight import (Preflight, attn_impl_from, default_budget, enable_hf_checkpointing,
+                                     method_and_lora, plan_in_place,
                                      resident_bytes_for)
 from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
 
@@ -117,13 +118,7 @@ def enable_activation_checkpointing(model) -> None:
     target = m
     if not hasattr(target, "gradient_checkpointing_enable") and hasattr(m, "get_base_model"):
         target = m.get_base_model()
-    if hasattr(target, "activation_checkpointing_enable"):
-        target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = getattr(target, "config", None)
-    if cfg is not None and hasattr(cfg, "use_cache"):
-        cfg.use_cache = False
+    enable_hf_checkpointing(target)
 
 
 def run_preflight(trainer, *, budget_bytes: Optional[int], safety_ratio: float = 0.8,

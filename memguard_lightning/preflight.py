@@ -33,7 +33,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from memguard_core.preflight import (Preflight, attn_impl_from, default_budget, method_and_lora, plan_in_place,
+from memguard_core.preflight import (Preflight, attn_impl_from, default_budget, enable_hf_checkpointing,
+                                     method_and_lora, plan_in_place,
                                      resident_bytes_for)
 from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
 
@@ -80,13 +81,7 @@ def enable_activation_checkpointing(pl_module: torch.nn.Module) -> None:
     target = _hf_model(find_model(pl_module))
     if target is None:
         raise ValueError("the model has no gradient_checkpointing_enable()")
-    if hasattr(target, "activation_checkpointing_enable"):  # transformers >= 5 name
-        target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = getattr(target, "config", None)
-    if cfg is not None and hasattr(cfg, "use_cache"):
-        cfg.use_cache = False
+    enable_hf_checkpointing(target)
 
 
 def optimizer_name(optimizer: Any) -> str:

@@ -105,7 +105,10 @@ def scenario(name: str, take_mib: int, mid_step: bool) -> dict:
     old = [x for x in after if x[2] == 16 and (first_small is None or x[0] < first_small[0])]
     r = json.load(open(os.path.join(out, "result.json")))
     splits = [e for e in r["guard"]["events"] if e["action"] == "split"]
+    seen = [e for e in r["guard"]["events"] if e.get("step") is not None and e["step"] > at]
+    top = max(seen, key=lambda e: e["usage"], default=None)
     return {"name": name, "take_mib": take_mib, "oom": oom,
+            "top_usage": None if top is None else top["usage"], "top_level": None if top is None else top["level"],
             "reaction_s": None if first_small is None else first_small[0] - t_cross,
             "old_forwards": len(old), "source": splits[0]["source"] if splits else "-",
             "k": r["guard"]["split"], "steps": r["global_step"], "max_steps": steps,
@@ -127,8 +130,14 @@ def main() -> int:
             if "error" in res:
                 rows.append([name, str(take), res["error"], "", "", "", ""])
                 continue
-            rows.append([name, str(take), "-" if res["reaction_s"] is None else f"{res['reaction_s']:.2f}",
-                         str(res["old_forwards"]), res["source"], f"1 -> {res['k']}",
+            if res["reaction_s"] is None:
+                # no split: the step peaks stayed under the split levels with the co-tenant there
+                top = ("no event" if res["top_usage"] is None else
+                       f"highest step sample {res['top_usage']:.0%} ({res['top_level']})")
+                reaction, old = f"no split needed: {top}", "-"
+            else:
+                reaction, old = f"{res['reaction_s']:.2f}", str(res["old_forwards"])
+            rows.append([name, str(take), reaction, old, res["source"], f"1 -> {res['k']}",
                          f"{res['steps']}/{res['max_steps']}, {res['step_s']:.1f} s/step"])
         header = ["scenario", "co-tenant MiB", "crossing -> first smaller forward (s)",
                   "forwards at the old size after the crossing (target 0)", "decided by", "k",

@@ -136,7 +136,22 @@ BREAKDOWN_ORDER = ("weights", "weight_copies", "gradients", "optimizer_states", 
                    "optimizer_temporaries", "backward_transients", "activations", "attention_scores", "logits",
                    "runtime_overhead", "allocator_slack", "calibration")
 
-_GPT2_LIKE = ("gpt2", "gpt_bigcode", "gpt_neo", "gptj", "opt", "bloom", "falcon", "phi")
+_GPT2_LIKE = ("gpt2", "gpt_bigcode", "gpt_neo", "gptj", "bloom", "falcon", "phi")
+
+#: LayerNorm blocks with a plain (non-gated) MLP whose saved tensors are modelled from their own
+#: transformers 5.x modules (``_plain_mlp_block_act``) rather than GPT-2's: model_type ->
+#: (MLP activation, attention dropout in training, residual dropouts per block, fused q/k/v
+#: buffer, parallel residual). From the config defaults and modules:
+#: ``models/opt``: ``activation_function="relu"``, ``attention_dropout=0.0``, ``dropout=0.1``
+#: after the attention and after ``fc2``, separate q/k/v projections, sequential residual;
+#: ``models/gpt_neox``: ``hidden_act="gelu"`` (exact), ``attention_dropout=0.0``,
+#: ``hidden_dropout=0.0``, fused ``query_key_value`` chunked into q/k/v views with rotary applied
+#: to q and k (``torch.cat`` makes new tensors), ``use_parallel_residual=True`` (both LayerNorms
+#: read the block input).
+_PLAIN_MLP_ARCHS = {
+    "opt": ("relu", False, 2, False, False),
+    "gpt_neox": ("gelu", False, 0, True, True),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,6 +534,8 @@ def _block_act_per_token(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_
             return 2 * fin * len(lo)
         return e * fin if e == 4 else 4 * fin * len(lo)
 
+    if ms.model_type in _PLAIN_MLP_ARCHS:
+        return _plain_mlp_block_act(ms, ts, a, lora_names, trainable_block, e, r, amp)
     if gpt2:
         a.hidden += r * h                       # ln_1 input
         if trainable_block:
@@ -578,6 +595,72 @@ def _block_act_per_token(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_
     a.hidden += group_input(("gate_proj", "up_proj"), h)
     a.hidden += 3 * e * i                       # gate, up, act
     a.hidden += group_input(("down_proj",), i)
+    return a
+
+
+def _plain_mlp_block_act(ms: ModelSpec, ts: TrainSpec, a: _Act, lora_names: set, trainable_block: bool,
+                         e: int, r: int, amp: bool) -> _Act:
+    """Saved bytes per token of a LayerNorm block with a plain MLP (``_PLAIN_MLP_ARCHS``: OPT,
+    GPT-NeoX), tensor by tensor (PyTorch ``derivatives.yaml``):
+
+    * ``native_layer_norm`` saves its input (r x h) and per-token mean/rstd (negligible); the weight
+      gradient is computed from them, so no normalised copy (unlike RMSNorm's Python ``weight *
+      hidden``). A parallel residual's two norms read the same block input: one tensor.
+    * a linear saves its input only when its weight trains or LoRA wraps it; q/k/v (and, with a
+      fused buffer, the whole ``query_key_value`` output that the ``v`` view keeps alive, plus the
+      rotary ``cat`` copies of q and k), and SDPA's output and fp32 logsumexp (CPU flash kernel:
+      ``_scaled_dot_product_flash_attention_cpu`` with no dropout and no mask); its output is laid
+      out (B, S, H, D), so the ``reshape(...).contiguous()`` that feeds the out projection is a
+      view -- nothing extra. Eager attention: the fp32 probabilities (cast to e when e < 4) and,
+      when the out projection saves its input, the merged-heads copy.
+    * ``relu`` saves its result, which is the next linear's input (no extra tensor); exact ``gelu``
+      saves its input, and the next linear, when it saves, its output.
+    * ``native_dropout`` saves a 1-byte mask per element.
+    Checked against the saved tensors (``torch.autograd.graph.saved_tensors_hooks``, unique
+    storages per block) of transformers 5.23 OPT and GPT-NeoX blocks on this machine."""
+    act, attn_drop, n_drop, fused_qkv, parallel = _PLAIN_MLP_ARCHS[ms.model_type]
+    h, s, nh = ms.hidden_size, ts.seq_length, ms.num_heads
+    i = ms.intermediate_size
+    lins = _block_linears(ms)
+
+    def role_saves(pred) -> int:
+        """Linears of a role that save their input (trained or LoRA'd)."""
+        return sum(1 for ls in lins if pred(ls) and (trainable_block or ls.name in lora_names))
+
+    attn_out_names = ("out_proj", "dense", "o_proj", "c_proj")
+    attn_in = role_saves(lambda ls: ls.kind == "attention" and ls.name not in attn_out_names)
+    attn_out = role_saves(lambda ls: ls.kind == "attention" and ls.name in attn_out_names)
+    mlp_in = role_saves(lambda ls: ls.kind != "attention" and ls.in_features == h)
+    mlp_out = role_saves(lambda ls: ls.kind != "attention" and ls.in_features != h)
+
+    def inp(n: int) -> float:
+        """A shared input saved by n linears: one tensor, or one autocast copy per linear."""
+        if not n:
+            return 0.0
+        if amp:
+            return 2 * h * n
+        if e < 4 and not trainable_block:
+            return 4 * h * n                    # PEFT's fp32 cast per LoRA'd linear (``group_input``)
+        return e * h
+
+    a.hidden += r * h                           # input LayerNorm: its input
+    a.hidden += inp(attn_in)
+    a.hidden += e * (5 if fused_qkv else 3) * h  # q, k, v (fused: the qkv buffer + rotated q, k)
+    eager = ts.attn_impl == "eager" or attn_drop
+    if eager:
+        a.scores += nh * s * (4 + (e if e < 4 else 0) + (1 if attn_drop else 0))
+        if attn_out:
+            a.hidden += e * h                   # merged heads (contiguous copy)
+    else:
+        a.hidden += e * h                       # SDPA output (also the out projection's input)
+        a.scores += 4 * nh                      # logsumexp
+    a.hidden += n_drop * h                      # dropout masks
+    if not parallel:
+        a.hidden += r * h                       # post-attention LayerNorm input (the residual)
+    a.hidden += inp(mlp_in)
+    a.hidden += e * i                           # relu's result / gelu's input
+    if act != "relu" and mlp_out:
+        a.hidden += e * i                       # gelu's output, the MLP out projection's input
     return a
 
 

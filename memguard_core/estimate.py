@@ -116,7 +116,7 @@ CUDA_FRAGMENTATION = 0.05
 #: ``MALLOC_MMAP_THRESHOLD_=131072`` pinning the threshold, the RSS rise over a step equals the
 #: live set this module predicts to a few percent; with glibc's defaults the forward leaves
 #: resident heap pages of about 0.6 x the step's activation traffic (the activations saved by all
-#: blocks, also under checkpointing, where each block's working set passes through the heap twice)
+#: blocks, also under checkpointing: measured, see ``_activation_traffic``)
 #: on top of the live set, and at the end of the backward (when gradients or the optimizer step
 #: peak) about 1.2 x that traffic is still resident. Logits tensors >= 32 MiB are mmapped and
 #: leave no slack. Fitted over 27 real HF Trainer runs (LoRA and full; fp32, bf16, autocast; sdpa,
@@ -124,9 +124,24 @@ CUDA_FRAGMENTATION = 0.05
 #: in the training process's environment removes most of this slack. Under PEFT LoRA the forward's
 #: traffic also includes each LoRA'd linear's unsaved temporaries (``LORA_FORWARD_TEMPORARIES``, at
 #: their own measured factor ``LORA_TEMP_SLACK``).
-#: Dense V x h tensors at the end of an HF full fine-tune's backward beyond ``.grad`` (see
-#: ``estimate``'s backward moment).
-EMBEDDING_GRAD_COPIES = 2
+#: Dense V x h gradient tensors beyond ``.grad`` in an HF full fine-tune (torch autograd; see
+#: ``_embedding_grad_transients``), by (tied head, accumulating gradients):
+#: * tied: the head's and the embedding's uses of the one weight share one ``AccumulateGrad`` node,
+#:   so the head's V x h gradient waits in the node's input buffer the whole backward; at the end
+#:   ``embedding_dense_backward`` makes a dense V x h gradient and the buffer sums the two
+#:   (``torch/csrc/autograd/input_buffer.cpp``): 2 tensors beyond the one ``.grad`` counts.
+#:   Measured: the held-out Qwen3-0.6B (tied, V x h fp32 = 594 MiB) peaks 2.1 x V x h above
+#:   weights + gradients + states + overhead at the end of the backward.
+#: * untied, not accumulating: ``AccumulateGrad`` steals the fresh head gradient and the fresh
+#:   embedding gradient into ``.grad`` (``torch/csrc/autograd/functions/accumulate_grad.h``: the
+#:   new gradient becomes ``.grad`` when none exists): nothing beyond ``.grad``. Measured: Pythia
+#:   (GPT-NeoX, untied) ends its backward within 1 % of weights + gradients + states + overhead +
+#:   slack, where 2 copies over-estimated it by 12 % (bench ``hf-pythia-160m-6l-full-b2-s256-fp32``).
+#: * untied, accumulating (``grad_accum > 1``, from the 2nd micro-batch on): each new V x h
+#:   gradient is added into the existing ``.grad`` (``variable_grad += new_grad``) -- one copy, at
+#:   the end of the backward (the embedding) and at its start (the head, while the activations and
+#:   the logits' gradients are still alive: counted at the ``loss`` moment).
+EMBEDDING_GRAD_COPIES = {(True, False): 2, (True, True): 2, (False, False): 0, (False, True): 1}
 CPU_HEAP_SLACK_FORWARD = 0.6
 CPU_HEAP_SLACK_BACKWARD = 1.2
 MMAP_THRESHOLD_MAX = 32 * MiB
@@ -145,12 +160,11 @@ _GPT2_LIKE = ("gpt2", "gpt_bigcode", "gpt_neo", "gptj", "bloom", "falcon", "phi"
 #: ``models/opt``: ``activation_function="relu"``, ``attention_dropout=0.0``, ``dropout=0.1``
 #: after the attention and after ``fc2``, separate q/k/v projections, sequential residual;
 #: ``models/gpt_neox``: ``hidden_act="gelu"`` (exact), ``attention_dropout=0.0``,
-#: ``hidden_dropout=0.0``, fused ``query_key_value`` chunked into q/k/v views with rotary applied
-#: to q and k (``torch.cat`` makes new tensors), ``use_parallel_residual=True`` (both LayerNorms
-#: read the block input).
+#: ``hidden_dropout=0.0``, fused ``query_key_value`` chunked into q/k/v, ``use_parallel_residual=True``
+#: (both LayerNorms read the block input).
 _PLAIN_MLP_ARCHS = {
-    "opt": ("relu", False, 2, False, False),
-    "gpt_neox": ("gelu", False, 0, True, True),
+    "opt": ("relu", False, 2, False),
+    "gpt_neox": ("gelu", False, 0, True),
 }
 
 
@@ -606,19 +620,23 @@ def _plain_mlp_block_act(ms: ModelSpec, ts: TrainSpec, a: _Act, lora_names: set,
     * ``native_layer_norm`` saves its input (r x h) and per-token mean/rstd (negligible); the weight
       gradient is computed from them, so no normalised copy (unlike RMSNorm's Python ``weight *
       hidden``). A parallel residual's two norms read the same block input: one tensor.
-    * a linear saves its input only when its weight trains or LoRA wraps it; q/k/v (and, with a
-      fused buffer, the whole ``query_key_value`` output that the ``v`` view keeps alive, plus the
-      rotary ``cat`` copies of q and k), and SDPA's output and fp32 logsumexp (CPU flash kernel:
-      ``_scaled_dot_product_flash_attention_cpu`` with no dropout and no mask); its output is laid
-      out (B, S, H, D), so the ``reshape(...).contiguous()`` that feeds the out projection is a
-      view -- nothing extra. Eager attention: the fp32 probabilities (cast to e when e < 4) and,
-      when the out projection saves its input, the merged-heads copy.
+    * a linear saves its input only when its weight trains or LoRA wraps it; q, k and v (e x h
+      each, also from GPT-NeoX's fused ``query_key_value``: the saved q/k/v hold their own
+      storages), SDPA's output and fp32 logsumexp (CPU flash kernel with no dropout and no mask);
+      the out projection, when it saves, a merged-heads copy of the output (e x h). Eager
+      attention: the fp32 probabilities (cast to e when e < 4).
     * ``relu`` saves its result, which is the next linear's input (no extra tensor); exact ``gelu``
       saves its input, and the next linear, when it saves, its output.
-    * ``native_dropout`` saves a 1-byte mask per element.
-    Checked against the saved tensors (``torch.autograd.graph.saved_tensors_hooks``, unique
-    storages per block) of transformers 5.23 OPT and GPT-NeoX blocks on this machine."""
-    act, attn_drop, n_drop, fused_qkv, parallel = _PLAIN_MLP_ARCHS[ms.model_type]
+    * dropout on CPU is ``input * noise`` with a ``noise`` tensor in the input's dtype
+      (``aten/src/ATen/native/Dropout.cpp`` ``_dropout_impl``; the fused ``native_dropout`` with
+      its 1-byte mask is taken on CUDA only): e x h per dropout on CPU, 1 x h on CUDA.
+    Measured with ``torch.autograd.graph.saved_tensors_hooks`` (unique storages saved inside one
+    block, parameters excluded) on transformers 5.23 blocks, fp32: OPT-125m LoRA q/v, 4 x 256
+    tokens: 40064 B/token (this model: 40048); Pythia-160m full fine-tune, 2 x 256: 49280 B/token
+    (49200). The GPT-2 modelling applied to OPT before gave 90.7 KB/token (``gelu_new``'s four
+    saved tensors and the attention-dropout math path, neither of which OPT has), which put the
+    held-out ``hf-opt-125m-lora-r8-b4-s256-fp32-gc`` 18-21 % over."""
+    act, attn_drop, n_drop, parallel = _PLAIN_MLP_ARCHS[ms.model_type]
     h, s, nh = ms.hidden_size, ts.seq_length, ms.num_heads
     i = ms.intermediate_size
     lins = _block_linears(ms)
@@ -645,16 +663,15 @@ def _plain_mlp_block_act(ms: ModelSpec, ts: TrainSpec, a: _Act, lora_names: set,
 
     a.hidden += r * h                           # input LayerNorm: its input
     a.hidden += inp(attn_in)
-    a.hidden += e * (5 if fused_qkv else 3) * h  # q, k, v (fused: the qkv buffer + rotated q, k)
-    eager = ts.attn_impl == "eager" or attn_drop
-    if eager:
+    a.hidden += e * 3 * h                       # q, k, v
+    if ts.attn_impl == "eager" or attn_drop:
         a.scores += nh * s * (4 + (e if e < 4 else 0) + (1 if attn_drop else 0))
-        if attn_out:
-            a.hidden += e * h                   # merged heads (contiguous copy)
     else:
-        a.hidden += e * h                       # SDPA output (also the out projection's input)
+        a.hidden += e * h                       # SDPA output
         a.scores += 4 * nh                      # logsumexp
-    a.hidden += n_drop * h                      # dropout masks
+    if attn_out:
+        a.hidden += e * h                       # merged heads, the out projection's input
+    a.hidden += n_drop * h * (e if ts.device == "cpu" else 1)  # dropout noise / mask
     if not parallel:
         a.hidden += r * h                       # post-attention LayerNorm input (the residual)
     a.hidden += inp(mlp_in)
@@ -869,9 +886,22 @@ def _mlx_activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
 
 
 def _activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
-    """Bytes of activations one step saves across all blocks without checkpointing (with
-    checkpointing the same bytes pass through the heap during the recompute); drives the CPU heap
-    slack (see ``CPU_HEAP_SLACK_FORWARD``)."""
+    """Bytes of activations one step saves across all blocks without checkpointing; drives the CPU
+    heap slack (see ``CPU_HEAP_SLACK_FORWARD``), also under checkpointing.
+
+    Under checkpointing nothing inside a block is saved, yet the heap's resident slack still grows
+    with the number of checkpointed blocks, not with one block's working set. Measured on this
+    machine (HF ``Trainer``, LoRA q/v, 4 x 256 tokens, fp32; VmHWM per phase by resetting it with
+    ``/proc/self/clear_refs`` = 5, glibc ``mallinfo2`` at the phase ends, and the same runs with
+    ``MALLOC_MMAP_THRESHOLD_=131072``, which gives the live peak without heap slack): OPT-125m
+    with 1/4/8/12 checkpointed blocks peaked 75/145/241/258 MiB above the live set this module
+    predicts (the pinned 12-block run matched the live estimate to 1 MiB; the bench run of the
+    same case left 336 MiB), and glibc's arena grew by 303 MiB during the first checkpointed
+    forward while only 36 MiB of it was in use; SmolLM2-135M with 10/30 blocks: 171/357 MiB (its
+    pinned run again matched the live estimate to 3 MiB); Qwen2.5-0.5B 4 blocks (bench): 139 MiB.
+    That is about 0.4-0.7 x this traffic for 4-30 blocks (a slope of 0.3-0.5 x one block's
+    traffic per block plus 55-80 MiB), so the forward's 0.6 is kept: it over-estimates the
+    30-block SmolLM2 by 8-10 % and is within -3 .. +2 % on the others."""
     h, sc, lo, _ = _activations(ms, ts.replace(grad_checkpoint=False))
     return h + sc + lo
 
@@ -930,6 +960,20 @@ def _lora_forward_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
             if t < MMAP_THRESHOLD_MAX:
                 total += ls.count * t
     return int(total * _num_lora_layers(ms, ts))
+
+
+def _embedding_grad_transients(ms: ModelSpec, ts: TrainSpec, pb: int) -> Tuple[int, int]:
+    """Dense V x h gradients beyond ``.grad`` of an HF/Lightning full fine-tune, bytes:
+    (end of the backward, start of the backward). ``EMBEDDING_GRAD_COPIES[(tied, accumulating)]``
+    x V x h x ``pb`` (the trainable parameter's bytes) at the end; at the start, one copy when the
+    head is untied and gradients accumulate (its new gradient before ``+=`` into ``.grad``).
+    Zero for LoRA (frozen embeddings) and MLX (mlx_lm does not train the embeddings)."""
+    if ts.method != "full" or ts.framework == "mlx":
+        return 0, 0
+    vh = ms.vocab_size * ms.hidden_size * pb
+    tied = bool(ms.tie_word_embeddings)
+    acc = ts.grad_accum > 1
+    return EMBEDDING_GRAD_COPIES[(tied, acc)] * vh, (vh if (acc and not tied) else 0)
 
 
 def _logits(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int]:
@@ -1039,15 +1083,10 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
                 optimizer_states=states, master_weights=master, optimizer_temporaries=mlx_update,
                 backward_transients=0, activations=hidden + lora_act + head_in + recompute,
                 attention_scores=scores + mask, logits=logits_peak, runtime_overhead=overhead)
-    # moment 2: end of backward: all grads + embedding-grad transient (dense V x h, added into
-    # .grad: torch ``embedding_dense_backward`` + AccumulateGrad) + the first block's working set.
-    # EMBEDDING_GRAD_COPIES (2) dense V x h tensors: the embedding's dense gradient and a second one
-    # (the sum AccumulateGrad forms with the tied head's gradient, or the head's own gradient still
-    # referenced by autograd when the head is untied) -- measured on the bench's full fine-tunes
-    # (bench/results/bench_cpu.md: the backward-moment residual of 7 HF cases with tied and untied
-    # heads was 0.6-1.0 x V x h before this term).
-    emb_tmp = (EMBEDDING_GRAD_COPIES * ms.vocab_size * ms.hidden_size * pb
-               if (ts.method == "full" and ts.framework != "mlx") else 0)
+    # moment 2: end of backward: all grads + embedding-grad transient (dense V x h beyond .grad,
+    # EMBEDDING_GRAD_COPIES by tied head / accumulation) + the first block's working set.
+    emb_tmp, head_tmp = _embedding_grad_transients(ms, ts, pb)
+    loss["backward_transients"] = head_tmp
     bwd = dict(weights=weights, weight_copies=copies, gradients=grads, backward_transients=emb_tmp,
                optimizer_states=states, master_weights=master, optimizer_temporaries=0,
                activations=min(one_block, hidden + lora_act + recompute) if _grad_layers(ms, ts) else 0,

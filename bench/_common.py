@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -45,11 +45,14 @@ def token_rows(n: int, seq: int, vocab: int) -> list:
 
 
 def hf_run(model, ids: Sequence[Any], *, batch_size: int, steps: int, grad_accum: int = 1,
-           callbacks: Sequence[Any] = (), **training_args) -> Tuple[Any, List[float]]:
+           callbacks: Sequence[Any] = (), before_train: Optional[Callable[[Any], None]] = None,
+           on_step_end: Optional[Callable[[], None]] = None, **training_args) -> Tuple[Any, List[float]]:
     """Train ``model`` with a HF ``Trainer`` on CPU over ``ids`` (labels = inputs) for ``steps``
     optimizer steps of ``batch_size`` x ``grad_accum`` rows: AdamW at 1e-4, no logging, no saving,
     seed 0, ``training_args`` added (e.g. ``gradient_checkpointing``). The timing callback comes
     after ``callbacks`` (a ``MemGuardCallback`` moves itself to the front when it binds anyway).
+    ``before_train(trainer)`` runs between building the Trainer and ``train()``; ``on_step_end()``
+    right after each step's time is taken.
 
     Returns (the trainer, the wall time of each optimizer step in seconds, from ``on_step_begin`` to
     ``on_step_end``)."""
@@ -73,12 +76,16 @@ def hf_run(model, ids: Sequence[Any], *, batch_size: int, steps: int, grad_accum
 
         def on_step_end(self, *a, **kw):
             times.append(time.perf_counter() - t[0])
+            if on_step_end is not None:
+                on_step_end()
 
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size,
                              gradient_accumulation_steps=grad_accum, max_steps=steps, learning_rate=1e-4,
                              logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=True, seed=0,
                              disable_tqdm=True, dataloader_num_workers=0, **training_args)
     trainer = Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[*callbacks, Clock()])
+    if before_train is not None:
+        before_train(trainer)
     trainer.train()
     return trainer, times
 

@@ -119,7 +119,8 @@ def main(argv=None) -> int:
             ratio_txt = f"{ratio:.0%}"
         over = r["peak"] > budget
         rows.append([f"{frac:.0%}", f"{budget / MiB:.0f}", chosen, f"{r['peak'] / MiB:.0f}",
-                     f"{r['peak'] / budget:.0%}" + (" OVER" if over else ""),
+                     f"{r['peak'] / budget:.0%}" + ((" over: nothing fits, as the preflight said" if r.get("no_fit")
+                                                     and best is None else " OVER") if over else ""),
                      "-" if closest is None else f"{closest / budget:.0%}",
                      "- (none fits)" if best is None else _label(best[1], best[2]), ratio_txt,
                      f"{r['steps']}/{STEPS}"])
@@ -138,7 +139,9 @@ def main(argv=None) -> int:
              f"2..{STEPS}, memguard's run and the best hand-picked setting run {rounds} more times each, "
              f"interleaved, ratio of the medians. \"closest hand-picked\" is the largest peak of the hand-picked "
              f"grid under the budget: the ceiling the discrete choices (micro-batch a divisor of {ROWS}, "
-             f"checkpointing on/off) allow.", "",
+             f"checkpointing on/off) allow. The guard plans below its warning level (85 % of the budget) so "
+             f"that a run as planned does not wake it: with an exact estimate its choice lands between 85 % and "
+             f"85 % / (the step between two neighbouring settings, up to 1.3x here) of the budget.", "",
              *markdown_table(header, rows)]
     if ratios_all:
         lines += ["", f"Throughput vs the best hand-picked setting: median {statistics.median(ratios_all):.0%}, "

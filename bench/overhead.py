@@ -39,20 +39,58 @@ HIDDEN, LAYERS, VOCAB, ROWS, SEQ = 128, 2, 4096, 8, 64
 WARMUP = 3
 
 
-def child_hf(guarded: bool, steps: int, cache: dict) -> list:
+class GuardClock:
+    """Wall time spent in memguard's own code during a guarded run, per optimizer step: its
+    per-step hooks, plus its wrappers' time outside the call they wrap (outer - inner). One-off work
+    (the preflight at the first step) shows up in one step only, so the median per step leaves it out."""
+
+    def __init__(self) -> None:
+        self.outer = self.inner = 0.0
+        self._last = 0.0
+        self.per_step: list = []
+
+    def wrap(self, obj, names, inner: bool = False) -> None:
+        for name in names:
+            f = getattr(obj, name)
+
+            def timed(*a, _f=f, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    dt = time.perf_counter() - t0
+                    if inner:
+                        self.inner += dt
+                    else:
+                        self.outer += dt
+            setattr(obj, name, timed)
+
+    def step_end(self) -> None:
+        now = self.outer - self.inner
+        self.per_step.append(now - self._last)
+        self._last = now
+
+
+def child_hf(guarded: bool, steps: int, cache: dict):
     import torch
     torch.set_num_threads(2)
     ids = token_rows(ROWS * steps, SEQ, VOCAB)
-    cbs = []
+    cbs, clock = [], GuardClock()
     if guarded:
         from memguard_hf import MemGuardCallback
-        cbs.append(MemGuardCallback())
+        cb = MemGuardCallback()
+        # the trainer binds the guard's wrappers at init; its hooks are looked up per call
+        clock.wrap(cb, ("_guarded_training_step", "_weighted_compute_loss", "on_step_begin", "on_step_end"))
+        cbs.append(cb)
     if "m" not in cache:
         cache["m"] = llama(VOCAB, HIDDEN, LAYERS, SEQ)
-    return hf_run(cache["m"], ids, batch_size=ROWS, steps=steps, callbacks=cbs)[1]
+    before = (lambda tr: clock.wrap(cb, ("_orig_training_step", "_orig_compute_loss"), inner=True)) if guarded else None
+    times = hf_run(cache["m"], ids, batch_size=ROWS, steps=steps, callbacks=cbs, before_train=before,
+                   on_step_end=clock.step_end if guarded else None)[1]
+    return times, clock.per_step if guarded else None
 
 
-def child_lightning(guarded: bool, steps: int, cache: dict) -> list:
+def child_lightning(guarded: bool, steps: int, cache: dict):
     import logging
     import lightning.pytorch as pl
     import torch
@@ -73,6 +111,7 @@ def child_lightning(guarded: bool, steps: int, cache: dict) -> list:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     times, t = [], [0.0]
+    clock = GuardClock()
 
     class Clock(pl.Callback):
         def on_train_batch_start(self, *a, **k):
@@ -80,21 +119,32 @@ def child_lightning(guarded: bool, steps: int, cache: dict) -> list:
 
         def on_train_batch_end(self, *a, **k):
             times.append(time.perf_counter() - t[0])
+            clock.step_end()
+
+    class WrapInner(pl.Callback):
+        # after the guard's setup (callbacks run in list order), which saved the module's originals
+        def setup(self, trainer, pl_module, stage):
+            if guarded and not getattr(self, "done", False):
+                clock.wrap(cb, ("_orig_training_step", "_orig_zero_grad"), inner=True)
+                self.done = True
 
     cbs = [Clock()]
     if guarded:
         from memguard_lightning import MemGuardCallback
-        cbs.append(MemGuardCallback())
+        cb = MemGuardCallback()
+        clock.wrap(cb, ("_guarded_training_step", "_guarded_zero_grad", "on_train_batch_start",
+                        "on_before_optimizer_step", "on_train_batch_end"))
+        cbs += [cb, WrapInner()]
     loader = torch.utils.data.DataLoader(torch.stack(ids), batch_size=ROWS)
     tr = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, callbacks=cbs)
     if "m" not in cache:
         cache["m"] = LM()
     tr.fit(cache["m"], loader)
-    return times
+    return times, clock.per_step if guarded else None
 
 
-def child_mlx(guarded: bool, steps: int, cache: dict) -> list:
+def child_mlx(guarded: bool, steps: int, cache: dict):
     import tempfile
     import numpy as np
     import mlx.optimizers as optim
@@ -107,10 +157,12 @@ def child_mlx(guarded: bool, steps: int, cache: dict) -> list:
                                  intermediate_size=128, vocab_size=1024)
     model = cache["m"]
     stamps = []
+    clock = GuardClock()
 
     class Clock(TrainingCallback):
         def on_train_loss_report(self, info):
             stamps.append(time.perf_counter())
+            clock.step_end()
 
     d = tempfile.mkdtemp()
     args = TrainingArgs(batch_size=ROWS, iters=steps, steps_per_report=1, steps_per_eval=10**6, val_batches=1,
@@ -121,11 +173,16 @@ def child_mlx(guarded: bool, steps: int, cache: dict) -> list:
     opt = optim.AdamW(learning_rate=1e-4)
     if guarded:
         import memguard_mlx
-        memguard_mlx.train(model, opt, data, val, args=args, training_callback=Clock())
+        guard = memguard_mlx.MlxGuard()
+        # the guard's per-batch work; the loop's own difference from mlx_lm's (the gradient is
+        # evaluated before the update, so that an allocation failure can be redone in chunks) is
+        # not a call to time: the paired ratio carries it
+        clock.wrap(guard, ("split_for_batch", "after_update", "peak_so_far"))
+        memguard_mlx.train(model, opt, data, val, args=args, training_callback=Clock(), guard=guard)
     else:
         from mlx_lm.tuner.trainer import train
         train(model, opt, data, val, args=args, training_callback=Clock())
-    return [b - a for a, b in zip(stamps, stamps[1:])]
+    return [b - a for a, b in zip(stamps, stamps[1:])], (clock.per_step[1:] if guarded else None)
 
 
 CHILDREN = {"hf": child_hf, "lightning": child_lightning, "mlx": child_mlx}
@@ -138,17 +195,20 @@ def session(fw: str, steps: int, rounds: int) -> dict:
     Round 0 is a warm-up (allocator, compile caches, page faults) and is dropped. Returns the
     per-run median step times (s) of each arm and the per-round paired ratios on/off."""
     cache: dict = {}
-    off, on, pairs = [], [], []
+    off, on, pairs, own = [], [], [], []
     for r in range(rounds + 1):
         got = {}
         for g in ((False, True) if r % 2 == 0 else (True, False)):
-            got[g] = statistics.median(CHILDREN[fw](g, steps, cache)[WARMUP:])
+            times, guard_s = CHILDREN[fw](g, steps, cache)
+            got[g] = statistics.median(times[WARMUP:])
+            if guard_s and r > 0:
+                own.append(statistics.median(guard_s[WARMUP:]))
         if r == 0:
             continue
         off.append(got[False])
         on.append(got[True])
         pairs.append(got[True] / got[False])
-    return {"off": off, "on": on, "pairs": pairs}
+    return {"off": off, "on": on, "pairs": pairs, "own": own}
 
 
 def run_session(fw: str, steps: int, rounds: int) -> dict:
@@ -203,11 +263,11 @@ def main(argv=None) -> int:
     except Exception:
         fws = [f for f in fws if f != "lightning"]
     t_start = time.time()
-    res = {f: {"off": [], "on": [], "pairs": []} for f in fws}
+    res = {f: {"off": [], "on": [], "pairs": [], "own": []} for f in fws}
     for sidx in range(a.sessions):
         for f in fws:
             r = run_session(f, a.steps, a.rounds)
-            for key in ("off", "on", "pairs"):
+            for key in ("off", "on", "pairs", "own"):
                 res[f][key] += r[key]
             print(f"session {sidx} {f}: paired ratios " + " ".join(f"{x:.3f}" for x in r["pairs"]) +
                   f" (median {statistics.median(r['pairs']):.4f})", flush=True)
@@ -220,10 +280,13 @@ def main(argv=None) -> int:
         rows.append([LABELS[f], f"{statistics.median(off) * 1e3:.1f}", f"{statistics.median(on) * 1e3:.1f}",
                      f"{statistics.median(pairs):.4f}", f"{q1:.3f} .. {q3:.3f}",
                      f"{statistics.median(on) / statistics.median(off):.4f}", str(n),
-                     f"{costs['step_us'] / (statistics.median(off) * 1e6) * 100:.3f} %"])
+                     f"{costs['step_us'] / (statistics.median(off) * 1e6) * 100:.3f} %",
+                     (f"{statistics.median(res[f]['own']) * 1e6:.0f} us = "
+                      f"{statistics.median(res[f]['own']) / statistics.median(off) * 100:.2f} %")
+                     if res[f]["own"] else "-"])
     header = ["run", "unguarded ms/step (median run)", "guarded ms/step (median run)",
               "median paired ratio (target <= 1.005)", "paired ratios, quartiles", "ratio of medians",
-              "pairs", "per-step check / step"]
+              "pairs", "per-step check / step", "memguard's own time per step (median) / step"]
     wall = time.time() - t_start
     lines = ["# Guard overhead", "",
              f"`python bench/overhead.py` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, shared machine; "
@@ -234,7 +297,9 @@ def main(argv=None) -> int:
              f"monitor thread at 0.5 s, per-micro-batch check), the first pair dropped as warm-up; "
              f"{a.sessions} processes per framework. A run's step time is the median of steps {WARMUP + 1}.."
              f"{a.steps}; a pair's ratio is guarded / unguarded of two adjacent runs, so drifts of this "
-             f"shared machine and differences between processes cancel.", "",
+             f"shared machine and differences between processes cancel. The last column times memguard's own code "
+             f"inside the guarded runs (its per-step hooks, and its wrappers of training_step / compute_loss / "
+             f"zero_grad minus the wrapped call), a measure this machine's step-time noise does not blur.", "",
              *markdown_table(header, rows)]
     lines += ["", f"Per-step check (`MemoryMonitor.step_sample`, real Linux probe, this machine): "
               f"{costs['step_us']:.0f} us best of 5 x 3000 (median {costs['step_us_median']:.0f} us); background "

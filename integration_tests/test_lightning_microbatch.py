@@ -222,3 +222,35 @@ def test_lightning_ddp_gloo_two_ranks_agree(tmp_path):
     # DDP kept the ranks' replicas identical
     p0, p1 = out[("split", 0)]["params"], out[("split", 1)]["params"]
     assert max((p0[n] - p1[n]).abs().max().item() for n in p0) == 0.0
+
+
+def test_memory_figures_reach_the_logger_on_lightnings_logging_steps(tmp_path):
+    # log_dict costs ~1 ms of Lightning bookkeeping per call: the guard logs only on the batches
+    # whose metrics Lightning writes (log_every_n_steps)
+    import csv
+    from lightning.pytorch.loggers import CSVLogger
+
+    guard = _guard()
+
+    class AskSplit(pl.Callback):   # an event at batch 6 = optimizer step 3, not a logging step
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 6:
+                guard.monitor.request_split(2, "asked by the test", trainer.global_step)
+
+    fit(guard=guard, logger=CSVLogger(str(tmp_path), name="run"), log_every_n_steps=3,
+        extra_callbacks=[AskSplit()])
+    path = next(p for p in tmp_path.rglob("metrics.csv"))
+    split_at = {int(r["step"]): float(r["memguard/split"]) for r in csv.DictReader(open(path))
+                if r.get("memguard/split")}
+    assert any(e["action"] == "split" for e in guard.events)
+    # Lightning writes at optimizer steps 2 and 5 (its step counter + 1 divisible by 3); the split
+    # asked at step 3 shows at step 5
+    assert split_at == {2: 1.0, 5: 2.0}
+
+
+def test_no_logger_means_no_log_dict_calls(monkeypatch):
+    calls = []
+    real = pl.LightningModule.log_dict
+    monkeypatch.setattr(pl.LightningModule, "log_dict", lambda self, *a, **k: (calls.append(a), real(self, *a, **k)))
+    fit(guard=_guard())
+    assert calls == []   # logger=False: nothing would show the figures

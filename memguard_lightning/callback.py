@@ -21,7 +21,8 @@ What it does (the HF adapter's features, the Lightning way):
 * **Ranks agree**: the k of each batch is all-reduced (MAX) at the start of ``training_step``, so
   every rank cuts alike. (After an OOM retry one rank may use a larger k for the rest of that
   batch; under DDP the non-final chunks run no collective, and the next batch agrees again.)
-* Memory figures go to Lightning's loggers (``pl_module.log_dict``: ``memguard/split``,
+* Memory figures go to Lightning's loggers (``pl_module.log_dict`` on the batches Lightning writes,
+  ``log_every_n_steps``: ``memguard/split``,
   ``memguard/usage``, ``memguard/peak_gib``, ``memguard/events``; the preflight's figures via
   ``logger.log_hyperparams``) and to Python logging (``memguard.lightning``).
 
@@ -391,7 +392,7 @@ class MemGuardCallback(Callback):
                                 "accumulation window were cleared too early")
         self._chunk_grads_for = None
         mon = self.monitor
-        if mon is None:
+        if mon is None or not self._should_log(trainer):
             return
         metrics = {"memguard/split": float(mon.split), "memguard/usage": float(round(mon.max_usage, 4)),
                    "memguard/peak_gib": float(round(mon.max_step_peak_bytes / 2**30, 4)),
@@ -402,6 +403,18 @@ class MemGuardCallback(Callback):
                                batch_size=max(1, batch_units(batch)))
         except Exception:
             logger.debug("memguard: could not log to Lightning", exc_info=True)
+
+    def _should_log(self, trainer) -> bool:
+        """Log the memory figures only on the batches whose metrics Lightning writes to its loggers
+        (its ``log_every_n_steps`` rule; a value logged on another batch would not be written):
+        ``log_dict`` costs about 1 ms of Lightning bookkeeping per call here, 4 % of a 30 ms step.
+        Events go to Python logging when they happen."""
+        if not getattr(trainer, "loggers", None):
+            return False          # prog_bar=False: nothing would show these figures
+        try:
+            return bool(trainer._logger_connector.should_update_logs)  # Lightning's own rule
+        except Exception:
+            return True
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.monitor is not None:

@@ -272,6 +272,29 @@ def test_live_probe_sees_rss_grow():
     assert after - before >= 150 * MiB
 
 
+def test_cheap_probe_between_meminfo_readings_follows_own_growth():
+    # the per-step path reuses a /proc/meminfo reading younger than SLOW_FIGURES_MAX_AGE_S: the
+    # available figure must still fall by what this process allocates in between
+    full = linux.probe(cheap=False)          # refreshes the cached reading
+    t0 = time.monotonic()
+    buf = bytearray(300 * MiB)
+    cheap = linux.probe(cheap=True)
+    fresh_enough = time.monotonic() - t0 < linux.SLOW_FIGURES_MAX_AGE_S
+    del buf
+    assert cheap.process_bytes - full.process_bytes >= 250 * MiB
+    if fresh_enough:                          # the cached reading was used: adjusted by own growth
+        assert full.available_bytes - cheap.available_bytes >= 250 * MiB
+
+
+def test_cheap_probe_rereads_meminfo_when_the_reading_is_old(monkeypatch):
+    monkeypatch.setattr(linux, "SLOW_FIGURES_MAX_AGE_S", 0.0)
+    linux.probe(cheap=False)
+    before = dict(linux._slow_cache)
+    linux.probe(cheap=True)
+    key = "meminfo:/proc"
+    assert linux._slow_cache[key][0] > before[key][0]   # read again, not reused
+
+
 def _own_v1_memory_dir():
     loc = linux.locate_cgroups()
     if loc.v1_dir is None:

@@ -35,7 +35,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from memguard_core.probes import MemorySnapshot, _warn_once
 
@@ -67,6 +67,29 @@ class _KeptFiles(threading.local):
 _kept = _KeptFiles()
 _kept_fds: Dict[str, int] = {}
 _kept_lock = threading.Lock()
+
+#: The per-step path re-reads the two larger files, /proc/meminfo and a cgroup's memory.stat
+#: (about 70 and 40 us inside a training process here, against 30 us for /proc/self/status),
+#: only when its last reading is older than this. The monitor's background thread refreshes both
+#: with a full probe every 0.5 s; between readings, MemAvailable moves with this process's own
+#: RSS and a cgroup's inactive file pages are taken as they were. The small files that show a
+#: co-tenant at once (the cgroup's usage files) are read at every step; limit files are cached
+#: alike (they change when a container is resized, not per step).
+SLOW_FIGURES_MAX_AGE_S = 1.0
+_slow_cache: Dict[str, Tuple[float, object]] = {}
+
+
+def _slow_figure(key: str, read: Callable[[], object]) -> object:
+    """``read()``, or its cached value when on the per-step path (:data:`_kept` on) and younger
+    than :data:`SLOW_FIGURES_MAX_AGE_S`. Any full read refreshes the cache."""
+    now = time.monotonic()
+    if _kept.on:
+        hit = _slow_cache.get(key)
+        if hit is not None and now - hit[0] < SLOW_FIGURES_MAX_AGE_S:
+            return hit[1]
+    value = read()
+    _slow_cache[key] = (now, value)
+    return value
 
 
 def _read_kept(path: str) -> Optional[str]:
@@ -530,18 +553,26 @@ def _read_keyed(path: str) -> Dict[str, int]:
     return parse_flat_keyed(text, path) if text is not None else {}
 
 
+def _cached_limit(path: str) -> Tuple[bool, Optional[int]]:
+    """:func:`_read_limit`, reused on the per-step path while younger than
+    :data:`SLOW_FIGURES_MAX_AGE_S` (limits change when a container is resized, not per step; the
+    usage files next to them are read every time)."""
+    return _slow_figure("limit:" + path, lambda: _read_limit(path))  # type: ignore[return-value]
+
+
 def _level_v1(d: str, need_usage: bool) -> Tuple[Optional[int], Optional[int], Optional[int]]:
     """(limit, usage, working_set) of one v1 cgroup directory; usage read only if needed
     (``need_usage`` or a limit is set)."""
-    _, limit = _read_limit(os.path.join(d, "memory.limit_in_bytes"))
+    _, limit = _cached_limit(os.path.join(d, "memory.limit_in_bytes"))
     if limit is None and not need_usage:
         return None, None, None
     usage = _read_int(os.path.join(d, "memory.usage_in_bytes"))
     ws = None
     if usage is not None:
-        stat = _read_keyed(os.path.join(d, "memory.stat"))
-        inactive = stat.get("total_inactive_file", stat.get("inactive_file", 0))
-        ws = max(0, usage - inactive)
+        def inactive_file() -> int:
+            stat = _read_keyed(os.path.join(d, "memory.stat"))
+            return stat.get("total_inactive_file", stat.get("inactive_file", 0))
+        ws = max(0, usage - int(_slow_figure("v1-inactive:" + d, inactive_file)))
     return limit, usage, ws
 
 
@@ -552,8 +583,8 @@ def _level_v2(d: str, need_usage: bool) -> Tuple[Optional[int], Optional[int], O
     is where a job should stop growing), else ``memory.max`` (the OOM-kill line); if both are
     set the smaller wins.
     """
-    _, mx = _read_limit(os.path.join(d, "memory.max"))
-    _, high = _read_limit(os.path.join(d, "memory.high"))
+    _, mx = _cached_limit(os.path.join(d, "memory.max"))
+    _, high = _cached_limit(os.path.join(d, "memory.high"))
     set_limits = [v for v in (high, mx) if v is not None]
     limit = min(set_limits) if set_limits else None
     if limit is None and not need_usage:
@@ -561,8 +592,9 @@ def _level_v2(d: str, need_usage: bool) -> Tuple[Optional[int], Optional[int], O
     usage = _read_int(os.path.join(d, "memory.current"))
     ws = None
     if usage is not None:
-        stat = _read_keyed(os.path.join(d, "memory.stat"))
-        ws = max(0, usage - stat.get("inactive_file", 0))
+        def inactive_file() -> int:
+            return _read_keyed(os.path.join(d, "memory.stat")).get("inactive_file", 0)
+        ws = max(0, usage - int(_slow_figure("v2-inactive:" + d, inactive_file)))
     return limit, usage, ws
 
 
@@ -594,9 +626,11 @@ def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
     """
     try:
         loc = _location(proc_root, sys_root, refresh)
-        if loc.v1_dir is not None and os.path.isdir(loc.v1_dir):
+        # the per-step path skips the directory checks: a removed cgroup shows as unreadable files
+        isdir = (lambda d: True) if _kept.on else os.path.isdir
+        if loc.v1_dir is not None and isdir(loc.v1_dir):
             version, own, stop, level = 1, loc.v1_dir, loc.v1_mount or loc.v1_dir, _level_v1
-        elif loc.v2_dir is not None and os.path.isdir(loc.v2_dir):
+        elif loc.v2_dir is not None and isdir(loc.v2_dir):
             version, own, stop, level = 2, loc.v2_dir, loc.v2_mount or loc.v2_dir, _level_v2
         else:
             return None
@@ -651,9 +685,11 @@ def probe(cheap: bool = False, *, proc_root: str = "/proc", sys_root: str = "") 
     cgroup limit when it is below MemTotal (a larger one is not in force), else None.
 
     ``cheap=True`` (the per-step path) reuses the cached cgroup location (no mountinfo parse),
-    reads through kept descriptors (:class:`_KeptFiles`) and skips PSI (``pressure`` is None: the
-    monitor reads PSI averages in its background thread only); everything else is single small
-    file reads. Never raises.
+    reads through kept descriptors (:class:`_KeptFiles`), skips PSI (``pressure`` is None: the
+    monitor reads PSI averages in its background thread only) and reuses readings of
+    /proc/meminfo, memory.stat and the cgroup limit files younger than
+    :data:`SLOW_FIGURES_MAX_AGE_S` (MemAvailable then moves with this process's RSS since that
+    reading); /proc/self/status and the cgroup usage files are read every time. Never raises.
     """
     if cheap and proc_root == "/proc" and sys_root == "":
         _kept.on = True
@@ -666,14 +702,16 @@ def probe(cheap: bool = False, *, proc_root: str = "/proc", sys_root: str = "") 
 
 def _probe(cheap: bool, proc_root: str, sys_root: str) -> MemorySnapshot:
     now = time.monotonic()
-    mem = read_meminfo(proc_root, _MEMINFO_KEYS)
+    status = read_status(proc_root, keys=_STATUS_KEYS)
+    rss = status.get("VmRSS")
+    hwm = status.get("VmHWM")
+    mem, rss_then = _slow_figure("meminfo:" + proc_root, lambda: (read_meminfo(proc_root, _MEMINFO_KEYS), rss))
     host_total = mem.get("MemTotal")
     host_avail = mem.get("MemAvailable")
     if host_avail is None and host_total is not None and "MemFree" in mem:
         host_avail = mem["MemFree"] + mem.get("Buffers", 0) + mem.get("Cached", 0)
-    status = read_status(proc_root, keys=_STATUS_KEYS)
-    rss = status.get("VmRSS")
-    hwm = status.get("VmHWM")
+    if host_avail is not None and rss is not None and rss_then is not None:
+        host_avail = max(0, host_avail - (rss - rss_then))  # a cached reading: this process's growth since
     if host_total is None or host_avail is None or rss is None:
         try:
             import psutil

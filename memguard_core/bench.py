@@ -596,16 +596,10 @@ def summarize(rows: Sequence[dict], key: str = "error") -> dict:
 
 def machine_fingerprint() -> dict:
     """What the results depend on: OS, CPU, cores, memory, Python and framework versions."""
+    from .calibration import cpu_model
+
     fp = dict(os=f"{platform.system()} {platform.release()}", machine=platform.machine(),
-              cpu=platform.processor() or "", cores=os.cpu_count(), python=platform.python_version())
-    try:
-        with open("/proc/cpuinfo") as f:
-            for ln in f:
-                if ln.startswith("model name"):
-                    fp["cpu"] = ln.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+              cpu=cpu_model(), cores=os.cpu_count(), python=platform.python_version())
     try:
         from .probes import probe
 

@@ -90,20 +90,25 @@ def _hash(d: Dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo "model name"; elsewhere ``platform.processor()``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("model name"):
+                    return ln.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or ""
+
+
 def device_fingerprint(counter: str = "cpu") -> Dict[str, Any]:
     """What a measured peak depends on besides the model and the settings: the counter, OS, CPU
     model, core count, total memory (GiB, rounded), Python and the framework versions (major.minor)
     that change allocator behaviour. ``["id"]`` is its hash."""
     fp: Dict[str, Any] = dict(counter=counter, os=platform.system(), machine=platform.machine(),
-                              cores=os.cpu_count(), python=".".join(platform.python_version_tuple()[:2]))
-    try:
-        with open("/proc/cpuinfo") as f:
-            for ln in f:
-                if ln.startswith("model name"):
-                    fp["cpu"] = ln.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        fp["cpu"] = platform.processor()
+                              cores=os.cpu_count(), python=".".join(platform.python_version_tuple()[:2]),
+                              cpu=cpu_model())
     try:
         from .probes import probe
 

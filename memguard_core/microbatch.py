@@ -263,3 +263,40 @@ def split_batch(inputs: Mapping[str, Any], k: int, *, weighting: str = "tokens",
     """
     sp = BatchSplitter(inputs, weighting=weighting, shift_labels=shift_labels, label_key=label_key)
     return [sp.chunk(a, b) for a, b in sp.ranges(k)]
+
+
+def empty_torch_cache() -> None:
+    """``gc.collect()``, then ``torch.cuda.empty_cache()`` when CUDA is initialised (never raises):
+    what an out-of-memory forward left (its activations, the caching allocator's free blocks) goes
+    back before the retry."""
+    import gc
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception:  # pragma: no cover - depends on the device
+        pass
+
+
+def split_after_oom(monitor: Any, exc: BaseException, k: int, units_left: int, step: Optional[int],
+                    log: Any) -> int:
+    """After an out-of-memory forward on a chunk of a k-way split: ask ``monitor`` for a doubled k
+    (at most ``units_left``, the rows or sequences not yet processed), free what the failed forward
+    left and return the k to redo those units with (the monitor's, if it is larger).
+
+    Raises:
+        ``exc`` itself: when a single unit already failed (``units_left <= 1`` or ``k >=
+        units_left``), as no split can help; logged on ``log`` first.
+    """
+    if units_left <= 1 or k >= units_left:
+        log.error("memguard: out of memory on a chunk of a single row/sequence; cannot split further (%s)", exc)
+        raise exc
+    new_k = min(max(2, k * 2), units_left)
+    monitor.request_split(new_k, f"out of memory in a forward ({type(exc).__name__}); redoing the "
+                          f"{units_left} rows not yet processed in smaller chunks", step)
+    empty_torch_cache()
+    return max(new_k, monitor.split)
+

@@ -42,7 +42,6 @@ supervisor passes a doubled one after an OOM kill).
 from __future__ import annotations
 
 import contextlib
-import gc
 import inspect
 import logging
 import time
@@ -379,18 +378,9 @@ class MemGuardCallback(TrainerCallback):
             logger.error("memguard: out of memory under FSDP; an in-place retry on one rank would "
                          "desynchronise the all-gathers, so it is re-raised (%s)", exc)
             raise exc
-        if units_left <= 1 or k >= units_left:
-            logger.error("memguard: out of memory on a chunk of a single row/sequence; cannot split "
-                         "further (%s)", exc)
-            raise exc
+        k_new = microbatch.split_after_oom(self.monitor, exc, k, units_left, self.trainer.state.global_step, logger)
         self.oom_retries += 1
-        new_k = min(max(2, k * 2), units_left)
-        self.monitor.request_split(new_k, f"out of memory in a forward ({type(exc).__name__}); "
-                                   f"redoing the {units_left} rows not yet processed in smaller chunks",
-                                   self.trainer.state.global_step)
-        gc.collect()
-        _empty_device_cache()
-        return max(new_k, self.monitor.split)
+        return k_new
 
     _oom_in_forward = False
 
@@ -435,9 +425,3 @@ class MemGuardCallback(TrainerCallback):
         return rows if seqs is None else len(seqs)
 
 
-def _empty_device_cache() -> None:
-    try:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-    except Exception:  # pragma: no cover
-        pass

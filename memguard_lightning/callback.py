@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import logging
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -98,6 +97,7 @@ from lightning.pytorch.utilities.memory import is_oom_error
 
 from memguard_core.distributed import agree_max
 from memguard_core.errors import ConfigError, DoesNotFitError
+from memguard_core.microbatch import split_after_oom
 from memguard_core.monitor import MemoryEvent, MemoryMonitor, Thresholds
 from memguard_core.preflight import Preflight
 
@@ -602,19 +602,6 @@ class MemGuardCallback(Callback):
 
     def _after_oom(self, exc: BaseException, k: int, units_left: int) -> int:
         """Free memory after a forward OOM and return the doubled split; re-raise if none helps."""
-        if units_left <= 1 or k >= units_left:
-            logger.error("memguard: out of memory on a chunk of a single row/sequence; cannot split "
-                         "further (%s)", exc)
-            raise exc
+        k_new = split_after_oom(self.monitor, exc, k, units_left, self.trainer.global_step, logger)
         self.oom_retries += 1
-        new_k = min(max(2, k * 2), units_left)
-        self.monitor.request_split(new_k, f"out of memory in a forward ({type(exc).__name__}); redoing the "
-                                   f"{units_left} rows not yet processed in smaller chunks",
-                                   self.trainer.global_step)
-        gc.collect()
-        try:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.empty_cache()
-        except Exception:  # pragma: no cover - depends on the device
-            pass
-        return max(new_k, self.monitor.split)
+        return k_new

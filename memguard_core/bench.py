@@ -378,12 +378,16 @@ def _child_hf(case: dict) -> dict:
     trainer = Trainer(model=model, args=args, train_dataset=DS())
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    # read where a guard's preflight reads it (on_train_begin): the mapped libraries' pages
+    from .stats import process_file_resident_bytes
+    resident_file = process_file_resident_bytes() if device == "cpu" else None
     trainer.train()
     if device == "cuda":
         peak = int(ctx + torch.cuda.max_memory_reserved())
     else:
         peak = _peak_rss_bytes()
-    return dict(peak_bytes=peak, counter=device, seconds=time.time() - t0, model_spec=spec)
+    return dict(peak_bytes=peak, counter=device, seconds=time.time() - t0, model_spec=spec,
+                resident_file_bytes=resident_file)
 
 
 def _child_mlx(case: dict) -> dict:
@@ -509,7 +513,8 @@ def specs_of(case: dict, rec: dict):
                          method=kw["method"], lora_rank=kw["lora_rank"], lora_targets=tuple(kw["lora_targets"]),
                          lora_layers=kw["lora_layers"], optimizer=kw["optimizer"], dtype=kw["dtype"],
                          mixed_precision=kw["mixed_precision"], grad_checkpoint=kw["grad_checkpoint"],
-                         attn_impl=kw["attn_impl"], framework="hf", device=case.get("device", "cpu"))
+                         attn_impl=kw["attn_impl"], framework="hf", device=case.get("device", "cpu"),
+                         resident_file_bytes=rec.get("resident_file_bytes"))
 
 
 def seed_estimate_bytes(ms, ts) -> Optional[int]:

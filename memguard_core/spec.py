@@ -183,6 +183,11 @@ class TrainSpec:
         device: which counter the estimate predicts: ``cpu`` (peak RSS, VmHWM), ``cuda`` (peak
             device memory incl. context), ``mlx`` (``mx.get_peak_memory()``).
         ranks: data-parallel ranks (only for the effective batch).
+        resident_file_bytes: this process's file-backed resident pages (``RssFile``: mapped
+            libraries) when training starts, bytes, as the adapters read it on Linux; ``None`` =
+            the typical figure of :data:`memguard_core.estimate.CPU_FILE_PAGES_AT_START_BYTES`. It
+            is part of VmHWM and depends on the page cache, not on the model: the same run read
+            128 MiB in one venv and 227 MiB in a fresh copy of it here.
     """
 
     batch_size: int = 1
@@ -200,9 +205,13 @@ class TrainSpec:
     framework: str = "hf"
     device: str = "cpu"
     ranks: int = 1
+    resident_file_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         require_positive_int("batch_size", self.batch_size)
+        rf = self.resident_file_bytes
+        if rf is not None and (isinstance(rf, bool) or not isinstance(rf, int) or rf < 0):
+            raise ConfigError("resident_file_bytes", "an integer >= 0 (bytes) or None", rf)
         require_positive_int("seq_length", self.seq_length)
         require_positive_int("grad_accum", self.grad_accum)
         require_positive_int("ranks", self.ranks)

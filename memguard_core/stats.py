@@ -43,7 +43,8 @@ from typing import Any, Dict, Optional
 
 from memguard_core.probes import MemorySnapshot, probe, resolve_device
 
-__all__ = ["memory_stats", "memory_utilization", "format_memory_stats", "reset_peak_memory"]
+__all__ = ["memory_stats", "memory_utilization", "format_memory_stats", "reset_peak_memory",
+           "process_file_resident_bytes"]
 
 log = logging.getLogger("memguard.stats")
 
@@ -204,3 +205,15 @@ def reset_peak_memory(device: str = "auto", *, proc_root: str = "/proc") -> str:
         _cpu_baseline = {"hwm_at_reset": int(snap.process_peak_bytes or snap.process_bytes),
                          "observed": int(snap.process_bytes)}
     return "software"
+
+
+def process_file_resident_bytes() -> Optional[int]:
+    """This process's file-backed resident pages (``RssFile`` of /proc/self/status: mapped
+    libraries and files), bytes; None off Linux or when unreadable. Never raises."""
+    try:
+        from memguard_core.probes import linux
+
+        return linux.read_status(keys=frozenset(("RssFile",))).get("RssFile")
+    except Exception:
+        return None
+

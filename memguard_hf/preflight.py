@@ -105,6 +105,10 @@ def trainspec_from_trainer(trainer, model_spec: ModelSpec, *, seq_length: Option
     if device == "auto":
         dev = p.device.type if p is not None else "cpu"
         device = "cuda" if dev == "cuda" else "cpu"
+    if device == "cpu" and "resident_file_bytes" not in kwargs:
+        # the mapped libraries' resident pages are part of VmHWM and vary with the page cache
+        from memguard_core.stats import process_file_resident_bytes
+        kwargs["resident_file_bytes"] = process_file_resident_bytes()
     return TrainSpec(batch_size=args.per_device_train_batch_size, seq_length=infer_seq_length(trainer, seq_length),
                      grad_accum=args.gradient_accumulation_steps, method=method, optimizer=_optimizer_name(args.optim),
                      dtype=dtype, mixed_precision=mixed, grad_checkpoint=gc_on, attn_impl=attn_impl,

@@ -343,3 +343,37 @@ def test_bad_inputs():
         estimate(tiny(weight_bits=4.5, dense_bits=16.0), ts(method="full", dtype="bf16"))
     with pytest.raises(ConfigError):
         estimate(tiny(hidden_size=0), ts())
+
+
+def test_measured_file_pages_replace_the_typical_figure():
+    from memguard_core.estimate import CPU_FILE_PAGES_AT_START_BYTES
+
+    MiB = 2**20
+    ms = tiny()
+    base = ts()
+    typical = base.replace(resident_file_bytes=CPU_FILE_PAGES_AT_START_BYTES)
+    fresh = base.replace(resident_file_bytes=CPU_FILE_PAGES_AT_START_BYTES + 99 * MiB)
+    assert runtime_overhead_bytes(typical) == runtime_overhead_bytes(base)
+    assert runtime_overhead_bytes(fresh) - runtime_overhead_bytes(base) == 99 * MiB
+    assert estimate(ms, fresh).peak_bytes - estimate(ms, base).peak_bytes == 99 * MiB
+    # only where it was measured: the MLX counter has no runtime term
+    mlx = TrainSpec(framework="mlx", device="mlx", resident_file_bytes=500 * MiB)
+    assert runtime_overhead_bytes(mlx) == RUNTIME_OVERHEAD_BYTES["mlx"]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "128", True])
+def test_resident_file_bytes_validated(bad):
+    with pytest.raises(ConfigError, match="resident_file_bytes"):
+        TrainSpec(resident_file_bytes=bad)
+
+
+def test_process_file_resident_bytes_reads_rssfile():
+    import sys
+
+    from memguard_core.stats import process_file_resident_bytes
+    MiB = 2**20
+    got = process_file_resident_bytes()
+    if sys.platform.startswith("linux"):
+        assert got is not None and got > MiB   # the interpreter and its libraries are mapped
+    else:  # pragma: no cover - other platforms
+        assert got is None

@@ -183,6 +183,10 @@ def trainspec_from_lightning(trainer, pl_module, batch: Any, model_spec: ModelSp
     if isinstance(dl_bs, int) and dl_bs > rows:
         rows = dl_bs
     opts = getattr(trainer, "optimizers", None) or []
+    if device == "cpu" and "resident_file_bytes" not in kwargs:
+        # the mapped libraries' resident pages are part of VmHWM and vary with the page cache
+        from memguard_core.stats import process_file_resident_bytes
+        kwargs["resident_file_bytes"] = process_file_resident_bytes()
     return TrainSpec(batch_size=max(1, rows), seq_length=infer_seq_length(trainer, pl_module, batch, seq_length),
                      grad_accum=max(1, int(trainer.accumulate_grad_batches)), method=method,
                      optimizer=optimizer_name(opts[0]) if opts else "adamw", dtype=dtype,

@@ -105,10 +105,18 @@ def test_preflight_under_a_tight_budget_splits_in_place(base_runs, monkeypatch):
     # the warning level. This pytest process holds every earlier test's imports and models, far more
     # than this tiny budget, so the decision is checked here without the resident term and against
     # the full budget (the resident term is exercised in a fresh process by test_hf_preflight.py).
+    # Likewise its mapped libraries' resident pages (RssFile: every test's imports, ~300 MiB) are
+    # measured by the adapter, then set back to the typical figure the budget above was built with.
     import memguard_lightning.preflight as lpf
     real_plan = lpf.plan_in_place
-    monkeypatch.setattr(lpf, "plan_in_place", lambda ms_, ts_, b, **kw: real_plan(
-        ms_, ts_, b, **{**kw, "resident_bytes": None, "plan_fraction": 1.0}))
+    measured_file_pages = []
+
+    def plan_without_this_process(ms_, ts_, b, **kw):
+        measured_file_pages.append(ts_.resident_file_bytes)
+        return real_plan(ms_, ts_.replace(resident_file_bytes=None), b,
+                         **{**kw, "resident_bytes": None, "plan_fraction": 1.0})
+
+    monkeypatch.setattr(lpf, "plan_in_place", plan_without_this_process)
 
     class WideMonitorBudget(pl.Callback):
         """The estimate describes the tiny model's training (~0.36 GiB); this pytest process holds
@@ -122,6 +130,7 @@ def test_preflight_under_a_tight_budget_splits_in_place(base_runs, monkeypatch):
     pf = guard.preflight
     assert pf is not None
     assert pf.train_spec == ts  # read from the trainer, module, dataset and first batch
+    assert len(measured_file_pages) == 1 and measured_file_pages[0] > 0  # RssFile read at train start
     assert pf.split_factor == 2
     assert pf.plan.train_spec.batch_size == 4 and pf.plan.train_spec.grad_accum == 4
     assert {c.field for c in pf.applied} == {"grad_checkpoint", "batch_size", "grad_accum"}

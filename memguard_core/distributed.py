@@ -15,6 +15,7 @@ torch is imported inside the functions only.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Optional
 
 logger = logging.getLogger("memguard.distributed")
@@ -45,11 +46,11 @@ def agree_max(k: int) -> int:
         whatever ``torch.distributed`` raises (a dead peer, a timeout): the adapters catch it, log
         it and keep the local k.
     """
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+    dist = sys.modules.get("torch.distributed")   # not imported: no process group (hot path: no import)
+    if dist is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return k
+    import torch
+
     t = torch.tensor([int(k)], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_side_group())
     return int(t.item())

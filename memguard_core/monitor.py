@@ -359,7 +359,7 @@ class MemoryMonitor:
         # hot-path caches (resolved on the first sample)
         self._dev: Optional[str] = None
         self._probe_impl: Optional[Callable[[bool], object]] = None
-        self._clear_refs_fd: Optional[int] = None
+        self._linux_reset: Optional[Callable[[], bool]] = None
 
     # ----- decisions ---------------------------------------------------------------------------
     @property
@@ -568,31 +568,24 @@ class MemoryMonitor:
     def _resolve_probe(self) -> Callable[[bool], object]:
         """The probe for this monitor's device, resolved once (``auto`` looks at the imported
         frameworks: resolving it at every step would query ``torch.cuda.is_available()`` each time).
-        On Linux CPU the host probe is called directly, and the peak is reset by writing to a kept
-        ``/proc/self/clear_refs`` descriptor."""
+        On Linux CPU the host probe is called directly, and the peak is reset through
+        ``probes.linux.reset_peak`` (a kept ``/proc/self/clear_refs`` descriptor)."""
         from .probes import probe, resolve_device
         dev = self._dev = resolve_device(self.device)
         if dev == "cpu":
             from .probes import host_source
             if host_source() == "linux":
-                import os
                 from .probes import linux
-                try:
-                    self._clear_refs_fd = os.open("/proc/self/clear_refs", os.O_WRONLY)
-                except OSError:
-                    self._clear_refs_fd = None
+                self._linux_reset = linux.reset_peak
                 return lambda cheap: linux.probe(cheap=cheap)
         return lambda cheap: probe(dev, cheap=cheap)
 
     def _reset_peak(self) -> None:
-        fd = self._clear_refs_fd
-        if fd is not None:
-            import os
-            try:
-                os.write(fd, b"5")   # VmHWM := VmRSS (proc.rst, "clear_refs")
+        reset = self._linux_reset
+        if reset is not None:
+            if reset():   # VmHWM := VmRSS (proc.rst, "clear_refs")
                 return
-            except OSError:
-                self._clear_refs_fd = None
+            self._linux_reset = None
         from .stats import reset_peak_memory
         reset_peak_memory(self._dev or self.device)
 
@@ -777,15 +770,6 @@ class MemoryMonitor:
         if t is not None and t.is_alive() and t is not threading.current_thread():
             t.join(timeout)
         self._thread = None
-
-    def __del__(self):
-        fd = getattr(self, "_clear_refs_fd", None)
-        if fd is not None:
-            try:
-                import os
-                os.close(fd)
-            except Exception:
-                pass
 
     @property
     def running(self) -> bool:

@@ -193,8 +193,14 @@ def reset_peak_memory(device: str = "auto", *, proc_root: str = "/proc") -> str:
         return "failed"
 
     try:
-        with open(os.path.join(proc_root, "self", "clear_refs"), "w") as fh:
-            fh.write("5")
+        if proc_root == "/proc":
+            from memguard_core.probes import linux
+
+            if not linux.reset_peak():   # keeps the descriptor and notes the ru_maxrss floor
+                raise OSError("/proc/self/clear_refs not writable")
+        else:
+            with open(os.path.join(proc_root, "self", "clear_refs"), "w") as fh:
+                fh.write("5")
         with _lock:
             _cpu_baseline = None
         return "kernel"

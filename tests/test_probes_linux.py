@@ -362,3 +362,123 @@ def test_live_cgroup_v1_limit_is_reported():
         _rmdir(child)
         _rmdir(parent)
     assert not os.path.exists(parent)
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-step resident-set reading: /proc/self/statm + ru_maxrss after a reset (real kernel)
+
+def _status_peak():
+    return linux.read_status(keys=frozenset(("VmHWM",)))["VmHWM"]
+
+
+def test_step_peak_follows_a_transient_allocation_after_reset():
+    if not linux.reset_peak():
+        pytest.skip("/proc/self/clear_refs not writable here")
+    rss0 = linux.probe(cheap=True).process_bytes
+    buf = b"\x01" * (96 * MiB)        # touched, then freed before the reading
+    del buf
+    s = linux.probe(cheap=True)
+    hwm = _status_peak()
+    assert s.process_peak_bytes >= rss0 + 90 * MiB
+    # ru_maxrss reads the kernel's batched per-CPU counters: a few hundred KiB from VmHWM at most
+    assert abs(s.process_peak_bytes - hwm) <= linux._RU_DRIFT_BYTES
+    assert abs(s.process_bytes - linux.read_status(keys=frozenset(("VmRSS",)))["VmRSS"]) <= 8 * MiB
+    # and a reset brings it back down
+    assert linux.reset_peak()
+    assert linux.probe(cheap=True).process_peak_bytes < rss0 + 48 * MiB
+
+
+_FLOOR_CHILD = r"""
+import json, resource
+from memguard_core.probes import linux
+assert linux.reset_peak()
+buf = b"\x01" * (48 << 20); del buf
+cheap = linux.probe(cheap=True).process_peak_bytes
+hwm = linux.read_status(keys=frozenset(("VmHWM",)))["VmHWM"]
+print(json.dumps({"cheap": cheap, "hwm": hwm,
+                  "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def test_step_peak_is_not_the_floor_a_large_parent_leaves():
+    """A process started (fork + exec) by a large parent keeps the parent's high-water mark in
+    ``ru_maxrss`` for life (fs/exec.c: signal->maxrss). Here the parent is this test holding
+    400 MiB; the child's peak must still be its own VmHWM, not that floor."""
+    held = b"\x02" * (400 * MiB)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", _FLOOR_CHILD], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    del held
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["ru_maxrss"] >= 350 * MiB > r["hwm"]          # the floor is really there
+    assert abs(r["cheap"] - r["hwm"]) <= linux._RU_DRIFT_BYTES
+
+
+def test_kept_descriptors_are_not_inherited_by_a_forked_child():
+    """procfs binds /proc/self/* to the task at open: a forked child must not read (or reset) its
+    parent's figures through descriptors the parent kept."""
+    linux.probe(cheap=True)                      # the parent opens its kept descriptors
+    assert linux.reset_peak()
+    parent_rss = linux.probe(cheap=True).process_bytes
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                  # child: grow, read, reset, report
+        try:
+            os.close(r)
+            buf = b"\x03" * (200 * MiB)
+            s = linux.probe(cheap=True)
+            ok = linux.reset_peak()
+            os.write(w, json.dumps({"rss": s.process_bytes, "peak": s.process_peak_bytes,
+                                    "reset": ok, "n": len(buf)}).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 4096):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    child = json.loads(data)
+    assert child["reset"]
+    assert child["rss"] >= parent_rss + 150 * MiB        # its own RSS, not the parent's
+    assert child["peak"] >= child["rss"] - 8 * MiB
+    assert linux.probe(cheap=True).process_bytes < parent_rss + 100 * MiB
+
+
+def test_cheap_probe_in_a_limited_cgroup_rereads_usage_every_call():
+    """The per-step path keeps the list of limited levels (no ancestor walk per step) but reads
+    their usage every call: memory this process takes shows in the next reading."""
+    own, why = _own_v1_memory_dir()
+    if own is None:
+        pytest.skip(f"cannot create a child memory cgroup: {why}")
+    cg = os.path.join(own, f"mg-step-{os.getpid()}")
+    code = r"""
+import json
+from memguard_core.probes import linux
+linux.probe(cheap=False); a = linux.probe(cheap=True)
+buf = b"\x01" * (120 << 20)
+b = linux.probe(cheap=True)
+print(json.dumps({"a": a.available_bytes, "b": b.available_bytes, "limit": b.limit_bytes,
+                  "levels": [d for _, d in linux._limited_levels[linux.locate_cgroups().v1_dir][1]]}))
+"""
+    try:
+        try:
+            os.makedirs(cg)
+        except OSError as exc:
+            pytest.skip(f"cannot create a child memory cgroup under {own}: {exc}")
+        open(os.path.join(cg, "memory.limit_in_bytes"), "w").write(str(600 * MiB))
+
+        def enter():
+            with open(os.path.join(cg, "cgroup.procs"), "w") as fh:
+                fh.write(str(os.getpid()))
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, preexec_fn=enter,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        res = json.loads(out.stdout)
+        assert res["limit"] == 600 * MiB
+        assert res["levels"] == [cg]                     # only the limited level is read per step
+        assert res["a"] - res["b"] >= 100 * MiB
+    finally:
+        _rmdir(cg)

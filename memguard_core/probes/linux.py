@@ -43,7 +43,7 @@ __all__ = [
     "Psi", "CgroupMemory", "Mount", "CgroupLocation",
     "parse_meminfo", "parse_status", "parse_psi", "parse_proc_cgroup", "parse_mountinfo",
     "parse_flat_keyed", "read_meminfo", "read_status", "read_psi", "locate_cgroups",
-    "cgroup_memory", "probe", "UNLIMITED_THRESHOLD",
+    "cgroup_memory", "probe", "reset_peak", "UNLIMITED_THRESHOLD",
 ]
 
 #: Limits at or above this many bytes (1 EiB) mean "no limit". cgroup v1 reports "unlimited"
@@ -553,6 +553,12 @@ def _read_keyed(path: str) -> Dict[str, int]:
     return parse_flat_keyed(text, path) if text is not None else {}
 
 
+#: The per-step path's list of the levels of a cgroup (by its directory) that have a limit, as
+#: ``(time found, [(index up the hierarchy, directory)])``, found by a full walk at most every
+#: :data:`SLOW_FIGURES_MAX_AGE_S`: outside a container no level has one, and nothing is read.
+_limited_levels: Dict[str, Tuple[float, List[Tuple[int, str]]]] = {}
+
+
 def _cached_limit(path: str) -> Tuple[bool, Optional[int]]:
     """:func:`_read_limit`, reused on the per-step path while younger than
     :data:`SLOW_FIGURES_MAX_AGE_S` (limits change when a container is resized, not per step; the
@@ -637,8 +643,21 @@ def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
         limit = limit_path = available = None
         own_usage = own_ws = None
         own_read = False
-        for i, d in enumerate(_ancestors(own, stop)):
+        limited: Optional[List[Tuple[int, str]]] = None
+        levels: Optional[List[Tuple[int, str]]] = None
+        if _kept.on and not detail:
+            now = time.monotonic()
+            hit = _limited_levels.get(own)
+            if hit is not None and now - hit[0] < SLOW_FIGURES_MAX_AGE_S:
+                levels = hit[1]   # only the levels with a limit have anything to read per step
+            else:
+                limited = []
+        if levels is None:
+            levels = list(enumerate(_ancestors(own, stop)))
+        for i, d in levels:
             lim, usage, ws = level(d, detail and i == 0)
+            if limited is not None and lim is not None:
+                limited.append((i, d))
             if i == 0:
                 own_usage, own_ws, own_read = usage, ws, (detail or lim is not None)
             if lim is None:
@@ -654,6 +673,8 @@ def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
             if ws_here is not None:
                 room = max(0, lim - ws_here)
                 available = room if available is None else min(available, room)
+        if limited is not None:
+            _limited_levels[own] = (now, limited)
         oom = max_usage = None
         if not detail:
             pass
@@ -673,6 +694,124 @@ def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
 
 
 # ----------------------------------------------------------------------------------------------
+# this process's resident set on the per-step path: /proc/self/statm and getrusage
+
+#: Generating /proc/self/status costs 40-120 us right after a training step here (the kernel
+#: sums per-CPU RSS counters and formats ~55 lines; caches are cold), /proc/self/statm about 3 us
+#: and getrusage(2) about 7 us. The per-step path reads the current RSS from statm and the peak
+#: from ``ru_maxrss`` (kernel/sys.c: ``max(signal->maxrss, mm hiwater_rss)``, KiB), which
+#: ``clear_refs`` = 5 resets like VmHWM (both read the mm's hiwater_rss) -- except for
+#: ``signal->maxrss``, the high-water mark of the mm the process had before its ``execve``
+#: (fs/exec.c ``exec_mmap``): a process started by a large parent (a launcher, a notebook
+#: kernel) keeps that figure as a floor under ``ru_maxrss`` for life. The floor is bounded from
+#: above by what ``ru_maxrss`` reads right after a reset (``max(floor, RSS)``); a later reading
+#: above that bound is the true peak, one at or below it is ambiguous and VmHWM is read instead.
+_ru_floor_kib: Optional[int] = None      # upper bound of signal->maxrss; None before our first reset
+_clear_refs_fd: Optional[int] = None
+_clear_refs_state = {"tried": False}
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: ``ru_maxrss`` reads the batched per-CPU RSS counters, VmHWM their exact sum: a reading this far
+#: above VmHWM is the floor, not drift (the batch is a few hundred KiB per CPU that ran the process).
+_RU_DRIFT_BYTES = 4 << 20
+
+
+def _ru_maxrss_kib() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def reset_peak() -> bool:
+    """Reset this process's peak resident set (VmHWM := VmRSS) by writing ``5`` to
+    ``/proc/self/clear_refs`` (kernel Documentation/filesystems/proc.rst, "clear_refs"), through a
+    descriptor kept open, and note the bound of the ``ru_maxrss`` floor (see above).
+
+    Returns:
+        True when the kernel took the reset; False where ``clear_refs`` cannot be written
+        (old kernel, seccomp, read-only /proc). Never raises.
+    """
+    global _clear_refs_fd, _ru_floor_kib
+    try:
+        fd = _clear_refs_fd
+        if fd is None:
+            if _clear_refs_state["tried"]:
+                return False
+            _clear_refs_state["tried"] = True
+            fd = _clear_refs_fd = os.open("/proc/self/clear_refs", os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        os.write(fd, b"5")
+    except OSError:
+        _clear_refs_fd = None
+        return False
+    try:
+        after = _ru_maxrss_kib()
+        # max(floor, RSS now): the floor is at most this; keep the tightest bound seen
+        if _ru_floor_kib is None or after < _ru_floor_kib:
+            _ru_floor_kib = after
+    except Exception:
+        pass
+    return True
+
+
+def _statm_rss() -> Optional[int]:
+    """VmRSS from /proc/self/statm (its second field, resident pages; proc(5)), bytes."""
+    text = _read_kept("/proc/self/statm")
+    if not text:
+        return None
+    fields = text.split()
+    if len(fields) < 2 or not fields[1].isdigit():
+        return None
+    return int(fields[1]) * _PAGE_SIZE
+
+
+def _step_rss_and_peak() -> Tuple[Optional[int], Optional[int]]:
+    """(VmRSS, peak since the last reset) in bytes, for the per-step path: statm + ``ru_maxrss``
+    where that is unambiguous, else /proc/self/status (see above). ``ru_maxrss`` comes from the
+    kernel's batched per-CPU counters and reads up to a few hundred KiB below VmHWM."""
+    global _ru_floor_kib
+    rss = _statm_rss()
+    floor = _ru_floor_kib
+    if rss is not None and floor is not None:
+        try:
+            peak_kib = _ru_maxrss_kib()
+        except Exception:
+            peak_kib = 0
+        if peak_kib > floor:
+            return rss, max(rss, peak_kib * 1024)
+    status = read_status(keys=_STATUS_KEYS)
+    hwm = status.get("VmHWM")
+    if hwm is not None and floor is not None:
+        try:
+            peak_kib = _ru_maxrss_kib()
+            if peak_kib * 1024 > hwm + _RU_DRIFT_BYTES:
+                _ru_floor_kib = min(floor, peak_kib)   # ru_maxrss reads the floor itself: its exact value
+        except Exception:
+            pass
+    return status.get("VmRSS", rss), hwm
+
+
+def _forget_after_fork() -> None:
+    """In a forked child (DataLoader workers, multiprocessing): the kept descriptors of
+    /proc/self/* still name the parent (procfs binds a file to the task at open), and a kept
+    ``clear_refs`` would reset the parent's peak. Drop them, and what was read through them."""
+    global _kept_lock, _clear_refs_fd, _ru_floor_kib
+    _kept_lock = threading.Lock()   # another thread may have held it at the fork
+    for fd in list(_kept_fds.values()) + ([_clear_refs_fd] if _clear_refs_fd is not None else []):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _kept_fds.clear()
+    _slow_cache.clear()
+    _limited_levels.clear()
+    _clear_refs_fd, _ru_floor_kib = None, None
+    _clear_refs_state["tried"] = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+# ----------------------------------------------------------------------------------------------
 # the probe
 
 def probe(cheap: bool = False, *, proc_root: str = "/proc", sys_root: str = "") -> MemorySnapshot:
@@ -689,7 +828,8 @@ def probe(cheap: bool = False, *, proc_root: str = "/proc", sys_root: str = "") 
     monitor reads PSI averages in its background thread only) and reuses readings of
     /proc/meminfo, memory.stat and the cgroup limit files younger than
     :data:`SLOW_FIGURES_MAX_AGE_S` (MemAvailable then moves with this process's RSS since that
-    reading); /proc/self/status and the cgroup usage files are read every time. Never raises.
+    reading); the RSS (/proc/self/statm), the peak (``ru_maxrss`` after a :func:`reset_peak`, else
+    VmHWM) and the cgroup usage files are read every time. Never raises.
     """
     if cheap and proc_root == "/proc" and sys_root == "":
         _kept.on = True
@@ -702,9 +842,12 @@ def probe(cheap: bool = False, *, proc_root: str = "/proc", sys_root: str = "") 
 
 def _probe(cheap: bool, proc_root: str, sys_root: str) -> MemorySnapshot:
     now = time.monotonic()
-    status = read_status(proc_root, keys=_STATUS_KEYS)
-    rss = status.get("VmRSS")
-    hwm = status.get("VmHWM")
+    if _kept.on:
+        rss, hwm = _step_rss_and_peak()
+    else:
+        status = read_status(proc_root, keys=_STATUS_KEYS)
+        rss = status.get("VmRSS")
+        hwm = status.get("VmHWM")
     mem, rss_then = _slow_figure("meminfo:" + proc_root, lambda: (read_meminfo(proc_root, _MEMINFO_KEYS), rss))
     host_total = mem.get("MemTotal")
     host_avail = mem.get("MemAvailable")

@@ -35,7 +35,13 @@ from _common import ROOT, child_env, hf_run, llama, markdown_table, print_table,
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "integration_tests"))
 
-HIDDEN, LAYERS, VOCAB, ROWS, SEQ = 128, 2, 4096, 8, 64
+#: (hidden, blocks, vocab, tokens per row) of the Llama-shape model per ``--shape``: ``toy`` has
+#: 30 ms steps (the hardest case for a fixed per-step cost), ``medium`` (6.6M parameters, 8 x 128
+#: tokens) about 0.2 s steps, still far shorter than a real fine-tune's. mlx_lm runs ``toy`` only
+#: (MLX's CPU matmul is slow here).
+SHAPES = {"toy": (128, 2, 4096, 64), "medium": (256, 4, 8192, 128)}
+HIDDEN, LAYERS, VOCAB, SEQ = SHAPES["toy"]
+ROWS = 8
 WARMUP = 3
 
 
@@ -196,6 +202,7 @@ def session(fw: str, steps: int, rounds: int) -> dict:
     per-run median step times (s) of each arm and the per-round paired ratios on/off."""
     cache: dict = {}
     off, on, pairs, own = [], [], [], []
+    check = _time_step_samples()
     for r in range(rounds + 1):
         got = {}
         for g in ((False, True) if r % 2 == 0 else (True, False)):
@@ -208,11 +215,29 @@ def session(fw: str, steps: int, rounds: int) -> dict:
         off.append(got[False])
         on.append(got[True])
         pairs.append(got[True] / got[False])
-    return {"off": off, "on": on, "pairs": pairs, "own": own}
+    return {"off": off, "on": on, "pairs": pairs, "own": own, "check": check[len(check) // 10:]}
 
 
-def run_session(fw: str, steps: int, rounds: int) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", fw, "--steps", str(steps), "--rounds", str(rounds)]
+def _time_step_samples() -> list:
+    """Time every ``MemoryMonitor.step_sample`` call of this process (seconds, appended to the
+    returned list): the per-micro-batch check as it runs inside training."""
+    from memguard_core.monitor import MemoryMonitor
+    durations: list = []
+    real = MemoryMonitor.step_sample
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            durations.append(time.perf_counter() - t0)
+    MemoryMonitor.step_sample = timed
+    return durations
+
+
+def run_session(fw: str, steps: int, rounds: int, shape: str = "toy") -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", fw, "--steps", str(steps), "--rounds", str(rounds),
+           "--shape", shape]
     p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=1800)
     for line in p.stdout.splitlines():
         if line.startswith("SESSION "):
@@ -248,9 +273,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=8, help="paired rounds per process, after a warm-up round [8]")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--only", default="", help="comma list of hf,lightning,mlx")
+    ap.add_argument("--shape", default="toy,medium",
+                    help="comma list of " + ",".join(SHAPES) + " [toy,medium]: model sizes (see SHAPES)")
     ap.add_argument("--child", default=None)
     a = ap.parse_args(argv)
+    global HIDDEN, LAYERS, VOCAB, SEQ
     if a.child:
+        HIDDEN, LAYERS, VOCAB, SEQ = SHAPES[a.shape]
         print("SESSION " + json.dumps(session(a.child, a.steps, a.rounds)), flush=True)
         return 0
     fws = [f for f in (a.only.split(",") if a.only else list(CHILDREN))]
@@ -262,50 +291,64 @@ def main(argv=None) -> int:
         import lightning  # noqa: F401
     except Exception:
         fws = [f for f in fws if f != "lightning"]
+    shapes = [x for x in a.shape.split(",") if x]
+    for x in shapes:
+        if x not in SHAPES:
+            ap.error(f"--shape: {x!r} is not one of {', '.join(SHAPES)}")
     t_start = time.time()
-    res = {f: {"off": [], "on": [], "pairs": [], "own": []} for f in fws}
-    for sidx in range(a.sessions):
-        for f in fws:
-            r = run_session(f, a.steps, a.rounds)
-            for key in ("off", "on", "pairs", "own"):
-                res[f][key] += r[key]
-            print(f"session {sidx} {f}: paired ratios " + " ".join(f"{x:.3f}" for x in r["pairs"]) +
-                  f" (median {statistics.median(r['pairs']):.4f})", flush=True)
     costs = check_costs()
-    rows = []
-    for f in fws:
-        off, on, pairs = res[f]["off"], res[f]["on"], sorted(res[f]["pairs"])
-        n = len(pairs)
-        q1, q3 = pairs[n // 4], pairs[(3 * n) // 4]
-        rows.append([LABELS[f], f"{statistics.median(off) * 1e3:.1f}", f"{statistics.median(on) * 1e3:.1f}",
-                     f"{statistics.median(pairs):.4f}", f"{q1:.3f} .. {q3:.3f}",
-                     f"{statistics.median(on) / statistics.median(off):.4f}", str(n),
-                     f"{costs['step_us'] / (statistics.median(off) * 1e6) * 100:.3f} %",
-                     (f"{statistics.median(res[f]['own']) * 1e6:.0f} us = "
-                      f"{statistics.median(res[f]['own']) / statistics.median(off) * 100:.2f} %")
-                     if res[f]["own"] else "-"])
     header = ["run", "unguarded ms/step (median run)", "guarded ms/step (median run)",
               "median paired ratio (target <= 1.005)", "paired ratios, quartiles", "ratio of medians",
-              "pairs", "per-step check / step", "memguard's own time per step (median) / step"]
+              "pairs", "per-step check in the run (median)", "memguard's own time per step (median) / step"]
+    sections = []
+    for shape in shapes:
+        HIDDEN, LAYERS, VOCAB, SEQ = SHAPES[shape]
+        these = [f for f in fws if shape == "toy" or f != "mlx"]
+        res = {f: {"off": [], "on": [], "pairs": [], "own": [], "check": []} for f in these}
+        for sidx in range(a.sessions):
+            for f in these:
+                r = run_session(f, a.steps, a.rounds, shape)
+                for key in res[f]:
+                    res[f][key] += r[key]
+                print(f"{shape} session {sidx} {f}: paired ratios " + " ".join(f"{x:.3f}" for x in r["pairs"]) +
+                      f" (median {statistics.median(r['pairs']):.4f})", flush=True)
+        rows = []
+        for f in these:
+            off, on, pairs = res[f]["off"], res[f]["on"], sorted(res[f]["pairs"])
+            n = len(pairs)
+            q1, q3 = pairs[n // 4], pairs[(3 * n) // 4]
+            own = statistics.median(res[f]["own"]) if res[f]["own"] else None
+            check = statistics.median(res[f]["check"]) if res[f]["check"] else None
+            rows.append([LABELS[f], f"{statistics.median(off) * 1e3:.1f}", f"{statistics.median(on) * 1e3:.1f}",
+                         f"{statistics.median(pairs):.4f}", f"{q1:.3f} .. {q3:.3f}",
+                         f"{statistics.median(on) / statistics.median(off):.4f}", str(n),
+                         f"{check * 1e6:.0f} us" if check is not None else "-",
+                         f"{own * 1e6:.0f} us = {own / statistics.median(off) * 100:.2f} %" if own is not None else "-"])
+        model = (f"Llama-shape model (hidden {HIDDEN}, {LAYERS} blocks, vocab {VOCAB}), micro-batch {ROWS} x {SEQ} "
+                 f"tokens, AdamW, full fine-tune" + (" (mlx_lm: hidden 64, vocab 1024, LoRA r=8 on every linear)"
+                                                     if "mlx" in these else ""))
+        sections.append((shape, model, header, rows))
+        print_table(f"memguard guard overhead ({shape})", header, rows)
     wall = time.time() - t_start
     lines = ["# Guard overhead", "",
              f"`python bench/overhead.py` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, shared machine; "
-             f"{wall / 60:.1f} min). Llama-shape model (hidden {HIDDEN}, {LAYERS} blocks, vocab {VOCAB}), micro-batch "
-             f"{ROWS} x {SEQ} tokens, AdamW, full fine-tune (mlx_lm: hidden 64, vocab 1024, LoRA r=8 on every "
-             f"linear). Each process trains the same model {a.rounds + 1} x 2 times, unguarded and guarded "
-             f"in alternating order (a fresh Trainer / loop each time, the guard with its defaults: preflight, "
+             f"{wall / 60:.1f} min). Each process trains the same model {a.rounds + 1} x 2 times, unguarded and "
+             f"guarded in alternating order (a fresh Trainer / loop each time, the guard with its defaults: preflight, "
              f"monitor thread at 0.5 s, per-micro-batch check), the first pair dropped as warm-up; "
              f"{a.sessions} processes per framework. A run's step time is the median of steps {WARMUP + 1}.."
              f"{a.steps}; a pair's ratio is guarded / unguarded of two adjacent runs, so drifts of this "
              f"shared machine and differences between processes cancel. The last column times memguard's own code "
              f"inside the guarded runs (its per-step hooks, and its wrappers of training_step / compute_loss / "
-             f"zero_grad minus the wrapped call), a measure this machine's step-time noise does not blur.", "",
-             *markdown_table(header, rows)]
-    lines += ["", f"Per-step check (`MemoryMonitor.step_sample`, real Linux probe, this machine): "
+             f"zero_grad minus the wrapped call; the timing wrappers' own cost is included), a measure this "
+             f"machine's step-time noise does not blur; the column before it is the per-micro-batch memory check "
+             f"(`MemoryMonitor.step_sample`) alone, timed inside the same runs (right after a training step the "
+             f"interpreter's and the kernel's caches are cold: it costs several times its warm-loop figure)."]
+    for shape, model, hdr, rows in sections:
+        lines += ["", f"## {shape}: {model}", "", *markdown_table(hdr, rows)]
+    lines += ["", f"Per-step check in a warm loop (`MemoryMonitor.step_sample`, real Linux probe, this machine): "
               f"{costs['step_us']:.0f} us best of 5 x 3000 (median {costs['step_us_median']:.0f} us); background "
               f"sample (full probe with PSI, every 0.5 s on its own thread): {costs['background_us']:.0f} us."]
     write_result("overhead.md", lines)
-    print_table("memguard guard overhead", header, rows)
     print(lines[-1])
     return 0
 

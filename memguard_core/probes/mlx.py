@@ -80,16 +80,26 @@ def read_counters(mx) -> MlxCounters:
                        cache=int(_fn(mx, "get_cache_memory")()))
 
 
+_device_info_cache: Dict[int, tuple] = {}   # id(mx) -> (mx, info): the reference keeps the id unique
+
+
 def device_info(mx) -> Dict[str, object]:
-    """``mx.device_info()`` (or ``mx.metal.device_info()``); {} if unavailable."""
+    """``mx.device_info()`` (or ``mx.metal.device_info()``); {} if unavailable. The device's sizes
+    do not change while the process runs: read once per ``mx`` module (the per-step probe needs
+    the recommended working set every step)."""
+    hit = _device_info_cache.get(id(mx))
+    if hit is not None and hit[0] is mx:
+        return hit[1]
     f = _fn(mx, "device_info")
     if f is None:
         return {}
     try:
-        return dict(f())
+        info = dict(f())
     except Exception as exc:
         _warn_once("mlx.device_info", "memguard: mx.device_info() failed: %r", exc)
         return {}
+    _device_info_cache[id(mx)] = (mx, info)
+    return info
 
 
 def memory_limit(mx) -> Optional[int]:

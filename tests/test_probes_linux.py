@@ -315,15 +315,27 @@ print(json.dumps({"limit": s.limit_bytes, "src": s.limit_source, "total": s.tota
 """
 
 
-def _run_in_cgroup(cg_dir, alloc):
+def _run_code_in_cgroup(cg_dir, code, *args):
+    """Run ``python -c code args`` inside the cgroup ``cg_dir``; its stdout is one JSON object."""
     def enter():
         with open(os.path.join(cg_dir, "cgroup.procs"), "w") as fh:
             fh.write(str(os.getpid()))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", _CHILD_CODE, str(alloc)], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=env,
                          preexec_fn=enter, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+def _run_in_cgroup(cg_dir, alloc):
+    return _run_code_in_cgroup(cg_dir, _CHILD_CODE, alloc)
+
+
+def _makedirs_or_skip(d, own):
+    try:
+        os.makedirs(d)
+    except OSError as exc:
+        pytest.skip(f"cannot create a child memory cgroup under {own}: {exc}")
 
 
 def _rmdir(d):
@@ -344,10 +356,7 @@ def test_live_cgroup_v1_limit_is_reported():
     parent = os.path.join(own, f"mg-test-{os.getpid()}")
     child = os.path.join(parent, "inner")
     try:
-        try:
-            os.makedirs(child)
-        except OSError as exc:
-            pytest.skip(f"cannot create a child memory cgroup under {own}: {exc}")
+        _makedirs_or_skip(child, own)
         open(os.path.join(parent, "memory.limit_in_bytes"), "w").write(str(300 * MiB))
         open(os.path.join(child, "memory.limit_in_bytes"), "w").write(str(500 * MiB))
         r = _run_in_cgroup(child, 100 * MiB)
@@ -468,20 +477,9 @@ print(json.dumps({"a": a.available_bytes, "b": b.available_bytes, "limit": b.lim
                   "levels": [d for _, d in linux._limited_levels[linux.locate_cgroups().v1_dir][1]]}))
 """
     try:
-        try:
-            os.makedirs(cg)
-        except OSError as exc:
-            pytest.skip(f"cannot create a child memory cgroup under {own}: {exc}")
+        _makedirs_or_skip(cg, own)
         open(os.path.join(cg, "memory.limit_in_bytes"), "w").write(str(600 * MiB))
-
-        def enter():
-            with open(os.path.join(cg, "cgroup.procs"), "w") as fh:
-                fh.write(str(os.getpid()))
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, preexec_fn=enter,
-                             capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        res = json.loads(out.stdout)
+        res = _run_code_in_cgroup(cg, code)
         assert res["limit"] == 600 * MiB
         assert res["levels"] == [cg]                     # only the limited level is read per step
         assert res["a"] - res["b"] >= 100 * MiB

@@ -254,6 +254,7 @@ def read_status(proc_root: str = "/proc", pid: str = "self",
 
 
 _MEMINFO_KEYS = frozenset(("MemTotal", "MemAvailable", "MemFree", "Buffers", "Cached"))
+_MEMINFO_KEY = "meminfo:/proc"
 _STATUS_KEYS = frozenset(("VmRSS", "VmHWM"))
 
 
@@ -557,6 +558,9 @@ def _read_keyed(path: str) -> Dict[str, int]:
 #: ``(time found, [(index up the hierarchy, directory)])``, found by a full walk at most every
 #: :data:`SLOW_FIGURES_MAX_AGE_S`: outside a container no level has one, and nothing is read.
 _limited_levels: Dict[str, Tuple[float, List[Tuple[int, str]]]] = {}
+#: When the per-step path last found no limited level at all (``time.monotonic()``): until that is
+#: :data:`SLOW_FIGURES_MAX_AGE_S` old, it does not look at the cgroup (nothing would be read).
+_no_limited_level_at = float("-inf")
 
 
 def _cached_limit(path: str) -> Tuple[bool, Optional[int]]:
@@ -630,6 +634,7 @@ def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
         :class:`CgroupMemory`, or None when the process is in no memory cgroup we can see.
         Never raises.
     """
+    global _no_limited_level_at
     try:
         loc = _location(proc_root, sys_root, refresh)
         # the per-step path skips the directory checks: a removed cgroup shows as unreadable files
@@ -675,6 +680,7 @@ def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
                 available = room if available is None else min(available, room)
         if limited is not None:
             _limited_levels[own] = (now, limited)
+            _no_limited_level_at = now if not limited else float("-inf")
         oom = max_usage = None
         if not detail:
             pass
@@ -708,6 +714,7 @@ def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
 #: above that bound is the true peak, one at or below it is ambiguous and VmHWM is read instead.
 _ru_floor_kib: Optional[int] = None      # upper bound of signal->maxrss; None before our first reset
 _clear_refs_fd: Optional[int] = None
+_statm_fd: Optional[int] = None
 _clear_refs_state = {"tried": False}
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: ``ru_maxrss`` reads the batched per-CPU RSS counters, VmHWM their exact sum: a reading this far
@@ -715,10 +722,14 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _RU_DRIFT_BYTES = 4 << 20
 
 
-def _ru_maxrss_kib() -> int:
-    import resource
+try:
+    import resource as _resource
+except ImportError:   # not on Windows; this module is only used on Linux, but must import anywhere
+    _resource = None
 
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+def _ru_maxrss_kib() -> int:
+    return int(_resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss)
 
 
 def reset_peak() -> bool:
@@ -743,7 +754,7 @@ def reset_peak() -> bool:
         _clear_refs_fd = None
         return False
     try:
-        after = _ru_maxrss_kib()
+        after = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
         # max(floor, RSS now): the floor is at most this; keep the tightest bound seen
         if _ru_floor_kib is None or after < _ru_floor_kib:
             _ru_floor_kib = after
@@ -767,12 +778,20 @@ def _step_rss_and_peak() -> Tuple[Optional[int], Optional[int]]:
     """(VmRSS, peak since the last reset) in bytes, for the per-step path: statm + ``ru_maxrss``
     where that is unambiguous, else /proc/self/status (see above). ``ru_maxrss`` comes from the
     kernel's batched per-CPU counters and reads up to a few hundred KiB below VmHWM."""
-    global _ru_floor_kib
-    rss = _statm_rss()
+    global _ru_floor_kib, _statm_fd
+    rss = None
+    try:
+        fd = _statm_fd
+        if fd is None:
+            fd = _statm_fd = os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        resident = os.pread(fd, 256, 0).split()[1]
+        rss = int(resident) * _PAGE_SIZE
+    except (OSError, IndexError, ValueError):
+        rss = _statm_rss()   # through the tolerant reader (logs, forgets a dead descriptor)
     floor = _ru_floor_kib
     if rss is not None and floor is not None:
         try:
-            peak_kib = _ru_maxrss_kib()
+            peak_kib = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
         except Exception:
             peak_kib = 0
         if peak_kib > floor:
@@ -793,9 +812,9 @@ def _forget_after_fork() -> None:
     """In a forked child (DataLoader workers, multiprocessing): the kept descriptors of
     /proc/self/* still name the parent (procfs binds a file to the task at open), and a kept
     ``clear_refs`` would reset the parent's peak. Drop them, and what was read through them."""
-    global _kept_lock, _clear_refs_fd, _ru_floor_kib
+    global _kept_lock, _clear_refs_fd, _ru_floor_kib, _statm_fd
     _kept_lock = threading.Lock()   # another thread may have held it at the fork
-    for fd in list(_kept_fds.values()) + ([_clear_refs_fd] if _clear_refs_fd is not None else []):
+    for fd in list(_kept_fds.values()) + [f for f in (_clear_refs_fd, _statm_fd) if f is not None]:
         try:
             os.close(fd)
         except OSError:
@@ -803,7 +822,8 @@ def _forget_after_fork() -> None:
     _kept_fds.clear()
     _slow_cache.clear()
     _limited_levels.clear()
-    _clear_refs_fd, _ru_floor_kib = None, None
+    globals()["_no_limited_level_at"] = float("-inf")
+    _clear_refs_fd, _ru_floor_kib, _statm_fd = None, None, None
     _clear_refs_state["tried"] = False
 
 
@@ -848,7 +868,12 @@ def _probe(cheap: bool, proc_root: str, sys_root: str) -> MemorySnapshot:
         status = read_status(proc_root, keys=_STATUS_KEYS)
         rss = status.get("VmRSS")
         hwm = status.get("VmHWM")
-    mem, rss_then = _slow_figure("meminfo:" + proc_root, lambda: (read_meminfo(proc_root, _MEMINFO_KEYS), rss))
+    hit = _slow_cache.get(_MEMINFO_KEY) if _kept.on else None
+    if hit is not None and now - hit[0] < SLOW_FIGURES_MAX_AGE_S:
+        mem, rss_then = hit[1]   # the per-step path: _slow_figure's rule, without its call
+    else:
+        mem, rss_then = _slow_figure(_MEMINFO_KEY if proc_root == "/proc" else "meminfo:" + proc_root,
+                                     lambda: (read_meminfo(proc_root, _MEMINFO_KEYS), rss))
     host_total = mem.get("MemTotal")
     host_avail = mem.get("MemAvailable")
     if host_avail is None and host_total is not None and "MemFree" in mem:
@@ -870,7 +895,10 @@ def _probe(cheap: bool, proc_root: str, sys_root: str) -> MemorySnapshot:
             host_avail = host_avail or 0
             rss = rss or 0
 
-    cg = cgroup_memory(proc_root, sys_root, refresh=not cheap, detail=False)
+    if _kept.on and now - _no_limited_level_at < SLOW_FIGURES_MAX_AGE_S:
+        cg = None   # the per-step path found no limited cgroup level less than a second ago
+    else:
+        cg = cgroup_memory(proc_root, sys_root, refresh=not cheap, detail=False)
     total, avail = host_total, host_avail
     limit_bytes, limit_source = None, "host"
     if cg is not None:

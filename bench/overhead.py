@@ -277,8 +277,8 @@ def main(argv=None) -> int:
                     help="comma list of " + ",".join(SHAPES) + " [toy,medium]: model sizes (see SHAPES)")
     ap.add_argument("--child", default=None)
     a = ap.parse_args(argv)
-    global HIDDEN, LAYERS, VOCAB, SEQ
     if a.child:
+        global HIDDEN, LAYERS, VOCAB, SEQ
         HIDDEN, LAYERS, VOCAB, SEQ = SHAPES[a.shape]
         print("SESSION " + json.dumps(session(a.child, a.steps, a.rounds)), flush=True)
         return 0
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
               "pairs", "per-step check in the run (median)", "memguard's own time per step (median) / step"]
     sections = []
     for shape in shapes:
-        HIDDEN, LAYERS, VOCAB, SEQ = SHAPES[shape]
+        hidden, layers, vocab, seq = SHAPES[shape]   # the children set their own from --shape
         these = [f for f in fws if shape == "toy" or f != "mlx"]
         res = {f: {"off": [], "on": [], "pairs": [], "own": [], "check": []} for f in these}
         for sidx in range(a.sessions):
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
                          f"{statistics.median(on) / statistics.median(off):.4f}", str(n),
                          f"{check * 1e6:.0f} us" if check is not None else "-",
                          f"{own * 1e6:.0f} us = {own / statistics.median(off) * 100:.2f} %" if own is not None else "-"])
-        model = (f"Llama-shape model (hidden {HIDDEN}, {LAYERS} blocks, vocab {VOCAB}), micro-batch {ROWS} x {SEQ} "
+        model = (f"Llama-shape model (hidden {hidden}, {layers} blocks, vocab {vocab}), micro-batch {ROWS} x {seq} "
                  f"tokens, AdamW, full fine-tune" + (" (mlx_lm: hidden 64, vocab 1024, LoRA r=8 on every linear)"
                                                      if "mlx" in these else ""))
         sections.append((shape, model, header, rows))

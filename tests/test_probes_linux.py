@@ -474,7 +474,7 @@ linux.probe(cheap=False); a = linux.probe(cheap=True)
 buf = b"\x01" * (120 << 20)
 b = linux.probe(cheap=True)
 print(json.dumps({"a": a.available_bytes, "b": b.available_bytes, "limit": b.limit_bytes,
-                  "levels": [d for _, d in linux._limited_levels[linux.locate_cgroups().v1_dir][1]]}))
+                  "levels": [d for _, d in linux._step_levels[2]]}))
 """
     try:
         _makedirs_or_skip(cg, own)

@@ -554,13 +554,11 @@ def _read_keyed(path: str) -> Dict[str, int]:
     return parse_flat_keyed(text, path) if text is not None else {}
 
 
-#: The per-step path's list of the levels of a cgroup (by its directory) that have a limit, as
-#: ``(time found, [(index up the hierarchy, directory)])``, found by a full walk at most every
-#: :data:`SLOW_FIGURES_MAX_AGE_S`: outside a container no level has one, and nothing is read.
-_limited_levels: Dict[str, Tuple[float, List[Tuple[int, str]]]] = {}
-#: When the per-step path last found no limited level at all (``time.monotonic()``): until that is
-#: :data:`SLOW_FIGURES_MAX_AGE_S` old, it does not look at the cgroup (nothing would be read).
-_no_limited_level_at = float("-inf")
+#: The per-step path's record of the levels of this process's cgroup that have a limit:
+#: ``(time found, own cgroup directory, [(index up the hierarchy, directory)])``, from a full walk
+#: at most every :data:`SLOW_FIGURES_MAX_AGE_S`. Outside a container the list is empty and the
+#: per-step probe does not look at the cgroup at all.
+_step_levels: Optional[Tuple[float, str, List[Tuple[int, str]]]] = None
 
 
 def _cached_limit(path: str) -> Tuple[bool, Optional[int]]:
@@ -634,7 +632,7 @@ def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
         :class:`CgroupMemory`, or None when the process is in no memory cgroup we can see.
         Never raises.
     """
-    global _no_limited_level_at
+    global _step_levels
     try:
         loc = _location(proc_root, sys_root, refresh)
         # the per-step path skips the directory checks: a removed cgroup shows as unreadable files
@@ -652,9 +650,9 @@ def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
         levels: Optional[List[Tuple[int, str]]] = None
         if _kept.on and not detail:
             now = time.monotonic()
-            hit = _limited_levels.get(own)
-            if hit is not None and now - hit[0] < SLOW_FIGURES_MAX_AGE_S:
-                levels = hit[1]   # only the levels with a limit have anything to read per step
+            hit = _step_levels
+            if hit is not None and hit[1] == own and now - hit[0] < SLOW_FIGURES_MAX_AGE_S:
+                levels = hit[2]   # only the levels with a limit have anything to read per step
             else:
                 limited = []
         if levels is None:
@@ -679,8 +677,7 @@ def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
                 room = max(0, lim - ws_here)
                 available = room if available is None else min(available, room)
         if limited is not None:
-            _limited_levels[own] = (now, limited)
-            _no_limited_level_at = now if not limited else float("-inf")
+            _step_levels = (now, own, limited)
         oom = max_usage = None
         if not detail:
             pass
@@ -714,8 +711,8 @@ def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
 #: above that bound is the true peak, one at or below it is ambiguous and VmHWM is read instead.
 _ru_floor_kib: Optional[int] = None      # upper bound of signal->maxrss; None before our first reset
 _clear_refs_fd: Optional[int] = None
+_clear_refs_tried = False
 _statm_fd: Optional[int] = None
-_clear_refs_state = {"tried": False}
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: ``ru_maxrss`` reads the batched per-CPU RSS counters, VmHWM their exact sum: a reading this far
 #: above VmHWM is the floor, not drift (the batch is a few hundred KiB per CPU that ran the process).
@@ -728,10 +725,6 @@ except ImportError:   # not on Windows; this module is only used on Linux, but m
     _resource = None
 
 
-def _ru_maxrss_kib() -> int:
-    return int(_resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss)
-
-
 def reset_peak() -> bool:
     """Reset this process's peak resident set (VmHWM := VmRSS) by writing ``5`` to
     ``/proc/self/clear_refs`` (kernel Documentation/filesystems/proc.rst, "clear_refs"), through a
@@ -741,13 +734,13 @@ def reset_peak() -> bool:
         True when the kernel took the reset; False where ``clear_refs`` cannot be written
         (old kernel, seccomp, read-only /proc). Never raises.
     """
-    global _clear_refs_fd, _ru_floor_kib
+    global _clear_refs_fd, _clear_refs_tried, _ru_floor_kib
     try:
         fd = _clear_refs_fd
         if fd is None:
-            if _clear_refs_state["tried"]:
+            if _clear_refs_tried:
                 return False
-            _clear_refs_state["tried"] = True
+            _clear_refs_tried = True
             fd = _clear_refs_fd = os.open("/proc/self/clear_refs", os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
         os.write(fd, b"5")
     except OSError:
@@ -763,20 +756,10 @@ def reset_peak() -> bool:
     return True
 
 
-def _statm_rss() -> Optional[int]:
-    """VmRSS from /proc/self/statm (its second field, resident pages; proc(5)), bytes."""
-    text = _read_kept("/proc/self/statm")
-    if not text:
-        return None
-    fields = text.split()
-    if len(fields) < 2 or not fields[1].isdigit():
-        return None
-    return int(fields[1]) * _PAGE_SIZE
-
-
 def _step_rss_and_peak() -> Tuple[Optional[int], Optional[int]]:
-    """(VmRSS, peak since the last reset) in bytes, for the per-step path: statm + ``ru_maxrss``
-    where that is unambiguous, else /proc/self/status (see above). ``ru_maxrss`` comes from the
+    """(VmRSS, peak since the last reset) in bytes, for the per-step path: statm (its second field,
+    resident pages; proc(5)) + ``ru_maxrss`` where that is unambiguous, else /proc/self/status
+    (see above), which also stands in when statm cannot be read. ``ru_maxrss`` comes from the
     kernel's batched per-CPU counters and reads up to a few hundred KiB below VmHWM."""
     global _ru_floor_kib, _statm_fd
     rss = None
@@ -784,10 +767,14 @@ def _step_rss_and_peak() -> Tuple[Optional[int], Optional[int]]:
         fd = _statm_fd
         if fd is None:
             fd = _statm_fd = os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        resident = os.pread(fd, 256, 0).split()[1]
-        rss = int(resident) * _PAGE_SIZE
+        rss = int(os.pread(fd, 256, 0).split()[1]) * _PAGE_SIZE
     except (OSError, IndexError, ValueError):
-        rss = _statm_rss()   # through the tolerant reader (logs, forgets a dead descriptor)
+        if _statm_fd is not None:   # reopened next time
+            try:
+                os.close(_statm_fd)
+            except OSError:
+                pass
+            _statm_fd = None
     floor = _ru_floor_kib
     if rss is not None and floor is not None:
         try:
@@ -800,7 +787,7 @@ def _step_rss_and_peak() -> Tuple[Optional[int], Optional[int]]:
     hwm = status.get("VmHWM")
     if hwm is not None and floor is not None:
         try:
-            peak_kib = _ru_maxrss_kib()
+            peak_kib = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
             if peak_kib * 1024 > hwm + _RU_DRIFT_BYTES:
                 _ru_floor_kib = min(floor, peak_kib)   # ru_maxrss reads the floor itself: its exact value
         except Exception:
@@ -812,7 +799,7 @@ def _forget_after_fork() -> None:
     """In a forked child (DataLoader workers, multiprocessing): the kept descriptors of
     /proc/self/* still name the parent (procfs binds a file to the task at open), and a kept
     ``clear_refs`` would reset the parent's peak. Drop them, and what was read through them."""
-    global _kept_lock, _clear_refs_fd, _ru_floor_kib, _statm_fd
+    global _kept_lock, _clear_refs_fd, _clear_refs_tried, _ru_floor_kib, _statm_fd, _step_levels
     _kept_lock = threading.Lock()   # another thread may have held it at the fork
     for fd in list(_kept_fds.values()) + [f for f in (_clear_refs_fd, _statm_fd) if f is not None]:
         try:
@@ -821,10 +808,7 @@ def _forget_after_fork() -> None:
             pass
     _kept_fds.clear()
     _slow_cache.clear()
-    _limited_levels.clear()
-    globals()["_no_limited_level_at"] = float("-inf")
-    _clear_refs_fd, _ru_floor_kib, _statm_fd = None, None, None
-    _clear_refs_state["tried"] = False
+    _clear_refs_fd, _clear_refs_tried, _ru_floor_kib, _statm_fd, _step_levels = None, False, None, None, None
 
 
 if hasattr(os, "register_at_fork"):
@@ -895,7 +879,8 @@ def _probe(cheap: bool, proc_root: str, sys_root: str) -> MemorySnapshot:
             host_avail = host_avail or 0
             rss = rss or 0
 
-    if _kept.on and now - _no_limited_level_at < SLOW_FIGURES_MAX_AGE_S:
+    levels = _step_levels
+    if _kept.on and levels is not None and not levels[2] and now - levels[0] < SLOW_FIGURES_MAX_AGE_S:
         cg = None   # the per-step path found no limited cgroup level less than a second ago
     else:
         cg = cgroup_memory(proc_root, sys_root, refresh=not cheap, detail=False)

@@ -52,10 +52,14 @@ multiplied by ``grow.backoff`` (2x, 4x, ... up to ``grow.max_backoff``); a split
 cannot make k oscillate. Each grow-back is an event with action ``grow``.
 
 Per-step cost: :meth:`MemoryMonitor.step_sample` reads only cheap counters (``probe(cheap=True)``:
-/proc/self/status, /proc/meminfo and the cgroup's usage files through cached descriptors on Linux;
-the allocator counters on CUDA / MLX), resets the peak, and does a few comparisons: no
-allocation on the device, no synchronisation, nothing proportional to the model's size. PSI
-averages and NVML are read by the background thread only.
+on Linux /proc/self/statm, ``getrusage``, the usage files of the limited cgroup levels through
+kept descriptors, /proc/meminfo when its cached reading is over 1 s old; the allocator counters on
+CUDA / MLX), resets the peak, and does a few comparisons: no allocation on the device, no
+synchronisation, nothing proportional to the model's size. PSI averages and NVML are read by the
+background thread only; on Linux CPU, while step samples come faster than ``interval_s``, that
+thread reads PSI alone and a full sample only every :data:`FULL_SAMPLE_MAX_AGE_S`: a full one
+would repeat the step path's reads, and each background sample costs the training thread GIL
+hand-offs.
 
 Nothing here raises into training: a failing probe or callback is logged once and skipped.
 """
@@ -74,6 +78,11 @@ from typing import Callable, Dict, List, Optional
 from .errors import ConfigError, require_fraction
 
 logger = logging.getLogger("memguard.monitor")
+
+
+#: Between step samples less than ``interval_s`` apart, the background thread of a Linux CPU run
+#: reads PSI only (:meth:`MemoryMonitor.background_sample`); a full sample still runs this often.
+FULL_SAMPLE_MAX_AGE_S = 5.0
 
 
 class Level(enum.IntEnum):
@@ -360,6 +369,10 @@ class MemoryMonitor:
         self._dev: Optional[str] = None
         self._probe_impl: Optional[Callable[[bool], object]] = None
         self._linux_reset: Optional[Callable[[], bool]] = None
+        # the background thread between full samples (Linux CPU: see background_sample)
+        self._pressure_fn: Optional[Callable[[], Optional[float]]] = None
+        self._last_step: Optional[tuple] = None   # (monotonic s, used bytes, budget bytes) of the last step sample
+        self._last_full = -math.inf               # monotonic s of the last full background sample
 
     # ----- decisions ---------------------------------------------------------------------------
     @property
@@ -577,6 +590,7 @@ class MemoryMonitor:
             if host_source() == "linux":
                 from .probes import linux
                 self._linux_reset = linux.reset_peak
+                self._pressure_fn = linux.pressure
                 return linux.probe   # probe(cheap)
         return lambda cheap: probe(dev, cheap=cheap)
 
@@ -599,6 +613,8 @@ class MemoryMonitor:
         try:
             snap, used = self._read_step_peak()
             budget = self.effective_budget(snap)
+            if self._pressure_fn is not None:
+                self._last_step = (snap.timestamp, used, budget)
             action = self.observe(used, budget, step=step, source="step")
             if action is Action.CLEAN:
                 action = self._split_if_clean_fell_short(snap, used, budget, step)
@@ -673,9 +689,18 @@ class MemoryMonitor:
         """One sample of the background thread (full probe: PSI, NVML). Never raises.
 
         The usage level is decided first (:meth:`observe`); when that asks for nothing, the
-        snapshot's ``pressure`` goes to :meth:`observe_pressure` (the PSI early warning).
+        snapshot's ``pressure`` goes to :meth:`observe_pressure` (the PSI early warning). On
+        Linux CPU, when the last step sample is younger than ``interval_s`` and the last full
+        sample younger than :data:`FULL_SAMPLE_MAX_AGE_S`, only PSI is read (see
+        :meth:`_pressure_sample`).
         """
+        last = self._last_step
+        if self._pressure_fn is not None and last is not None:
+            now = time.monotonic()
+            if now - last[0] < self.interval_s and now - self._last_full < FULL_SAMPLE_MAX_AGE_S:
+                return self._pressure_sample(now, last)
         try:
+            self._last_full = time.monotonic()
             snap = self._probe(False)
             used, budget = int(snap.process_bytes), self.effective_budget(snap)
             action = self.observe(used, budget, step=self._step, source="background")
@@ -692,6 +717,20 @@ class MemoryMonitor:
             self._log_failure("pressure", exc)
             return action
         return action if action is not Action.NONE else psi_action
+
+    def _pressure_sample(self, now: float, last: tuple) -> Action:
+        """A background sample that reads PSI only. On Linux CPU the per-step check reads what a
+        full probe would (RSS, the micro-batch peak, the limited cgroup levels; MemAvailable when
+        its cached reading is over 1 s old), so while steps come faster than ``interval_s`` a full
+        probe here repeats it, and costs the training thread about 0.7 ms of GIL hand-offs a sample
+        (bench/overhead.py with the interval at 20 ms). A full sample still runs every
+        ``FULL_SAMPLE_MAX_AGE_S`` (it also refreshes the cached cgroup location)."""
+        try:
+            pressure = self._pressure_fn()
+            return self.observe_pressure(pressure, now, used_bytes=last[1], budget_bytes=last[2])
+        except Exception as exc:
+            self._log_failure("pressure", exc)
+            return Action.NONE
 
     def observe_pressure(self, pressure: Optional[float], now: float, *, used_bytes: int = 0,
                          budget_bytes: int = 0, act: bool = True) -> Action:

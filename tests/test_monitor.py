@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -292,3 +293,40 @@ def test_a_split_also_cleans():
     mon, cleans = make()
     assert mon.observe(int(9.9 * GiB), 10 * GiB, step=1, source="step") is Action.SPLIT
     assert cleans == [1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the real Linux probe")
+def test_background_reads_only_psi_while_step_samples_are_fresh(monkeypatch):
+    # the real Linux probe and PSI reader, counted (each call goes through to the real one)
+    from memguard_core import monitor as monitor_mod
+    from memguard_core.probes import linux
+
+    calls = {"full": 0, "cheap": 0, "psi": 0}
+    real_probe, real_pressure = linux.probe, linux.pressure
+
+    def counted_probe(cheap=False, **kw):
+        calls["cheap" if cheap else "full"] += 1
+        return real_probe(cheap, **kw)
+
+    def counted_pressure():
+        calls["psi"] += 1
+        return real_pressure()
+
+    monkeypatch.setattr(linux, "probe", counted_probe)
+    monkeypatch.setattr(linux, "pressure", counted_pressure)
+    mon = MemoryMonitor(1 << 40, device="cpu", interval_s=0.3)
+    mon.background_sample()                       # no step sample yet: a full one
+    assert calls == {"full": 1, "cheap": 0, "psi": 0}
+    mon.prime()
+    mon.step_sample(0)
+    assert mon.background_sample() is Action.NONE  # the step path is fresh: PSI only
+    assert (calls["full"], calls["psi"]) == (1, 1)
+    if real_pressure() is not None:               # fed to the PSI policy (kernels with PSI)
+        assert isinstance(mon.last_pressure, float)
+    time.sleep(0.35)                              # no step sample for longer than the interval
+    mon.background_sample()
+    assert (calls["full"], calls["psi"]) == (2, 1)
+    mon.step_sample(1)
+    mon._last_full -= monitor_mod.FULL_SAMPLE_MAX_AGE_S  # the last full sample is too old
+    mon.background_sample()
+    assert (calls["full"], calls["psi"]) == (3, 1)

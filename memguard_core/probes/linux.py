@@ -815,6 +815,20 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+def pressure() -> Optional[float]:
+    """PSI ``some avg10`` of memory (percent) of this process's cgroup v2 (``memory.pressure``),
+    else of the host (/proc/pressure/memory); None where the kernel has no PSI. Uses the cgroup
+    location found by the last full :func:`probe` (no mountinfo parse): the monitor's background
+    thread reads this alone between full samples. Never raises."""
+    try:
+        loc = _location("/proc", "", refresh=False)
+        psi = read_psi("/proc", "", cgroup_dir=loc.v2_dir or "")
+        return None if psi is None else psi.some_avg10
+    except Exception as exc:  # defensive: a probe never raises
+        _warn_once("linux.pressure", "memguard: reading PSI failed: %r", exc)
+        return None
+
+
 # ----------------------------------------------------------------------------------------------
 # the probe
 

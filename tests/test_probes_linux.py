@@ -397,6 +397,45 @@ def test_step_peak_follows_a_transient_allocation_after_reset():
     assert linux.probe(cheap=True).process_peak_bytes < rss0 + 48 * MiB
 
 
+def test_step_figures_agree_with_the_cheap_probe():
+    """``step_figures`` (the per-step check's path without a snapshot) gives what the cheap probe
+    gives: RSS, the peak since the reset (a transient 96 MiB), RSS + available."""
+    if not linux.reset_peak():
+        pytest.skip("/proc/self/clear_refs not writable here")
+    linux.probe(cheap=False)                       # fresh meminfo and cgroup readings
+    before = linux.probe(cheap=True)
+    if linux._step_levels is None or linux._step_levels[2]:
+        pytest.skip("this test process runs in a limited memory cgroup")
+    assert linux.reset_peak()
+    buf = b"\x01" * (96 * MiB)
+    del buf
+    s = linux.probe(cheap=True)
+    got = linux.step_figures()
+    assert got is not None
+    now, rss, peak, cap = got
+    assert abs(rss - s.process_bytes) <= 4 * MiB
+    assert abs(peak - s.process_peak_bytes) <= 4 * MiB and peak >= before.process_bytes + 90 * MiB
+    assert abs(cap - (s.process_bytes + s.available_bytes)) <= 4 * MiB
+    assert abs(now - time.monotonic()) < 1.0
+
+
+def test_step_figures_decline_when_a_reading_is_stale(monkeypatch):
+    """Past the cache age of the meminfo reading the caller must take the cheap probe (which
+    re-reads it): step_figures returns None rather than an old MemAvailable."""
+    if not linux.reset_peak():
+        pytest.skip("/proc/self/clear_refs not writable here")
+    linux.probe(cheap=False)
+    linux.probe(cheap=True)
+    if linux._step_levels is None or linux._step_levels[2]:
+        pytest.skip("this test process runs in a limited memory cgroup")
+    buf = b"\x01" * (32 * MiB)          # a peak above the floor's bound: unambiguous
+    del buf
+    assert linux.step_figures() is not None
+    real = time.monotonic
+    monkeypatch.setattr(linux.time, "monotonic", lambda: real() + linux.SLOW_FIGURES_MAX_AGE_S + 0.1)
+    assert linux.step_figures() is None
+
+
 _FLOOR_CHILD = r"""
 import json, resource
 from memguard_core.probes import linux
@@ -473,8 +512,9 @@ from memguard_core.probes import linux
 linux.probe(cheap=False); a = linux.probe(cheap=True)
 buf = b"\x01" * (120 << 20)
 b = linux.probe(cheap=True)
+linux.reset_peak()
 print(json.dumps({"a": a.available_bytes, "b": b.available_bytes, "limit": b.limit_bytes,
-                  "levels": [d for _, d in linux._step_levels[2]]}))
+                  "levels": [d for _, d in linux._step_levels[2]], "fast": linux.step_figures()}))
 """
     try:
         _makedirs_or_skip(cg, own)
@@ -483,5 +523,6 @@ print(json.dumps({"a": a.available_bytes, "b": b.available_bytes, "limit": b.lim
         assert res["limit"] == 600 * MiB
         assert res["levels"] == [cg]                     # only the limited level is read per step
         assert res["a"] - res["b"] >= 100 * MiB
+        assert res["fast"] is None          # a limited level: the step check takes the cheap probe
     finally:
         _rmdir(cg)

@@ -795,6 +795,41 @@ def _step_rss_and_peak() -> Tuple[Optional[int], Optional[int]]:
     return status.get("VmRSS", rss), hwm
 
 
+def step_figures() -> Optional[Tuple[float, int, int, int]]:
+    """The per-step check's figures in the common case, without building a snapshot:
+    ``(monotonic seconds, RSS, peak since the last reset, RSS + available)`` in bytes, the last two
+    as :func:`probe` ``(cheap=True)`` would give them (``used = max(peak, RSS)``; ``available`` from
+    the cached /proc/meminfo reading, moved by this process's growth since). The check runs at
+    every micro-batch, right after a training step, when every cache is cold: there it costs
+    about 30 us instead of the cheap probe's 50.
+
+    Returns None, and the caller takes :func:`probe`, when the common case does not hold: a limited
+    cgroup level (its usage must be read), the cgroup levels or /proc/meminfo last read
+    :data:`SLOW_FIGURES_MAX_AGE_S` or more ago (the cheap probe re-reads them), no peak reset yet,
+    or an ambiguous ``ru_maxrss`` (see above). Never raises.
+    """
+    levels, floor, fd = _step_levels, _ru_floor_kib, _statm_fd
+    if levels is None or levels[2] or floor is None or fd is None:
+        return None
+    now = time.monotonic()
+    hit = _slow_cache.get(_MEMINFO_KEY)
+    if hit is None or now - hit[0] >= SLOW_FIGURES_MAX_AGE_S or now - levels[0] >= SLOW_FIGURES_MAX_AGE_S:
+        return None
+    mem, rss_then = hit[1]
+    total, avail = mem.get("MemTotal"), mem.get("MemAvailable")
+    if total is None or avail is None or rss_then is None or total <= 0:
+        return None
+    try:
+        rss = int(os.pread(fd, 256, 0).split()[1]) * _PAGE_SIZE
+        peak_kib = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
+    except Exception:
+        return None
+    if peak_kib <= floor:
+        return None
+    avail = max(0, min(avail - (rss - rss_then), total))
+    return now, rss, max(rss, peak_kib * 1024), rss + avail
+
+
 def _forget_after_fork() -> None:
     """In a forked child (DataLoader workers, multiprocessing): the kept descriptors of
     /proc/self/* still name the parent (procfs binds a file to the task at open), and a kept

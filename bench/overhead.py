@@ -144,17 +144,21 @@ class BlockSwitch:
         self.control = control
         self.enabled = True
         self.held: dict = {}
+        self.attached = False
         self.times: list = []      # (guard on?, seconds) per kept step
         self.step = 0
         self._t = None
 
     def attach(self, first, obj, names, get_cbs, set_cbs, guard, monitor_of) -> None:
         """``first``: the callback calling :meth:`tick`, put at the front (before the guard)."""
+        self.attached = True
         self.first, self.obj, self.names = first, obj, names
         self.held = {n: obj.__dict__[n] for n in names}
         self.get_cbs, self.set_cbs, self.guard = get_cbs, set_cbs, guard
         self._switch(True)   # the order: this callback, the guard, the rest
         mon = monitor_of()
+        if mon is None:
+            return        # an empty callback in the guard's place: nothing else to switch
         if self.control:
             # A/A control: the guard out and its thread stopped for the whole run, the labels still
             # alternate: the ratio then measures the method's own noise and bias
@@ -208,7 +212,7 @@ def child_hf_blocks(steps: int, block: int, control: bool = False):
 
     class Switch(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            if not sw.held:
+            if not sw.attached:
                 tr = cb.trainer
                 h = tr.callback_handler
                 sw.attach(self, tr, ("training_step", "compute_loss"), lambda: h.callbacks,
@@ -225,7 +229,7 @@ def child_hf_blocks(steps: int, block: int, control: bool = False):
     return sw.times, clock.per_step
 
 
-def child_lightning_blocks(steps: int, block: int, control: bool = False):
+def child_lightning_blocks(steps: int, block: int, control: bool = False, null: bool = False):
     import logging
     import lightning.pytorch as pl
     import torch
@@ -235,10 +239,16 @@ def child_lightning_blocks(steps: int, block: int, control: bool = False):
     from memguard_lightning import MemGuardCallback
     ids = token_rows(ROWS * steps, SEQ, VOCAB)
     sw = BlockSwitch(block, control)
-    cb = MemGuardCallback()
     clock = GuardClock()
-    clock.wrap(cb, ("_guarded_training_step", "_guarded_zero_grad", "on_train_batch_start",
-                    "on_before_optimizer_step", "on_train_batch_end"))
+    if null:
+        # an empty Callback switched in and out instead of the guard: Lightning's dispatch of every
+        # hook to every callback (a profiler context and a state_key string each) is what any
+        # callback costs, the guard included
+        cb = type("EmptyCallback", (pl.Callback,), {})()
+    else:
+        cb = MemGuardCallback()
+        clock.wrap(cb, ("_guarded_training_step", "_guarded_zero_grad", "on_train_batch_start",
+                        "on_before_optimizer_step", "on_train_batch_end"))
 
     class LM(pl.LightningModule):
         def __init__(self):
@@ -253,15 +263,18 @@ def child_lightning_blocks(steps: int, block: int, control: bool = False):
 
     class Switch(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if not sw.held and cb.monitor is not None:
+            if not sw.attached and null:
+                sw.attach(self, pl_module, (), lambda: trainer.callbacks,
+                          lambda new: setattr(trainer, "callbacks", new), cb, lambda: None)
+            elif not sw.attached and cb.monitor is not None:
                 sw.attach(self, pl_module, ("training_step", "optimizer_zero_grad"), lambda: trainer.callbacks,
                           lambda new: setattr(trainer, "callbacks", new), cb, lambda: cb.monitor)
                 clock.wrap(cb, ("_orig_training_step", "_orig_zero_grad"), inner=True)
-            if sw.held:
+            if sw.attached:
                 sw.tick()
 
         def on_train_batch_end(self, *a, **k):
-            if sw.enabled and sw.held:
+            if sw.enabled and sw.attached:
                 clock.step_end()
 
     loader = torch.utils.data.DataLoader(torch.stack(ids), batch_size=ROWS)
@@ -272,14 +285,16 @@ def child_lightning_blocks(steps: int, block: int, control: bool = False):
     return sw.times, clock.per_step
 
 
-def block_session(fw: str, steps: int, block: int, control: bool = False) -> dict:
+def block_session(fw: str, steps: int, block: int, mode: str = "guard") -> dict:
     """One process, one run of ``steps`` steps with the guard switched on and off in blocks of
     ``block`` steps (see :class:`BlockSwitch`); the first 4 blocks (one ABBA cycle: allocator
     warm-up, the preflight) are dropped. Returns each kept step as (cycle index, guard on?,
     seconds), memguard's own time per guarded step, and the per-micro-batch check's durations."""
     check = _time_step_samples()
-    fn = child_hf_blocks if fw == "hf" else child_lightning_blocks
-    times, own = fn(steps, block, control)
+    if fw == "hf":
+        times, own = child_hf_blocks(steps, block, mode == "control")
+    else:
+        times, own = child_lightning_blocks(steps, block, mode == "control", mode == "null")
     cycle = 4 * block
     kept = [(i // cycle, on, dt) for i, (on, dt) in enumerate(times) if i >= cycle]
     return {"steps": kept, "own": own[2 * block:], "check": check[len(check) // 10:]}
@@ -291,16 +306,27 @@ def ratio_of_medians(steps) -> float:
     return statistics.median(on) / statistics.median(off)
 
 
-def cycle_bootstrap(steps, n: int = 2000, seed: int = 0):
-    """95 % interval of the ratio of medians, resampling whole ABBA cycles with replacement (a
-    cycle holds both arms in balance, and its steps share the machine's state of the moment)."""
+def session_ratio(sessions) -> float:
+    """Geometric mean over processes of each one's ratio of medians (processes differ in speed by
+    a few percent: pooling their steps would mix those differences into the medians)."""
+    import math
+    return math.exp(statistics.fmean(math.log(ratio_of_medians(steps)) for steps in sessions))
+
+
+def cycle_bootstrap(sessions, n: int = 2000, seed: int = 0):
+    """95 % interval of :func:`session_ratio`, resampling whole ABBA cycles with replacement within
+    each process (a cycle holds both arms in balance, and its steps share the machine's state of
+    the moment)."""
     import random
-    by: dict = {}
-    for c, g, dt in steps:
-        by.setdefault(c, []).append((c, g, dt))
-    cycles = list(by.values())
     rng = random.Random(seed)
-    stats = sorted(ratio_of_medians([s for _ in cycles for s in rng.choice(cycles)]) for _ in range(n))
+    cycles = []
+    for steps in sessions:
+        by: dict = {}
+        for st in steps:
+            by.setdefault(st[0], []).append(st)
+        cycles.append(list(by.values()))
+    stats = sorted(session_ratio([[st for _ in cs for st in rng.choice(cs)] for cs in cycles])
+                   for _ in range(n))
     return stats[int(0.025 * n)], stats[int(0.975 * n) - 1]
 
 
@@ -400,7 +426,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="toy,medium",
                     help="comma list of " + ",".join(SHAPES) + " [toy,medium]: model sizes (see SHAPES)")
     ap.add_argument("--no-control", action="store_true",
-                    help="skip the A/A control row (HF, guard off in both arms: the method's own noise)")
+                    help="skip the reference rows: the A/A control (HF, guard off in both arms: the method's "
+                         "own noise) and Lightning with an empty Callback (what any callback costs)")
+    ap.add_argument("--mode", default="guard", help=argparse.SUPPRESS)
     ap.add_argument("--control", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -410,7 +438,7 @@ def main(argv=None) -> int:
         global HIDDEN, LAYERS, VOCAB, SEQ
         HIDDEN, LAYERS, VOCAB, SEQ = SHAPES[a.shape]
         rec = session("mlx", a.mlx_steps, a.rounds) if a.child == "mlx" else \
-            block_session(a.child, a.steps or BLOCK_STEPS[a.shape], a.block, a.control)
+            block_session(a.child, a.steps or BLOCK_STEPS[a.shape], a.block, "control" if a.control else a.mode)
         print("SESSION " + json.dumps(rec), flush=True)
         return 0
     fws = [f for f in (a.only.split(",") if a.only else list(LABELS))]
@@ -432,34 +460,37 @@ def main(argv=None) -> int:
     t_start = time.time()
     costs = check_costs()
     header = ["run", "steps per arm", "unguarded ms/step (median)", "guarded ms/step (median)",
-              "ratio of medians (target <= 1.005)", "95 % interval (cycle bootstrap)", "ratio at q1 / q3",
+              "guarded / unguarded (target <= 1.005)", "95 % interval (cycle bootstrap)", "ratio at q1 / q3",
               "per-step check in the run (median)", "memguard's own time per step (median) / step"]
     sections = []
     for shape in shapes:
         hidden, layers, vocab, seq = SHAPES[shape]   # the children set their own from --shape
         rows = []
-        runs = [(LABELS[f], f, False) for f in fws if f != "mlx"]
+        runs = [(LABELS[f], f, "guard") for f in fws if f != "mlx"]
+        if "lightning" in fws and not a.no_control:
+            runs.append(("Lightning, an empty Callback in the guard's place", "lightning", "null"))
         if "hf" in fws and not a.no_control:
-            runs.append(("A/A control: HF Trainer, guard off in both arms", "hf", True))
-        for label, f, control in runs:
-            steps, own, check = [], [], []
+            runs.append(("A/A control: HF Trainer, guard off in both arms", "hf", "control"))
+        for label, f, mode in runs:
+            control = mode != "guard"
+            steps, own, check, sessions = [], [], [], []
             for sidx in range(a.sessions):
                 r = run_child([f, "--shape", shape, "--steps", str(a.steps or BLOCK_STEPS[shape]),
-                               "--block", str(a.block)] + (["--control"] if control else []))
-                # cycles of different processes stay apart in the bootstrap
-                steps += [(f"{sidx}:{c}", g, dt) for c, g, dt in r["steps"]]
+                               "--block", str(a.block), "--mode", mode])
+                sessions.append(r["steps"])
+                steps += r["steps"]
                 own += r["own"]
                 check += r["check"]
                 print(f"{shape} {label} session {sidx}: ratio of medians {ratio_of_medians(r['steps']):.4f} "
                       f"({len(r['steps'])} steps)", flush=True)
             on = sorted(dt for _, g, dt in steps if g)
             off = sorted(dt for _, g, dt in steps if not g)
-            lo, hi = cycle_bootstrap(steps)
+            lo, hi = cycle_bootstrap(sessions)
             q = lambda xs, p: xs[int(p * (len(xs) - 1))]  # noqa: E731
             med_off = statistics.median(off)
             own_med = statistics.median(own) if own and not control else None
             rows.append([label, str(min(len(on), len(off))), f"{med_off * 1e3:.1f}",
-                         f"{statistics.median(on) * 1e3:.1f}", f"{statistics.median(on) / med_off:.4f}",
+                         f"{statistics.median(on) * 1e3:.1f}", f"{session_ratio(sessions):.4f}",
                          f"{lo:.4f} .. {hi:.4f}", f"{q(on, .25) / q(off, .25):.4f} / {q(on, .75) / q(off, .75):.4f}",
                          f"{statistics.median(check) * 1e6:.0f} us" if check and not control else "-",
                          f"{own_med * 1e6:.0f} us = {_pct(own_med / med_off)}" if own_med is not None else "-"])
@@ -499,8 +530,13 @@ def main(argv=None) -> int:
              f"one step's first hook to the next step's, so the guard's hooks, the data loader and the optimizer "
              f"are inside; the first cycle is dropped; {a.sessions} processes per row. On this shared machine "
              f"separate runs of the same thing differ by up to 10 % in median step time, far more than the effect "
-             f"measured; switching every {a.block} steps puts both arms under the same conditions. The interval is "
-             f"a bootstrap over whole ABBA cycles. The last column times memguard's own code inside the guarded "
+             f"measured; switching every {a.block} steps puts both arms under the same conditions. The ratio is "
+             f"the median guarded step over the median unguarded step of a process, geometric mean over the "
+             f"processes; the interval a bootstrap over whole ABBA cycles within each process. Two reference rows "
+             f"measure the method itself: the A/A control switches nothing (the guard is off in both arms, only "
+             f"the labels alternate), and the empty-callback row switches a Lightning `Callback` without any hook "
+             f"in and out in the guard's place (Lightning's dispatch of every hook to every callback: what any "
+             f"callback costs). The last column times memguard's own code inside the guarded "
              f"steps (its hooks, and its wrappers minus the call they wrap; the timing wrappers' own cost "
              f"included), a figure the step-time noise does not blur; the column before it is the per-micro-batch "
              f"memory check (`MemoryMonitor.step_sample`) alone, in the same runs (right after a training step the "

@@ -56,8 +56,8 @@ on Linux /proc/self/statm, ``getrusage``, the usage files of the limited cgroup 
 kept descriptors, /proc/meminfo when its cached reading is over 1 s old; the allocator counters on
 CUDA / MLX), resets the peak, and does a few comparisons: no allocation on the device, no
 synchronisation, nothing proportional to the model's size. PSI averages and NVML are read by the
-background thread only; on Linux CPU, while step samples come faster than ``interval_s``, that
-thread reads PSI alone and a full sample only every :data:`FULL_SAMPLE_MAX_AGE_S`: a full one
+background thread only; on Linux CPU, while step samples come twice per ``interval_s`` or more
+often, that thread reads PSI alone and a full sample only every :data:`FULL_SAMPLE_MAX_AGE_S`: a full one
 would repeat the step path's reads, and each background sample costs the training thread GIL
 hand-offs.
 
@@ -80,8 +80,8 @@ from .errors import ConfigError, require_fraction
 logger = logging.getLogger("memguard.monitor")
 
 
-#: Between step samples less than ``interval_s`` apart, the background thread of a Linux CPU run
-#: reads PSI only (:meth:`MemoryMonitor.background_sample`); a full sample still runs this often.
+#: While step samples come twice per ``interval_s`` or more often, the background thread of a Linux
+#: CPU run reads PSI only (:meth:`MemoryMonitor.background_sample`); a full sample still runs this often.
 FULL_SAMPLE_MAX_AGE_S = 5.0
 
 
@@ -372,7 +372,8 @@ class MemoryMonitor:
         # the background thread between full samples (Linux CPU: see background_sample)
         self._pressure_fn: Optional[Callable[[], Optional[float]]] = None
         self._step_figures: Optional[Callable[[], Optional[tuple]]] = None
-        self._last_step: Optional[tuple] = None   # (monotonic s, used bytes, budget bytes) of the last step sample
+        # the last step sample: (monotonic s, used bytes, budget bytes, seconds since the one before)
+        self._last_step: Optional[tuple] = None
         self._last_full = -math.inf               # monotonic s of the last full background sample
 
     # ----- decisions ---------------------------------------------------------------------------
@@ -627,7 +628,8 @@ class MemoryMonitor:
                 now, rss = getattr(snap, "timestamp", None) or time.monotonic(), int(snap.process_bytes)
                 budget = self.effective_budget(snap)
             if self._pressure_fn is not None:
-                self._last_step = (now, used, budget)
+                prev = self._last_step
+                self._last_step = (now, used, budget, now - prev[0] if prev is not None else math.inf)
             action = self.observe(used, budget, step=step, source="step")
             if action is Action.CLEAN:
                 action = self._split_if_clean_fell_short(rss, used, budget, step)
@@ -703,14 +705,17 @@ class MemoryMonitor:
 
         The usage level is decided first (:meth:`observe`); when that asks for nothing, the
         snapshot's ``pressure`` goes to :meth:`observe_pressure` (the PSI early warning). On
-        Linux CPU, when the last step sample is younger than ``interval_s`` and the last full
-        sample younger than :data:`FULL_SAMPLE_MAX_AGE_S`, only PSI is read (see
-        :meth:`_pressure_sample`).
+        Linux CPU, while step samples come at least twice per ``interval_s`` (the last two at most
+        ``interval_s / 2`` apart, the last one younger than ``interval_s``) and the last full sample
+        is younger than :data:`FULL_SAMPLE_MAX_AGE_S`, only PSI is read (see
+        :meth:`_pressure_sample`). With longer steps every sample is a full one: it is what sees a
+        co-tenant arrive in the middle of a step early (bench/reaction.py).
         """
         last = self._last_step
         if self._pressure_fn is not None and last is not None:
             now = time.monotonic()
-            if now - last[0] < self.interval_s and now - self._last_full < FULL_SAMPLE_MAX_AGE_S:
+            if (last[3] <= self.interval_s / 2 and now - last[0] < self.interval_s
+                    and now - self._last_full < FULL_SAMPLE_MAX_AGE_S):
                 return self._pressure_sample(now, last)
         try:
             self._last_full = time.monotonic()
@@ -734,8 +739,8 @@ class MemoryMonitor:
     def _pressure_sample(self, now: float, last: tuple) -> Action:
         """A background sample that reads PSI only. On Linux CPU the per-step check reads what a
         full probe would (RSS, the micro-batch peak, the limited cgroup levels; MemAvailable when
-        its cached reading is over 1 s old), so while steps come faster than ``interval_s`` a full
-        probe here repeats it, and costs the training thread about 0.7 ms of GIL hand-offs a sample
+        its cached reading is over 1 s old), so while step samples come twice per ``interval_s``
+        or more often a full probe here repeats them with less news, and costs the training thread about 0.7 ms of GIL hand-offs a sample
         (bench/overhead.py with the interval at 20 ms). A full sample still runs every
         ``FULL_SAMPLE_MAX_AGE_S`` (it also refreshes the cached cgroup location)."""
         try:

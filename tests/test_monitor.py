@@ -319,14 +319,20 @@ def test_background_reads_only_psi_while_step_samples_are_fresh(monkeypatch):
     assert calls == {"full": 1, "cheap": 0, "psi": 0}
     mon.prime()
     mon.step_sample(0)
+    mon.background_sample()                       # one step sample: its period is unknown, a full one
+    assert (calls["full"], calls["psi"]) == (2, 0)
+    mon.step_sample(1)                            # steps much shorter than the interval
     assert mon.background_sample() is Action.NONE  # the step path is fresh: PSI only
-    assert (calls["full"], calls["psi"]) == (1, 1)
+    assert (calls["full"], calls["psi"]) == (2, 1)
     if real_pressure() is not None:               # fed to the PSI policy (kernels with PSI)
         assert isinstance(mon.last_pressure, float)
     time.sleep(0.35)                              # no step sample for longer than the interval
     mon.background_sample()
-    assert (calls["full"], calls["psi"]) == (2, 1)
-    mon.step_sample(1)
-    mon._last_full -= monitor_mod.FULL_SAMPLE_MAX_AGE_S  # the last full sample is too old
-    mon.background_sample()
     assert (calls["full"], calls["psi"]) == (3, 1)
+    mon.step_sample(2)                            # a step of 0.35 s: longer than half the interval,
+    mon.background_sample()                       # so the background samples stay full ones
+    assert (calls["full"], calls["psi"]) == (4, 1)
+    mon.step_sample(3)
+    mon._last_full -= monitor_mod.FULL_SAMPLE_MAX_AGE_S  # short steps, but the last full sample is too old
+    mon.background_sample()
+    assert (calls["full"], calls["psi"]) == (5, 1)

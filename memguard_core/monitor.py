@@ -610,8 +610,8 @@ class MemoryMonitor:
     def step_sample(self, step: Optional[int] = None) -> Action:
         """Per-training-step check (the hot path): cheap counters only. Never raises.
 
-        Cost on this machine (Linux, cgroup v1, CPU): about 10 us in a warm loop and 60 us inside
-        a training run, where the caches are cold after each step (``python bench/overhead.py``).
+        Cost on this machine (Linux, cgroup v1, CPU): about 70 us inside a training run, where the
+        caches are cold after each step (``python bench/overhead.py``, "per-step check in the run").
         """
         self._step = step
         try:

@@ -1,6 +1,6 @@
 """Guard overhead: median step time of the same real training run with and without memguard.
 
-    python bench/overhead.py                 # HF Trainer, Lightning, mlx_lm; ~12 min on 2 cores
+    python bench/overhead.py                 # HF Trainer, Lightning, mlx_lm; ~35 min on 2 cores
     python bench/overhead.py --only hf --shape toy --sessions 1
 
 HF Trainer and Lightning: ONE run per process (a Llama-architecture model from config numbers,
@@ -403,7 +403,7 @@ def check_costs(n: int = 3000) -> dict:
     return {"step_us": min(samples), "step_us_median": statistics.median(samples), "background_us": min(bg)}
 
 
-#: steps per process and shape of the switched (HF, Lightning) runs: about a minute each here
+#: steps per process and shape of the switched (HF, Lightning) runs: about 2 minutes each here
 BLOCK_STEPS = {"toy": 3000, "medium": 400}
 LABELS = {"hf": "HF Trainer", "lightning": "Lightning", "mlx": "mlx_lm (MLX CPU)"}
 
@@ -415,10 +415,10 @@ def _pct(x: float) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Writes bench/results/overhead.md. About 12 minutes with the defaults on 2 cores.")
+                                 epilog="Writes bench/results/overhead.md. About 35 minutes with the defaults on 2 cores.")
     ap.add_argument("--sessions", type=int, default=2, help="fresh processes per framework and shape [2]")
     ap.add_argument("--steps", type=int, default=0,
-                    help="steps per switched (HF, Lightning) run [toy 1200, medium 320]")
+                    help="steps per switched (HF, Lightning) run [toy 3000, medium 400]")
     ap.add_argument("--block", type=int, default=2, help="steps per on / off block of a switched run [2]")
     ap.add_argument("--rounds", type=int, default=8, help="mlx_lm: paired rounds per process, after a warm-up round [8]")
     ap.add_argument("--mlx-steps", type=int, default=25, help="mlx_lm: steps per run [25]")
@@ -429,7 +429,6 @@ def main(argv=None) -> int:
                     help="skip the reference rows: the A/A control (HF, guard off in both arms: the method's "
                          "own noise) and Lightning with an empty Callback (what any callback costs)")
     ap.add_argument("--mode", default="guard", help=argparse.SUPPRESS)
-    ap.add_argument("--control", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.block < 1 or a.sessions < 1 or a.rounds < 1:
@@ -438,7 +437,7 @@ def main(argv=None) -> int:
         global HIDDEN, LAYERS, VOCAB, SEQ
         HIDDEN, LAYERS, VOCAB, SEQ = SHAPES[a.shape]
         rec = session("mlx", a.mlx_steps, a.rounds) if a.child == "mlx" else \
-            block_session(a.child, a.steps or BLOCK_STEPS[a.shape], a.block, "control" if a.control else a.mode)
+            block_session(a.child, a.steps or BLOCK_STEPS[a.shape], a.block, a.mode)
         print("SESSION " + json.dumps(rec), flush=True)
         return 0
     fws = [f for f in (a.only.split(",") if a.only else list(LABELS))]

@@ -201,7 +201,7 @@ class BlockSwitch:
 
 def child_hf_blocks(steps: int, block: int, control: bool = False):
     import torch
-    from transformers import Trainer, TrainerCallback
+    from transformers import TrainerCallback
     torch.set_num_threads(2)
     from memguard_hf import MemGuardCallback
     ids = token_rows(ROWS * steps, SEQ, VOCAB)

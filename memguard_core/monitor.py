@@ -397,10 +397,14 @@ class MemoryMonitor:
 
     def effective_budget(self, snapshot) -> int:
         """min(budget, (process + available) x safety_ratio), in bytes."""
-        cap = getattr(snapshot, "process_bytes", 0) + getattr(snapshot, "available_bytes", 0)
-        if cap <= 0:
+        return self._budget_for(getattr(snapshot, "process_bytes", 0) + getattr(snapshot, "available_bytes", 0))
+
+    def _budget_for(self, capacity: int) -> int:
+        """min(budget, capacity x safety_ratio); the budget itself when ``capacity`` (process +
+        available, bytes) is unknown (<= 0)."""
+        if capacity <= 0:
             return self.budget_bytes
-        return int(min(self.budget_bytes, cap * self.safety_ratio))
+        return int(min(self.budget_bytes, capacity * self.safety_ratio))
 
     def observe(self, used_bytes: int, budget_bytes: int, *, step: Optional[int], source: str) -> Action:
         """Classify one sample and update the decision. Returns the action taken.
@@ -615,18 +619,8 @@ class MemoryMonitor:
         """
         self._step = step
         try:
-            figs = self._step_figures() if self._step_figures is not None else None
-            if figs is not None:
-                # Linux CPU, the common case: no snapshot object (see probes.linux.step_figures)
-                now, rss, used, cap = figs
-                self._reset_peak()
-                if used > self.max_step_peak_bytes:
-                    self.max_step_peak_bytes = used
-                budget = self.budget_bytes if cap <= 0 else int(min(self.budget_bytes, cap * self.safety_ratio))
-            else:
-                snap, used = self._read_step_peak()
-                now, rss = getattr(snap, "timestamp", None) or time.monotonic(), int(snap.process_bytes)
-                budget = self.effective_budget(snap)
+            now, rss, used, capacity = self._read_step_peak()
+            budget = self._budget_for(capacity)
             if self._pressure_fn is not None:
                 prev = self._last_step
                 self._last_step = (now, used, budget, now - prev[0] if prev is not None else math.inf)
@@ -666,17 +660,28 @@ class MemoryMonitor:
         return Action.SPLIT
 
     def _read_step_peak(self):
-        snap = self._probe(True)
-        if self._peak_fn is not None:
-            peak = self._peak_fn()
+        """``(monotonic s, RSS, used, capacity)`` of a step sample, the peak counter reset after: used
+        = the peak of the last micro-batch, capacity = process + available (bytes)."""
+        figs = self._step_figures() if self._step_figures is not None else None
+        if figs is not None:
+            # Linux CPU, the common case: no snapshot object (see probes.linux.step_figures)
+            now, rss, used, capacity = figs
+            self._reset_peak()
         else:
-            peak = snap.process_peak_bytes
-            if peak is not None:
-                self._reset_peak()
-        used = max(int(peak or 0), int(snap.process_bytes))
+            snap = self._probe(True)
+            if self._peak_fn is not None:
+                peak = self._peak_fn()
+            else:
+                peak = snap.process_peak_bytes
+                if peak is not None:
+                    self._reset_peak()
+            now = getattr(snap, "timestamp", None) or time.monotonic()
+            rss = int(snap.process_bytes)
+            used = max(int(peak or 0), rss)
+            capacity = rss + getattr(snap, "available_bytes", 0)
         if used > self.max_step_peak_bytes:
             self.max_step_peak_bytes = used
-        return snap, used
+        return now, rss, used, capacity
 
     def prime(self) -> None:
         """Reset the peak counter at train start, so the first step's sample measures that step and
@@ -740,9 +745,10 @@ class MemoryMonitor:
         """A background sample that reads PSI only. On Linux CPU the per-step check reads what a
         full probe would (RSS, the micro-batch peak, the limited cgroup levels; MemAvailable when
         its cached reading is over 1 s old), so while step samples come twice per ``interval_s``
-        or more often a full probe here repeats them with less news, and costs the training thread about 0.7 ms of GIL hand-offs a sample
-        (bench/overhead.py with the interval at 20 ms). A full sample still runs every
-        ``FULL_SAMPLE_MAX_AGE_S`` (it also refreshes the cached cgroup location)."""
+        or more often a full probe here repeats them with less news, and costs the training
+        thread about 0.7 ms of GIL hand-offs a sample (bench/overhead.py with the interval at
+        20 ms). A full sample still runs every ``FULL_SAMPLE_MAX_AGE_S`` (it also refreshes the
+        cached cgroup location)."""
         try:
             pressure = self._pressure_fn()
             return self.observe_pressure(pressure, now, used_bytes=last[1], budget_bytes=last[2])

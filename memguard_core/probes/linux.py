@@ -826,7 +826,7 @@ def step_figures() -> Optional[Tuple[float, int, int, int]]:
         return None
     if peak_kib <= floor:
         return None
-    avail = max(0, min(avail - (rss - rss_then), total))
+    avail = max(0, min(avail - (rss - rss_then), total))   # _probe's rule where no cgroup level limits
     return now, rss, max(rss, peak_kib * 1024), rss + avail
 
 

@@ -6,10 +6,13 @@ The monitor decides; the framework adapters act. Decisions escalate with the lev
 
 * ``warning``   -> ``log``   (an event, nothing else)
 * ``critical``  -> ``clean`` (``gc.collect()`` + the device cache: ``torch.cuda.empty_cache`` /
-  ``mx.clear_cache``); at a per-step sample the current figure is read again right after the
-  clean, and when the clean freed too little to bring the last peak under the critical line
-  (peak - freed still >= critical) it splits at once, so the next micro-batch is already smaller;
-  a critical level that persists after a clean escalates to ``split``
+  ``mx.clear_cache``); at a per-step sample the live bytes (``probes.live_bytes``: allocated
+  tensors / active arrays / glibc in-use heap) are read around the clean, and when what it freed of
+  them does not bring the last peak under the critical line (peak - freed still >= critical) it
+  splits at once, so the next micro-batch is already smaller. Only freed *live* memory counts:
+  cached blocks and trimmed heap lower RSS or the reserved figure, but the next micro-batch
+  allocates them again (measured in ``bench/reaction.py``). A critical level that persists after
+  a clean escalates to ``split``
 * ``emergency`` -> ``split`` (the adapter doubles the micro-batch split factor k); a split also
   cleans, since it is asked because memory is short
 
@@ -278,6 +281,9 @@ class MemoryMonitor:
             ``memguard_core.probes.probe(device, cheap=cheap)``.
         peak_fn: ``peak_fn() -> Optional[int]``: the process peak since the last call, resetting it
             (default: the probe's ``process_peak_bytes`` followed by ``stats.reset_peak_memory``).
+        live_fn: ``live_fn() -> Optional[int]``: bytes held by live allocations, read before and
+            after a critical clean at a step sample (default: ``probes.live_bytes(device)``;
+            None, e.g. CPU off Linux, credits the clean with nothing: split at once).
         psi: :class:`PsiPolicy` for the pressure early warning (background samples only); ``None``
             turns it off.
         grow: :class:`GrowPolicy` for halving k again once pressure has gone; ``None`` turns
@@ -297,6 +303,7 @@ class MemoryMonitor:
                  on_event: Optional[Callable[[MemoryEvent], None]] = None,
                  probe_fn: Optional[Callable[[bool], object]] = None,
                  peak_fn: Optional[Callable[[], Optional[int]]] = None,
+                 live_fn: Optional[Callable[[], Optional[int]]] = None,
                  psi: Optional[PsiPolicy] = PsiPolicy(),
                  grow: Optional[GrowPolicy] = GrowPolicy(), planned_split: Optional[int] = None):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
@@ -321,7 +328,7 @@ class MemoryMonitor:
         if not isinstance(device, str) or _DEVICE_RE.match(device) is None:
             raise ConfigError("device", '"auto", "cpu", "cuda", "cuda:<index>" or "mlx"', device)
         for name, fn in (("clean_fn", clean_fn), ("on_event", on_event), ("probe_fn", probe_fn),
-                         ("peak_fn", peak_fn)):
+                         ("peak_fn", peak_fn), ("live_fn", live_fn)):
             if fn is not None and not callable(fn):
                 raise ConfigError(name, "a callable, or None", fn)
         self.budget_bytes = budget_bytes
@@ -343,6 +350,8 @@ class MemoryMonitor:
         self._on_event = on_event
         self._probe_fn = probe_fn
         self._peak_fn = peak_fn
+        self._live_fn = live_fn
+        self._live_before_clean: Optional[int] = None
         self._cleaned_at_level = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -480,6 +489,8 @@ class MemoryMonitor:
                                 self._split, source, msg)
         self._emit(event)
         if action in (Action.CLEAN, Action.SPLIT):
+            if action is Action.CLEAN and source == "step":
+                self._live_before_clean = self._live()   # judged by _split_if_clean_fell_short
             # a split is asked because memory is short: hand back what the allocators keep too
             self._safe(self._clean_fn, "clean")
         return action
@@ -633,11 +644,19 @@ class MemoryMonitor:
             return Action.NONE
 
     def _split_if_clean_fell_short(self, rss_before: int, used: int, budget: int, step: Optional[int]) -> Action:
-        """After a critical clean at a step sample: read the current figure again; the next
-        micro-batch's peak is predicted as the last peak minus what the clean freed, and when that
-        is still at the critical level, split now rather than one micro-batch later."""
+        """After a critical clean at a step sample: the next micro-batch's peak is predicted as the
+        last peak minus the live memory the clean freed (bounded by the RSS / footprint it freed),
+        and when that is still at the critical level, split now rather than one micro-batch later.
+
+        Memory an allocator kept for reuse (CUDA cached blocks, MLX cache, glibc free heap that
+        ``malloc_trim`` returned) is not credited: the next micro-batch allocates it again. Where
+        no live counter exists (``live_bytes`` None) nothing is credited."""
+        before, self._live_before_clean = self._live_before_clean, None
         after = self._probe(True)
-        freed = max(0, int(rss_before) - int(after.process_bytes))
+        rss_freed = max(0, int(rss_before) - int(after.process_bytes))
+        live_after = self._live()
+        live_freed = None if before is None or live_after is None else max(0, before - live_after)
+        freed = 0 if live_freed is None else min(rss_freed, live_freed)
         predicted = int(used) - freed
         if predicted < self.thresholds.critical * budget:
             return Action.CLEAN
@@ -647,8 +666,11 @@ class MemoryMonitor:
                 new = min(new, self.max_split)
             if new <= self._split:
                 return Action.CLEAN
-            msg = (f"memory critical after a clean that freed {_gib(freed)}: the next micro-batch's predicted "
-                   f"peak {_gib(predicted)} is {predicted / budget:.0%} of {_gib(budget)}: splitting "
+            what = ("no live-memory counter here" if live_freed is None else
+                    f"{_gib(live_freed)} of live memory")
+            msg = (f"memory critical after a clean that freed {_gib(rss_freed)} of RSS ({what}; cached and "
+                   f"trimmed memory is allocated again): the next micro-batch's predicted peak "
+                   f"{_gib(predicted)} is {predicted / budget:.0%} of {_gib(budget)}: splitting "
                    f"micro-batches {self._split} -> {new}")
             self._split = new
             self._split_at_sample = self._step_samples
@@ -658,6 +680,19 @@ class MemoryMonitor:
                                 new, "step", msg)
         self._emit(event)
         return Action.SPLIT
+
+    def _live(self) -> Optional[int]:
+        """Live bytes (``live_fn`` or ``probes.live_bytes``), None when unknown. Never raises."""
+        try:
+            if self._live_fn is not None:
+                v = self._live_fn()
+            else:
+                from .probes import live_bytes, resolve_device
+                v = live_bytes(self._dev or resolve_device(self.device))
+            return None if v is None else int(v)
+        except Exception as exc:
+            self._log_failure("live_bytes", exc)
+            return None
 
     def _read_step_peak(self):
         """``(monotonic s, RSS, used, capacity)`` of a step sample, the peak counter reset after: used

@@ -97,20 +97,37 @@ def test_step_sample_uses_the_step_peak_and_resets_it():
     assert mon.events[-1].step == 7
 
 
-@pytest.mark.parametrize("freed_gib,expect_split", [(0.1, True), (1.0, False)])
-def test_critical_clean_that_frees_too_little_splits_before_the_next_micro_batch(freed_gib, expect_split):
-    """A step peak at 92 % cleans caches; the current figure is read again right after the clean
-    (probe_fn: the thinnest boundary, a fake snapshot). Freeing 0.1 GiB leaves the predicted next peak
-    at 91 %: split now. Freeing 1 GiB predicts 82 %: the clean was enough, no split."""
+@pytest.mark.parametrize("rss_freed_gib,live_freed_gib,expect_split", [
+    (0.1, 0.1, True),     # freed too little: the next peak stays at 91 %
+    (1.0, 1.0, False),    # freed 1 GiB of live memory: 82 %, the clean was enough
+    (1.0, 0.0, True),     # RSS fell by 1 GiB but nothing live was freed: trimmed heap / cached blocks
+    (1.0, None, True),    # no live counter on this platform: the clean is credited nothing
+    (0.15, 1.0, True),    # live memory freed that was not resident counts only as far as RSS fell
+])
+def test_critical_clean_that_frees_too_little_splits_before_the_next_micro_batch(rss_freed_gib, live_freed_gib,
+                                                                                 expect_split):
+    """A step peak at 92 % cleans caches; RSS and the live bytes are read around the clean (probe_fn
+    and live_fn: the thinnest boundary, fake counters; tests/test_probes_linux.py checks the real
+    glibc counter against malloc and malloc_trim). The next peak is predicted as 9.2 GiB minus the
+    live memory freed, bounded by the RSS freed; at >= 90 % it splits now."""
     current = [5 * GiB]
-    mon, cleans = make(probe_fn=lambda cheap: Snap(current[0], 50 * GiB), peak_fn=lambda: int(9.2 * GiB))
-    mon._clean_fn = lambda: (cleans.append(1), current.__setitem__(0, current[0] - int(freed_gib * GiB)))
+    live = [4 * GiB]
+    mon, cleans = make(probe_fn=lambda cheap: Snap(current[0], 50 * GiB), peak_fn=lambda: int(9.2 * GiB),
+                       live_fn=lambda: None if live_freed_gib is None else live[0])
+
+    def clean():
+        cleans.append(1)
+        current[0] -= int(rss_freed_gib * GiB)
+        live[0] -= int((live_freed_gib or 0) * GiB)
+    mon._clean_fn = clean
     action = mon.step_sample(3)
     assert cleans == [1]
     if expect_split:
         assert action is Action.SPLIT and mon.split == 2
         assert [e.action for e in mon.events] == [Action.CLEAN, Action.SPLIT]
-        assert "freed 0.10 GiB" in mon.events[-1].message
+        assert f"freed {rss_freed_gib:.2f} GiB of RSS" in mon.events[-1].message
+        credited = 0 if live_freed_gib is None else min(rss_freed_gib, live_freed_gib)
+        assert mon.events[-1].used_bytes == int(9.2 * GiB) - int(credited * GiB)
         # the split acts at the next micro-batch: no second split before its peak is read
         current[0] = 5 * GiB
         assert mon.step_sample(4) is Action.NONE and mon.split == 2

@@ -526,3 +526,43 @@ print(json.dumps({"a": a.available_bytes, "b": b.available_bytes, "limit": b.lim
         assert res["fast"] is None          # a limited level: the step check takes the cheap probe
     finally:
         _rmdir(cg)
+
+
+_MALLINFO_CHILD = r"""
+import ctypes, json
+from memguard_core.probes import linux
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+libc = ctypes.CDLL(None)
+r = {"in_use0": linux.malloc_in_use(), "rss0": rss()}
+chunks = [bytearray(16 << 10) for _ in range(4096)]   # 64 MiB of 16 KiB heap chunks (under the mmap threshold)
+for c in chunks:
+    c[::4096] = b"\x01" * len(c[::4096])              # touch every page
+fence = bytearray(16 << 10)                          # keeps the freed heap off the top (no automatic trim)
+r.update(in_use1=linux.malloc_in_use(), rss1=rss())
+del chunks
+r.update(in_use2=linux.malloc_in_use(), rss2=rss())
+libc.malloc_trim(0)
+r.update(in_use3=linux.malloc_in_use(), rss3=rss())
+print(json.dumps(r))
+"""
+
+
+@pytest.mark.skipif(linux.malloc_in_use() is None, reason="no glibc mallinfo2() here")
+def test_malloc_in_use_counts_live_heap_and_not_what_malloc_trim_returns():
+    """glibc's in-use bytes follow live allocations: 64 MiB of heap chunks raise them by 64 MiB,
+    freeing the chunks lowers them while RSS stays (the free heap is kept), and ``malloc_trim``
+    then lowers RSS but leaves them alone. This is what lets the monitor tell a clean that freed
+    live memory from one that only returned heap the next micro-batch takes again. A fresh process,
+    so the heap layout is this test's own."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", _MALLINFO_CHILD], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert 63 * MiB <= r["in_use1"] - r["in_use0"] <= 70 * MiB
+    assert r["rss1"] - r["rss0"] >= 60 * MiB
+    assert r["in_use1"] - r["in_use2"] >= 63 * MiB         # freed: no longer live ...
+    assert r["rss1"] - r["rss2"] <= 8 * MiB                # ... but still resident
+    assert r["rss2"] - r["rss3"] >= 56 * MiB               # malloc_trim returns it to the kernel ...
+    assert abs(r["in_use3"] - r["in_use2"]) <= 1 * MiB     # ... and frees nothing live

@@ -32,7 +32,7 @@ from memguard_core.errors import ConfigError
 
 log = logging.getLogger("memguard.probes")
 
-__all__ = ["MemorySnapshot", "probe", "resolve_device", "host_source"]
+__all__ = ["MemorySnapshot", "probe", "live_bytes", "resolve_device", "host_source"]
 
 
 @dataclass(frozen=True)
@@ -277,3 +277,41 @@ def probe(device: str = "auto", *, cheap: bool = False) -> MemorySnapshot:
         _warn_once(f"host.probe:{host_source()}", "memguard: %s probe failed: %r",
                    host_source(), exc)
         return _psutil_fallback("cpu")
+
+
+def live_bytes(device: str) -> Optional[int]:
+    """Bytes held by live allocations on a resolved ``device``, not counting what an allocator
+    keeps free for reuse: what a cleanup can lower only by freeing objects, not by returning
+    cached memory.
+
+    ======================  =================================================================
+    ``cuda:<i>``            ``torch.cuda.memory_allocated(i)`` (live tensors)
+    ``mlx``                 ``mx.get_active_memory()`` (live arrays)
+    ``cpu`` on Linux        glibc ``mallinfo2()`` in-use bytes (:func:`linux.malloc_in_use`)
+    ``cpu`` elsewhere       None (no such counter is read)
+    ======================  =================================================================
+
+    Used by the monitor to judge a clean: returning cached or trimmed memory lowers RSS and the
+    reserved figures but not the next micro-batch's peak, which allocates it all again.
+
+    Returns:
+        Bytes, or None where the device has no such counter or it cannot be read. Never raises.
+    """
+    try:
+        if device.startswith("cuda"):
+            torch = sys.modules.get("torch")
+            if torch is None:
+                return None
+            return int(torch.cuda.memory_allocated(int(device.split(":")[1]) if ":" in device else 0))
+        if device == "mlx":
+            from memguard_core.probes import mlx as _mlx
+
+            mx = sys.modules.get("mlx.core")
+            return None if mx is None else int(_mlx.read_counters(mx).active)
+        if device == "cpu" and host_source() == "linux":
+            from memguard_core.probes import linux
+
+            return linux.malloc_in_use()
+    except Exception as exc:
+        _warn_once(f"live_bytes:{device}", "memguard: reading live bytes of %s failed: %r", device, exc)
+    return None

@@ -321,3 +321,41 @@ def test_mlx_metal_interpretation_with_fake_module():
     # min(12 - 6 active, host 4 + 1 cache)
     assert s.available_bytes == 5 * GiB
     assert (s.process_bytes, s.process_peak_bytes, s.pressure) == (6 * GiB, 7 * GiB, 40.0)
+
+
+# ---------------------------------------------------------------- live bytes (judging a clean)
+
+def test_live_bytes_mlx_follows_live_arrays_not_the_cache():
+    """Real mlx: active memory rises with a live array and falls when it is freed (the buffer goes
+    to MLX's cache, or back to the system on the CPU allocator); ``clear_cache`` (what a clean does)
+    leaves live bytes alone."""
+    mx = pytest.importorskip("mlx.core")
+    from memguard_core.probes import live_bytes
+
+    base = live_bytes("mlx")
+    a = mx.ones((16, 1024, 1024), dtype=mx.float32)      # 64 MiB
+    mx.eval(a)
+    assert live_bytes("mlx") - base >= 64 * MiB
+    del a
+    freed = live_bytes("mlx")
+    assert freed - base < MiB
+    mx.clear_cache()
+    assert abs(live_bytes("mlx") - freed) < MiB
+
+
+def test_live_bytes_cuda_is_memory_allocated(monkeypatch):
+    """No CUDA device here: ``torch`` is a thin fake whose ``cuda`` holds the counters."""
+    tc = _h100()
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=tc))
+    from memguard_core.probes import live_bytes
+
+    assert live_bytes("cuda:0") == 20 * GiB              # allocated, not the 30 GiB reserved
+    tc.memory_allocated = lambda i: (_ for _ in ()).throw(RuntimeError("CUDA error"))
+    assert live_bytes("cuda:0") is None                  # a failing counter is "unknown", never raised
+
+
+def test_live_bytes_unknown_off_linux(monkeypatch):
+    import memguard_core.probes as probes
+
+    monkeypatch.setattr(probes, "host_source", lambda: "darwin")
+    assert probes.live_bytes("cpu") is None

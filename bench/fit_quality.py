@@ -1,8 +1,8 @@
 """Fit quality: under a memory budget, how close do memguard's chosen settings come to the budget
 (without going over) and to the throughput of the best hand-picked setting that fits?
 
-    python bench/fit_quality.py            # ~12-15 min on 2 cores
-    python bench/fit_quality.py --rounds 1 # fewer paired throughput runs
+    python bench/fit_quality.py            # ~15 min on 2 cores
+    python bench/fit_quality.py --rounds 1 # fewer paired throughput runs (default 3)
 
 The run: HF ``Trainer`` full fine-tune on CPU of a Llama-architecture model from config numbers
 (random weights; hidden 256, 2 blocks, vocab 32000, untied head), micro-batch 16 x 128 tokens,
@@ -16,7 +16,9 @@ would see; a guarded run's is the largest per-micro-batch VmHWM: the guard reset
    unsplit settings (it plans below its warning level, 85 %, and applies checkpointing and the split
    in place). Reported: measured peak / budget (target 80-100 %, never over), the settings it chose,
    and its throughput / the best hand-picked setting whose peak fits the budget (target >= 90 %),
-   from paired runs in alternating order. Where no hand-picked setting fits, memguard's preflight
+   from paired runs in alternating order (single runs of 8 steps differ by up to 15 % here, hence
+   3 more of each by default). Calibration is off (``MEMGUARD_CALIBRATION=0``, bench/_common.py):
+   the planner as a first run sees it, not corrected by the runs before. Where no hand-picked setting fits, memguard's preflight
    should say so before the first step (it logs an error and trains with its smallest settings;
    ``fail_fast=True`` raises instead).
 
@@ -84,7 +86,7 @@ def main(argv=None) -> int:
         k, ckpt, budget = json.loads(argv[1])
         print("RESULT " + json.dumps(child(k, ckpt, budget)), flush=True)
         return 0
-    rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 2
+    rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 3
     t0 = time.time()
     MiB = 2**20
     grid = {}

@@ -39,6 +39,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 sys.path.insert(0, os.path.join(ROOT, "integration_tests"))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from _common import child_env  # noqa: E402
 TRAIN = os.path.join(ROOT, "integration_tests", "grow_train.py")
 MiB = 1 << 20
 LIMIT = 2000 * MiB
@@ -68,8 +70,7 @@ def scenario(name: str, take_mib: int, mid_step: bool) -> dict:
     from cgroup_harness import MemoryCgroup
     out = tempfile.mkdtemp(prefix=f"reaction-{name}-")
     steps, at = 6, 2
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("MEMGUARD_SPLIT", None)
+    env = child_env()
     with MemoryCgroup(LIMIT, name=f"reaction-{name}") as cg:
         oom0 = cg.oom_kill_count()
         if mid_step:

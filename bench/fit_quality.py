@@ -3,6 +3,7 @@
 
     python bench/fit_quality.py            # ~15 min on 2 cores
     python bench/fit_quality.py --rounds 1 # fewer paired throughput runs (default 3)
+    python bench/fit_quality.py --grid-runs 1  # run the hand-picked grid once (default 2)
 
 The run: HF ``Trainer`` full fine-tune on CPU of a Llama-architecture model from config numbers
 (random weights; hidden 256, 2 blocks, vocab 32000, untied head), micro-batch 16 x 128 tokens,
@@ -87,13 +88,19 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(child(k, ckpt, budget)), flush=True)
         return 0
     rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 3
+    grid_runs = int(argv[argv.index("--grid-runs") + 1]) if "--grid-runs" in argv else 2
     t0 = time.time()
     MiB = 2**20
-    grid = {}
-    for k, ckpt in ((1, False), (2, False), (4, False), (8, False), (1, True), (2, True), (4, True), (8, True)):
-        r = run(k, ckpt)
-        grid[(k, ckpt)] = r
-        print(f"hand-picked {_label(k, ckpt)}: peak {r['peak'] / MiB:.0f} MiB, {r['step_s']:.2f} s/step", flush=True)
+    runs: dict = {}
+    settings = ((1, False), (2, False), (4, False), (8, False), (1, True), (2, True), (4, True), (8, True))
+    for _ in range(grid_runs):   # the whole grid again, not each setting twice in a row
+        for k, ckpt in settings:
+            r = run(k, ckpt)
+            runs.setdefault((k, ckpt), []).append(r)
+            print(f"hand-picked {_label(k, ckpt)}: peak {r['peak'] / MiB:.0f} MiB, {r['step_s']:.2f} s/step", flush=True)
+    # a hand-pick "fits" a budget when it fits in every run: heap layout moves a peak by up to ~20 %
+    grid = {key: {"peak": max(x["peak"] for x in rs), "peak_min": min(x["peak"] for x in rs),
+                  "step_s": statistics.median(x["step_s"] for x in rs)} for key, rs in runs.items()}
     P = grid[(1, False)]["peak"]
     rows, ratios_all = [], []
     for frac in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
@@ -105,39 +112,53 @@ def main(argv=None) -> int:
         chosen = _label(r["k"], r["ckpt"]) + (f" (planned {r['planned_k']})" if r["planned_k"] != r["k"] else "")
         if r.get("no_fit"):
             chosen += "; preflight: does not fit"
-        ratio_txt = "-"
+        ratio_txt, best_note, mg_peaks = "-", "", [r["peak"]]
         if best is not None:
             # throughput vs the best hand-picked setting: paired runs in alternating order, so that
             # drifts of this shared machine hit both alike; ratio of the medians of the step times
             mg_t, hp_t = [r["step_s"]], [grid[(best[1], best[2])]["step_s"]]
+            hp_peaks = [x["peak"] for x in runs[(best[1], best[2])]]
             for i in range(rounds):
                 for which in ((0, 1) if i % 2 else (1, 0)):
                     if which == 0:
-                        mg_t.append(run(budget=budget)["step_s"])
+                        again = run(budget=budget)
+                        mg_t.append(again["step_s"])
+                        mg_peaks.append(again["peak"])
                     else:
-                        hp_t.append(run(best[1], best[2])["step_s"])
+                        again = run(best[1], best[2])
+                        hp_t.append(again["step_s"])
+                        hp_peaks.append(again["peak"])
             ratio = statistics.median(hp_t) / statistics.median(mg_t)
             ratios_all.append(ratio)
             ratio_txt = f"{ratio:.0%}"
-        over = r["peak"] > budget
-        rows.append([f"{frac:.0%}", f"{budget / MiB:.0f}", chosen, f"{r['peak'] / MiB:.0f}",
-                     f"{r['peak'] / budget:.0%}" + ((" over: nothing fits, as the preflight said" if r.get("no_fit")
-                                                     and best is None else " OVER") if over else ""),
+            n_over = sum(p > budget for p in hp_peaks)
+            if n_over:
+                best_note = f" (over the budget in {n_over} of {len(hp_peaks)} runs)"
+        peak = max(mg_peaks)   # memguard's worst run at this budget: "never over" holds for all of them
+        over = peak > budget
+        prange = (f"{min(mg_peaks) / MiB:.0f}-" if len(mg_peaks) > 1 else "") + f"{peak / MiB:.0f}"
+        rows.append([f"{frac:.0%}", f"{budget / MiB:.0f}", chosen, prange,
+                     f"{peak / budget:.0%}" + ((" over: nothing fits, as the preflight said" if r.get("no_fit")
+                                                and best is None else " OVER") if over else ""),
                      "-" if closest is None else f"{closest / budget:.0%}",
-                     "- (none fits)" if best is None else _label(best[1], best[2]), ratio_txt,
+                     "- (none fits)" if best is None else _label(best[1], best[2]) + best_note, ratio_txt,
                      f"{r['steps']}/{STEPS}"])
         print(rows[-1], flush=True)
-    header = ["budget / unsplit peak", "budget MiB", "memguard chose", "measured peak MiB",
-              "peak / budget (target 80-100 %)", "closest hand-picked peak / budget",
+    header = ["budget / unsplit peak", "budget MiB", "memguard chose", "measured peak MiB (its runs)",
+              "largest peak / budget (target 80-100 %)", "closest hand-picked peak / budget",
               "best hand-picked that fits", "throughput vs it (target >= 90 %)", "steps"]
-    glines = ["| hand-picked | peak MiB | s/step |", "|---|---|---|"]
+    glines = [f"| hand-picked | peak MiB, {grid_runs} runs (largest used) | s/step |", "|---|---|---|"]
     glines += [f"| {_label(kk, c)} (micro-batch {ROWS // kk} x accumulation {kk}) | "
-               f"{v['peak'] / MiB:.0f} | {v['step_s']:.2f} |" for (kk, c), v in sorted(grid.items(), key=lambda x: (x[0][1], x[0][0]))]
+               f"{v['peak_min'] / MiB:.0f}-{v['peak'] / MiB:.0f} | {v['step_s']:.2f} |" for (kk, c), v in sorted(grid.items(), key=lambda x: (x[0][1], x[0][0]))]
     lines = ["# Fit quality", "",
              f"`python bench/fit_quality.py` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, shared machine, "
              f"{(time.time() - t0) / 60:.1f} min). HF Trainer full fine-tune on CPU, Llama shape (hidden {HIDDEN}, "
              f"{LAYERS} blocks, vocab {VOCAB}), micro-batch {ROWS} x {SEQ}, AdamW, {STEPS} steps, fresh process per "
-             f"run; peak = VmHWM; unsplit peak P = {P / MiB:.0f} MiB. Throughput: median step time of steps "
+             f"run; peak = VmHWM; unsplit peak P = {P / MiB:.0f} MiB (the largest of {grid_runs} runs). The hand-picked "
+             f"grid runs {grid_runs} times and a setting fits a budget only when its largest peak does (glibc's heap "
+             f"layout moves one setting's peak by up to ~20 % between runs); memguard's peak is the largest of "
+             f"its runs at that budget; the best hand-picked setting's throughput re-runs are checked against "
+             f"the budget too. Throughput: median step time of steps "
              f"2..{STEPS}, memguard's run and the best hand-picked setting run {rounds} more times each, "
              f"interleaved, ratio of the medians. \"closest hand-picked\" is the largest peak of the hand-picked "
              f"grid under the budget: the ceiling the discrete choices (micro-batch a divisor of {ROWS}, "

@@ -871,7 +871,10 @@ def malloc_in_use() -> Optional[int]:
     ``malloc_trim`` returns that heap to the kernel, only when memory is really freed; torch's CPU
     tensors and NumPy arrays come from ``malloc`` (Python's small-object arenas do not: they are
     mmapped directly, at most a few MiB here). Cost: one walk of the arenas' free lists
-    (microseconds to a millisecond); the monitor reads it only around a critical clean.
+    (microseconds to a millisecond); the monitor reads it only around a critical clean. Where
+    ``malloc`` is replaced (``LD_PRELOAD`` of jemalloc / tcmalloc) glibc's counters miss torch's
+    allocations and barely move: a clean is then credited with about nothing (the monitor splits,
+    the conservative side).
 
     Returns:
         The bytes, or None off glibc or before glibc 2.33 (``mallinfo2`` missing; the older

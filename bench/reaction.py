@@ -36,11 +36,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results")
 sys.path.insert(0, os.path.join(ROOT, "integration_tests"))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from _common import child_env  # noqa: E402
+from _common import child_env, markdown_table, print_table, write_result  # noqa: E402
 TRAIN = os.path.join(ROOT, "integration_tests", "grow_train.py")
 MiB = 1 << 20
 LIMIT = 2000 * MiB
@@ -111,13 +110,13 @@ def scenario(name: str, take_mib: int, mid_step: bool) -> dict:
     splits = [e for e in r["guard"]["events"] if e["action"] == "split"]
     seen = [e for e in r["guard"]["events"] if e.get("step") is not None and e["step"] > at]
     top = max(seen, key=lambda e: e["usage"], default=None)
-    decided = splits[0] if splits else None
+    decided = splits[0] if splits else None   # the first split: the decision measured
     return {"name": name, "take_mib": take_mib, "oom": oom,
             "decided_usage": None if decided is None else decided["usage"],
             "decided_level": None if decided is None else decided["level"],
             "top_usage": None if top is None else top["usage"], "top_level": None if top is None else top["level"],
             "reaction_s": None if first_small is None else first_small[0] - t_cross,
-            "old_forwards": len(old), "source": splits[0]["source"] if splits else "-",
+            "old_forwards": len(old), "source": "-" if decided is None else decided["source"],
             "k": r["guard"]["split"], "steps": r["global_step"], "max_steps": steps,
             "step_s": r["wall_s"] / steps}
 
@@ -155,21 +154,10 @@ def main() -> int:
                   "steps done, mean step"]
         lines += [f"`python bench/reaction.py` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, shared machine, "
                   f"cgroup limit {LIMIT // MiB} MiB, no swap). HF Trainer, 16 x 128-token micro-batches; the co-tenant "
-                  "runs in the same cgroup; times from a forward pre-hook.", "",
-                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "reaction.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    from rich.console import Console
-    from rich.table import Table
+                  "runs in the same cgroup; times from a forward pre-hook.", "", *markdown_table(header, rows)]
+    write_result("reaction.md", lines)
     if rows:
-        t = Table(title="memguard reaction to a co-tenant")
-        for h in header:
-            t.add_column(h, justify="right")
-        for r in rows:
-            t.add_row(*r)
-        Console().print(t)
+        print_table("memguard reaction to a co-tenant", header, rows)
     else:
         print(lines[-1])
     return 0

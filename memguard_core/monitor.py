@@ -917,18 +917,10 @@ def _malloc_trim() -> None:
 
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-    import ctypes.util
-
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    trim = getattr(_libc, "malloc_trim", None)
+    from .probes.linux import libc
+    trim = getattr(libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
-
-
-_libc = None
 
 
 def default_clean() -> None:

@@ -859,6 +859,21 @@ class _Mallinfo2(ctypes.Structure):
                  "fordblks", "keepcost")]
 
 
+_libc_handle = None   # ctypes handle of the process's libc, False where it cannot be opened
+
+
+def libc():
+    """The process's own C library through ctypes (``CDLL(None)``: the libc already loaded, whose
+    ``malloc`` torch's CPU allocations use), opened once; None where it cannot be opened."""
+    global _libc_handle
+    if _libc_handle is None:
+        try:
+            _libc_handle = ctypes.CDLL(None)
+        except OSError:
+            _libc_handle = False
+    return _libc_handle or None
+
+
 _mallinfo2 = None   # the bound function, False where libc has none
 
 
@@ -883,13 +898,9 @@ def malloc_in_use() -> Optional[int]:
     global _mallinfo2
     fn = _mallinfo2
     if fn is None:
-        fn = False
-        try:
-            libc = ctypes.CDLL(None)   # the process's own libc: its malloc is torch's
-            fn = getattr(libc, "mallinfo2")
+        fn = getattr(libc(), "mallinfo2", None) or False
+        if fn:
             fn.restype, fn.argtypes = _Mallinfo2, []
-        except (OSError, AttributeError):
-            fn = False
         _mallinfo2 = fn
     if fn is False:
         return None

@@ -66,9 +66,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="LoRA on the last N blocks only (mlx_lm's num_layers) [all]")
     t.add_argument("--optimizer", default="adamw",
                    help="adam | adamw | sgd (no momentum, as HF) | sgd-momentum | adafactor | adamw-8bit [adamw]")
-    t.add_argument("--dtype", default="bf16", help="fp32 | bf16 | fp16 [bf16]")
+    t.add_argument("--dtype", default=None,
+                   help="fp32 | bf16 | fp16: the dtype the weights are stored and computed in (pure "
+                        "bf16: weights loaded in bf16, no autocast); with --mixed-precision, the "
+                        "autocast dtype over fp32 weights [the config's torch_dtype; fp32 when it "
+                        "has none; with plain numbers, --model-bits]")
     t.add_argument("--mixed-precision", action="store_true",
-                   help="fp32 weights with autocast to --dtype (HF bf16=True on an fp32 model)")
+                   help="fp32 weights with autocast to --dtype (HF bf16=True / fp16=True on an fp32 "
+                        "model); --dtype defaults to bf16 then")
     t.add_argument("--grad-checkpoint", action="store_true", help="activation (gradient) checkpointing")
     t.add_argument("--attn", default="sdpa", help="eager | sdpa | flash [sdpa]")
     t.add_argument("--double-quant", action="store_true", help="QLoRA with double quantization (4.127 bits)")
@@ -147,13 +152,39 @@ def _model_spec(args):
         vocab_size=args.vocab_size, intermediate_size=args.intermediate_size)
 
 
-def _train_spec(args):
+def resolve_dtype(dtype, mixed_precision: bool, model_spec) -> str:
+    """The compute dtype of ``memguard estimate``: ``--dtype`` when given; with
+    ``--mixed-precision`` bf16; else the dtype the model source declares (the config's
+    ``torch_dtype``, fp32 when it has none; ``--model-bits`` 32 -> fp32, 16 -> bf16 for plain
+    numbers). Without ``--mixed-precision`` this is also the weights' dtype
+    (``memguard_core.spec.weights_for_training``).
+
+    Raises:
+        ConfigError: ``--dtype fp32`` with ``--mixed-precision`` (autocast needs a half dtype).
+    """
+    if dtype is not None:
+        d = str(dtype).strip().lower()
+        if mixed_precision and d == "fp32":
+            raise ConfigError("dtype", "bf16 or fp16 with --mixed-precision (the autocast dtype over "
+                              "fp32 weights)", dtype)
+        return d
+    if mixed_precision:
+        return "bf16"
+    if model_spec.weight_dtype:
+        return model_spec.weight_dtype
+    if model_spec.source == "hf-config":
+        return "fp32"  # no torch_dtype: transformers builds fp32
+    return "fp32" if model_spec.dense_bits >= 32 else "bf16"
+
+
+def _train_spec(args, model_spec):
     from .spec import TrainSpec
 
     targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    dtype = resolve_dtype(args.dtype, args.mixed_precision, model_spec)
     return TrainSpec(batch_size=args.batch_size, seq_length=args.seq_length, grad_accum=args.grad_accum,
                      method=args.method, lora_rank=args.lora_rank, lora_targets=targets,
-                     lora_layers=args.lora_layers, optimizer=args.optimizer, dtype=args.dtype,
+                     lora_layers=args.lora_layers, optimizer=args.optimizer, dtype=dtype,
                      mixed_precision=args.mixed_precision, grad_checkpoint=args.grad_checkpoint,
                      attn_impl=args.attn, framework=args.framework, device=args.device, ranks=args.ranks)
 
@@ -163,7 +194,7 @@ def cmd_estimate(args) -> int:
     from .plan import budget_from_available, plan
 
     ms = _model_spec(args)
-    ts = _train_spec(args)
+    ts = _train_spec(args, ms)
     est = estimate(ms, ts)
     budget = None
     if args.budget_gib is not None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from .errors import ConfigError
-from .spec import LinearShape, ModelSpec, TrainSpec
+from .spec import LinearShape, ModelSpec, TrainSpec, weights_for_training
 
 __all__ = ["MemoryEstimate", "estimate", "trainable_param_count", "RUNTIME_OVERHEAD_BYTES",
            "BREAKDOWN_ORDER", "runtime_overhead_bytes"]
@@ -1052,12 +1052,17 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
         MemoryEstimate with ``peak_bytes`` and the breakdown of the terms live at the peak moment
         (see the module docstring for the three moments).
 
+    The weights are counted in the dtype ``train_spec`` implies (``train_spec.dtype``, or fp32
+    with ``mixed_precision``) unless the spec was read from a live module:
+    ``memguard_core.spec.weights_for_training``; ``MemoryEstimate.model_spec`` is that spec.
+
     Raises:
         ConfigError: a spec of the wrong type, a non-positive shape, a bad correction, full
             fine-tuning of quantized weights, LoRA targets that match nothing.
     """
     _validate(model_spec, train_spec, correction)
-    ms, ts = model_spec, train_spec
+    ts = train_spec
+    ms = weights_for_training(model_spec, ts)
     notes: List[str] = []
     trainable = trainable_param_count(ms, ts)
     e = DTYPE_BYTES[ts.dtype]

@@ -46,24 +46,38 @@ def estimate_table(est, budget_bytes: Optional[int] = None, title: str = "memgua
     """A table of an estimate's breakdown (and the verdict against ``budget_bytes``)."""
     ms, ts = est.model_spec, est.train_spec
     t = Table(title=title, caption=(
-        f"{ms.name}: {ms.total_params / 1e6:,.1f}M params, {ts.method}"
+        f"{ms.name}: {ms.total_params / 1e6:,.1f}M params, weights {weights_label(ms)}, {ts.method}"
         f"{f' r={ts.lora_rank}' if ts.method != 'full' else ''}, micro-batch {ts.batch_size} x accum "
-        f"{ts.grad_accum}, seq {ts.seq_length}, {ts.optimizer}, {ts.dtype}"
-        f"{' mixed' if ts.mixed_precision else ''}, ckpt {'on' if ts.grad_checkpoint else 'off'}, "
+        f"{ts.grad_accum}, seq {ts.seq_length}, {ts.optimizer}, compute {ts.dtype}"
+        f"{' (autocast)' if ts.mixed_precision else ''}, ckpt {'on' if ts.grad_checkpoint else 'off'}, "
         f"attn {ts.attn_impl}, framework {ts.framework}"))
-    t.add_column("term")
-    t.add_column("bytes", justify="right")
+    t.add_column(f"term (at the {est.phase} peak)")
+    t.add_column("GiB", justify="right")
     t.add_column("share", justify="right")
     for name, val in est.breakdown.items():
         if val:
-            t.add_row(name, gib(val), f"{val / max(1, est.peak_bytes):.0%}")
+            t.add_row(name, f"{val / GiB:,.2f}", f"{val / max(1, est.peak_bytes):.0%}")
     t.add_section()
-    t.add_row(f"[b]peak ({est.counter})[/b]", f"[b]{gib(est.peak_bytes)}[/b]", "")
+    t.add_row(f"[b]peak ({est.counter}), at the {est.phase} moment[/b]", f"[b]{est.peak_bytes / GiB:,.2f}[/b]", "")
+    for phase, val in est.phases.items():
+        t.add_row(f"  {phase} moment", f"{val / GiB:,.2f}", "" if phase != est.phase else "peak")
     if budget_bytes is not None:
         ok = est.peak_bytes <= budget_bytes
-        t.add_row("budget", gib(budget_bytes), f"{est.peak_bytes / budget_bytes:.0%} used")
+        t.add_row("budget", f"{budget_bytes / GiB:,.2f}", f"{est.peak_bytes / budget_bytes:.0%} used")
         t.add_row("verdict", "[green]fits[/green]" if ok else "[red]does not fit[/red]", "")
     return t
+
+
+def weights_label(ms) -> str:
+    """The stored weights' dtype of a spec, as the estimate counts them (``bf16``, ``fp32``,
+    ``NF4 + bf16``: quantized block linears and the rest)."""
+    def name(bits: float) -> str:
+        return {32.0: "fp32", 16.0: ms.weight_dtype if ms.weight_dtype in ("bf16", "fp16") else "16-bit"}.get(
+            float(bits), f"{bits:g}-bit")
+    if ms.weight_bits < 16:
+        q = "NF4" if ms.weight_bits < 5 else f"{ms.weight_bits:g}-bit"
+        return f"{q} + {name(ms.dense_bits)}"
+    return name(ms.dense_bits)
 
 
 def print_estimate(est, budget_bytes: Optional[int] = None) -> None:

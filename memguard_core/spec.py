@@ -124,6 +124,16 @@ class ModelSpec:
         adapter_params: elements of adapter tensors (LoRA A/B, DoRA magnitudes, PEFT
             ``modules_to_save`` copies) found on a live module; not part of ``params``.
         source: ``hf-config`` | ``module`` | ``numbers``.
+        attention_dropout: dropout probability on the attention probabilities in training
+            (config ``attention_dropout`` / ``attn_pdrop``; see ``dropout_probabilities``).
+        residual_dropout: dropout probability on each sub-layer's output before the residual add
+            (``resid_pdrop`` / ``hidden_dropout`` / ``residual_dropout`` / OPT's ``dropout``).
+        embedding_dropout: dropout probability on the embedding output (``embd_pdrop`` /
+            ``embedding_dropout``).
+        weight_dtype: the stored dtype the source declares (``fp32`` | ``bf16`` | ``fp16``; the
+            config's ``torch_dtype``, a live module's embedding dtype), ``None`` when unknown.
+            For specs not read from a live module the TrainSpec decides what is counted: see
+            :func:`weights_for_training`.
     """
 
     name: str
@@ -147,6 +157,10 @@ class ModelSpec:
     lora_rank_found: Optional[int] = None
     source: str = "numbers"
     adapter_params: int = 0
+    attention_dropout: float = 0.0
+    residual_dropout: float = 0.0
+    embedding_dropout: float = 0.0
+    weight_dtype: Optional[str] = None
 
     @property
     def total_params(self) -> int:
@@ -174,9 +188,12 @@ class TrainSpec:
         lora_layers: LoRA on the last N blocks only (mlx_lm's ``num_layers``); ``None`` = all.
         optimizer: ``adam`` | ``adamw`` | ``sgd`` (no momentum, as HF's ``sgd``) | ``sgd-momentum`` |
             ``adafactor`` | ``adamw-8bit``.
-        dtype: compute dtype: ``fp32`` | ``bf16`` | ``fp16``.
+        dtype: compute dtype: ``fp32`` | ``bf16`` | ``fp16``. Without ``mixed_precision`` it is
+            also the dtype the weights are stored in (pure bf16: weights created in bf16); the
+            estimate counts them so for any spec not read from a live module
+            (:func:`weights_for_training`).
         mixed_precision: weights kept in fp32 with autocast to ``dtype`` (HF ``bf16=True`` on fp32
-            weights). False: weights are already stored in ``dtype``.
+            weights). False: weights are stored in ``dtype``.
         grad_checkpoint: activation (gradient) checkpointing per block.
         attn_impl: ``eager`` (O(s^2) scores kept) | ``sdpa`` | ``flash`` (O(s)).
         framework: ``hf`` | ``lightning`` | ``mlx`` (whose conventions apply).
@@ -274,6 +291,37 @@ _SHARED_EXPERT_NAMES = frozenset({"shared_expert", "shared_experts", "shared_mlp
 _MLP_NAMES = frozenset({"mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "feedforward"})
 _LORA_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
                          "lora_magnitude_vector", "lora_dropout"})
+
+
+#: torch dtype names -> the estimator's dtype names.
+_DTYPE_NAMES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+def weights_for_training(model_spec: "ModelSpec", train_spec: "TrainSpec") -> "ModelSpec":
+    """The model spec with its stored weights in the dtype the training settings imply.
+
+    The contract: without ``mixed_precision`` the weights are stored in ``train_spec.dtype`` (pure
+    bf16 / fp16 / fp32 training: HF ``from_pretrained(..., dtype=torch.bfloat16)`` and no
+    ``bf16=True`` autocast); with ``mixed_precision`` they are fp32 masters and ``dtype`` is only
+    the autocast dtype. A config's ``torch_dtype`` says how the checkpoint was saved, not how a
+    user loads it, so it yields to the TrainSpec; a spec read from a live module
+    (``source="module"``) keeps the dtypes it found (they are what will train). Quantized block
+    linears (``weight_bits`` < 16: NF4, int8) keep their storage; the rest of the model
+    (embeddings, head, norms) follows the rule above.
+
+    Returns:
+        ``model_spec`` itself when nothing changes, else a copy with ``dense_bits`` /
+        ``weight_bits`` / ``weight_dtype`` set.
+    """
+    if model_spec.source == "module":
+        return model_spec
+    want = 32.0 if train_spec.mixed_precision else _DTYPE_BITS[train_spec.dtype]
+    name = "fp32" if train_spec.mixed_precision else train_spec.dtype
+    quantized = model_spec.weight_bits < 16
+    wbits = model_spec.weight_bits if quantized else want
+    if (model_spec.dense_bits, model_spec.weight_bits, model_spec.weight_dtype) == (want, wbits, name):
+        return model_spec
+    return model_spec.replace(dense_bits=want, weight_bits=wbits, weight_dtype=name)
 
 
 def _dtype_bits(dtype: Any) -> Optional[float]:
@@ -546,6 +594,38 @@ def _cfg_get(cfg: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
+#: Config fields of the three dropout probabilities, first present one wins. From the config
+#: classes of transformers 5.x: ``GPT2Config`` / ``GPTJConfig`` / ``PhiConfig`` / ``Phi3Config``
+#: (``attn_pdrop`` / ``attention_dropout``, ``resid_pdrop``, ``embd_pdrop``), ``LlamaConfig`` and
+#: its descendants (``attention_dropout`` only), ``OPTConfig`` (``attention_dropout``, ``dropout``
+#: after the attention and after ``fc2``), ``GPTNeoXConfig`` / ``StableLmConfig`` / ``FalconConfig``
+#: / ``BloomConfig`` (``hidden_dropout``), ``Starcoder2Config`` (``residual_dropout``,
+#: ``embedding_dropout``), ``GPTNeoConfig`` (``resid_dropout``, ``embed_dropout``).
+DROPOUT_FIELDS = {
+    "attention_dropout": ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout"),
+    "residual_dropout": ("resid_pdrop", "residual_dropout", "hidden_dropout", "resid_dropout",
+                         "hidden_dropout_prob", "dropout"),
+    "embedding_dropout": ("embd_pdrop", "embedding_dropout", "embed_dropout"),
+}
+
+
+def dropout_probabilities(cfg: Any) -> dict:
+    """The dropout probabilities a transformers config applies in training, by role
+    (``attention_dropout``, ``residual_dropout``, ``embedding_dropout``; 0.0 when the config has
+    none), read through ``DROPOUT_FIELDS``. A value that is not a number in [0, 1) reads as 0.0
+    (some configs keep a module name or None there)."""
+    out = {}
+    for role, names in DROPOUT_FIELDS.items():
+        v = 0.0
+        for n in names:
+            x = getattr(cfg, n, None)
+            if isinstance(x, (int, float)) and not isinstance(x, bool):
+                v = float(x) if 0.0 <= float(x) < 1.0 else 0.0
+                break
+        out[role] = v
+    return out
+
+
 def _config_numbers(cfg: Any) -> dict:
     """The ModelSpec numbers of a transformers config (text config of a multimodal one).
 
@@ -578,7 +658,8 @@ def _config_numbers(cfg: Any) -> dict:
     return dict(hidden_size=int(hidden), num_heads=int(heads), num_layers=int(layers),
                 vocab_size=int(vocab), num_kv_heads=kv, head_dim=int(head_dim),
                 intermediate_size=int(inter) if isinstance(inter, int) else 0,
-                num_experts=experts, num_experts_per_tok=per_tok, moe_intermediate_size=moe_inter)
+                num_experts=experts, num_experts_per_tok=per_tok, moe_intermediate_size=moe_inter,
+                **dropout_probabilities(cfg))
 
 
 def _fill_intermediate(nums: dict, linears: tuple) -> None:
@@ -1075,10 +1156,13 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
     weight_bits = qbits if qbits is not None else dense
     if qbits is not None and qbits < 16:
         dense = min(dense, 16.0)  # bitsandbytes keeps the rest in the compute dtype (fp16/bf16)
+    declared = _DTYPE_NAMES.get(str(getattr(cfg, "dtype", None) or vars(cfg).get("torch_dtype"))
+                                .replace("torch.", ""))
     return ModelSpec(
         name=name or str(label), model_type=str(cfg.model_type), params=counted["counts"],
         block_linears=counted["block_linears"], tie_word_embeddings=tied,
-        weight_bits=float(weight_bits), dense_bits=float(dense), source="hf-config", **nums)
+        weight_bits=float(weight_bits), dense_bits=float(dense), source="hf-config",
+        weight_dtype=declared, **nums)
 
 
 def model_spec_from_module(model: Any, name: Optional[str] = None) -> ModelSpec:

@@ -308,7 +308,9 @@ def test_mixed_precision_and_master_weights():
     amp = estimate(m32, ts(dtype="bf16", mixed_precision=True))
     assert amp.phase_breakdowns["loss"]["weight_copies"] > 0     # autocast bf16 weight casts
     assert amp.breakdown["master_weights"] == 0                  # fp32 weights are the masters
-    m16 = tiny(weight_bits=16.0, dense_bits=16.0)
+    # a live bf16 module trained with fp32 masters (accelerate / DeepSpeed bf16): only a spec read
+    # from a module keeps half weights under mixed precision (weights_for_training)
+    m16 = tiny(weight_bits=16.0, dense_bits=16.0, source="module")
     masters = estimate(m16, ts(dtype="bf16", mixed_precision=True))
     assert masters.phase_breakdowns["optimizer"]["master_weights"] == 4 * TOTAL
     plain = estimate(m16, ts(dtype="bf16"))

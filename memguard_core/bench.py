@@ -196,16 +196,116 @@ MLX_HELD_OUT_ARCHS: Dict[str, dict] = {
                          num_key_value_heads=8, rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 
+#: Full-depth architectures (``--set full-depth``): every block of the published config, no
+#: truncation (``FULL_DEPTH_LAYERS`` states the published count, and a test checks it). Their cases
+#: run at 512-2048 tokens per micro-batch, as users' runs do. No constant of the estimator was
+#: measured on them or tuned while looking at them (held out by scale; granitemoe also by
+#: architecture).
+HF_FULL_DEPTH_ARCHS: Dict[str, dict] = {
+    # openai-community/gpt2 config.json (n_layer 12, n_positions 1024: rows of at most 1024 tokens)
+    "gpt2-12l": dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_ctx=1024,
+                     n_positions=1024, layer_norm_epsilon=1e-5),
+    # HuggingFaceTB/SmolLM2-135M config.json (30 layers, GQA 9/3, tied)
+    "smollm2-135m-30l": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                             num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                             tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                             rope_theta=100000.0),
+    # HuggingFaceTB/SmolLM2-360M config.json (32 layers, hidden 960, inter 2560, GQA 15/5, tied;
+    # 361,821,120 parameters)
+    "smollm2-360m-32l": dict(model_type="llama", vocab_size=49152, hidden_size=960, intermediate_size=2560,
+                             num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
+                             tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                             rope_theta=100000.0),
+    # Qwen/Qwen2.5-0.5B config.json (24 layers, GQA 14/2, qkv bias, vocab 151936, tied)
+    "qwen2.5-0.5b-24l": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                             num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                             tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0,
+                             rms_norm_eps=1e-6),
+    # TinyLlama/TinyLlama-1.1B (intermediate-step-1431k-3T) config.json (22 layers, hidden 2048, GQA
+    # 32/4, vocab 32000, untied)
+    "tinyllama-1.1b-22l": dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                               num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                               tie_word_embeddings=False, max_position_embeddings=2048, rms_norm_eps=1e-5),
+    # meta-llama/Llama-3.2-1B config.json (16 layers, GQA 32/8, head_dim 64, vocab 128256, tied;
+    # its rope_scaling "llama3" changes no tensor shape and is left out)
+    "llama3.2-1b-16l": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                            num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                            tie_word_embeddings=True, max_position_embeddings=131072, rope_theta=500000.0,
+                            rms_norm_eps=1e-5),
+    # MoE: ibm-granite/granite-3.1-1b-a400m-instruct config.json (the granite-3.0/3.1-1b-a400m shape:
+    # model_type granitemoe, 24 layers, hidden 1024, 32 experts of width 512, top-8, GQA 16/8,
+    # vocab 49155, tied; 1.33 B parameters, ~0.4 B active). Numbers as read from the public copy
+    # of that file in github.com/leok7v/nano-lamma (models/granite-3.1-1b-a400m-instruct/config.json).
+    "granite3-1b-a400m-24l": dict(model_type="granitemoe", vocab_size=49155, hidden_size=1024,
+                                  intermediate_size=512, num_hidden_layers=24, num_attention_heads=16,
+                                  num_key_value_heads=8, num_local_experts=32, num_experts_per_tok=8,
+                                  attention_multiplier=0.015625, embedding_multiplier=12.0, logits_scaling=6.0,
+                                  residual_multiplier=0.22, rms_norm_eps=1e-6, rope_theta=1500000.0,
+                                  max_position_embeddings=131072, tie_word_embeddings=True,
+                                  router_aux_loss_coef=0.0, output_router_logits=False),
+    # MoE, Mixtral format: Isotonic/TinyMixtral-4x248M-MoE (a mergekit MoE of four
+    # Locutusque/TinyMistral-248M models: model_type mixtral, 4 experts, top-2). Its own config.json
+    # was not found in the searchable corpus; the shape is TinyMistral-248M-v2's config.json (12
+    # layers, hidden 1024, inter 4096, GQA 32/8, vocab 32005, sliding_window 32, untied), as quoted
+    # in a public adapter, with the 4 experts / top-2 the model name and card state. ~0.7 B
+    # parameters, ~0.33 B active.
+    "tinymixtral-4x248m-12l": dict(model_type="mixtral", vocab_size=32005, hidden_size=1024,
+                                   intermediate_size=4096, num_hidden_layers=12, num_attention_heads=32,
+                                   num_key_value_heads=8, num_local_experts=4, num_experts_per_tok=2,
+                                   sliding_window=32, max_position_embeddings=32768,
+                                   tie_word_embeddings=False, output_router_logits=False),
+}
+
+#: Full-depth mlx_lm architectures (``mlx_lm.models.<model_type>.ModelArgs``), same sources as
+#: ``HF_FULL_DEPTH_ARCHS``. MLX's CPU backend runs matmuls at ~3 GFLOP/s here: short rows only.
+MLX_FULL_DEPTH_ARCHS: Dict[str, dict] = {
+    # HuggingFaceTB/SmolLM2-135M (30 layers)
+    "smollm2-135m-30l": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                             num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                             tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0),
+    # openai-community/gpt2 (12 layers)
+    "gpt2-12l": dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_ctx=1024,
+                     n_positions=1024, layer_norm_epsilon=1e-5),
+    # Qwen/Qwen2.5-0.5B (24 layers)
+    "qwen2.5-0.5b-24l": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                             num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                             tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0),
+}
+
+#: The published layer count of each full-depth architecture (what "full depth" means; checked
+#: by tests/test_bench_full_depth.py against the arch tables above).
+FULL_DEPTH_LAYERS: Dict[str, int] = {
+    "gpt2-12l": 12, "smollm2-135m-30l": 30, "smollm2-360m-32l": 32, "qwen2.5-0.5b-24l": 24,
+    "tinyllama-1.1b-22l": 22, "llama3.2-1b-16l": 16, "granite3-1b-a400m-24l": 24, "tinymixtral-4x248m-12l": 12,
+}
+
+#: The model types whose block model was fitted on the matrix, per backend: a full-depth case
+#: of another type is held out by architecture as well as by scale.
+FITTED_MODEL_TYPES = {"hf": frozenset({"llama", "gpt2", "qwen2", "mixtral", "gpt_neox", "opt"}),
+                      "mlx": frozenset({"llama", "qwen2", "mixtral", "gpt_neox"})}
+
+
+def num_layers_of(arch: dict) -> int:
+    """The layer count an arch dict builds (``num_hidden_layers`` or GPT-2's ``n_layer``)."""
+    return int(arch.get("num_hidden_layers") or arch["n_layer"])
+
+
 _DEFAULTS = dict(method="lora", batch_size=2, seq_length=128, dtype="fp32", optimizer="adamw",
                  attn_impl="sdpa", grad_checkpoint=False, lora_rank=8, lora_targets=None,
                  mixed_precision=False, grad_accum=1, lora_layers=None)
 
 
-def _case(backend: str, arch: str, quick: bool = False, held_out: bool = False, **kw) -> dict:
+def _case(backend: str, arch: str, quick: bool = False, held_out: bool = False, *, full_depth: bool = False,
+          steps: int = 2, timeout_s: Optional[float] = None, **kw) -> dict:
+    """One case: ``train`` holds the settings (``_DEFAULTS`` overridden by ``kw``). Full-depth cases
+    (``full_depth=True``: an arch of ``HF_FULL_DEPTH_ARCHS`` / ``MLX_FULL_DEPTH_ARCHS``) also carry
+    ``steps`` (optimizer steps run), ``per_step`` (the child records the peak of every step) and
+    ``timeout_s``; their names start with ``<backend>-fd-``."""
     t = dict(_DEFAULTS, **kw)
     if t["lora_targets"] is None:
         t["lora_targets"] = ["q_proj", "v_proj"] if backend == "hf" else ["all-linear"]
-    parts = [backend, arch, t["method"] if t["method"] == "full" else f"lora-r{t['lora_rank']}",
+    parts = [backend] + (["fd"] if full_depth else []) + [
+             arch, t["method"] if t["method"] == "full" else f"lora-r{t['lora_rank']}",
              f"b{t['batch_size']}", f"s{t['seq_length']}", t["dtype"]]
     if t["mixed_precision"]:
         parts.append("amp")
@@ -222,7 +322,17 @@ def _case(backend: str, arch: str, quick: bool = False, held_out: bool = False, 
     default_t = ["q_proj", "v_proj"] if backend == "hf" else ["all-linear"]
     if t["method"] != "full" and t["lora_targets"] != default_t:
         parts.append("+".join(t["lora_targets"]))
-    return dict(name="-".join(parts), backend=backend, arch=arch, train=t, quick=quick, held_out=held_out)
+    if steps != 2:
+        parts.append(f"{steps}steps")
+    c = dict(name="-".join(parts), backend=backend, arch=arch, train=t, quick=quick, held_out=held_out)
+    if full_depth:
+        archs = HF_FULL_DEPTH_ARCHS if backend == "hf" else MLX_FULL_DEPTH_ARCHS
+        mt = archs[arch]["model_type"]
+        c.update(full_depth=True, steps=steps, per_step=True, model_type=mt,
+                 arch_fitted=mt in FITTED_MODEL_TYPES[backend])
+        if timeout_s:
+            c["timeout_s"] = float(timeout_s)
+    return c
 
 
 def cases() -> List[dict]:
@@ -289,6 +399,44 @@ def cases() -> List[dict]:
     mo("gpt2-2l", batch_size=2, seq_length=64)
     mo("qwen2-moe-2l", batch_size=4, seq_length=64)
     mo("smollm2-360m-2l", method="full", batch_size=2, seq_length=64, dtype="bf16")
+    c += full_depth_cases()
+    return c
+
+
+def full_depth_cases() -> List[dict]:
+    """The full-depth set (``--set full-depth``): every block of published configs
+    (``HF_FULL_DEPTH_ARCHS``, ``MLX_FULL_DEPTH_ARCHS``), HF at 512-2048 tokens per micro-batch,
+    mlx_lm at 64-128; dense cases run 2-3 optimizer steps (the peak is reached by step 2), MoE
+    cases 6 (their heap grows step after step); each has its own timeout. Sized to run in
+    <= 60 min on the 2-core bench machine (per-case times in bench/results/full_depth_cpu.md)."""
+    c: List[dict] = []
+    hf = lambda arch, steps=2, t=600, **kw: c.append(_case("hf", arch, full_depth=True, steps=steps,  # noqa: E731
+                                                            timeout_s=t, **kw))
+    mlx = lambda arch, steps=2, t=600, **kw: c.append(_case("mlx", arch, full_depth=True, steps=steps,  # noqa: E731
+                                                             timeout_s=t, **kw))
+    # --- HF Trainer, torch CPU (b x s = tokens per micro-batch)
+    hf("gpt2-12l", batch_size=2, seq_length=1024, lora_rank=16, lora_targets=["c_attn"])
+    hf("gpt2-12l", method="full", batch_size=1, seq_length=1024)
+    hf("smollm2-135m-30l", steps=3, batch_size=2, seq_length=1024, dtype="bf16", lora_rank=16)
+    hf("smollm2-135m-30l", batch_size=1, seq_length=2048, lora_rank=32, lora_targets=["all-linear"],
+       grad_checkpoint=True)
+    hf("smollm2-135m-30l", method="full", batch_size=4, seq_length=512, optimizer="adafactor")
+    hf("smollm2-360m-32l", batch_size=4, seq_length=512, dtype="bf16", mixed_precision=True, lora_rank=16)
+    hf("smollm2-360m-32l", method="full", batch_size=2, seq_length=1024, dtype="bf16", grad_checkpoint=True)
+    hf("qwen2.5-0.5b-24l", batch_size=2, seq_length=1024, dtype="bf16", lora_rank=64, lora_targets=["all-linear"])
+    hf("qwen2.5-0.5b-24l", method="full", batch_size=1, seq_length=1024, dtype="bf16", grad_checkpoint=True)
+    hf("tinyllama-1.1b-22l", batch_size=1, seq_length=2048, dtype="bf16", lora_rank=16, grad_checkpoint=True)
+    hf("tinyllama-1.1b-22l", batch_size=4, seq_length=512, dtype="bf16", mixed_precision=True, lora_rank=16,
+       lora_targets=["all-linear"])
+    hf("llama3.2-1b-16l", batch_size=2, seq_length=1024, dtype="bf16", lora_rank=16)
+    hf("llama3.2-1b-16l", batch_size=1, seq_length=1024, lora_rank=32, lora_targets=["all-linear"], optimizer="sgd")
+    # MoE: 6 optimizer steps, per-step peaks
+    hf("granite3-1b-a400m-24l", steps=6, batch_size=2, seq_length=512, dtype="bf16", lora_rank=16)
+    hf("tinymixtral-4x248m-12l", steps=6, method="full", batch_size=2, seq_length=512, dtype="bf16")
+    # --- mlx_lm on MLX (all-linear LoRA on every block, as mlx_lm's lora does with num_layers=-1)
+    mlx("smollm2-135m-30l", batch_size=1, seq_length=128)
+    mlx("gpt2-12l", batch_size=2, seq_length=64)
+    mlx("qwen2.5-0.5b-24l", batch_size=1, seq_length=64, dtype="bf16")
     return c
 
 
@@ -320,8 +468,54 @@ def _peak_rss_bytes() -> int:
     return int(r if sys.platform == "darwin" else r * 1024)
 
 
+def _json_safe(d: Any) -> Any:
+    """``d`` as JSON can hold it (dtypes and other objects as their ``str``)."""
+    return json.loads(json.dumps(d, default=str))
+
+
+def _hf_step_peaks_callback(read, reset):
+    """A ``TrainerCallback`` that records the peak of the counter in each optimizer step: at
+    ``on_step_begin`` it reads the peak since the last reset (the first read covers everything
+    before the first step: model, optimizer setup, ``on_train_begin``) and resets it; at
+    ``on_step_end`` it reads the step's peak and resets again (so the next read is the gap between
+    steps: logging, scheduler). ``read`` returns bytes; ``reset`` returns False when the counter
+    cannot be reset (then the per-step peaks are cumulative and ``resets_ok`` says so)."""
+    from transformers import TrainerCallback
+
+    class StepPeaks(TrainerCallback):
+        def __init__(self):
+            self.pre_train = None
+            self.steps: List[int] = []
+            self.gaps: List[int] = []
+            self.seconds: List[float] = []
+            self.resets_ok = True
+            self._t = 0.0
+
+        def _reset(self):
+            self.resets_ok = bool(reset()) and self.resets_ok
+
+        def on_step_begin(self, args, state, control, **kw):
+            v = read()
+            if self.pre_train is None:
+                self.pre_train = v
+            else:
+                self.gaps.append(v)
+            self._reset()
+            self._t = time.time()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.steps.append(read())
+            self.seconds.append(round(time.time() - self._t, 2))
+            self._reset()
+
+    return StepPeaks()
+
+
 def _child_hf(case: dict) -> dict:
-    """One HF ``Trainer`` run (2 optimizer steps) on random token ids; returns the measurement."""
+    """One HF ``Trainer`` run (``case["steps"]`` optimizer steps, default 2) on random token ids;
+    returns the measurement. With ``case["per_step"]`` the peak of every step is recorded too
+    (``step_peak_bytes``; ``peak_bytes`` stays the peak of the whole run: the largest of the
+    pre-train, per-step, between-step and after-train readings)."""
     t0 = time.time()
     import dataclasses
 
@@ -334,7 +528,8 @@ def _child_hf(case: dict) -> dict:
     torch.manual_seed(0)
     kw = case["train"]
     device = case.get("device", "cpu")
-    arch = dict({**HF_ARCHS, **HF_HELD_OUT_ARCHS}[case["arch"]])
+    arch = dict((HF_FULL_DEPTH_ARCHS if case.get("full_depth") else {**HF_ARCHS, **HF_HELD_OUT_ARCHS})[case["arch"]])
+    steps = int(case.get("steps", 2))
     mt = arch.pop("model_type")
     config = AutoConfig.for_model(mt, **arch)
     half = kw["dtype"] in ("bf16", "fp16") and not kw["mixed_precision"]
@@ -354,7 +549,7 @@ def _child_hf(case: dict) -> dict:
                         task_type="CAUSAL_LM")
         model = get_peft_model(model, lc)
     spec = dataclasses.asdict(model_spec_from_module(model, name=case["arch"]))
-    n, s = kw["batch_size"] * kw["grad_accum"] * 2, kw["seq_length"]
+    n, s = kw["batch_size"] * kw["grad_accum"] * steps, kw["seq_length"]
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (n, s), generator=g)
 
@@ -370,24 +565,40 @@ def _child_hf(case: dict) -> dict:
     amp = kw["mixed_precision"]
     args = TrainingArguments(
         output_dir="/tmp/memguard_bench_out", per_device_train_batch_size=kw["batch_size"],
-        gradient_accumulation_steps=kw["grad_accum"], max_steps=2, learning_rate=1e-4,
+        gradient_accumulation_steps=kw["grad_accum"], max_steps=steps, learning_rate=1e-4,
         optim=optim, bf16=amp and kw["dtype"] == "bf16", fp16=amp and kw["dtype"] == "fp16",
         use_cpu=device == "cpu", gradient_checkpointing=kw["grad_checkpoint"], report_to=[],
         save_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
         remove_unused_columns=False)
-    trainer = Trainer(model=model, args=args, train_dataset=DS())
+    if device == "cuda":
+        def read() -> int:
+            return int(ctx + torch.cuda.max_memory_reserved())
+
+        def reset() -> bool:
+            torch.cuda.reset_peak_memory_stats()
+            return True
+    else:
+        from memguard_core.probes.linux import reset_peak
+
+        read, reset = _peak_rss_bytes, reset_peak
+    cb = _hf_step_peaks_callback(read, reset) if case.get("per_step") else None
+    trainer = Trainer(model=model, args=args, train_dataset=DS(), callbacks=[cb] if cb else None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     # read where a guard's preflight reads it (on_train_begin): the mapped libraries' pages
     from .stats import process_file_resident_bytes
     resident_file = process_file_resident_bytes() if device == "cpu" else None
     trainer.train()
-    if device == "cuda":
-        peak = int(ctx + torch.cuda.max_memory_reserved())
-    else:
-        peak = _peak_rss_bytes()
-    return dict(peak_bytes=peak, counter=device, seconds=time.time() - t0, model_spec=spec,
-                resident_file_bytes=resident_file)
+    peak = read()
+    rec = dict(peak_bytes=peak, counter=device, seconds=time.time() - t0, model_spec=spec,
+               resident_file_bytes=resident_file,
+               model_config=_json_safe(getattr(model, "config", config).to_dict()))
+    if cb is not None:
+        readings = [cb.pre_train or 0] + cb.steps + cb.gaps + [peak]
+        rec.update(peak_bytes=max(readings), step_peak_bytes=cb.steps, pre_train_peak_bytes=cb.pre_train,
+                   between_step_peak_bytes=cb.gaps, after_train_peak_bytes=peak, step_seconds=cb.seconds,
+                   step_peak_resets_ok=cb.resets_ok)
+    return rec
 
 
 def _child_mlx(case: dict) -> dict:
@@ -407,7 +618,9 @@ def _child_mlx(case: dict) -> dict:
     from memguard_mlx.spec import model_spec_from_mlx_module, train_spec_from_args
 
     kw = case["train"]
-    arch = dict({**MLX_ARCHS, **MLX_HELD_OUT_ARCHS}[case["arch"]])
+    arch = dict((MLX_FULL_DEPTH_ARCHS if case.get("full_depth") else {**MLX_ARCHS, **MLX_HELD_OUT_ARCHS})[case["arch"]])
+    steps = int(case.get("steps", 2))
+    per_step = bool(case.get("per_step"))
     mod = importlib.import_module(f"mlx_lm.models.{arch['model_type']}")
     mx.random.seed(0)
     model = mod.Model(mod.ModelArgs.from_dict(arch))
@@ -427,7 +640,7 @@ def _child_mlx(case: dict) -> dict:
     s = kw["seq_length"]
     rng = np.random.default_rng(1)
     rows = [(rng.integers(3, arch["vocab_size"], size=s + 1).tolist(), 0)
-            for _ in range(kw["batch_size"] * kw["grad_accum"] * 2)]
+            for _ in range(kw["batch_size"] * kw["grad_accum"] * steps)]
 
     class Rows:
         def __len__(self):
@@ -438,7 +651,8 @@ def _child_mlx(case: dict) -> dict:
 
     opt = {"adamw": optim.AdamW, "adam": optim.Adam, "sgd": optim.SGD}[kw["optimizer"]](learning_rate=1e-4)
     out = os.path.join("/tmp", f"memguard_bench_{os.getpid()}.safetensors")
-    args = TrainingArgs(batch_size=kw["batch_size"], iters=2 * kw["grad_accum"], steps_per_report=1000,
+    args = TrainingArgs(batch_size=kw["batch_size"], iters=steps * kw["grad_accum"],
+                        steps_per_report=1 if per_step else 1000,
                         steps_per_eval=10**6, steps_per_save=10**6, max_seq_length=s + 1,
                         adapter_file=out, grad_checkpoint=kw["grad_checkpoint"],
                         grad_accumulation_steps=kw["grad_accum"])
@@ -448,15 +662,42 @@ def _child_mlx(case: dict) -> dict:
     import contextlib
     import io
 
+    cb = None
+    if per_step:
+        from mlx_lm.tuner.callbacks import TrainingCallback
+
+        class StepPeaks(TrainingCallback):
+            """mlx_lm reports after every iteration here (``steps_per_report=1``, after the
+            iteration's ``mx.eval``): the peak since the last report is that iteration's
+            (the first also holds the compile); then reset."""
+
+            def __init__(self):
+                self.steps: List[int] = []
+                self.seconds: List[float] = []
+                self._t = time.time()
+
+            def on_train_loss_report(self, info):
+                self.steps.append(int(mx.get_peak_memory()))
+                mx.reset_peak_memory()
+                now = time.time()
+                self.seconds.append(round(now - self._t, 2))
+                self._t = now
+
+        cb = StepPeaks()
     with contextlib.redirect_stdout(io.StringIO()):
-        train(model, opt, Rows(), None, args=args)
+        train(model, opt, Rows(), None, args=args, training_callback=cb)
     peak = int(mx.get_peak_memory())
     try:
         os.remove(out)
     except OSError:
         pass
-    return dict(peak_bytes=peak, counter="mlx", seconds=time.time() - t0, model_spec=dataclasses.asdict(ms),
-                train_spec=dataclasses.asdict(ts))
+    rec = dict(peak_bytes=peak, counter="mlx", seconds=time.time() - t0, model_spec=dataclasses.asdict(ms),
+               train_spec=dataclasses.asdict(ts), model_config=_json_safe(dataclasses.asdict(model.args))
+               if dataclasses.is_dataclass(getattr(model, "args", None)) else None)
+    if cb is not None:
+        rec.update(peak_bytes=max(cb.steps + [peak]), step_peak_bytes=cb.steps, after_train_peak_bytes=peak,
+                   step_seconds=cb.seconds)
+    return rec
 
 
 def _child(case: dict) -> dict:
@@ -482,11 +723,17 @@ def run_case(case: dict, timeout_s: float = 600.0) -> dict:
         p = subprocess.run([sys.executable, "-m", "memguard_core.bench", "--child", json.dumps(case)],
                            capture_output=True, text=True, cwd=_root(), env=env, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s:.0f}s"}
+        return {"error": f"timed out after {timeout_s:.0f}s", "date": _today()}
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode != 0 or not line:
-        return {"error": f"rc={p.returncode}: {(p.stderr or p.stdout)[-1500:]}"}
-    return json.loads(line[-1][7:])
+        return {"error": f"rc={p.returncode}: {(p.stderr or p.stdout)[-1500:]}", "date": _today()}
+    rec = json.loads(line[-1][7:])
+    rec.setdefault("date", _today())  # the day it was measured (UTC): --reuse keeps it
+    return rec
+
+
+def _today() -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime())
 
 
 def _model_spec(d: dict):
@@ -568,6 +815,10 @@ def score(case: dict, rec: dict, *, seed: bool = True) -> dict:
                estimate_bytes=int(est.peak_bytes), actual_bytes=actual,
                error=(est.peak_bytes - actual) / actual, phase=est.phase, seconds=rec.get("seconds"),
                breakdown=est.breakdown)
+    if case.get("full_depth"):
+        row.update(full_depth=True, arch_fitted=bool(case.get("arch_fitted")), date=rec.get("date"))
+    if rec.get("step_peak_bytes"):
+        row["step_peak_bytes"] = list(rec["step_peak_bytes"])
     if seed:
         sb = seed_estimate_bytes(ms, ts)
         if sb is not None:
@@ -638,20 +889,107 @@ def _summary_line(s: dict, label: str) -> str:
             f"({s['worst_under_case']}), worst over {s['worst_over'] * 100:+.1f}%")
 
 
+def _git_date(path: str) -> Optional[str]:
+    """The date (YYYY-MM-DD) of the last commit that touched ``path``; None outside git."""
+    try:
+        p = subprocess.run(["git", "log", "-1", "--format=%cs", "--", os.path.basename(path)],
+                           cwd=os.path.dirname(os.path.abspath(path)), capture_output=True, text=True, timeout=30)
+        d = p.stdout.strip()
+        return d if p.returncode == 0 and d else None
+    except Exception:
+        return None
+
+
+def baseline_summary(path: str) -> Optional[dict]:
+    """The small / truncated matrix saved by an earlier ``--json`` run (``bench/results/bench_cpu.json``),
+    its measurements re-scored by this estimator: ``{"path", "date", "date_source", "cases",
+    "hf", "mlx", "all"}`` (each a ``summarize`` dict); None when the file cannot be read. Its date is
+    the file's ``date`` field, else the date of the last commit of the file, else its mtime."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return None
+    date, src = old.get("date"), "the file's date field"
+    if not date:
+        date, src = _git_date(path), "the last commit of the file"
+    if not date:
+        date, src = time.strftime("%Y-%m-%d", time.gmtime(os.path.getmtime(path))), "the file's mtime"
+    rows = []
+    for r in old.get("cases", []):
+        rec, case = r.get("measured") or {}, r.get("case")
+        if not case or "peak_bytes" not in rec or case.get("full_depth"):
+            continue
+        try:
+            rows.append(score(case, rec, seed=False))
+        except Exception:
+            continue
+    return dict(path=path, date=date, date_source=src, cases=len(rows),
+                hf=summarize([r for r in rows if r["backend"] == "hf"]),
+                mlx=summarize([r for r in rows if r["backend"] == "mlx"]), all=summarize(rows))
+
+
+def _full_depth_section(rows: Sequence[dict], baseline: Optional[dict]) -> List[str]:
+    """The markdown of the full-depth summaries: (a) the full-depth set per backend, split by
+    whether the architecture's block was in the fitted matrix; (b) the small / truncated matrix;
+    the per-step peaks."""
+    fd = [r for r in rows if r.get("full_depth") and "error" in r]
+    dates = sorted({r.get("date") for r in fd if r.get("date")})
+    out = ["### Summaries", "",
+           "No constant of the estimator was fitted on the full-depth cases: they are held out by scale "
+           "(every block of the published config, 512-2048 tokens per micro-batch on HF, against the 2-8 "
+           "blocks at 64-512 tokens the constants were measured on) and, for granitemoe, by architecture "
+           "as well. They were not used to change the estimator before this report.", "",
+           f"(a) **full-depth set**, measured {', '.join(dates) or '-'}:"]
+    for backend in ("hf", "mlx"):
+        b = [r for r in fd if r["backend"] == backend]
+        out.append("- " + _summary_line(summarize(b), f"full depth, {backend}"))
+        for fitted, label in ((True, "architecture in the fitted matrix (held out by scale)"),
+                              (False, "architecture not in the fitted matrix (held out by architecture and scale)")):
+            sub = [r for r in b if bool(r.get("arch_fitted")) == fitted]
+            if sub:
+                out.append("  - " + _summary_line(summarize(sub), label))
+    out.append("- " + _summary_line(summarize(fd), "**full depth, all**"))
+    if baseline:
+        out += ["", f"(b) **the small / truncated matrix** (`{os.path.relpath(baseline['path'], _root())}`, "
+                    f"measured {baseline['date']} ({baseline['date_source']}), re-scored by this estimator):"]
+        for k in ("hf", "mlx", "all"):
+            out.append("- " + _summary_line(baseline[k], f"small matrix, {k}"))
+    steps = [r for r in rows if r.get("step_peak_bytes")]
+    if steps:
+        out += ["", "Per-step peaks (the counter's peak inside each optimizer step, MiB; the whole-run peak "
+                    "is the largest of these and the readings before, between and after the steps):", "",
+                "| case | steps | per-step peak MiB | whole run MiB | last / first step |", "|---|---|---|---|---|"]
+        for r in steps:
+            sp = r["step_peak_bytes"]
+            out.append(f"| {r['name']} | {len(sp)} | {', '.join(f'{b / MiB:,.0f}' for b in sp)} | "
+                       f"{_fmt_mib(r.get('actual_bytes'))} | {sp[-1] / sp[0]:.3f} |")
+    return out
+
+
 def markdown_report(rows: Sequence[dict], fingerprint: Optional[dict] = None, *, elapsed_s: float = 0,
-                    title: str = "memguard bench") -> str:
-    """A markdown report: the machine, one table row per case, the summaries (memguard, and the
-    seed package when it was scored)."""
+                    title: str = "memguard bench", date: Optional[str] = None,
+                    baseline: Optional[dict] = None) -> str:
+    """A markdown report: the date header, the machine, one table row per case, the summaries
+    (memguard, and the seed package when it was scored); with full-depth rows also their
+    summaries, the small matrix's (``baseline``, see ``baseline_summary``) and the per-step peaks."""
     out = [f"## {title}", ""]
+    if date:
+        measured = sorted({r.get("date") for r in rows if r.get("date")})
+        out += [f"Report date: {date}" + (f"; measured: {', '.join(measured)}" if measured else ""), ""]
     if fingerprint:
         out += ["Machine: " + ", ".join(f"{k} `{v}`" for k, v in fingerprint.items()), ""]
     has_seed = any("seed_error" in r for r in rows)
-    hdr = "| case | counter | estimate MiB | actual MiB | error | phase |" + (" ml-memguard MiB | ml-memguard error |" if has_seed else "")
+    has_s = any(r.get("full_depth") for r in rows)
+    hdr = ("| case | counter | estimate MiB | actual MiB | error | phase |" + (" s |" if has_s else "")
+           + (" ml-memguard MiB | ml-memguard error |" if has_seed else ""))
     out += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for r in rows:
         line = (f"| {r['name']} | {r.get('counter', '')} | {_fmt_mib(r.get('estimate_bytes'))} | "
                 f"{_fmt_mib(r.get('actual_bytes'))} | {_fmt_err(r.get('error')) if 'error' in r else 'FAILED'} | "
                 f"{r.get('phase', '')} |")
+        if has_s:
+            line += f" {r['seconds']:.0f} |" if r.get("seconds") else " - |"
         if has_seed:
             line += f" {_fmt_mib(r.get('seed_estimate_bytes'))} | {_fmt_err(r.get('seed_error'))} |"
         out.append(line)
@@ -674,6 +1012,12 @@ def markdown_report(rows: Sequence[dict], fingerprint: Optional[dict] = None, *,
     if elapsed_s:
         out.append(f"- wall time {elapsed_s / 60:.1f} min")
     out.append("")
+    if any(r.get("full_depth") for r in rows):
+        out += _full_depth_section(rows, baseline) + [""]
+        for r in rows:
+            if "error" not in r:
+                out.append(f"- {r['name']} failed: {str(r.get('failure', ''))[-300:]}")
+        out.append("")
     return "\n".join(out)
 
 
@@ -717,8 +1061,23 @@ def _cuda_available() -> bool:
         return False
 
 
-#: ``--set`` choices: the fitted matrix, the held-out architectures, or both.
-CASE_SETS = ("all", "matrix", "held-out")
+#: ``--set`` choices: ``matrix`` (the fitted small / truncated matrix), ``held-out`` (architectures
+#: no constant was fitted on), ``all`` (those two: the full-depth set, ~1 hour, is not in it),
+#: ``full-depth`` (every block of published configs at 512-2048 tokens, HF and mlx_lm).
+CASE_SETS = ("all", "matrix", "held-out", "full-depth")
+
+
+def in_set(case: dict, case_set: str) -> bool:
+    """Whether ``case`` belongs to ``case_set`` (see ``CASE_SETS``)."""
+    if case_set == "full-depth":
+        return bool(case.get("full_depth"))
+    if case.get("full_depth"):
+        return False
+    if case_set == "matrix":
+        return not case.get("held_out")
+    if case_set == "held-out":
+        return bool(case.get("held_out"))
+    return True
 
 
 def select(quick: bool = False, only: Sequence[str] = (), backends: Sequence[str] = ("hf", "mlx"),
@@ -735,7 +1094,7 @@ def select(quick: bool = False, only: Sequence[str] = (), backends: Sequence[str
     for c in CASES:
         if quick and not c["quick"]:
             continue
-        if (case_set == "matrix" and c.get("held_out")) or (case_set == "held-out" and not c.get("held_out")):
+        if not in_set(c, case_set):
             continue
         if only and not any(o in c["name"] for o in only):
             continue
@@ -748,12 +1107,21 @@ def select(quick: bool = False, only: Sequence[str] = (), backends: Sequence[str
     return out
 
 
-def _write_json(path: str, records: list, rows: list, elapsed: float, fp: Optional[dict] = None) -> None:
+def _write_json(path: str, records: list, rows: list, elapsed: float, fp: Optional[dict] = None, *,
+                date: Optional[str] = None, case_set: Optional[str] = None,
+                baseline: Optional[dict] = None) -> None:
     ok = [r for r in rows if "error" in r]
+    extra: Dict[str, Any] = {}
+    fd = [r for r in ok if r.get("full_depth")]
+    if fd:
+        extra["full_depth_summary"] = {k: summarize([r for r in fd if k == "all" or r["backend"] == k])
+                                       for k in ("hf", "mlx", "all")}
+    if baseline:
+        extra["baseline_summary"] = baseline
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
-        json.dump(dict(fingerprint=fp or {}, elapsed_s=elapsed, summary=summarize(ok),
-                       seed_summary=summarize(ok, "seed_error"),
+        json.dump(dict(date=date or _today(), set=case_set, fingerprint=fp or {}, elapsed_s=elapsed,
+                       summary=summarize(ok), seed_summary=summarize(ok, "seed_error"), **extra,
                        cases=[dict(r, result=row) for r, row in zip(records, rows)]), f, indent=1, default=str)
     os.replace(path + ".tmp", path)
 
@@ -766,8 +1134,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--only", action="append", default=[], metavar="TEXT",
                     help="cases whose name contains TEXT (repeatable)")
     ap.add_argument("--set", dest="case_set", choices=CASE_SETS, default="all",
-                    help="the matrix the estimator's constants were fitted on, the held-out "
-                         "architectures, or all [all]")
+                    help="matrix: the small / truncated matrix the estimator's constants were fitted on; "
+                         "held-out: architectures nothing was fitted on; all: those two (~20 min); "
+                         "full-depth: every block of published configs (GPT-2, SmolLM2-135M/360M, "
+                         "Qwen2.5-0.5B, TinyLlama-1.1B, Llama-3.2-1B, Granite-3 1B-A400M and TinyMixtral "
+                         "MoEs) at 512-2048 tokens per micro-batch on HF and short rows on mlx_lm, per-step "
+                         "peaks recorded (~1 hour; not part of all) [all]"),
     ap.add_argument("--backend", action="append", choices=("hf", "mlx"),
                     help="only these backends (default: hf, and mlx when installed)")
     ap.add_argument("--cuda", action="store_true", help="also run the HF cases on CUDA (when a GPU is present)")
@@ -776,7 +1148,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--submit", action="store_true", help="print a ready-to-file markdown report")
     ap.add_argument("--reuse", metavar="PATH", help="re-estimate measurements saved by --json (runs only the missing)")
     ap.add_argument("--no-seed", action="store_true", help="do not score ml-memguard even when installed")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per case [600]")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds per case [the case's own limit (full-depth cases), else 600]")
+    ap.add_argument("--date", default=None, metavar="YYYY-MM-DD",
+                    help="the date stamped on the markdown / JSON report [today, UTC]")
+    ap.add_argument("--baseline", default=None, metavar="PATH",
+                    help="with full-depth cases: the small matrix's saved JSON whose summary (re-scored) "
+                         "the report shows beside them [bench/results/bench_cpu.json; 'none' to skip]")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -803,6 +1181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not sel:
         con.print("[red]no case matches[/red]")
         return 2
+    date = a.date or _today()
     saved: Dict[str, Any] = {}
     measured_s = 0.0  # wall time of the runs a reused file measured
     if a.reuse and os.path.exists(a.reuse):
@@ -820,20 +1199,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             prog.update(task, description=c["name"])
             rec = saved.get(c["name"], {}).get("measured") if a.reuse else None
             if rec is None:
-                rec = run_case(c, a.timeout)
+                rec = run_case(c, a.timeout or c.get("timeout_s") or 600.0)
             records.append(dict(name=c["name"], case=c, measured=rec))
             if "error" in rec:
-                rows.append(dict(name=c["name"], backend=c["backend"], failure=rec["error"]))
+                rows.append(dict(name=c["name"], backend=c["backend"], failure=rec["error"],
+                                 full_depth=bool(c.get("full_depth"))))
                 prog.console.print(f"[red]{c['name']}: FAILED[/red] {rec['error'][-400:]}")
             else:
                 try:
                     rows.append(score(c, rec, seed=not a.no_seed))
                 except Exception as exc:  # an estimator error is a bench result, not a crash
-                    rows.append(dict(name=c["name"], backend=c["backend"], failure=repr(exc)))
+                    rows.append(dict(name=c["name"], backend=c["backend"], failure=repr(exc),
+                                     full_depth=bool(c.get("full_depth"))))
                     prog.console.print(f"[red]{c['name']}: estimate failed[/red] {exc!r}")
             prog.advance(task)
             if a.json:  # after every case: a long run interrupted keeps what it measured
-                _write_json(a.json, records, rows, time.time() - t0)
+                _write_json(a.json, records, rows, time.time() - t0, date=date, case_set=a.case_set)
     elapsed = time.time() - t0
     if a.reuse and all(c["name"] in saved for c in sel):
         elapsed = max(elapsed, measured_s)
@@ -846,13 +1227,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         con.print(_summary_line(summarize([r for r in ok if not r.get("held_out")]), "memguard fitted matrix"))
         con.print("[bold]" + _summary_line(summarize([r for r in ok if r.get("held_out")]), "memguard held out")
                   + "[/bold]")
+    fd = [r for r in ok if r.get("full_depth")]
+    baseline = None
+    if any(r.get("full_depth") for r in rows):
+        for backend in sorted({r["backend"] for r in fd}):
+            con.print("[bold]" + _summary_line(summarize([r for r in fd if r["backend"] == backend]),
+                                               f"memguard full depth {backend}") + "[/bold]")
+        bpath = a.baseline or os.path.join(_root(), "bench", "results", "bench_cpu.json")
+        if bpath.lower() != "none":
+            baseline = baseline_summary(bpath)
+            if baseline:
+                con.print(_summary_line(baseline["all"], f"memguard small matrix ({baseline['date']}, re-scored)"))
     if any("seed_error" in r for r in ok):
         con.print(_summary_line(summarize(ok, "seed_error"), "ml-memguard (seed) on the same cases"))
     con.print(f"wall time {elapsed:.0f} s{' (of the reused measurements)' if a.reuse else ''}")
     fp = machine_fingerprint()
     if a.json:
-        _write_json(a.json, records, rows, elapsed, fp)
-    md = markdown_report(rows, fp, elapsed_s=elapsed)
+        _write_json(a.json, records, rows, elapsed, fp, date=date, case_set=a.case_set, baseline=baseline)
+    title = "memguard bench: full-depth set" if a.case_set == "full-depth" else "memguard bench"
+    md = markdown_report(rows, fp, elapsed_s=elapsed, title=title, date=date, baseline=baseline)
     if a.markdown:
         os.makedirs(os.path.dirname(os.path.abspath(a.markdown)), exist_ok=True)
         with open(a.markdown, "w") as f:

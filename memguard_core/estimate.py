@@ -124,19 +124,24 @@ CUDA_FRAGMENTATION = 0.05
 #: Torch's CPU allocator calls malloc/free per tensor. glibc serves blocks below its dynamic mmap
 #: threshold (it rises to the size of the largest freed mmapped block, at most 32 MiB:
 #: ``M_MMAP_THRESHOLD`` in mallopt(3)) from the heap, and freed heap pages stay resident,
-#: fragmented; blocks >= 32 MiB are mmapped and go back to the OS on free. Measured on this
-#: machine (the real-run bench, ``bench/results/hf_cpu.json``, plus a VmRSS sampler through single steps): with
-#: ``MALLOC_MMAP_THRESHOLD_=131072`` pinning the threshold, the RSS rise over a step equals the
-#: live set this module predicts to a few percent; with glibc's defaults the forward leaves
-#: resident heap pages of about 0.6 x the step's activation traffic (the activations saved by all
-#: blocks, also under checkpointing: measured, see ``_activation_traffic``)
-#: on top of the live set, and at the end of the backward (when gradients or the optimizer step
-#: peak) about 1.2 x that traffic is still resident. Logits tensors >= 32 MiB are mmapped and
-#: leave no slack. Fitted over 27 real HF Trainer runs (LoRA and full; fp32, bf16, autocast; sdpa,
-#: eager; checkpointing on/off; Llama, GPT-2, Qwen2, Mixtral). ``MALLOC_MMAP_THRESHOLD_=131072``
-#: in the training process's environment removes most of this slack. Under PEFT LoRA the forward's
-#: traffic also includes each LoRA'd linear's unsaved temporaries (``LORA_FORWARD_TEMPORARIES``, at
-#: their own measured factor ``LORA_TEMP_SLACK``).
+#: fragmented; blocks >= 32 MiB are mmapped and go back to the OS on free. With
+#: ``MALLOC_MMAP_THRESHOLD_=131072`` pinning the threshold the peak equals the live set this module
+#: predicts; with glibc's defaults the forward leaves resident holes in proportion to the
+#: activations saved by all blocks (``_activation_traffic``: the holes are the temporaries that
+#: each block frees between its saved tensors, and torch's 64-byte-aligned requests cannot reuse
+#: an exactly-sized freed chunk, so they accumulate block after block). The proportion depends on
+#: how many of a block's tensors are temporaries: a full fine-tune saves most of them (the inputs of
+#: its trained linears and norms), LoRA frees them, so the factors are kept per method. At the end
+#: of the backward (gradients or the optimizer step peak) the heap holds the forward's holes plus
+#: those the backward leaves. Under PEFT LoRA each LoRA'd linear adds out-sized temporaries
+#: (``LORA_FORWARD_TEMPORARIES``); their holes are refilled by the next blocks' equal requests, so
+#: only ``LORA_TEMP_BLOCKS`` blocks' worth counts, at ``LORA_TEMP_SLACK``. The factors are fitted on
+#: models cut to 2-16 blocks only and scored on full-depth models apart (docs/estimator.md).
+#: ``MALLOC_MMAP_THRESHOLD_=131072`` in the training process's environment removes most of the slack.
+CPU_HEAP_SLACK_FORWARD = {"full": 0.25, "lora": 0.45}
+CPU_HEAP_SLACK_BACKWARD = {"full": 1.0, "lora": 0.9}
+MMAP_THRESHOLD_MAX = 32 * MiB
+
 #: Dense V x h gradient tensors beyond ``.grad`` in an HF full fine-tune (torch autograd; see
 #: ``_embedding_grad_transients``), by (tied head, accumulating gradients):
 #: * tied: the head's and the embedding's uses of the one weight share one ``AccumulateGrad`` node,
@@ -155,9 +160,6 @@ CUDA_FRAGMENTATION = 0.05
 #:   the end of the backward (the embedding) and at its start (the head, while the activations and
 #:   the logits' gradients are still alive: counted at the ``loss`` moment).
 EMBEDDING_GRAD_COPIES = {(True, False): 2, (True, True): 2, (False, False): 0, (False, True): 1}
-CPU_HEAP_SLACK_FORWARD = 0.6
-CPU_HEAP_SLACK_BACKWARD = 1.2
-MMAP_THRESHOLD_MAX = 32 * MiB
 
 #: Breakdown keys in report order.
 BREAKDOWN_ORDER = ("weights", "weight_copies", "gradients", "optimizer_states", "master_weights",
@@ -564,29 +566,27 @@ def _block_act_per_token(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_
     if ms.model_type in _PLAIN_MLP_ARCHS:
         return _plain_mlp_block_act(ms, ts, a, lora_names, trainable_block, e, r, amp)
     if gpt2:
-        a.hidden += r * h                       # ln_1 input
-        if trainable_block:
-            a.hidden += e * h                   # ln_1 normalised (weight grad)
+        # transformers 5.x ``modeling_gpt2.py``; saved tensors per ``derivatives.yaml`` (checked with
+        # ``saved_tensors_hooks`` on GPT-2 blocks: full 128.1 KB/token modelled vs 128.3 measured,
+        # LoRA ``c_attn`` 110.6 vs 110.6, fp32, 2 x 256 tokens)
+        n_res = 2 if ms.residual_dropout > 0 else 0  # after the attention's c_proj and the MLP
+        a.hidden += r * h                       # ln_1 input (native_layer_norm: input, mean, rstd)
         if saves("c_attn"):
-            a.hidden += e * h                   # c_attn input
-        a.hidden += e * 3 * h                   # qkv buffer kept by q/k/v views
-        # attention dropout (p=0.1) keeps a bool mask per score; eager also the fp32 softmax and the
-        # dropped probabilities; sdpa's math path (dropout on CPU) the fp32 softmax
-        a.scores += nh * s * (4 + e + 1) if ts.attn_impl == "eager" else nh * s * (4 + 1)
-        a.hidden += e * h                       # attention output
+            a.hidden += e * h                   # c_attn input (ln_1 output)
+        core_h, core_s = _attention_core(ms, ts, e, views_of_one_buffer=True)
+        a.hidden += core_h
+        a.scores += core_s
         if saves("c_proj"):
-            a.hidden += e * h
-        a.hidden += h * (1 + e)                 # resid dropout mask + output
+            a.hidden += e * h                   # merged heads (a contiguous copy), c_proj's input
+        a.hidden += n_res / 2 * h * _dropout_bytes(ts, e)
         a.hidden += r * h                       # ln_2 input
-        if trainable_block:
-            a.hidden += e * h
         i = ms.intermediate_size
         if saves("c_fc"):
             a.hidden += e * h
-        a.hidden += 4 * e * i                   # gelu_new saved tensors
+        a.hidden += 4 * e * i                   # gelu_new in Python: x, tanh(.), 0.5 x, 1 + tanh(.)
         if trainable_block or "c_proj" in lora_names:
             a.hidden += e * i                   # mlp c_proj input
-        a.hidden += h * (1 + e)                 # resid dropout
+        a.hidden += n_res / 2 * h * _dropout_bytes(ts, e)
         return a
 
     # Llama family
@@ -595,13 +595,19 @@ def _block_act_per_token(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_
         a.hidden += r * h                       # normalised (norm weight grad; fp32 under amp)
     a.hidden += group_input(("q_proj", "k_proj", "v_proj"), h)
     eager = ts.attn_impl == "eager"
-    kv_saved = qd if (eager and kvd != qd) else kvd
-    a.hidden += e * (qd + 2 * kv_saved)         # q, k (RoPE'd), v
-    if eager:
+    if ms.attention_dropout > 0 and ts.attn_impl == "sdpa":
+        core_h, core_s = _attention_core(ms, ts, e, views_of_one_buffer=False)
+        a.hidden += core_h                      # SDPA's math path: fp32 copies, GQA repeated
+        a.scores += core_s
+    elif eager:
+        a.hidden += e * 3 * qd                  # q, k (RoPE'd), v; ``repeat_kv`` copies k, v to every head
         a.scores += nh * s * (4 + (e if e < 4 else 0))
         if amp:
             a.scores += nh * s * 2
+        if ms.attention_dropout > 0:
+            a.scores += nh * s * 2 * e          # dropout noise and the dropped probabilities
     else:
+        a.hidden += e * (qd + 2 * kvd)          # q, k (RoPE'd), v
         a.hidden += e * qd                      # sdpa output (flash backward needs it)
         a.scores += 4 * nh                      # logsumexp
     a.hidden += group_input(("o_proj",), qd)  # o_proj input (contiguous copy)
@@ -623,6 +629,40 @@ def _block_act_per_token(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_
     a.hidden += 3 * e * i                       # gate, up, act
     a.hidden += group_input(("down_proj",), i)
     return a
+
+
+def _dropout_bytes(ts: TrainSpec, e: int) -> int:
+    """Bytes per element a training-mode ``F.dropout`` saves: on CPU ``_dropout_impl`` computes
+    ``input * noise`` and ``mul`` saves the noise, in the input's dtype; on CUDA the fused
+    ``native_dropout`` saves a 1-byte bool mask (``aten/src/ATen/native/Dropout.cpp``
+    ``is_fused_kernel_acceptable`` takes the fused kernel only for CUDA/XPU/lazy tensors)."""
+    return e if ts.device == "cpu" else 1
+
+
+def _attention_core(ms: ModelSpec, ts: TrainSpec, e: int, *, views_of_one_buffer: bool) -> Tuple[float, float]:
+    """(hidden-sized, score-sized) bytes per token that the attention core saves, from q/k/v to
+    its output, for ``scaled_dot_product_attention`` or the eager matmul-softmax-matmul.
+
+    SDPA on CPU (torch ``sdp_utils_cpp.cpp`` ``use_flash_attention_cpp``): the flash kernel unless
+    the attention dropout is > 0 in training (``check_for_dropout``); it saves q, k, v as passed
+    (views of one fused c_attn buffer keep the whole buffer), its output (e) and an fp32
+    logsumexp per head. The math path (``_scaled_dot_product_attention_math``) upcasts half inputs
+    to fp32 and saves the scaled q and k^T and a contiguous fp32 v (GQA: repeated to every head),
+    the softmax output, the dropout noise and the dropped probabilities, all fp32: 12 bytes per
+    score (9 on CUDA, where the dropout mask is 1 byte). Eager (``eager_attention_forward``): q, k,
+    v, the softmax output and, with dropout, the noise and the dropped probabilities, in e.
+    """
+    h, s, nh = ms.hidden_size, ts.seq_length, ms.num_heads
+    qd, kvd = nh * ms.head_dim, ms.num_kv_heads * ms.head_dim
+    drop = ms.attention_dropout > 0
+    qkv = e * (qd + 2 * kvd) if views_of_one_buffer else 0.0
+    if ts.attn_impl == "eager":
+        per_score = e + (2 * e if drop else 0)
+        return qkv, nh * s * per_score
+    if drop and ts.attn_impl == "sdpa":
+        per_score = 4 + 4 + (4 if ts.device == "cpu" else 1)
+        return 4.0 * 3 * qd, nh * s * per_score
+    return qkv + e * qd, 4.0 * nh
 
 
 def _plain_mlp_block_act(ms: ModelSpec, ts: TrainSpec, a: _Act, lora_names: set, trainable_block: bool,
@@ -932,9 +972,10 @@ def _activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
 #: alignment, whose padded request an exactly-sized freed chunk cannot serve, so the sum does not
 #: land in the freed ``lora_B`` output nor the cast in the freed base output).
 LORA_FORWARD_TEMPORARIES = 3
-#: Resident slack per byte of those temporaries at the loss moment. Lower than the saved
-#: activations' ``CPU_HEAP_SLACK_FORWARD`` (0.6): the temporaries' holes are partly refilled by the
-#: following allocations. Measured on this machine with an A/B of the bench's HF ``Trainer`` cases
+#: Resident slack per byte of those temporaries at the loss moment, for at most
+#: ``LORA_TEMP_BLOCKS`` blocks: the temporaries' holes are refilled by the following blocks' equal
+#: requests (on models of 2-32 blocks the slack grew with depth by the saved activations' factor
+#: only). Measured on this machine with an A/B of the bench's HF ``Trainer`` cases
 #: against a forward with no out-sized temporary at all (the same LoRA math in place:
 #: ``result.view(-1, out).addmm_(lora_A(x), lora_B.weight.t(), alpha=scaling)``): VmHWM dropped by
 #: 44 MiB for GPT-2 ``c_attn`` fp32 (0.41 x the 108 MiB of temporaries), 189 MiB for TinyLlama
@@ -942,6 +983,7 @@ LORA_FORWARD_TEMPORARIES = 3
 #: runs that ranged 2008-2123 MiB, against 1949 MiB twice) and 23 MiB for Gemma-2 bf16 all-linear
 #: (0.12 x 186, 256 tokens). With the 0.6 factor the bf16 Qwen2.5 case was over-estimated by ~10 %.
 LORA_TEMP_SLACK = 0.4
+LORA_TEMP_BLOCKS = 2
 
 
 def _lora_forward_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
@@ -972,7 +1014,7 @@ def _lora_forward_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
             t = tokens * ls.out_features * b
             if t < MMAP_THRESHOLD_MAX:
                 total += ls.count * t
-    return int(total * _num_lora_layers(ms, ts))
+    return int(total * min(_num_lora_layers(ms, ts), LORA_TEMP_BLOCKS))
 
 
 def _embedding_grad_transients(ms: ModelSpec, ts: TrainSpec, pb: int) -> Tuple[int, int]:
@@ -1084,6 +1126,8 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     head_in = 4 * ms.hidden_size * tokens if ts.framework != "mlx" else 0
     if ts.method == "full" and ts.framework != "mlx":
         head_in += e * ms.hidden_size * tokens * 2
+    if ms.embedding_dropout > 0 and ts.framework != "mlx":
+        head_in += _dropout_bytes(ts, e) * ms.hidden_size * tokens  # the embedding dropout's noise
     # eager causal mask (batch x 1 x s x s in the compute dtype), built once per forward
     mask = ts.batch_size * ts.seq_length ** 2 * e if ts.attn_impl == "eager" else 0
     # gradient checkpointing: the recomputed block's working set during the backward
@@ -1125,16 +1169,17 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     traffic = _activation_traffic(ms, ts)
     logits_tensor = ts.batch_size * ts.seq_length * ms.vocab_size * 4
     lora_traffic = _lora_forward_traffic(ms, ts)
+    kind = "full" if ts.method == "full" else "lora"
     for k, v in phases.items():
         if ts.device == "cuda":
             slack = int(CUDA_FRAGMENTATION * (totals[k] - overhead))
         elif ts.device == "cpu":
             if k == "loss":
                 small_logits = logits_peak if logits_tensor < MMAP_THRESHOLD_MAX else 0
-                slack = int(CPU_HEAP_SLACK_FORWARD * (traffic + small_logits)
+                slack = int(CPU_HEAP_SLACK_FORWARD[kind] * (traffic + small_logits)
                             + LORA_TEMP_SLACK * lora_traffic)
             else:
-                slack = int(CPU_HEAP_SLACK_BACKWARD * traffic)
+                slack = int(CPU_HEAP_SLACK_BACKWARD[kind] * traffic)
         else:
             slack = 0
         v["allocator_slack"] = slack

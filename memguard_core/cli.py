@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with --budget-gib / --available-gib also plan the settings that fit.")
     _add_train_args(e)
     e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.add_argument("--trace", action="store_true",
+                   help="also run one training step of the model's own code on fake tensors (needs --config "
+                        "and the [hf] extra; seconds) and compare its live tensor bytes with the estimate")
 
     pr = sub.add_parser("probe", help="what memory this machine offers (container-aware)")
     pr.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mlx [auto]")
@@ -196,6 +199,13 @@ def cmd_estimate(args) -> int:
     ms = _model_spec(args)
     ts = _train_spec(args, ms)
     est = estimate(ms, ts)
+    trace = None
+    if args.trace:  # torch / transformers / peft are imported only here
+        try:
+            from memguard_hf import trace as tracing
+        except ImportError as exc:
+            raise MemGuardError(f"--trace needs the [hf] extra (torch, transformers, peft): {exc}") from None
+        trace = tracing.trace_for_cli(args.config, ts)
     budget = None
     if args.budget_gib is not None:
         if args.budget_gib <= 0:
@@ -223,10 +233,14 @@ def cmd_estimate(args) -> int:
             if not_fit is not None:
                 out["does_not_fit"] = {"shortfall_bytes": not_fit.shortfall_bytes,
                                        "suggestions": not_fit.suggestions}
+        if trace is not None:
+            out["trace"] = tracing.trace_json(trace, est)
         print(json.dumps(out, indent=None, sort_keys=False))
     else:
         from .report import print_estimate, print_plan
         print_estimate(est, budget)
+        if trace is not None:
+            tracing.print_trace(trace, est)
         if chosen is not None and chosen.changes:
             print_plan(chosen)
         if not_fit is not None:

@@ -602,6 +602,8 @@ def _block_act_per_token(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_
     elif eager:
         a.hidden += e * 3 * qd                  # q, k (RoPE'd), v; ``repeat_kv`` copies k, v to every head
         a.scores += nh * s * (4 + (e if e < 4 else 0))
+        if ms.attn_logit_softcapping:
+            a.scores += nh * s * e              # soft-capping: ``tanh`` saves its output (Gemma-2)
         if amp:
             a.scores += nh * s * 2
         if ms.attention_dropout > 0:
@@ -614,6 +616,12 @@ def _block_act_per_token(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_
     a.hidden += 4 * h                           # post_attention_layernorm: fp32 input
     if trainable_block:
         a.hidden += r * h
+    # norms beyond the two (Gemma-2/3's post-attention and pre/post-feedforward RMSNorms), counted
+    # from the hidden-sized norm weights the blocks hold: each saves its fp32 input (and the
+    # normalised tensor when its weight trains)
+    extra_norms = _hidden_norms_per_block(ms) - 2
+    if extra_norms > 0:
+        a.hidden += extra_norms * (4 * h + (r * h if trainable_block else 0))
     if ms.is_moe:
         E, k = ms.num_experts, max(ms.num_experts_per_tok, 1)
         i = ms.moe_intermediate_size or ms.intermediate_size
@@ -629,6 +637,13 @@ def _block_act_per_token(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_
     a.hidden += 3 * e * i                       # gate, up, act
     a.hidden += group_input(("down_proj",), i)
     return a
+
+
+def _hidden_norms_per_block(ms: ModelSpec) -> int:
+    """Hidden-sized norms in one block: the blocks' norm parameters over (blocks x hidden), rounded
+    (q/k norms of head_dim size round away); 2 when the spec does not count norms."""
+    n = ms.params.norms_in_blocks / max(ms.num_layers * ms.hidden_size, 1)
+    return int(round(n)) if n >= 1.5 else 2
 
 
 def _dropout_bytes(ts: TrainSpec, e: int) -> int:
@@ -1055,6 +1070,8 @@ def _logits(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int]:
     if amp:
         fwd = 2 + 4 + 4
     peak = max(fwd, 12) * n
+    if ms.final_logit_softcapping:
+        peak += (2 if amp else e) * n  # ``tanh(logits / cap) * cap``: the tanh output is saved
     return peak, 0
 
 

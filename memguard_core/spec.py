@@ -130,6 +130,8 @@ class ModelSpec:
             (``resid_pdrop`` / ``hidden_dropout`` / ``residual_dropout`` / OPT's ``dropout``).
         embedding_dropout: dropout probability on the embedding output (``embd_pdrop`` /
             ``embedding_dropout``).
+        attn_logit_softcapping / final_logit_softcapping: Gemma-2's ``tanh`` soft-capping of the
+            attention scores / of the logits (the config's cap; 0.0 = none).
         weight_dtype: the stored dtype the source declares (``fp32`` | ``bf16`` | ``fp16``; the
             config's ``torch_dtype``, a live module's embedding dtype), ``None`` when unknown.
             For specs not read from a live module the TrainSpec decides what is counted: see
@@ -161,6 +163,8 @@ class ModelSpec:
     residual_dropout: float = 0.0
     embedding_dropout: float = 0.0
     weight_dtype: Optional[str] = None
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
 
     @property
     def total_params(self) -> int:
@@ -659,7 +663,13 @@ def _config_numbers(cfg: Any) -> dict:
                 vocab_size=int(vocab), num_kv_heads=kv, head_dim=int(head_dim),
                 intermediate_size=int(inter) if isinstance(inter, int) else 0,
                 num_experts=experts, num_experts_per_tok=per_tok, moe_intermediate_size=moe_inter,
+                attn_logit_softcapping=_positive_float(_cfg_get(cfg, "attn_logit_softcapping")),
+                final_logit_softcapping=_positive_float(_cfg_get(cfg, "final_logit_softcapping")),
                 **dropout_probabilities(cfg))
+
+
+def _positive_float(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else 0.0
 
 
 def _fill_intermediate(nums: dict, linears: tuple) -> None:

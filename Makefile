@@ -24,7 +24,7 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests integration_tests
-	$(VENV)/bin/memguard bench --quick
+	$(VENV)/bin/memguard bench --quick --gate
 
 unit: install
 	$(PY) -m pytest -q tests

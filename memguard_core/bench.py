@@ -13,11 +13,23 @@ weights (no model hub), a few optimizer steps, and the counter the estimate pred
 The child records the model facts (``memguard_core.spec.model_spec_from_module`` /
 ``memguard_mlx.spec.model_spec_from_mlx_module`` on the live model) next to the measurement; the
 parent estimates from them, so ``--reuse`` re-scores a saved measurement after a model change
-without re-running it. When the seed product (``ml-memguard``, import ``memory_guard``) is
+without re-running it (per-step peaks, the model's ``config.to_dict()`` and the measurement date
+are kept in the record too). When the seed product (``ml-memguard``, import ``memory_guard``) is
 installed, its ``estimate_training_memory`` is scored on the same measured cases (``--seed``).
 
-    python -m memguard_core.bench                 # full matrix (~20 min on 2 cores)
+Case sets (``--set``): ``matrix`` — the small / truncated matrix (2-8 blocks, 64-512 tokens) some
+constants were measured on; ``held-out`` — architectures nothing was fitted on; ``all`` (default) —
+those two; ``full-depth`` — every block of published configs (GPT-2, SmolLM2-135M / 360M,
+Qwen2.5-0.5B, TinyLlama-1.1B, Llama-3.2-1B, and the MoEs Granite-3 1B-A400M and TinyMixtral-4x248M)
+at 512-2048 tokens per micro-batch on HF and 64-128 on mlx_lm, pure bf16 / fp32 / autocast, LoRA
+and full, checkpointing on and off, AdamW / SGD / Adafactor; 2-3 optimizer steps for dense models,
+6 for MoE, the peak of every step recorded (``step_peak_bytes``), a timeout per case; about an hour
+on 2 cores, so ``all`` (and ``--quick``, CI's) leave it out. No constant was fitted on it; its
+report states that, with its summaries and the small matrix's beside them, dated.
+
+    python -m memguard_core.bench                 # matrix + held out (~20 min on 2 cores)
     python -m memguard_core.bench --quick         # a ~1-2 minute subset (CI)
+    python -m memguard_core.bench --set full-depth --json fd.json --markdown fd.md  # ~1 hour
     python -m memguard_core.bench --only smollm2  # cases whose name contains the text
     python -m memguard_core.bench --json out.json --markdown out.md
     python -m memguard_core.bench --reuse bench/results/bench_cpu.json   # re-estimate only
@@ -40,7 +52,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["main", "CASES", "cases", "run_case", "score", "summarize", "seed_estimate_bytes",
-           "machine_fingerprint", "markdown_report"]
+           "machine_fingerprint", "markdown_report", "gate_failures"]
 
 MiB = 1 << 20
 
@@ -745,12 +757,35 @@ def _model_spec(d: dict):
     return ModelSpec(**d)
 
 
+#: ModelSpec fields read from the config that records made before the field existed lack.
+_CONFIG_FIELDS = ("attention_dropout", "residual_dropout", "embedding_dropout", "attn_logit_softcapping",
+                  "final_logit_softcapping")
+
+
+def _with_config_fields(case: dict, spec: dict) -> dict:
+    """A recorded HF model spec with the config-derived fields it lacks (a record measured before
+    they existed) read from the case's architecture config, so ``--reuse`` scores today's model."""
+    if case.get("backend") != "hf" or all(f in spec for f in _CONFIG_FIELDS):
+        return spec
+    try:
+        from transformers import AutoConfig
+
+        from .spec import _config_numbers
+
+        archs = HF_FULL_DEPTH_ARCHS if case.get("full_depth") else {**HF_ARCHS, **HF_HELD_OUT_ARCHS}
+        arch = dict(archs[case["arch"]])
+        nums = _config_numbers(AutoConfig.for_model(arch.pop("model_type"), **arch))
+    except Exception:
+        return spec
+    return dict(spec, **{f: nums[f] for f in _CONFIG_FIELDS if f not in spec and f in nums})
+
+
 def specs_of(case: dict, rec: dict):
     """(ModelSpec, TrainSpec) of a measured case: the model as introspected in the child; the
     settings from the case (HF) or as ``memguard_mlx`` read them from mlx_lm's args (MLX)."""
     from .spec import TrainSpec
 
-    ms = _model_spec(rec["model_spec"])
+    ms = _model_spec(_with_config_fields(case, rec["model_spec"]))
     if rec.get("train_spec"):
         t = dict(rec["train_spec"])
         t["lora_targets"] = tuple(t["lora_targets"])
@@ -1155,6 +1190,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--baseline", default=None, metavar="PATH",
                     help="with full-depth cases: the small matrix's saved JSON whose summary (re-scored) "
                          "the report shows beside them [bench/results/bench_cpu.json; 'none' to skip]")
+    ap.add_argument("--gate", action="store_true",
+                    help="exit 4 when a case is under-estimated by more than --max-under or the median "
+                         "|error| is above --max-median (make test runs --quick --gate)")
+    ap.add_argument("--max-under", type=float, default=0.05, metavar="FRACTION",
+                    help="gate: the largest under-estimate allowed [0.05]")
+    ap.add_argument("--max-median", type=float, default=0.05, metavar="FRACTION",
+                    help="gate: the largest median |error| allowed [0.05]")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -1252,7 +1294,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f.write(md)
     if a.submit:
         print("\n<!-- memguard bench report: paste into a new issue -->\n" + md)
+    if a.gate:
+        failures = gate_failures(ok, max_under=a.max_under, max_median=a.max_median)
+        for f in failures:
+            con.print(f"[red]gate: {f}[/red]")
+        if failures:
+            return 4
+        con.print(f"gate: passed (no case under by more than {a.max_under:.0%}, median |error| at most "
+                  f"{a.max_median:.0%})")
     return 0 if len(ok) == len(rows) else 1
+
+
+def gate_failures(rows: Sequence[dict], *, max_under: float = 0.05, max_median: float = 0.05) -> List[str]:
+    """The accuracy gate of ``make test``: one message per violation among scored rows (fractions:
+    an ``error`` below ``-max_under``, or a median |error| above ``max_median``); empty when the
+    rows pass. No scored row at all is a violation too (the gate would prove nothing)."""
+    scored = [r for r in rows if r.get("error") is not None]
+    if not scored:
+        return ["no case was scored"]
+    out = [f"{r['name']} under-estimated by {-r['error']:.1%} (allowed {max_under:.0%})"
+           for r in scored if r["error"] < -max_under]
+    med = statistics.median(abs(r["error"]) for r in scored)
+    if med > max_median:
+        out.append(f"median |error| {med:.1%} above {max_median:.0%}")
+    return out
 
 
 if __name__ == "__main__":

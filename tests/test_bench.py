@@ -84,3 +84,17 @@ def test_seed_estimate_is_bytes_or_none():
     v = bench.seed_estimate_bytes(ms, TrainSpec(method="lora", dtype="fp32"))
     assert v is None or (isinstance(v, int) and v > 0)
     json.dumps(bench.machine_fingerprint())
+
+
+def test_gate_fails_on_an_under_estimate_or_a_high_median():
+    from memguard_core.bench import gate_failures
+
+    ok = [dict(name="a", error=-0.04), dict(name="b", error=0.03), dict(name="c", error=0.01)]
+    assert gate_failures(ok) == []
+    under = ok + [dict(name="d", error=-0.06)]
+    msgs = gate_failures(under)
+    assert len(msgs) == 1 and "d under-estimated by 6.0%" in msgs[0]
+    high = [dict(name=n, error=0.08) for n in "xyz"]
+    assert any("median |error| 8.0%" in m for m in gate_failures(high))
+    assert gate_failures([dict(name="f", failure="rc=1")]) == ["no case was scored"]
+    assert gate_failures(under, max_under=0.10) == []

@@ -1,0 +1,65 @@
+"""One HF ``Trainer`` run of a full-depth published architecture (SmolLM2-135M: all 30 blocks,
+random weights), LoRA r=16 on every linear, pure bf16 weights, micro-batch 4 x 512 tokens, 2 steps;
+guarded by ``MemGuardCallback(budget_bytes=BUDGET)`` or, with budget 0, unguarded. Prints one JSON
+line: the peak (VmHWM) and, when guarded, what the preflight decided.
+
+usage: python full_depth_run.py BUDGET_BYTES OUT_DIR
+"""
+
+import json
+import os
+import sys
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from memguard_hf import MemGuardCallback  # noqa: E402
+
+ROWS, SEQ, BATCH, STEPS = 8, 512, 4, 2
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, vocab):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(3, vocab, (ROWS, SEQ), generator=g)
+
+    def __len__(self):
+        return ROWS
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+def main() -> None:
+    budget, out = int(sys.argv[1]), sys.argv[2]
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    config = AutoConfig.from_pretrained(os.path.join(ROOT, "tests", "configs", "smollm2-135m.json"))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0))
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=BATCH, max_steps=STEPS,
+                             learning_rate=1e-4, logging_steps=1, save_strategy="no", report_to=[],
+                             use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(config.vocab_size))
+    guard = None
+    if budget:
+        guard = MemGuardCallback(budget_bytes=budget)
+        trainer.add_callback(guard)
+    trainer.train()
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    r = {"peak": hwm, "global_step": trainer.state.global_step, "layers": config.num_hidden_layers}
+    if guard is not None:
+        pf = guard.preflight
+        r.update(estimate=pf.estimate.peak_bytes, changes=[c.field for c in pf.plan.changes],
+                 split_factor=pf.split_factor, forward_rows=sorted(set(guard.forward_rows)),
+                 final_split=guard.monitor.split)
+    print("RESULT " + json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -23,7 +23,7 @@ those two; ``full-depth`` — every block of published configs (GPT-2, SmolLM2-1
 Qwen2.5-0.5B, TinyLlama-1.1B, Llama-3.2-1B, and the MoEs Granite-3 1B-A400M and TinyMixtral-4x248M)
 at 512-2048 tokens per micro-batch on HF and 64-128 on mlx_lm, pure bf16 / fp32 / autocast, LoRA
 and full, checkpointing on and off, AdamW / SGD / Adafactor; 2-3 optimizer steps for dense models,
-6 for MoE, the peak of every step recorded (``step_peak_bytes``), a timeout per case; about an hour
+6-8 for MoE, the peak of every step recorded (``step_peak_bytes``), a timeout per case; about an hour
 on 2 cores, so ``all`` (and ``--quick``, CI's) leave it out. No constant was fitted on it; its
 report states that, with its summaries and the small matrix's beside them, dated.
 
@@ -282,6 +282,12 @@ MLX_FULL_DEPTH_ARCHS: Dict[str, dict] = {
     "qwen2.5-0.5b-24l": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                              num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                              tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0),
+    # MoE, Mixtral format: Isotonic/TinyMixtral-4x248M-MoE as in HF_FULL_DEPTH_ARCHS (12 layers,
+    # 4 experts top-2; TinyMistral-248M-v2's shape)
+    "tinymixtral-4x248m-12l": dict(model_type="mixtral", vocab_size=32005, hidden_size=1024,
+                                   intermediate_size=4096, num_hidden_layers=12, num_attention_heads=32,
+                                   num_key_value_heads=8, num_local_experts=4, num_experts_per_tok=2,
+                                   tie_word_embeddings=False),
 }
 
 #: The published layer count of each full-depth architecture (what "full depth" means; checked
@@ -419,36 +425,42 @@ def full_depth_cases() -> List[dict]:
     """The full-depth set (``--set full-depth``): every block of published configs
     (``HF_FULL_DEPTH_ARCHS``, ``MLX_FULL_DEPTH_ARCHS``), HF at 512-2048 tokens per micro-batch,
     mlx_lm at 64-128; dense cases run 2-3 optimizer steps (the peak is reached by step 2), MoE
-    cases 6 (their heap grows step after step); each has its own timeout. Sized to run in
+    cases 6-8 (their heap grows step after step); each has its own timeout. Sized to run in
     <= 60 min on the 2-core bench machine (per-case times in bench/results/full_depth_cpu.md)."""
     c: List[dict] = []
     hf = lambda arch, steps=2, t=600, **kw: c.append(_case("hf", arch, full_depth=True, steps=steps,  # noqa: E731
                                                             timeout_s=t, **kw))
     mlx = lambda arch, steps=2, t=600, **kw: c.append(_case("mlx", arch, full_depth=True, steps=steps,  # noqa: E731
                                                              timeout_s=t, **kw))
-    # --- HF Trainer, torch CPU (b x s = tokens per micro-batch)
-    hf("gpt2-12l", batch_size=2, seq_length=1024, lora_rank=16, lora_targets=["c_attn"])
-    hf("gpt2-12l", method="full", batch_size=1, seq_length=1024)
-    hf("smollm2-135m-30l", steps=3, batch_size=2, seq_length=1024, dtype="bf16", lora_rank=16)
-    hf("smollm2-135m-30l", batch_size=1, seq_length=2048, lora_rank=32, lora_targets=["all-linear"],
+    # --- HF Trainer, torch CPU (b x s = tokens per micro-batch). t = the case's timeout (s), about
+    # 2.5x its time in the sizing runs (2026-11-25, 1-3 steps each).
+    hf("gpt2-12l", t=300, batch_size=2, seq_length=1024, lora_rank=16, lora_targets=["c_attn"])
+    hf("gpt2-12l", t=240, method="full", batch_size=1, seq_length=1024)
+    # the dense per-step check: 3 steps (the peak is reached by step 2)
+    hf("smollm2-135m-30l", steps=3, t=400, batch_size=2, seq_length=1024, dtype="bf16", lora_rank=16)
+    hf("smollm2-135m-30l", t=540, batch_size=1, seq_length=2048, lora_rank=32, lora_targets=["all-linear"],
        grad_checkpoint=True)
-    hf("smollm2-135m-30l", method="full", batch_size=4, seq_length=512, optimizer="adafactor")
-    hf("smollm2-360m-32l", batch_size=4, seq_length=512, dtype="bf16", mixed_precision=True, lora_rank=16)
-    hf("smollm2-360m-32l", method="full", batch_size=2, seq_length=1024, dtype="bf16", grad_checkpoint=True)
-    hf("qwen2.5-0.5b-24l", batch_size=2, seq_length=1024, dtype="bf16", lora_rank=64, lora_targets=["all-linear"])
-    hf("qwen2.5-0.5b-24l", method="full", batch_size=1, seq_length=1024, dtype="bf16", grad_checkpoint=True)
-    hf("tinyllama-1.1b-22l", batch_size=1, seq_length=2048, dtype="bf16", lora_rank=16, grad_checkpoint=True)
-    hf("tinyllama-1.1b-22l", batch_size=4, seq_length=512, dtype="bf16", mixed_precision=True, lora_rank=16,
+    hf("smollm2-135m-30l", t=400, method="full", batch_size=4, seq_length=512, optimizer="adafactor")
+    hf("smollm2-360m-32l", t=240, batch_size=4, seq_length=512, dtype="bf16", mixed_precision=True, lora_rank=16)
+    hf("smollm2-360m-32l", t=300, method="full", batch_size=2, seq_length=1024, dtype="bf16", grad_checkpoint=True)
+    hf("qwen2.5-0.5b-24l", t=300, batch_size=2, seq_length=1024, dtype="bf16", lora_rank=64,
        lora_targets=["all-linear"])
-    hf("llama3.2-1b-16l", batch_size=2, seq_length=1024, dtype="bf16", lora_rank=16)
-    hf("llama3.2-1b-16l", batch_size=1, seq_length=1024, lora_rank=32, lora_targets=["all-linear"], optimizer="sgd")
-    # MoE: 6 optimizer steps, per-step peaks
-    hf("granite3-1b-a400m-24l", steps=6, batch_size=2, seq_length=512, dtype="bf16", lora_rank=16)
-    hf("tinymixtral-4x248m-12l", steps=6, method="full", batch_size=2, seq_length=512, dtype="bf16")
+    hf("qwen2.5-0.5b-24l", t=240, method="full", batch_size=1, seq_length=1024, dtype="bf16", grad_checkpoint=True)
+    hf("qwen2.5-0.5b-24l", t=480, method="full", batch_size=1, seq_length=1024)     # fp32 AdamW: 16 B/param
+    hf("tinyllama-1.1b-22l", t=540, batch_size=1, seq_length=2048, dtype="bf16", lora_rank=16, grad_checkpoint=True)
+    hf("tinyllama-1.1b-22l", t=420, batch_size=4, seq_length=512, dtype="bf16", mixed_precision=True, lora_rank=16,
+       lora_targets=["all-linear"])
+    hf("llama3.2-1b-16l", t=420, batch_size=2, seq_length=1024, dtype="bf16", lora_rank=16)
+    hf("llama3.2-1b-16l", t=540, batch_size=1, seq_length=1024, lora_rank=32, lora_targets=["all-linear"],
+       optimizer="sgd")
+    # MoE: 8 optimizer steps, per-step peaks (the heap grows step after step)
+    hf("granite3-1b-a400m-24l", steps=8, t=540, batch_size=2, seq_length=512, dtype="bf16", lora_rank=16)
+    hf("tinymixtral-4x248m-12l", steps=8, t=540, method="full", batch_size=2, seq_length=512, dtype="bf16")
     # --- mlx_lm on MLX (all-linear LoRA on every block, as mlx_lm's lora does with num_layers=-1)
-    mlx("smollm2-135m-30l", batch_size=1, seq_length=128)
-    mlx("gpt2-12l", batch_size=2, seq_length=64)
-    mlx("qwen2.5-0.5b-24l", batch_size=1, seq_length=64, dtype="bf16")
+    mlx("smollm2-135m-30l", t=240, batch_size=1, seq_length=128)
+    mlx("gpt2-12l", t=240, batch_size=2, seq_length=64)
+    mlx("qwen2.5-0.5b-24l", t=360, batch_size=1, seq_length=64, dtype="bf16")
+    mlx("tinymixtral-4x248m-12l", steps=6, t=540, batch_size=1, seq_length=64)
     return c
 
 

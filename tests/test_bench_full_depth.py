@@ -1,0 +1,182 @@
+"""The full-depth bench set (``memguard bench --set full-depth``): selection, listing, and that every
+case runs its architecture at the full published depth. Cheap: nothing is trained here (the models
+are built on the meta device only, to count their parameters)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import subprocess
+import sys
+
+import pytest
+
+from memguard_core import bench
+
+#: Published layer counts, typed from each hub config (independent of bench.FULL_DEPTH_LAYERS).
+PUBLISHED_LAYERS = {
+    "gpt2-12l": 12,                 # openai-community/gpt2: n_layer
+    "smollm2-135m-30l": 30,         # HuggingFaceTB/SmolLM2-135M
+    "smollm2-360m-32l": 32,         # HuggingFaceTB/SmolLM2-360M
+    "qwen2.5-0.5b-24l": 24,         # Qwen/Qwen2.5-0.5B
+    "tinyllama-1.1b-22l": 22,       # TinyLlama/TinyLlama-1.1B
+    "llama3.2-1b-16l": 16,          # meta-llama/Llama-3.2-1B
+    "granite3-1b-a400m-24l": 24,    # ibm-granite/granite-3.x-1b-a400m
+    "tinymixtral-4x248m-12l": 12,   # Isotonic/TinyMixtral-4x248M-MoE (TinyMistral-248M's depth)
+}
+
+#: Published parameter counts (model cards / ``num_parameters()`` of the released checkpoints).
+PUBLISHED_PARAMS = {
+    "gpt2-12l": 124_439_808,
+    "smollm2-135m-30l": 134_515_008,
+    "smollm2-360m-32l": 361_821_120,
+    "qwen2.5-0.5b-24l": 494_032_768,
+    "tinyllama-1.1b-22l": 1_100_048_384,
+    "llama3.2-1b-16l": 1_235_814_400,
+}
+
+
+def _fd():
+    return bench.select(case_set="full-depth", backends=("hf", "mlx"))
+
+
+def _arch(case):
+    return (bench.HF_FULL_DEPTH_ARCHS if case["backend"] == "hf" else bench.MLX_FULL_DEPTH_ARCHS)[case["arch"]]
+
+
+def test_full_depth_set_is_selected_alone_and_kept_out_of_the_other_sets():
+    fd = _fd()
+    assert len(fd) >= 15
+    assert all(c.get("full_depth") is True for c in fd)
+    assert [c for c in bench.CASES if c.get("full_depth")] == fd
+    names = [c["name"] for c in fd]
+    assert len(names) == len(set(names)) and all(n.startswith(("hf-fd-", "mlx-fd-")) for n in names)
+    for s in ("all", "matrix", "held-out"):
+        sel = bench.select(case_set=s, backends=("hf", "mlx"))
+        assert sel and not any(c.get("full_depth") for c in sel), s
+    # `all` is still the matrix plus the held-out set, and --quick (make test) is unchanged
+    assert len(bench.select(case_set="all")) == (len(bench.select(case_set="matrix"))
+                                                 + len(bench.select(case_set="held-out")))
+    quick = bench.select(quick=True)
+    assert [c["name"] for c in quick] == ["hf-tiny-lora-r8-b1-s32-fp32", "hf-tiny-full-b1-s32-fp32",
+                                         "mlx-tiny-lora-r4-b4-s64-fp32", "mlx-tiny-full-b4-s64-fp32"]
+    assert bench.select(quick=True, case_set="full-depth") == []
+    assert "full-depth" in bench.CASE_SETS
+    with pytest.raises(ValueError):
+        bench.select(case_set="full_depth")
+
+
+def test_every_full_depth_case_runs_every_published_block():
+    assert set(bench.FULL_DEPTH_LAYERS) == set(PUBLISHED_LAYERS)
+    assert bench.FULL_DEPTH_LAYERS == PUBLISHED_LAYERS
+    for c in _fd():
+        arch = _arch(c)
+        assert bench.num_layers_of(arch) == PUBLISHED_LAYERS[c["arch"]], c["name"]
+        assert c["model_type"] == arch["model_type"]
+    for table in (bench.HF_FULL_DEPTH_ARCHS, bench.MLX_FULL_DEPTH_ARCHS):
+        for key, arch in table.items():
+            assert bench.num_layers_of(arch) == PUBLISHED_LAYERS[key], key
+
+
+def test_full_depth_configs_have_the_published_parameter_counts():
+    """The config numbers are the released models' (parameters counted on the meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for key, n in PUBLISHED_PARAMS.items():
+        arch = dict(bench.HF_FULL_DEPTH_ARCHS[key])
+        cfg = AutoConfig.for_model(arch.pop("model_type"), **arch)
+        with torch.device("meta"):  # (accelerate's init_empty_weights skips the tying here)
+            model = AutoModelForCausalLM.from_config(cfg)
+        assert model.num_parameters() == n, key
+        assert model.config.num_hidden_layers == PUBLISHED_LAYERS[key]
+
+
+def test_every_full_depth_arch_names_its_source():
+    src = inspect.getsource(bench)
+    for key in list(bench.HF_FULL_DEPTH_ARCHS) + list(bench.MLX_FULL_DEPTH_ARCHS):
+        for m in re.finditer(rf'^(?P<pre>(?:\s*#.*\n)+)\s*"{re.escape(key)}": dict\(', src, re.M):
+            assert re.search(r"[A-Za-z0-9-]+/[A-Za-z0-9._-]+", m.group("pre")), key
+        assert re.search(rf'^\s*#.*\n\s*"{re.escape(key)}": dict\(', src, re.M), key
+
+
+def test_full_depth_set_covers_what_users_run():
+    fd = _fd()
+    hf = [c for c in fd if c["backend"] == "hf"]
+    mlx = [c for c in fd if c["backend"] == "mlx"]
+    moe = {"granitemoe", "mixtral"}
+    assert len({c["arch"] for c in hf if c["model_type"] not in moe}) >= 6
+    assert {c["model_type"] for c in hf} >= moe
+    assert len({c["arch"] for c in mlx}) >= 3
+    tokens = [c["train"]["batch_size"] * c["train"]["seq_length"] for c in hf]
+    assert max(tokens) == 2048 and min(tokens) >= 512
+    assert all(c["train"]["batch_size"] * c["train"]["seq_length"] <= 128 for c in mlx)
+    t = [c["train"] for c in hf]
+    assert any(x["dtype"] == "bf16" and not x["mixed_precision"] for x in t)       # pure bf16
+    assert any(x["dtype"] == "bf16" and x["mixed_precision"] for x in t)           # autocast
+    assert any(x["dtype"] == "fp32" for x in t)
+    assert any(x["method"] == "full" for x in t) and any(x["method"] == "lora" for x in t)
+    assert any(x["lora_targets"] == ["q_proj", "v_proj"] for x in t)
+    assert {x["lora_rank"] for x in t if x["lora_targets"] == ["all-linear"]} & {16, 32, 64}
+    assert all(16 <= x["lora_rank"] <= 64 for x in t if x["method"] == "lora")
+    assert {x["grad_checkpoint"] for x in t} == {True, False}
+    assert {x["optimizer"] for x in t} >= {"adamw", "sgd", "adafactor"}
+    for c in fd:
+        assert c["timeout_s"] > 0 and c["per_step"] is True
+        if c["model_type"] in moe:
+            assert c["steps"] >= 6, c["name"]
+        else:
+            assert 2 <= c["steps"] <= 3, c["name"]
+
+
+def test_list_prints_the_full_depth_cases():
+    p = subprocess.run([sys.executable, "-m", "memguard_core.bench", "--list", "--set", "full-depth", "--backend", "hf"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == [c["name"] for c in bench.select(case_set="full-depth", backends=("hf",))]
+    h = subprocess.run([sys.executable, "-m", "memguard_core.bench", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert "full-depth" in h.stdout and "--date" in h.stdout
+
+
+def test_a_per_step_record_is_scored_and_reported():
+    from memguard_core.spec import model_spec_from_numbers
+
+    ms = model_spec_from_numbers(model_params=10_000_000, hidden_dim=256, num_layers=2, num_heads=4,
+                                 vocab_size=1000, intermediate_size=512, model_bits=32)
+    case = [c for c in _fd() if c["model_type"] == "granitemoe"][0]
+    steps = [500 << 20, 510 << 20, 520 << 20, 530 << 20, 535 << 20, 536 << 20]
+    rec = dict(peak_bytes=540 << 20, counter="cpu", seconds=3.0, model_spec=dataclasses.asdict(ms),
+               step_peak_bytes=steps, pre_train_peak_bytes=300 << 20, date="2026-11-25",
+               model_config={"model_type": "granitemoe"})
+    row = bench.score(case, rec, seed=False)
+    assert row["full_depth"] and row["arch_fitted"] is False and row["step_peak_bytes"] == steps
+    assert row["date"] == "2026-11-25"
+    base = dict(path=bench._root() + "/bench/results/bench_cpu.json", date="2026-11-24",
+                date_source="the last commit of the file", cases=1,
+                hf=bench.summarize([dict(name="a", error=0.01)]), mlx={"cases": 0},
+                all=bench.summarize([dict(name="a", error=0.01)]))
+    md = bench.markdown_report([row], {"cores": 2}, date="2026-11-26", baseline=base)
+    assert "Report date: 2026-11-26; measured: 2026-11-25" in md
+    assert "No constant of the estimator was fitted on the full-depth cases" in md
+    assert "(a) **full-depth set**, measured 2026-11-25" in md
+    assert "(b) **the small / truncated matrix**" in md and "measured 2026-11-24" in md
+    assert "| 500, 510, 520, 530, 535, 536 |" in md
+
+
+def test_baseline_summary_rescored_from_the_saved_matrix(tmp_path):
+    import json
+
+    from memguard_core.spec import model_spec_from_numbers
+
+    ms = model_spec_from_numbers(model_params=10_000_000, hidden_dim=256, num_layers=2, num_heads=4,
+                                 vocab_size=1000, intermediate_size=512, model_bits=32)
+    case = bench._case("hf", "tiny", batch_size=2, seq_length=64)
+    rec = dict(peak_bytes=500 << 20, counter="cpu", model_spec=dataclasses.asdict(ms))
+    p = tmp_path / "b.json"
+    p.write_text(json.dumps(dict(date="2026-11-20", cases=[dict(name=case["name"], case=case, measured=rec),
+                                                           dict(name="x", case=case, measured={"error": "rc=1"})])))
+    b = bench.baseline_summary(str(p))
+    assert b["date"] == "2026-11-20" and b["cases"] == 1 and b["hf"]["cases"] == 1 and b["mlx"] == {"cases": 0}
+    assert bench.baseline_summary(str(tmp_path / "missing.json")) is None

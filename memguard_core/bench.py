@@ -912,6 +912,16 @@ def machine_fingerprint() -> dict:
         pass
     from importlib import metadata
 
+    try:  # the tree the bench ran from (the estimator scored), when it is a git checkout
+        root = _root()
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=30)
+        if rev.returncode == 0 and rev.stdout.strip():
+            dirty = subprocess.run(["git", "status", "--porcelain", "--", "memguard_core", "memguard_mlx",
+                                    "memguard_hf"], cwd=root, capture_output=True, text=True, timeout=30)
+            fp["memguard_commit"] = rev.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+    except Exception:
+        pass
     for pkg in ("memguard-train", "torch", "transformers", "peft", "accelerate", "mlx", "mlx-lm", "ml-memguard"):
         try:
             fp[pkg] = metadata.version(pkg)
@@ -936,15 +946,36 @@ def _summary_line(s: dict, label: str) -> str:
             f"({s['worst_under_case']}), worst over {s['worst_over'] * 100:+.1f}%")
 
 
-def _git_date(path: str) -> Optional[str]:
-    """The date (YYYY-MM-DD) of the last commit that touched ``path``; None outside git."""
+def _git_measured_dates(path: str, peaks: Dict[str, int]) -> Dict[str, str]:
+    """For saved records without a ``date`` (made before records carried one): the date of the
+    oldest commit of ``path`` from which on the record's ``peak_bytes`` is unchanged, i.e. when it
+    was measured (a ``--reuse`` re-score commits the same peaks again and does not move it).
+    ``peaks``: name -> peak_bytes as in the file now. Empty outside git."""
+    cwd, base = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     try:
-        p = subprocess.run(["git", "log", "-1", "--format=%cs", "--", os.path.basename(path)],
-                           cwd=os.path.dirname(os.path.abspath(path)), capture_output=True, text=True, timeout=30)
-        d = p.stdout.strip()
-        return d if p.returncode == 0 and d else None
+        p = subprocess.run(["git", "log", "--format=%H %cs", "--", base], cwd=cwd, capture_output=True,
+                           text=True, timeout=60)
+        commits = [ln.split() for ln in p.stdout.splitlines() if ln.strip()] if p.returncode == 0 else []
     except Exception:
-        return None
+        return {}
+    dates: Dict[str, str] = {}
+    pending = dict(peaks)
+    for sha, day in commits:  # newest first
+        try:
+            q = subprocess.run(["git", "show", f"{sha}:./{base}"], cwd=cwd, capture_output=True, text=True,
+                               timeout=60)
+            old = {r.get("name"): (r.get("measured") or {}).get("peak_bytes")
+                   for r in json.loads(q.stdout).get("cases", [])}
+        except Exception:
+            break
+        for name in list(pending):
+            if old.get(name) == pending[name]:
+                dates[name] = day
+            else:
+                del pending[name]
+        if not pending:
+            break
+    return dates
 
 
 def baseline_summary(path: str) -> Optional[dict]:
@@ -957,20 +988,27 @@ def baseline_summary(path: str) -> Optional[dict]:
             old = json.load(f)
     except (OSError, ValueError):
         return None
-    date, src = old.get("date"), "the file's date field"
-    if not date:
-        date, src = _git_date(path), "the last commit of the file"
-    if not date:
-        date, src = time.strftime("%Y-%m-%d", time.gmtime(os.path.getmtime(path))), "the file's mtime"
-    rows = []
+    rows, recs = [], {}
     for r in old.get("cases", []):
         rec, case = r.get("measured") or {}, r.get("case")
         if not case or "peak_bytes" not in rec or case.get("full_depth"):
             continue
         try:
             rows.append(score(case, rec, seed=False))
+            recs[case["name"]] = rec
         except Exception:
             continue
+    days = {n: rec["date"] for n, rec in recs.items() if rec.get("date")}
+    src = "the records' dates"
+    missing = {n: rec["peak_bytes"] for n, rec in recs.items() if n not in days}
+    if missing:
+        days.update(_git_measured_dates(path, missing))
+        src = "the records' dates and the file's git history" if len(days) > len(missing) else \
+            "the file's git history (the commit each peak was first saved in)"
+    date = ", ".join(sorted(set(days.values())))
+    if len(days) < len(recs):  # some records dated by nothing better: the file's own stamp
+        fallback = old.get("date") or time.strftime("%Y-%m-%d", time.gmtime(os.path.getmtime(path)))
+        date, src = ", ".join(sorted(set(days.values()) | {fallback})), src + "; the rest: the file's date"
     return dict(path=path, date=date, date_source=src, cases=len(rows),
                 hf=summarize([r for r in rows if r["backend"] == "hf"]),
                 mlx=summarize([r for r in rows if r["backend"] == "mlx"]), all=summarize(rows))
@@ -983,10 +1021,13 @@ def _full_depth_section(rows: Sequence[dict], baseline: Optional[dict]) -> List[
     fd = [r for r in rows if r.get("full_depth") and "error" in r]
     dates = sorted({r.get("date") for r in fd if r.get("date")})
     out = ["### Summaries", "",
-           "No constant of the estimator was fitted on the full-depth cases: they are held out by scale "
-           "(every block of the published config, 512-2048 tokens per micro-batch on HF, against the 2-8 "
-           "blocks at 64-512 tokens the constants were measured on) and, for granitemoe, by architecture "
-           "as well. They were not used to change the estimator before this report.", "",
+           "**No constant of the estimator was fitted on the full-depth cases.** The constants were "
+           "measured on the small matrix (`bench/results/bench_cpu.json`: 2-8 blocks of most architectures; "
+           "SmolLM2-135M's 30 and OPT-125M's 12 blocks at 128-256 tokens) and on depth sweeps of 2-16 blocks "
+           "(docs/estimator.md). These cases are held out by scale (every block of the published config; "
+           "512-2048 tokens per micro-batch on HF) and, where the block type is not in the fitted matrix "
+           "of that backend (granitemoe on HF, GPT-2 on mlx_lm), by architecture as well. The estimator "
+           "scored here is the commit in the machine line.", "",
            f"(a) **full-depth set**, measured {', '.join(dates) or '-'}:"]
     for backend in ("hf", "mlx"):
         b = [r for r in fd if r["backend"] == backend]

@@ -159,7 +159,7 @@ def test_a_per_step_record_is_scored_and_reported():
                 all=bench.summarize([dict(name="a", error=0.01)]))
     md = bench.markdown_report([row], {"cores": 2}, date="2026-11-26", baseline=base)
     assert "Report date: 2026-11-26; measured: 2026-11-25" in md
-    assert "No constant of the estimator was fitted on the full-depth cases" in md
+    assert "No constant of the estimator was fitted on the full-depth cases." in md
     assert "(a) **full-depth set**, measured 2026-11-25" in md
     assert "(b) **the small / truncated matrix**" in md and "measured 2026-11-24" in md
     assert "| 500, 510, 520, 530, 535, 536 |" in md

@@ -179,14 +179,12 @@ def reset_peak_memory(device: str = "auto", *, proc_root: str = "/proc") -> str:
         if dev.startswith("cuda"):
             from memguard_core.probes import cuda
 
-            cuda.torch_cuda_module().reset_peak_memory_stats(int(dev.split(":")[1]))
+            cuda.reset_peak(int(dev.split(":")[1]))
             return "allocator"
         if dev == "mlx":
             from memguard_core.probes import mlx
 
-            mx = mlx.mlx_module()
-            f = getattr(mx, "reset_peak_memory", None) or mx.metal.reset_peak_memory
-            f()
+            mlx.reset_peak()
             return "allocator"
     except Exception as exc:
         log.warning("memguard: resetting the %s peak failed: %r", dev, exc)

@@ -8,7 +8,10 @@ The layout follows psutil (``_pslinux`` / ``_psosx`` / ``_pswindows`` behind ``p
 - :mod:`memguard_core.probes.cuda`    torch.cuda allocator counters, ``mem_get_info``, NVML
 - :mod:`memguard_core.probes.mlx`     ``mx.get_active_memory`` / peak / cache, ``mx.device_info``
 
-Every backend returns a :class:`MemorySnapshot`. None of these modules imports torch or mlx at
+Every backend returns a :class:`MemorySnapshot`, and offers the runtime monitor a
+:class:`StepReader` (:func:`step_reader`): the per-step figures, the peak reset, the pressure
+signal and the live-bytes counter that backend has, so the monitor never names a platform.
+None of these modules imports torch or mlx at
 import time; :func:`probe` with ``device="auto"`` only *looks* at ``sys.modules`` to decide, so
 probing never imports a framework the user has not imported.
 
@@ -26,13 +29,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 from memguard_core.errors import ConfigError
 
 log = logging.getLogger("memguard.probes")
 
-__all__ = ["MemorySnapshot", "probe", "live_bytes", "resolve_device", "host_source"]
+__all__ = ["MemorySnapshot", "StepReader", "probe", "step_reader", "live_bytes", "trim_heap",
+           "resolve_device", "host_source"]
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,163 @@ def probe(device: str = "auto", *, cheap: bool = False) -> MemorySnapshot:
         return _psutil_fallback("cpu")
 
 
+class StepReader:
+    """What the runtime monitor reads on one resolved device, bound once: the backend's functions
+    for the per-step check and the background thread, so the monitor names no platform.
+
+    Each backend builds one (``linux.step_reader()``, ``darwin.step_reader()``,
+    ``windows.step_reader()``, ``cuda.step_reader(index)``, ``mlx.step_reader()``), passing only
+    the functions it has; :func:`step_reader` picks the backend.
+
+    Args:
+        device: the resolved device (``"cpu"``, ``"cuda:<index>"``, ``"mlx"``).
+        probe: ``probe(cheap) -> MemorySnapshot``; default :func:`probe` of ``device`` (which
+            falls back to psutil when the backend fails).
+        reset_peak: ``reset_peak() -> bool | None``: starts a new peak window of the counter the
+            snapshots report as ``process_peak_bytes``; False where the backend could not.
+            None: this backend's peak cannot be reset.
+        step_figures: ``step_figures() -> (monotonic s, RSS, peak, RSS + available) | None``
+            (bytes), the per-step figures without building a snapshot; None from it means "take
+            the cheap probe this time". None: no such path.
+        pressure: ``pressure() -> float | None``: the pressure signal read alone (percent), cheaper
+            than a full probe; None: the backend has none apart from its full snapshot.
+        live_bytes: ``live_bytes() -> int | None``: bytes held by live allocations (see
+            :func:`live_bytes`); None: no such counter.
+
+    Only :meth:`probe` raises (what the probe raises); the other methods log a failing backend
+    function once and read it as absent.
+    """
+
+    def __init__(self, device: str, *, probe: Optional[Callable[[bool], MemorySnapshot]] = None,
+                 reset_peak: Optional[Callable[[], object]] = None,
+                 step_figures: Optional[Callable[[], Optional[Tuple[float, int, int, int]]]] = None,
+                 pressure: Optional[Callable[[], Optional[float]]] = None,
+                 live_bytes: Optional[Callable[[], Optional[int]]] = None):
+        self.device = device
+        self._probe = probe
+        self._reset_peak = reset_peak
+        self._step_figures = step_figures
+        self._pressure = pressure
+        self._live_bytes = live_bytes
+
+    @property
+    def pressure_alone(self) -> bool:
+        """True where :meth:`pressure` reads the pressure signal without a full snapshot."""
+        return self._pressure is not None
+
+    def probe(self, cheap: bool) -> MemorySnapshot:
+        """A snapshot of the device (``cheap``: the per-step path, see :func:`probe`).
+
+        Raises:
+            ConfigError: the device's backend is not present (default probe only).
+        """
+        if self._probe is not None:
+            return self._probe(cheap)
+        return probe(self.device, cheap=cheap)
+
+    def reset_peak(self) -> bool:
+        """Start a new peak window. Returns True when the backend reset its peak counter; False
+        where it has none that can be reset, or the reset failed (logged once). After a failed
+        reset the per-step figures are off: a peak that is not reset is no step peak."""
+        fn = self._reset_peak
+        if fn is None:
+            return False
+        try:
+            ok = fn() is not False
+        except Exception as exc:
+            _warn_once(f"reset_peak:{self.device}", "memguard: resetting the %s peak failed: %r",
+                       self.device, exc)
+            ok = False
+        if not ok:
+            self._step_figures = None
+        return ok
+
+    def step_figures(self) -> Optional[Tuple[float, int, int, int]]:
+        """``(monotonic s, RSS, peak since the last reset, RSS + available)``, bytes, where the
+        backend has this snapshot-free path and its common case holds; else None (take
+        :meth:`probe` ``(True)``)."""
+        fn = self._step_figures
+        if fn is None:
+            return None
+        try:
+            return fn()
+        except Exception as exc:
+            _warn_once(f"step_figures:{self.device}", "memguard: per-step figures of %s failed: %r",
+                       self.device, exc)
+            return None
+
+    def pressure(self) -> Optional[float]:
+        """The pressure signal alone (percent, see ``MemorySnapshot.pressure``); None where the
+        backend has none or it cannot be read."""
+        fn = self._pressure
+        if fn is None:
+            return None
+        try:
+            return fn()
+        except Exception as exc:
+            _warn_once(f"pressure:{self.device}", "memguard: reading pressure of %s failed: %r",
+                       self.device, exc)
+            return None
+
+    def live_bytes(self) -> Optional[int]:
+        """Bytes held by live allocations (see :func:`live_bytes`), None where unknown."""
+        fn = self._live_bytes
+        if fn is None:
+            return None
+        try:
+            v = fn()
+            return None if v is None else int(v)
+        except Exception as exc:
+            _warn_once(f"live_bytes:{self.device}", "memguard: reading live bytes of %s failed: %r",
+                       self.device, exc)
+            return None
+
+
+def step_reader(device: str = "auto") -> StepReader:
+    """The :class:`StepReader` of ``device`` (see :func:`resolve_device`): CUDA and MLX from their
+    allocator backends, ``cpu`` from the host's (Linux, macOS, Windows; elsewhere the psutil probe
+    alone). Imports no framework: a CUDA or MLX reader reaches torch / mlx only when read.
+
+    Raises:
+        ConfigError: malformed ``device``.
+    """
+    dev = resolve_device(device)
+    if dev.startswith("cuda"):
+        from memguard_core.probes import cuda
+
+        return cuda.step_reader(int(dev.split(":")[1]))
+    if dev == "mlx":
+        from memguard_core.probes import mlx
+
+        return mlx.step_reader()
+    src = host_source()
+    if src == "linux":
+        from memguard_core.probes import linux
+
+        return linux.step_reader()
+    if src == "darwin":
+        from memguard_core.probes import darwin
+
+        return darwin.step_reader()
+    if src == "windows":
+        from memguard_core.probes import windows
+
+        return windows.step_reader()
+    return StepReader("cpu")
+
+
+def trim_heap() -> None:
+    """Hand the free heap the C library keeps back to the OS where the host backend can (glibc
+    ``malloc_trim(0)`` on Linux; nothing elsewhere). Never raises."""
+    try:
+        if host_source() == "linux":
+            from memguard_core.probes import linux
+
+            linux.malloc_trim()
+    except Exception as exc:  # an exotic libc must not break a clean
+        _warn_once("trim_heap", "memguard: returning the free heap failed: %r", exc)
+
+
 def live_bytes(device: str) -> Optional[int]:
     """Bytes held by live allocations on a resolved ``device``, not counting what an allocator
     keeps free for reuse: what a cleanup can lower only by freeing objects, not by returning
@@ -298,20 +459,7 @@ def live_bytes(device: str) -> Optional[int]:
         Bytes, or None where the device has no such counter or it cannot be read. Never raises.
     """
     try:
-        if device.startswith("cuda"):
-            torch = sys.modules.get("torch")
-            if torch is None:
-                return None
-            return int(torch.cuda.memory_allocated(int(device.split(":")[1]) if ":" in device else 0))
-        if device == "mlx":
-            from memguard_core.probes import mlx as _mlx
-
-            mx = sys.modules.get("mlx.core")
-            return None if mx is None else int(_mlx.read_counters(mx).active)
-        if device == "cpu" and host_source() == "linux":
-            from memguard_core.probes import linux
-
-            return linux.malloc_in_use()
+        return step_reader(device).live_bytes()
     except Exception as exc:
         _warn_once(f"live_bytes:{device}", "memguard: reading live bytes of %s failed: %r", device, exc)
     return None

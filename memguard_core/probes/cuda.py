@@ -35,10 +35,10 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from memguard_core.probes import MemorySnapshot, _warn_once, log
+from memguard_core.probes import MemorySnapshot, StepReader, _warn_once, log
 
-__all__ = ["CudaCounters", "torch_cuda_module", "read_counters", "nvml_process_bytes",
-           "snapshot_from_counters", "probe"]
+__all__ = ["CudaCounters", "torch_cuda_module", "read_counters", "reset_peak", "nvml_process_bytes",
+           "snapshot_from_counters", "probe", "step_reader"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,33 @@ def read_counters(index: int, torch_cuda) -> CudaCounters:
         peak_allocated=int(torch_cuda.max_memory_allocated(index)),
         peak_reserved=int(torch_cuda.max_memory_reserved(index)),
     )
+
+
+def reset_peak(index: int, torch_cuda=None) -> None:
+    """Start a new peak window of device ``index``'s allocator counters
+    (``torch.cuda.reset_peak_memory_stats``; ``max_memory_reserved`` is the snapshot's peak).
+
+    Raises:
+        RuntimeError: torch has no CUDA here; else whatever torch raises.
+    """
+    tc = torch_cuda if torch_cuda is not None else torch_cuda_module()
+    if tc is None:
+        raise RuntimeError("torch with CUDA is not available")
+    tc.reset_peak_memory_stats(index)
+
+
+def step_reader(index: int = 0) -> StepReader:
+    """The runtime monitor's reader on CUDA device ``index``: the probe through
+    ``probes.probe("cuda:<index>")`` (allocator counters on the cheap path, psutil if it fails),
+    the allocator's peak reset (:func:`reset_peak`) and ``memory_allocated`` as the live bytes
+    (read only where torch is already imported). No snapshot-free path: the counters are
+    host-side already; no pressure signal."""
+
+    def live() -> Optional[int]:
+        torch = sys.modules.get("torch")
+        return None if torch is None else int(torch.cuda.memory_allocated(index))
+
+    return StepReader(f"cuda:{index}", reset_peak=lambda: reset_peak(index), live_bytes=live)
 
 
 _nvml_state: Dict[str, object] = {"init": None}

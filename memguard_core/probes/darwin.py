@@ -31,10 +31,10 @@ import subprocess
 import time
 from typing import Dict, Mapping, Optional
 
-from memguard_core.probes import MemorySnapshot, _warn_once
+from memguard_core.probes import MemorySnapshot, StepReader, _warn_once
 
 __all__ = ["parse_vm_stat", "parse_sysctl", "available_from_vm_stat", "snapshot_from_outputs",
-           "probe", "SYSCTL_NAMES"]
+           "probe", "step_reader", "SYSCTL_NAMES"]
 
 #: What the full probe asks ``sysctl`` for.
 SYSCTL_NAMES = ("hw.memsize", "hw.pagesize", "kern.memorystatus_level", "vm.swapusage")
@@ -191,7 +191,7 @@ def _sysctlbyname_int(name: str) -> Optional[int]:
 def probe(cheap: bool = False) -> MemorySnapshot:
     """macOS host snapshot (see module doc). Runs only on macOS; never raises.
 
-    ``cheap=False`` runs ``sysctl`` and ``vm_stat`` (two subprocesses, ~5 ms);
+    ``cheap=False`` runs ``sysctl`` and ``vm_stat`` (two subprocesses);
     ``cheap=True`` uses psutil (``host_statistics64``, same available formula) and
     ``sysctlbyname`` through ctypes.
     """
@@ -226,3 +226,11 @@ def probe(cheap: bool = False) -> MemorySnapshot:
                           process_peak_bytes=peak,
                           pressure=None if level is None else float(100 - level),
                           limit_bytes=None, limit_source="host", source="darwin", timestamp=now)
+
+
+def step_reader() -> StepReader:
+    """The runtime monitor's reader on macOS CPU: the host probe through ``probes.probe("cpu")``
+    (psutil if this backend fails). macOS cannot reset ``ru_maxrss`` (the process's lifetime
+    high-water mark), so there is no peak reset and no snapshot-free per-step path; the
+    memorystatus level comes with the full snapshots only; no live-bytes counter is read."""
+    return StepReader("cpu")

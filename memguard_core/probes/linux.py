@@ -38,13 +38,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-from memguard_core.probes import MemorySnapshot, _warn_once
+from memguard_core.probes import MemorySnapshot, StepReader, _warn_once
 
 __all__ = [
     "Psi", "CgroupMemory", "Mount", "CgroupLocation",
     "parse_meminfo", "parse_status", "parse_psi", "parse_proc_cgroup", "parse_mountinfo",
     "parse_flat_keyed", "read_meminfo", "read_status", "read_psi", "locate_cgroups",
-    "cgroup_memory", "probe", "reset_peak", "malloc_in_use", "UNLIMITED_THRESHOLD",
+    "cgroup_memory", "probe", "reset_peak", "step_figures", "pressure", "malloc_in_use",
+    "malloc_trim", "step_reader", "UNLIMITED_THRESHOLD",
 ]
 
 #: Limits at or above this many bytes (1 EiB) mean "no limit". cgroup v1 reports "unlimited"
@@ -58,8 +59,8 @@ UNLIMITED_THRESHOLD = 1 << 60
 
 class _KeptFiles(threading.local):
     """Per-step fast path: read-only descriptors kept open per path and read with ``pread`` at
-    offset 0 (procfs, sysfs and cgroupfs regenerate the content on a read from offset 0), about 5x
-    cheaper than open + read + close through Python's text layer (~3 us vs ~15 us a file here).
+    offset 0 (procfs, sysfs and cgroupfs regenerate the content on a read from offset 0): no
+    open, close or text decoding per read, which dominate the cost of reading a small file.
     Active only inside :func:`probe` with ``cheap=True`` on the real roots (``/proc``, ``""``)."""
 
     on = False
@@ -70,8 +71,7 @@ _kept_fds: Dict[str, int] = {}
 _kept_lock = threading.Lock()
 
 #: The per-step path re-reads the two larger files, /proc/meminfo and a cgroup's memory.stat
-#: (about 70 and 40 us inside a training process here, against 30 us for /proc/self/status),
-#: only when its last reading is older than this. The monitor's background thread refreshes both
+#: (the kernel formats dozens of lines for each), only when its last reading is older than this. The monitor's background thread refreshes both
 #: with a full probe every 0.5 s; between readings, MemAvailable moves with this process's own
 #: RSS and a cgroup's inactive file pages are taken as they were. The small files that show a
 #: co-tenant at once (the cgroup's usage files) are read at every step; limit files are cached
@@ -700,9 +700,9 @@ def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
 # ----------------------------------------------------------------------------------------------
 # this process's resident set on the per-step path: /proc/self/statm and getrusage
 
-#: Generating /proc/self/status costs 40-120 us right after a training step here (the kernel
-#: sums per-CPU RSS counters and formats ~55 lines; caches are cold), /proc/self/statm about 3 us
-#: and getrusage(2) about 7 us. The per-step path reads the current RSS from statm and the peak
+#: Generating /proc/self/status makes the kernel sum per-CPU RSS counters and format dozens of
+#: lines, where /proc/self/statm is one short line and getrusage(2) a syscall without text. The
+#: per-step path therefore reads the current RSS from statm and the peak
 #: from ``ru_maxrss`` (kernel/sys.c: ``max(signal->maxrss, mm hiwater_rss)``, KiB), which
 #: ``clear_refs`` = 5 resets like VmHWM (both read the mm's hiwater_rss) -- except for
 #: ``signal->maxrss``, the high-water mark of the mm the process had before its ``execve``
@@ -802,7 +802,7 @@ def step_figures() -> Optional[Tuple[float, int, int, int]]:
     :func:`probe` ``(cheap=True)`` would give them (the peak is ``max(RSS, ru_maxrss)``;
     ``available`` comes from the cached /proc/meminfo reading, moved by this process's growth
     since). The check runs at every micro-batch, right after a training step, when every cache is
-    cold: this path costs about 35 us there, the cheap probe about 50 us plus a snapshot object.
+    cold: this path skips the cheap probe's extra reads and its snapshot object.
 
     Returns None, and the caller takes :func:`probe`, when the common case does not hold: a limited
     cgroup level (its usage must be read), the cgroup levels or /proc/meminfo last read
@@ -885,7 +885,7 @@ def malloc_in_use() -> Optional[int]:
     Unlike RSS it does not count the free heap glibc keeps, so it does not fall when
     ``malloc_trim`` returns that heap to the kernel, only when memory is really freed; torch's CPU
     tensors and NumPy arrays come from ``malloc`` (Python's small-object arenas do not: they are
-    mmapped directly, at most a few MiB here). Cost: one walk of the arenas' free lists
+    mmapped directly). Cost: one walk of the arenas' free lists
     (microseconds to a millisecond); the monitor reads it only around a critical clean. Where
     ``malloc`` is replaced (``LD_PRELOAD`` of jemalloc / tcmalloc) glibc's counters miss torch's
     allocations and barely move: a clean is then credited with about nothing (the monitor splits,
@@ -912,6 +912,21 @@ def malloc_in_use() -> Optional[int]:
         return None
 
 
+def malloc_trim() -> bool:
+    """Return the free memory glibc's heap keeps to the kernel (``malloc_trim(0)``, malloc_trim(3)).
+
+    On CPU, torch allocates through ``malloc``; blocks below glibc's dynamic mmap threshold (up to
+    32 MiB, mallopt(3) ``M_MMAP_THRESHOLD``) come from the heap, and freed heap stays in the
+    process's RSS, still charged to its cgroup.
+
+    Returns:
+        True when glibc released memory, False when it had none to release or there is no
+        ``malloc_trim`` (not glibc). Raises what ctypes raises when libc cannot be called.
+    """
+    trim = getattr(libc(), "malloc_trim", None)
+    return bool(trim(0)) if trim is not None else False
+
+
 def pressure() -> Optional[float]:
     """PSI ``some avg10`` of memory (percent) of this process's cgroup v2 (``memory.pressure``),
     else of the host (/proc/pressure/memory); None where the kernel has no PSI. Uses the cgroup
@@ -924,6 +939,16 @@ def pressure() -> Optional[float]:
     except Exception as exc:  # defensive: a probe never raises
         _warn_once("linux.pressure", "memguard: reading PSI failed: %r", exc)
         return None
+
+
+def step_reader() -> StepReader:
+    """The runtime monitor's reader on Linux CPU: the cheap probe, the VmHWM reset through a kept
+    ``clear_refs`` descriptor (:func:`reset_peak`), the snapshot-free per-step figures
+    (:func:`step_figures`), PSI read alone (:func:`pressure`: the background thread reads it
+    between full samples) and glibc's in-use bytes (:func:`malloc_in_use`). The module's functions
+    are bound when the reader is built."""
+    return StepReader("cpu", probe=probe, reset_peak=reset_peak, step_figures=step_figures,
+                      pressure=pressure, live_bytes=malloc_in_use)
 
 
 # ----------------------------------------------------------------------------------------------

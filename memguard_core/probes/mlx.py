@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from memguard_core.probes import MemorySnapshot, _warn_once
+from memguard_core.probes import MemorySnapshot, StepReader, _warn_once
 
-__all__ = ["MlxCounters", "mlx_module", "metal_available", "read_counters", "device_info",
-           "memory_limit", "probe"]
+__all__ = ["MlxCounters", "mlx_module", "metal_available", "read_counters", "reset_peak",
+           "device_info", "memory_limit", "probe", "step_reader"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,34 @@ def read_counters(mx) -> MlxCounters:
     return MlxCounters(active=int(_fn(mx, "get_active_memory")()),
                        peak=int(_fn(mx, "get_peak_memory")()),
                        cache=int(_fn(mx, "get_cache_memory")()))
+
+
+def reset_peak(mx=None) -> None:
+    """Start a new peak window of ``mx.get_peak_memory`` (``mx.reset_peak_memory``, under
+    ``mx.metal`` before 0.22).
+
+    Raises:
+        RuntimeError: mlx is not installed, or has no peak reset; else whatever mlx raises.
+    """
+    mx = mx if mx is not None else mlx_module()
+    f = None if mx is None else _fn(mx, "reset_peak_memory")
+    if f is None:
+        raise RuntimeError("mlx with reset_peak_memory is not available")
+    f()
+
+
+def step_reader() -> StepReader:
+    """The runtime monitor's reader on MLX: the probe through ``probes.probe("mlx")`` (allocator
+    counters, the host's figures for what is available), the allocator's peak reset
+    (:func:`reset_peak`) and active memory as the live bytes (read only where mlx is already
+    imported). No snapshot-free path and no pressure read alone (the host's comes with the
+    snapshot)."""
+
+    def live() -> Optional[int]:
+        mx = sys.modules.get("mlx.core")
+        return None if mx is None else read_counters(mx).active
+
+    return StepReader("mlx", reset_peak=reset_peak, live_bytes=live)
 
 
 _device_info_cache: Dict[int, tuple] = {}   # id(mx) -> (mx, info): the reference keeps the id unique

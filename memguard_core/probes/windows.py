@@ -22,10 +22,10 @@ import ctypes
 import time
 from typing import Dict, Mapping, Optional
 
-from memguard_core.probes import MemorySnapshot, _warn_once
+from memguard_core.probes import MemorySnapshot, StepReader, _warn_once
 
 __all__ = ["MEMORYSTATUSEX", "FIELDS", "parse_memorystatusex", "struct_to_fields",
-           "read_memorystatusex", "snapshot_from_fields", "probe"]
+           "read_memorystatusex", "snapshot_from_fields", "probe", "step_reader"]
 
 FIELDS = ("dwLength", "dwMemoryLoad", "ullTotalPhys", "ullAvailPhys", "ullTotalPageFile",
           "ullAvailPageFile", "ullTotalVirtual", "ullAvailVirtual", "ullAvailExtendedVirtual")
@@ -120,3 +120,11 @@ def probe(cheap: bool = False) -> MemorySnapshot:
         vm = psutil.virtual_memory()
         fields = {"ullTotalPhys": int(vm.total), "ullAvailPhys": int(vm.available)}
     return snapshot_from_fields(fields, rss=rss, peak=peak, now=now)
+
+
+def step_reader() -> StepReader:
+    """The runtime monitor's reader on Windows CPU: the host probe through ``probes.probe("cpu")``
+    (psutil if this backend fails). The peak working set (``peak_wset``) cannot be reset, so
+    there is no peak reset and no snapshot-free per-step path; Windows offers no pressure
+    signal here and no live-bytes counter is read."""
+    return StepReader("cpu")

@@ -1,0 +1,580 @@
+"""The runtime monitor's decisions, pure: levels with hysteresis, PSI episodes, growing back, and
+the one way k rises (:meth:`SplitPolicy.raise_split`).
+
+Numbers in, decisions out: nothing here reads memory, starts a thread or cleans a cache, so every
+rule can be tested by feeding samples (``tests/test_monitor_policy.py``). The sampling side (the
+per-step check, the background thread, the device readers) and the actions (cleaning, logging,
+the adapters' callbacks) are :class:`memguard_core.monitor.MemoryMonitor`'s. The design story is
+in docs/monitor.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from .errors import ConfigError, require_fraction
+
+__all__ = ["Level", "Action", "Thresholds", "PsiPolicy", "GrowPolicy", "MemoryEvent",
+           "PressureEpisodes", "SplitPolicy"]
+
+
+class Level(enum.IntEnum):
+    """Memory pressure level (ordered)."""
+
+    OK = 0
+    WARNING = 1
+    CRITICAL = 2
+    EMERGENCY = 3
+
+
+class Action(str, enum.Enum):
+    """What the monitor asks for."""
+
+    NONE = "none"
+    LOG = "log"
+    CLEAN = "clean"
+    SPLIT = "split"
+    GROW = "grow"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Fractions of the effective budget at which each level starts, and the hysteresis band.
+
+    A level is left only when usage falls below ``threshold - hysteresis`` (prevents flapping
+    around a threshold). Defaults 85 / 90 / 95 %, 5 points of hysteresis.
+
+    Raises:
+        ConfigError: a value outside (0, 1], or not warning < critical < emergency.
+    """
+
+    warning: float = 0.85
+    critical: float = 0.90
+    emergency: float = 0.95
+    hysteresis: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("warning", "critical", "emergency"):
+            require_fraction(f"thresholds.{name}", getattr(self, name))
+        if not (0.0 <= self.hysteresis < self.warning):
+            raise ConfigError("thresholds.hysteresis", f"a number in [0, {self.warning})", self.hysteresis)
+        if not (self.warning < self.critical < self.emergency):
+            raise ConfigError("thresholds", "warning < critical < emergency",
+                              (self.warning, self.critical, self.emergency))
+
+    def level_for(self, usage: float, current: Level) -> Level:
+        """Level for ``usage`` given the ``current`` level (hysteresis on the way down)."""
+        bounds = [(Level.EMERGENCY, self.emergency), (Level.CRITICAL, self.critical),
+                  (Level.WARNING, self.warning)]
+        for level, bound in bounds:
+            if usage >= bound:
+                return level
+            if current >= level and usage >= bound - self.hysteresis:
+                return level
+        return Level.OK
+
+
+@dataclass(frozen=True)
+class PsiPolicy:
+    """When sustained memory pressure (PSI ``some avg10``, percent) triggers an action.
+
+    An *episode* starts when a background sample's pressure is >= ``threshold`` and ends when it
+    falls below ``threshold x release`` (hysteresis). Within an episode the monitor acts when the
+    samples since the episode start (or since its last action) span >= ``sustain_s`` seconds,
+    number >= ``min_samples``, and the newest pressure is higher than the oldest (rising). The
+    first action of an episode is ``clean``; each later one is ``split`` (k doubled). A falling
+    or flat window is not acted on: the kernel is recovering on its own.
+
+    Defaults: ``threshold`` 10 % is where the kernel documentation's example trigger for memory
+    pressure (``some 150000 1000000`` = 150 ms of stall per 1 s window, i.e. 15 %) and systemd-oomd's
+    default ``DefaultMemoryPressureLimit=60%`` bracket "pressure that costs throughput"; we warn
+    earlier than oomd acts. ``sustain_s`` 3 s = several 0.5 s samples, shorter than the 10 s
+    ``avg10`` window so a rising average is still news.
+
+    Raises:
+        ConfigError: ``threshold`` outside (0, 100], ``sustain_s`` < 0, ``min_samples`` < 1,
+            ``release`` outside (0, 1].
+    """
+
+    threshold: float = 10.0
+    sustain_s: float = 3.0
+    min_samples: int = 3
+    release: float = 0.5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
+                or not (0.0 < float(self.threshold) <= 100.0):
+            raise ConfigError("psi.threshold", "a percentage in (0, 100]", self.threshold)
+        if isinstance(self.sustain_s, bool) or not isinstance(self.sustain_s, (int, float)) \
+                or not self.sustain_s >= 0:
+            raise ConfigError("psi.sustain_s", "a number of seconds >= 0", self.sustain_s)
+        if isinstance(self.min_samples, bool) or not isinstance(self.min_samples, int) or self.min_samples < 1:
+            raise ConfigError("psi.min_samples", "an integer >= 1", self.min_samples)
+        require_fraction("psi.release", self.release)
+
+
+@dataclass(frozen=True)
+class GrowPolicy:
+    """When the split factor k may halve again after pressure has gone (see :class:`SplitPolicy`).
+
+    Args:
+        below: usage (fraction of the effective budget) under which a step sample counts as calm;
+            must be <= ``thresholds.warning - thresholds.hysteresis`` (checked by the monitor), so a
+            calm sample is always at the OK level. Default 0.70: a halving of k roughly doubles the
+            per-row part of the peak, and below 70 % there is room for that before the 85 % warning.
+        steps: consecutive calm step samples (micro-batches) needed before a halving (>= 1).
+        seconds: and at least this many seconds since the first calm sample of the stretch (>= 0).
+            Defaults 16 samples and 30 s: longer than PSI's 10 s average and a few optimizer
+            steps, so a co-tenant that pauses briefly does not invite a grow-back.
+        backoff: after a grow-back that failed (undone, or followed by a split within ``steps``
+            samples), the stretch needed for the next attempt is multiplied by this (> 1, default 2:
+            exponential backoff, as in TCP's retransmission timer, RFC 6298 5.5).
+        max_backoff: cap of that multiplier (>= 1, default 32).
+
+    Raises:
+        ConfigError: a value out of range (the error names ``grow.<field>``).
+    """
+
+    below: float = 0.70
+    steps: int = 16
+    seconds: float = 30.0
+    backoff: float = 2.0
+    max_backoff: float = 32.0
+
+    def __post_init__(self) -> None:
+        require_fraction("grow.below", self.below)
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ConfigError("grow.steps", "an integer >= 1", self.steps)
+        for name, lo, strict in (("seconds", 0.0, False), ("backoff", 1.0, True), ("max_backoff", 1.0, False)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or (v <= lo if strict else v < lo):
+                raise ConfigError(f"grow.{name}", f"a number {'>' if strict else '>='} {lo:g}", v)
+
+
+@dataclass
+class MemoryEvent:
+    """One decision of the monitor.
+
+    Attributes:
+        step: optimizer step (``None`` from the background thread between steps).
+        level: pressure level after this sample.
+        action: what was asked for.
+        usage: used / effective budget (0..1+).
+        used_bytes: the process figure compared (step peak or current).
+        budget_bytes: the effective budget at this sample.
+        split: the split factor k after this decision.
+        source: ``step`` (per-step sample), ``background``, ``psi`` (sustained memory pressure,
+            see :class:`PsiPolicy`; ``usage`` is then the latest usage) or ``request``. A
+            grow-back (action ``grow``) and its undo (action ``split``) come from ``step``.
+        message: one human line.
+    """
+
+    step: Optional[int]
+    level: Level
+    action: Action
+    usage: float
+    used_bytes: int
+    budget_bytes: int
+    split: int
+    source: str
+    message: str
+    timestamp: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "level": self.level.name.lower(), "action": self.action.value,
+                "usage": round(self.usage, 4), "used_bytes": self.used_bytes,
+                "budget_bytes": self.budget_bytes, "split": self.split, "source": self.source,
+                "message": self.message}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _share(used: float, budget: float, usage: float) -> str:
+    """``"<used> of <budget> (<usage>%"``, the start of a level message (closed by the caller)."""
+    return f"{_gib(used)} of {_gib(budget)} ({usage:.0%}"
+
+
+
+class PressureEpisodes:
+    """PSI episodes of one run (:class:`PsiPolicy`), from readings fed in time order.
+
+    ``window`` holds ``(monotonic s, pressure %)`` since the episode started or since its last
+    action; it is empty while no episode is open. Not thread-safe by itself: :class:`SplitPolicy`
+    feeds it under its lock.
+    """
+
+    def __init__(self, policy: PsiPolicy):
+        self.policy = policy
+        self.window: List[Tuple[float, float]] = []
+        self.actions = 0          # actions taken in the open episode
+
+    @property
+    def open(self) -> bool:
+        """True while an episode is open (pressure went >= threshold and has not fallen below
+        ``threshold x release`` since)."""
+        return bool(self.window)
+
+    def feed(self, pressure: float, now: float, act: bool = True) -> Optional[Tuple[int, str]]:
+        """Feed one reading (percent) taken at ``now`` (monotonic s).
+
+        Returns ``(n, description)`` when the episode calls for its n-th action (n = 1: the first,
+        a clean; later ones split): pressure sustained over ``sustain_s`` with ``min_samples``
+        readings and rising; the next action then needs a new window. Else None. With
+        ``act=False`` the reading only extends or ends the episode.
+        """
+        pol, win = self.policy, self.window
+        if not win:
+            if pressure >= pol.threshold:
+                win.append((now, pressure))
+            return None
+        if pressure < pol.threshold * pol.release:
+            win.clear()                      # the episode is over
+            self.actions = 0
+            return None
+        win.append((now, pressure))
+        (t0, p0), (t1, p1) = win[0], win[-1]
+        span = t1 - t0
+        if not (act and len(win) >= pol.min_samples and span >= pol.sustain_s and p1 > p0):
+            return None
+        self.actions += 1
+        win[:] = [(t1, p1)]                  # the next action needs a new sustained window
+        return self.actions, (f"memory pressure: PSI some avg10 {p1:.1f}% (>= {pol.threshold:g}% for "
+                              f"{span:.1f} s, rising from {p0:.1f}%)")
+
+
+class SplitPolicy:
+    """The monitor's decision state: the level, the split factor k, PSI episodes and growing back.
+
+    Each ``observe*`` method takes one sample's numbers and returns the :class:`MemoryEvent` it
+    decided (its ``action``), or None when nothing is to be done; the caller acts on it (cleans,
+    logs, forwards). Thread-safe: the per-step sample and the background thread feed one policy.
+
+    Levels (``thresholds``): ``warning`` logs; ``critical`` asks for a clean once per stay at that
+    level and splits when it persists; ``emergency`` splits. A step sample (the peak of the last
+    micro-batch) moves the level up or down with hysteresis; a background sample (a current
+    figure, which swings within a step) can only raise it. After a split, no further split until
+    the next micro-batch's peak has been read (two step samples).
+
+    Growing back (``grow``): after ``grow.steps`` calm step samples (usage < ``grow.below``, OK
+    level, no PSI episode open) lasting ``grow.seconds``, k halves, if the peak predicted at the
+    halved k (:meth:`predict_peak`) allows: below the warning level (or nothing known) down to
+    ``planned_split``; below it only with a measured prediction at or below ``grow.below``. The
+    next step sample at or above warning undoes it; that, or a split within ``grow.steps``
+    samples, is a failed grow-back and multiplies the stretch by ``grow.backoff`` (up to
+    ``grow.max_backoff``).
+
+    Args:
+        thresholds: :class:`Thresholds`.
+        split: the starting k (>= 1).
+        max_split: upper bound of k (None: none).
+        psi: :class:`PsiPolicy`, or None to ignore pressure readings.
+        grow: :class:`GrowPolicy`, or None: k never falls.
+        planned_split: the preflight plan's k (default ``split``).
+
+    Raises:
+        ConfigError: ``grow.below`` above ``thresholds.warning - thresholds.hysteresis``.
+    """
+
+    def __init__(self, thresholds: Thresholds, *, split: int = 1, max_split: Optional[int] = None,
+                 psi: Optional[PsiPolicy] = None, grow: Optional[GrowPolicy] = None,
+                 planned_split: Optional[int] = None):
+        if grow is not None and grow.below > thresholds.warning - thresholds.hysteresis + 1e-12:
+            raise ConfigError("grow.below", f"a fraction <= warning - hysteresis "
+                              f"({thresholds.warning - thresholds.hysteresis:.2f})", grow.below)
+        self.thresholds = thresholds
+        self.max_split = max_split
+        self.psi = psi
+        self.grow = grow
+        self.planned_split = planned_split if planned_split is not None else split
+        self.level = Level.OK
+        self.samples = 0
+        self.max_usage = 0.0
+        self.last_pressure: Optional[float] = None
+        self.peak_at_split: Dict[int, int] = {}  # k -> largest step peak measured at k (bytes)
+        self._split = split
+        self._lock = threading.RLock()
+        self._cleaned_at_level = False
+        self._step_samples = 0
+        self._split_at_sample = -10
+        self._episodes = PressureEpisodes(psi) if psi is not None else None
+        self._k_running = split      # k of the micro-batch whose peak the next step sample reads
+        self._calm = 0               # consecutive calm step samples
+        self._calm_since: Optional[float] = None
+        self._grow_from: Optional[int] = None   # k before the last grow-back, until its probation
+        self._grow_sample = -10**9   # step-sample count at the last grow-back
+        self._grow_failures = 0
+
+    @property
+    def split(self) -> int:
+        """The current split factor k (micro-batches per batch)."""
+        return self._split
+
+    # ----- k ------------------------------------------------------------------------------------
+    def raise_split(self) -> Optional[int]:
+        """Double k, clamped to ``max_split``, and note the split (the calm stretch restarts; soon
+        after a grow-back it counts as a failed one; no further split until the next micro-batch's
+        peak is read). Returns the k before, or None when k is at ``max_split`` already."""
+        with self._lock:
+            new = self._split * 2
+            if self.max_split is not None:
+                new = min(new, self.max_split)
+            if new <= self._split:
+                return None
+            old, self._split = self._split, new
+            self._split_at_sample = self._step_samples
+            self._note_split()
+            return old
+
+    def request_split(self, k: int, reason: str, *, step: Optional[int] = None,
+                      budget_bytes: int = 0) -> Optional[MemoryEvent]:
+        """Set k to at least ``k``, clamped to ``max_split`` (e.g. after an out-of-memory error).
+        Returns the ``split`` event (source ``request``), or None when k stays."""
+        with self._lock:
+            new = max(self._split, int(k))
+            if self.max_split is not None:
+                new = min(new, self.max_split)
+            if new == self._split:
+                return None
+            old, self._split = self._split, new
+            self._note_split()
+            return MemoryEvent(step, self.level, Action.SPLIT, 0.0, 0, int(budget_bytes), new,
+                               "request", f"split {old} -> {new}: {reason}")
+
+    def _note_split(self) -> None:
+        """Bookkeeping of any raise of k (lock held): the calm stretch restarts, and a split soon
+        after a grow-back counts as a failed grow-back (backoff)."""
+        self._calm, self._calm_since = 0, None
+        if self.grow is not None and self._grow_from is None \
+                and 0 < self._step_samples - self._grow_sample <= self.grow.steps:
+            self._grow_failures += 1
+            self._grow_sample = -10**9
+
+    # ----- samples ------------------------------------------------------------------------------
+    def observe(self, used_bytes: int, budget_bytes: int, *, step: Optional[int], source: str,
+                now: Optional[float] = None) -> Optional[MemoryEvent]:
+        """Classify one usage sample (bytes; ``budget_bytes`` the effective budget, > 0) and update
+        the decision. ``source`` ``"step"``: ``used_bytes`` is the peak of the micro-batch just run
+        (at the k of the previous step sample), which also drives growing back; ``"background"``:
+        a current figure, acted on only when it raises the level. ``now`` (monotonic s) times the
+        calm stretch (default ``time.monotonic()``, read only when needed).
+
+        Returns the event decided (action ``log``, ``clean``, ``split`` or ``grow``), or None.
+        """
+        usage = used_bytes / max(1, budget_bytes)
+        msg = ""
+        with self._lock:
+            self.samples += 1
+            if source == "step":
+                self._step_samples += 1
+                k_ran = self._k_running
+                if used_bytes > self.peak_at_split.get(k_ran, 0):
+                    self.peak_at_split[k_ran] = int(used_bytes)
+            self.max_usage = max(self.max_usage, usage)
+            prev = self.level
+            level = self.thresholds.level_for(usage, prev)
+            if source == "background" and level <= prev:
+                # the background thread sees the current figure, which swings within a step: it acts
+                # only when it escalates; the per-step peak alone keeps or lowers the level
+                return None
+            self.level = level
+            action = Action.NONE
+            if level == Level.OK:
+                self._cleaned_at_level = False
+                if prev != Level.OK:
+                    action = Action.LOG
+                    msg = f"memory back to normal: {_share(used_bytes, budget_bytes, usage)})"
+            elif level == Level.WARNING:
+                if prev < Level.WARNING:
+                    action = Action.LOG
+                    msg = (f"memory warning: {_share(used_bytes, budget_bytes, usage)} "
+                           f">= {self.thresholds.warning:.0%})")
+                self._cleaned_at_level = False
+            elif level == Level.CRITICAL and not self._cleaned_at_level:
+                action = Action.CLEAN
+                self._cleaned_at_level = True
+                msg = (f"memory critical: {_share(used_bytes, budget_bytes, usage)} "
+                       f">= {self.thresholds.critical:.0%}): cleaning caches")
+            elif self._step_samples - self._split_at_sample < 2:
+                # a split acts at the next micro-batch and its peak is read one sample later:
+                # wait for that before splitting again (no cascade of splits within one step)
+                pass
+            else:
+                # emergency, or critical that persisted after a clean: split further
+                old = self.raise_split()
+                what = f"memory {level.name.lower()}: {_share(used_bytes, budget_bytes, usage)})"
+                if old is not None:
+                    action = Action.SPLIT
+                    msg = f"{what}: splitting micro-batches {old} -> {self._split}"
+                elif level > prev:
+                    action = Action.LOG
+                    msg = f"{what} and the micro-batch cannot be split further (k={self._split})"
+            if source == "step":
+                if self.grow is not None:
+                    action, msg = self._grow_decide(usage, int(used_bytes), int(budget_bytes), level,
+                                                    action, msg, now)
+                self._k_running = self._split
+            elif level > prev:
+                self._calm, self._calm_since = 0, None   # a background escalation breaks the calm
+            if action is Action.NONE:
+                return None
+            return MemoryEvent(step, level, action, usage, int(used_bytes), int(budget_bytes),
+                               self._split, source, msg)
+
+    def split_after_clean(self, predicted_bytes: int, budget_bytes: int, *, step: Optional[int],
+                          rss_freed: int, live_freed: Optional[int]) -> Optional[MemoryEvent]:
+        """After a critical clean at a step sample: ``predicted_bytes`` is the next micro-batch's
+        peak (the last peak minus the live memory the clean freed, bounded by the RSS it freed:
+        ``rss_freed``, ``live_freed`` in bytes, ``live_freed`` None where no live counter exists).
+        At or above the critical level, split now rather than one micro-batch later.
+
+        Returns the ``split`` event, or None (the clean was enough, or k is at ``max_split``).
+        """
+        budget = max(1, int(budget_bytes))
+        predicted = int(predicted_bytes)
+        if predicted < self.thresholds.critical * budget:
+            return None
+        with self._lock:
+            old = self.raise_split()
+            if old is None:
+                return None
+            self._k_running = self._split   # the next micro-batch already runs at the new k
+            what = ("no live-memory counter here" if live_freed is None else
+                    f"{_gib(live_freed)} of live memory")
+            msg = (f"memory critical after a clean that freed {_gib(rss_freed)} of RSS ({what}; cached and "
+                   f"trimmed memory is allocated again): the next micro-batch's predicted peak "
+                   f"{_gib(predicted)} is {predicted / budget:.0%} of {_gib(budget)}: splitting "
+                   f"micro-batches {old} -> {self._split}")
+            return MemoryEvent(step, self.level, Action.SPLIT, predicted / budget, predicted, budget,
+                               self._split, "step", msg)
+
+    def observe_pressure(self, pressure: Optional[float], now: float, *, step: Optional[int] = None,
+                         used_bytes: int = 0, budget_bytes: int = 0,
+                         act: bool = True) -> Optional[MemoryEvent]:
+        """Feed one PSI reading (``some avg10``, percent) taken at ``now`` (monotonic s), see
+        :class:`PsiPolicy`: the first action of an episode is a clean, later ones split. ``None``
+        (no PSI here) is ignored, as is every reading when ``psi`` is None. With ``act=False`` the
+        reading is recorded but nothing is decided. ``used_bytes`` / ``budget_bytes`` only go into
+        the event.
+
+        Returns the event (action ``clean``, ``split``, or ``log`` when k is at ``max_split``), or
+        None.
+
+        Raises:
+            ValueError: ``pressure`` is not a number in 0..100.
+        """
+        if self.psi is None or pressure is None:
+            return None
+        if isinstance(pressure, bool) or not isinstance(pressure, (int, float)) \
+                or not math.isfinite(pressure) or not (0.0 <= pressure <= 100.0):
+            raise ValueError(f"PSI reading {pressure!r} is not a percentage")
+        p = float(pressure)
+        usage = used_bytes / budget_bytes if budget_bytes > 0 else 0.0
+        with self._lock:
+            self.last_pressure = p
+            hit = self._episodes.feed(p, now, act)
+            if hit is None:
+                return None
+            nth, what = hit
+            if nth == 1:
+                action, msg = Action.CLEAN, f"{what}: cleaning caches"
+            else:
+                old = self.raise_split()
+                if old is not None:
+                    action = Action.SPLIT
+                    msg = f"{what} after a clean: splitting micro-batches {old} -> {self._split}"
+                else:
+                    action = Action.LOG
+                    msg = f"{what}; the micro-batch cannot be split further (k={self._split})"
+            return MemoryEvent(step, self.level, action, usage, int(used_bytes), int(budget_bytes),
+                               self._split, "psi", msg)
+
+    # ----- growing back -------------------------------------------------------------------------
+    def predict_peak(self, k: int) -> Optional[int]:
+        """Predicted step peak (bytes) at split factor ``k``, from measured step peaks only.
+
+        The peak measured at ``k`` itself if any (the largest one); else a least-squares fit of
+        ``peak = base + per_row / k`` (weights, gradients and optimizer states do not depend on the
+        chunk size, activations and logits grow linearly with the rows of a chunk: the estimator's
+        model, ``memguard_core.estimate``) through the peaks measured at two or more k; else None.
+        """
+        pts = self.peak_at_split
+        if k in pts:
+            return pts[k]
+        if len(pts) < 2:
+            return None
+        xs = [1.0 / kk for kk in pts]
+        ys = [float(v) for v in pts.values()]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx <= 0:
+            return None
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)
+        return int(max(my - slope * mx + slope / k, max(ys) if k < min(pts) else 0))
+
+    def _grow_decide(self, usage: float, used: int, budget: int, level: Level, action: Action,
+                     msg: str, now: Optional[float]) -> Tuple[Action, str]:
+        """Grow-back decision of one step sample (lock held). Returns ``(action, message)``."""
+        g = self.grow
+        n = self._step_samples
+        frm = self._grow_from
+        if frm is not None:
+            # this sample measured the first micro-batch run at the grown-back k: its probation
+            self._grow_from = None
+            if level >= Level.WARNING:
+                self._grow_failures += 1
+                self._grow_sample = -10**9
+                self._calm, self._calm_since = 0, None
+                if self._split < frm:
+                    old, self._split = self._split, frm
+                    self._split_at_sample = n
+                    factor = min(g.max_backoff, g.backoff ** self._grow_failures)
+                    return Action.SPLIT, (f"grow-back undone: the micro-batch at k={old} peaked at "
+                                          f"{_gib(used)} of {_gib(budget)} ({usage:.0%} >= "
+                                          f"{self.thresholds.warning:.0%}); k back to {frm}, next "
+                                          f"attempt after {factor:g}x the calm stretch")
+                return action, msg
+        elif self._grow_failures and n - self._grow_sample > g.steps and self._grow_sample > 0:
+            self._grow_failures = 0   # the last grow-back held for a whole stretch
+        calm = (usage < g.below and level == Level.OK and action in (Action.NONE, Action.LOG)
+                and not (self._episodes is not None and self._episodes.open))
+        if not calm:
+            self._calm, self._calm_since = 0, None
+            return action, msg
+        if now is None:
+            now = time.monotonic()
+        self._calm += 1
+        if self._calm_since is None:
+            self._calm_since = now
+        k = self._split
+        if k <= 1 or action is not Action.NONE:
+            return action, msg
+        factor = min(g.max_backoff, g.backoff ** self._grow_failures)
+        if self._calm < g.steps * factor or now - self._calm_since < g.seconds * factor:
+            return action, msg
+        new = max(1, k // 2)
+        pred = self.predict_peak(new)
+        if new < self.planned_split:
+            ok = pred is not None and pred <= g.below * budget
+        else:
+            ok = pred is None or pred < self.thresholds.warning * budget
+        if not ok:
+            # not now: the same prediction would block the next sample too; wait another stretch
+            self._calm, self._calm_since = 0, None
+            return action, msg
+        calm_n, calm_s = self._calm, now - self._calm_since
+        self._grow_from, self._split = k, new
+        self._grow_sample = n
+        self._calm, self._calm_since = 0, None
+        ptxt = "no peak measured there yet" if pred is None else \
+            f"predicted peak {_gib(pred)} = {pred / max(1, budget):.0%}"
+        return Action.GROW, (f"pressure gone: {_gib(used)} of {_gib(budget)} ({usage:.0%} < "
+                             f"{g.below:.0%}) for {calm_n} micro-batches / {calm_s:.1f} s; growing "
+                             f"micro-batches back {k} -> {new} ({ptxt})")

@@ -269,7 +269,7 @@ def child_lightning_blocks(steps: int, block: int, control: bool = False, null: 
             elif not sw.attached and cb.monitor is not None:
                 sw.attach(self, pl_module, ("training_step", "optimizer_zero_grad"), lambda: trainer.callbacks,
                           lambda new: setattr(trainer, "callbacks", new), cb, lambda: cb.monitor)
-                clock.wrap(cb, ("_orig_training_step", "_orig_zero_grad"), inner=True)
+                clock.wrap(cb.step, ("orig_training_step", "orig_zero_grad"), inner=True)
             if sw.attached:
                 sw.tick()
 

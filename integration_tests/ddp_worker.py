@@ -26,7 +26,7 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     os.makedirs(out, exist_ok=True)
     torch.save({"global_step": trainer.state.global_step, "lr": lr_sequence(trainer),
-                "params": params(trainer), "forward_rows": guard.forward_rows,
+                "params": params(trainer), "forward_rows": guard.micro_batch_rows,
                 "samples_per_step": guard.samples_per_step}, os.path.join(out, f"rank{rank}.pt"))
 
 

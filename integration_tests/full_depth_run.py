@@ -56,7 +56,7 @@ def main() -> None:
     if guard is not None:
         pf = guard.preflight
         r.update(estimate=pf.estimate.peak_bytes, changes=[c.field for c in pf.plan.changes],
-                 split_factor=pf.split_factor, forward_rows=sorted(set(guard.forward_rows)),
+                 split_factor=pf.split_factor, forward_rows=sorted(set(guard.micro_batch_rows)),
                  final_split=guard.monitor.split)
     print("RESULT " + json.dumps(r))
 

@@ -56,7 +56,7 @@ def main() -> None:
         "requested_peak": pf.estimate.peak_bytes, "planned_peak": pf.best_peak_bytes,
         "measured_peak": guard.summary["measured_peak_bytes"], "final_split": guard.monitor.split,
         "global_step": trainer.global_step, "samples_per_step": guard.samples_per_step,
-        "forward_rows": sorted(set(guard.forward_rows)), "events": guard.events,
+        "forward_rows": sorted(set(guard.micro_batch_rows)), "events": guard.events,
     }))
 
 

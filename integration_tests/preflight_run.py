@@ -54,7 +54,7 @@ def main() -> None:
         "changes": [c.field for c in pf.plan.changes],
         "measured_peak": guard.summary["measured_peak_bytes"], "final_split": guard.monitor.split,
         "global_step": trainer.state.global_step, "samples_per_step": guard.samples_per_step,
-        "forward_rows": sorted(set(guard.forward_rows)), "events": guard.events,
+        "forward_rows": sorted(set(guard.micro_batch_rows)), "events": guard.events,
     }))
 
 

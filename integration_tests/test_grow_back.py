@@ -128,7 +128,7 @@ def test_grow_back_after_the_budget_returns(tmp_path):
     assert guard.monitor.split == 1 and acts[-1] == ("grow", 1)
     # one forward per row chunk: k of each optimizer step from the rows of its forwards
     ks, i = [], 0
-    fr = guard.forward_rows
+    fr = guard.micro_batch_rows
     while i < len(fr):
         n, k = 0, 0
         while n < 8:

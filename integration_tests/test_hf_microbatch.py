@@ -48,7 +48,7 @@ def test_switching_k_mid_epoch_keeps_the_run(tmp_path, mean_loss, grad_checkpoin
 
     # 6 steps x 2 micro-batches of 8 rows: step 0 unsplit (2 forwards of 8), steps 1-2 k=2
     # (4-row chunks), step 3: first micro-batch k=2, second k=4 (2-row chunks), step 4 k=4, step 5 k=1
-    rows = guard.forward_rows
+    rows = guard.micro_batch_rows
     assert rows[:2] == [8, 8]
     assert rows[2:10] == [4] * 8
     assert rows[10:12] == [4, 4] and rows[12:16] == [2] * 4
@@ -66,7 +66,7 @@ def test_equal_chunk_weights_would_be_wrong(tmp_path):
     base = make_trainer(str(tmp_path / "base"), mean_loss=True, max_steps=2)
     base.train()
     guard = MemGuardCallback(preflight=False, budget_bytes=BIG_BUDGET, monitor_interval_s=0,
-                             loss_weighting="rows", split=4)
+                             loss_weighting="rows", micro_batches=4)
     split = make_trainer(str(tmp_path / "split"), guard=guard, mean_loss=True, max_steps=2)
     split.train()
     pb, ps = params(base), params(split)
@@ -82,7 +82,7 @@ def test_packed_batches_split_at_sequence_boundaries(tmp_path):
     split = make_trainer(str(tmp_path / "split"), guard=guard, extra_callbacks=[switch],
                          collate=packed_collate, max_steps=4)
     split.train()
-    rows = guard.forward_rows  # sequences per forward
+    rows = guard.micro_batch_rows  # sequences per forward
     assert rows[:2] == [8, 8]
     assert max(rows[2:]) < 8 and sum(rows) == 8 * 2 * 4
     _assert_same_run(base, split)
@@ -107,7 +107,7 @@ def test_oom_in_forward_is_retried_with_a_finer_split(tmp_path):
     split.train()
     assert guard.oom_retries == 1
     assert guard.monitor.split == 2
-    assert guard.forward_rows[:3] == [8, 4, 4]  # the failed forward, then its two halves
+    assert guard.micro_batch_rows[:3] == [8, 4, 4]  # the failed forward, then its two halves
     assert guard.samples_per_step == [16] * 3
     _assert_same_run(base, split)
 

@@ -81,7 +81,7 @@ def test_lightning_zero_grad_would_wipe_the_chunk_gradients(base_runs):
     non-final chunks' gradients of a window-start batch are wiped: the run differs, and the guard
     notices it and stops splitting instead of training on silently."""
     guard = _guard()
-    guard._zero_early_enabled = False  # what a naive in-step split does
+    guard.step.zero_grad_coming = lambda batch_idx: False  # what a naive in-step split does
     split = fit(guard=guard, switch={2: 2})  # batch 2 starts a window
     assert split[2].batches[2] == [4, 4] and split[2].batches[3] == [8]  # split once, then stopped
     assert "zeroed the gradients" in (guard.split_disabled_reason or "")
@@ -107,8 +107,8 @@ def test_preflight_under_a_tight_budget_splits_in_place(base_runs, monkeypatch):
     # the full budget (the resident term is exercised in a fresh process by test_hf_preflight.py).
     # Likewise its mapped libraries' resident pages (RssFile: every test's imports, ~300 MiB) are
     # measured by the adapter, then set back to the typical figure the budget above was built with.
-    import memguard_lightning.preflight as lpf
-    real_plan = lpf.plan_in_place
+    import memguard_core.guard as core_guard
+    real_plan = core_guard.plan_in_place
     measured_file_pages = []
 
     def plan_without_this_process(ms_, ts_, b, **kw):
@@ -116,7 +116,7 @@ def test_preflight_under_a_tight_budget_splits_in_place(base_runs, monkeypatch):
         return real_plan(ms_, ts_.replace(resident_file_bytes=None), b,
                          **{**kw, "resident_bytes": None, "plan_fraction": 1.0})
 
-    monkeypatch.setattr(lpf, "plan_in_place", plan_without_this_process)
+    monkeypatch.setattr(core_guard, "plan_in_place", plan_without_this_process)
 
     class WideMonitorBudget(pl.Callback):
         """The estimate describes the tiny model's training (~0.36 GiB); this pytest process holds
@@ -181,7 +181,7 @@ def test_oom_in_forward_is_retried_with_a_finer_split(base_runs):
     rec = split[2]
     assert guard.oom_retries == 1
     assert guard.monitor.split == 2
-    assert guard.forward_rows[:3] == [8, 4, 4]  # the failed forward, then its two halves
+    assert guard.micro_batch_rows[:3] == [8, 4, 4]  # the failed forward, then its two halves
     assert rec.batches == [[4, 4]] * 16  # forwards that completed (the hook raised before the recorder's)
     assert guard.samples_per_step == [16] * 8
     tb, mb, rb = base_runs["tokens"]
@@ -199,7 +199,7 @@ def test_manual_optimization_warns_and_offers_chunks(caplog):
         base = fit(guard=base_guard, manual=True, max_steps=4, accumulate=1)
     assert "manual optimization" in (base_guard.split_disabled_reason or "")
     assert any("guard.chunks" in r.getMessage() for r in caplog.records)
-    guard = MemGuardCallback(preflight=False, budget_bytes=BIG_BUDGET, monitor_interval_s=0, split=4)
+    guard = MemGuardCallback(preflight=False, budget_bytes=BIG_BUDGET, monitor_interval_s=0, micro_batches=4)
     split = fit(guard=guard, manual=True, max_steps=4, accumulate=1)
     assert split[2].batches[0] == [2, 2, 2, 2] and base[2].batches[0] == [8]
     assert split[0].global_step == base[0].global_step == 4

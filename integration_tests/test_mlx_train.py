@@ -114,8 +114,8 @@ def test_split_switch_mid_run_matches_unguarded_mlx_lm(tmp_path):
     run = _run(tmp_path, "split", guarded=True, guard=guard, batches=_switching_batches(guard, 5, 4))
     print(f"\nunguarded mlx_lm: {ref['secs']:.1f}s, guarded with k 1->4 at it 6: {run['secs']:.1f}s")
     assert guard.split_history == [(1, 1), (6, 4)]
-    assert guard.updates == 5
-    assert max(guard.chunk_rows) == 8 and min(guard.chunk_rows) < 8
+    assert guard.optimizer_steps == 5
+    assert max(guard.micro_batch_rows) == 8 and min(guard.micro_batch_rows) < 8
     _assert_same_run(ref, run, tmp_path)
     before = [p for it, k, p in guard.batch_peaks if k == 1]
     after = [p for it, k, p in guard.batch_peaks if k == 4]
@@ -129,9 +129,44 @@ def test_qwen2_guarded_unsplit_and_split_from_start(tmp_path):
     same = _run(tmp_path, "k1", guarded=True, arch="qwen2", guard=MlxGuard(budget_bytes=2**30, monitor_interval_s=0))
     _assert_same_run(ref, same, tmp_path, atol=1e-6)
     k2 = _run(tmp_path, "k2", guarded=True, arch="qwen2",
-              guard=MlxGuard(budget_bytes=2**30, monitor_interval_s=0, split=2))
+              guard=MlxGuard(budget_bytes=2**30, monitor_interval_s=0, micro_batches=2))
     assert k2["guard"].split_history == [(1, 2)]
     _assert_same_run(ref, k2, tmp_path)
+
+
+def test_copied_loop_matches_upstream_train(tmp_path):
+    """``memguard_mlx._mlx_lm_loop`` (the code copied from mlx-lm's ``train()``) driven without any
+    guard, each batch through its two compiled halves of upstream's ``step``, trains exactly like
+    upstream ``mlx_lm.tuner.trainer.train`` of the installed version: same updates, LR sequence,
+    reported losses, tokens, validation, saved adapters and final weights."""
+    import mlx.nn as nn
+
+    from memguard_mlx import _compat
+    from memguard_mlx._mlx_lm_loop import compile_halves, train_loop
+
+    import importlib.metadata
+    assert importlib.metadata.version("mlx-lm") == _compat.UPSTREAM_VERSION  # what the header says it copies
+    ref = _run(tmp_path, "ref", guarded=False)
+
+    np.random.seed(0)
+    model = build_model("llama")
+    init = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+    opt = schedule_optimizer()
+    rec = Recorder()
+    args = _args(tmp_path, "copied")
+    state, grad_step, update_step = compile_halves(model, opt, nn.value_and_grad(model, default_loss),
+                                                   args.grad_accumulation_steps)
+
+    def run_batch(batch, prev_grad, do_update, it):
+        lvalue, toks, grad = grad_step(batch)
+        return lvalue, toks, update_step(grad, None, prev_grad, do_update)
+
+    last = train_loop(model, opt, TokenRows(), TokenRows(16, seed=5), args, default_loss, iterate_batches, rec,
+                      state=state, run_batch=run_batch, world=mx.distributed.init())
+    assert last == args.iters
+    final = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+    run = dict(model=model, opt=opt, rec=rec, init=init, final=final, args=args)
+    _assert_same_run(ref, run, tmp_path, atol=1e-6)
 
 
 def test_allocation_failure_doubles_k_and_redoes_the_batch(tmp_path, monkeypatch):
@@ -158,10 +193,10 @@ def test_allocation_failure_doubles_k_and_redoes_the_batch(tmp_path, monkeypatch
     ks = [k for _, k in guard.split_history]
     print("split history:", guard.split_history)
     # k doubled at each failure (token-balanced chunks may still hold 3 of 8 rows at k=4)
-    assert ks[0] == 1 and ks[1:] == [2 ** i for i in range(1, len(ks))] and guard.alloc_retries == len(ks) - 1
+    assert ks[0] == 1 and ks[1:] == [2 ** i for i in range(1, len(ks))] and guard.oom_retries == len(ks) - 1
     assert {it for it, _ in guard.split_history[1:]} == {3}  # all on the same batch, redone
-    rows_after = guard.chunk_rows[2:]  # batches 1-2 ran unsplit (8 rows each)
-    assert guard.chunk_rows[:2] == [8, 8] and max(rows_after) <= 2
+    rows_after = guard.micro_batch_rows[2:]  # batches 1-2 ran unsplit (8 rows each)
+    assert guard.micro_batch_rows[:2] == [8, 8] and max(rows_after) <= 2
     _assert_same_run(ref, run, tmp_path)
 
 

@@ -67,7 +67,7 @@ def test_sft_trainer_is_guarded_by_add_callback_alone(tmp_path):
     assert split.state.global_step == base.state.global_step == 4
     assert lr_sequence(split) == pytest.approx(lr_sequence(base))
     assert guard.samples_per_step == [16] * 4
-    assert max(guard.forward_rows[4:]) < 8  # the split happened
+    assert max(guard.micro_batch_rows[4:]) < 8  # the split happened
     assert loss_sequence(split) == pytest.approx(loss_sequence(base), rel=1e-3)
 
 
@@ -82,7 +82,7 @@ def test_sft_trainer_split_parameters_equal_unsplit(tmp_path):
     memguard), while the gradients of the embedding, the RMSNorm weights and TRL's fused LM head
     (fp32 accumulation) still agree to 1e-7 (relative)."""
     base, guard, split = _runs(tmp_path, bf16=False)
-    assert max(guard.forward_rows[4:]) < 8  # the split happened
+    assert max(guard.micro_batch_rows[4:]) < 8  # the split happened
     pb, ps = params(base), params(split)
     worst = max((pb[n] - ps[n]).abs().max().item() for n in pb)
     assert worst < 2e-6, worst

@@ -27,7 +27,7 @@ but skipping would change which rows a forward sees and the mean's denominator b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 IGNORE_INDEX = -100
 _FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -282,10 +282,11 @@ def empty_torch_cache() -> None:
 
 
 def split_after_oom(monitor: Any, exc: BaseException, k: int, units_left: int, step: Optional[int],
-                    log: Any) -> int:
+                    log: Any, free: Callable[[], None] = empty_torch_cache) -> int:
     """After an out-of-memory forward on a chunk of a k-way split: ask ``monitor`` for a doubled k
     (at most ``units_left``, the rows or sequences not yet processed), free what the failed forward
-    left and return the k to redo those units with (the monitor's, if it is larger).
+    left (``free``: default :func:`empty_torch_cache`; MLX passes its own) and return the k to redo
+    those units with (the monitor's, if it is larger).
 
     Raises:
         ``exc`` itself: when a single unit already failed (``units_left <= 1`` or ``k >=
@@ -297,6 +298,6 @@ def split_after_oom(monitor: Any, exc: BaseException, k: int, units_left: int, s
     new_k = min(max(2, k * 2), units_left)
     monitor.request_split(new_k, f"out of memory in a forward ({type(exc).__name__}); redoing the "
                           f"{units_left} rows not yet processed in smaller chunks", step)
-    empty_torch_cache()
+    free()
     return max(new_k, monitor.split)
 

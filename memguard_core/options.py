@@ -1,34 +1,79 @@
-"""The options every adapter's guard takes (HF and Lightning ``MemGuardCallback``, ``MlxGuard``),
-validated once, here, with errors that name the field.
+"""The options every adapter takes (HF and Lightning ``MemGuardCallback``, ``MlxGuard``), with the
+same names in all three, validated once, here, with errors that name the field. The adapters hand
+the result to :class:`memguard_core.guard.Guard`; see docs/lifecycle.md.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
-from typing import Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Tuple
 
+from ._deprecation import warn_renamed
 from .errors import ConfigError, require_fraction
-from .monitor import Thresholds
+from .monitor import GrowPolicy, Thresholds
 
 #: What a preflight may change in place.
 APPLY_CHOICES = ("grad_checkpoint", "micro_batch")
 #: How chunk losses are weighted.
 LOSS_WEIGHTINGS = ("auto", "tokens", "rows")
+#: The environment variable with the starting number of micro-batches per batch (``memguard run``
+#: sets it after an out-of-memory kill); :data:`OLD_MICRO_BATCHES_ENV` is its deprecated name.
+MICRO_BATCHES_ENV = "MEMGUARD_MICRO_BATCHES"
+OLD_MICRO_BATCHES_ENV = "MEMGUARD_SPLIT"
 _DEVICE = re.compile(r"auto|cpu|mlx|cuda(:\d+)?")
-#: Fields of ``GuardOptions`` that an adapter (HF and Lightning ``MemGuardCallback``, ``MlxGuard``)
-#: keeps under another public name: the monitor's ``split`` is the live one, and ``preflight``
-#: holds the preflight's result there. Every other field keeps its own name.
-ADAPTER_NAMES = {"split": "initial_split", "preflight": "do_preflight"}
+
+
+def _positive_int(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def micro_batches_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The starting micro-batches per batch from the environment (``MEMGUARD_MICRO_BATCHES``, else
+    the deprecated ``MEMGUARD_SPLIT`` with a ``DeprecationWarning``); None when neither is set.
+
+    Raises:
+        ConfigError: the value is not an integer >= 1 (the error names the variable).
+    """
+    env = os.environ if env is None else env
+    name = MICRO_BATCHES_ENV
+    raw = env.get(name)
+    if not raw and env.get(OLD_MICRO_BATCHES_ENV):
+        name, raw = OLD_MICRO_BATCHES_ENV, env[OLD_MICRO_BATCHES_ENV]
+        warn_renamed(OLD_MICRO_BATCHES_ENV, MICRO_BATCHES_ENV, stacklevel=4)
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(name, "an integer >= 1", raw) from None
+    if value < 1:
+        raise ConfigError(name, "an integer >= 1", raw)
+    return value
 
 
 @dataclass(frozen=True)
 class GuardOptions:
-    """Validated guard options (see the adapters' docstrings for their meaning).
+    """Validated guard options, shared by the three adapters.
 
-    ``split`` falls back to the ``MEMGUARD_SPLIT`` environment variable (set by ``memguard run``
-    after an out-of-memory kill), then to 1.
+    Attributes:
+        budget_bytes: memory the training process may use (bytes); None: (memory the process holds
+            + memory available) x ``safety_ratio`` at train start, container-aware.
+        safety_ratio: fraction of the available memory that the default budget takes (0 < r <= 1).
+        thresholds: the monitor's levels (``memguard_core.monitor.Thresholds``).
+        seq_length: tokens per row for the preflight (None: read from the run).
+        apply: what the preflight may change in place (``grad_checkpoint``, ``micro_batch``).
+        fail_fast: raise ``DoesNotFitError`` at train start when the plan needs a change that cannot
+            be applied in place or nothing fits (and re-raise a preflight that cannot read the run).
+        loss_weighting: ``auto`` | ``tokens`` | ``rows`` (the torch adapters' chunk loss weights).
+        micro_batches: micro-batches each batch is cut into at the start (>= 1; the guard raises it
+            under pressure). Falls back to ``MEMGUARD_MICRO_BATCHES`` in the environment, then 1.
+        monitor_interval_s: background sampling period in seconds (0: no thread).
+        device: which memory to probe (``auto`` | ``cpu`` | ``cuda`` | ``cuda:<i>`` | ``mlx``).
+        preflight: estimate and plan at train start.
+        grow: when the number of micro-batches may halve again after pressure has gone
+            (``memguard_core.monitor.GrowPolicy``; None: never).
     """
 
     budget_bytes: Optional[int] = None
@@ -38,30 +83,39 @@ class GuardOptions:
     apply: Tuple[str, ...] = APPLY_CHOICES
     fail_fast: bool = False
     loss_weighting: str = "auto"
-    split: int = 1
+    micro_batches: int = 1
     monitor_interval_s: float = 0.5
     device: str = "auto"
     preflight: bool = True
+    grow: Optional[GrowPolicy] = GrowPolicy()
 
     @classmethod
     def from_kwargs(cls, *, budget_bytes: Optional[int] = None, safety_ratio: float = 0.8,
                     thresholds: Optional[Thresholds] = None, seq_length: Optional[int] = None,
                     apply: Sequence[str] = APPLY_CHOICES, fail_fast: bool = False, loss_weighting: str = "auto",
-                    split: Optional[int] = None, monitor_interval_s: float = 0.5, device: str = "auto",
-                    preflight: bool = True) -> "GuardOptions":
-        """Validate and normalise.
+                    micro_batches: Optional[int] = None, monitor_interval_s: float = 0.5, device: str = "auto",
+                    preflight: bool = True, grow: Optional[GrowPolicy] = GrowPolicy(),
+                    split: Optional[int] = None) -> "GuardOptions":
+        """Validate and normalise. ``split`` is the deprecated name of ``micro_batches``
+        (``DeprecationWarning``).
 
         Raises:
-            ConfigError: naming the first bad field (``MEMGUARD_SPLIT`` for a bad environment value).
+            ConfigError: naming the first bad field (``MEMGUARD_MICRO_BATCHES`` / ``MEMGUARD_SPLIT``
+                for a bad environment value).
         """
-        if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
-                                         or budget_bytes <= 0):
+        if split is not None:
+            warn_renamed("split", "micro_batches")
+            if micro_batches is not None:
+                raise ConfigError("split", "not given together with micro_batches (its new name)", split)
+            if not _positive_int(split):
+                raise ConfigError("split", "an integer >= 1", split)
+            micro_batches = split
+        if budget_bytes is not None and not _positive_int(budget_bytes):
             raise ConfigError("budget_bytes", "a positive integer number of bytes or None", budget_bytes)
         ratio = require_fraction("safety_ratio", safety_ratio)
         if thresholds is not None and not isinstance(thresholds, Thresholds):
             raise ConfigError("thresholds", "a memguard_core.monitor.Thresholds", thresholds)
-        if seq_length is not None and (isinstance(seq_length, bool) or not isinstance(seq_length, int)
-                                       or seq_length < 1):
+        if seq_length is not None and not _positive_int(seq_length):
             raise ConfigError("seq_length", "an integer >= 1", seq_length)
         if isinstance(apply, str):
             apply = (apply,)
@@ -69,16 +123,10 @@ class GuardOptions:
             raise ConfigError("apply", f"a subset of {APPLY_CHOICES}", list(apply))
         if loss_weighting not in LOSS_WEIGHTINGS:
             raise ConfigError("loss_weighting", "'auto', 'tokens' or 'rows'", loss_weighting)
-        env_split = os.environ.get("MEMGUARD_SPLIT")
-        if split is None and env_split:
-            try:
-                split = int(env_split)
-            except ValueError:
-                raise ConfigError("MEMGUARD_SPLIT", "an integer >= 1", env_split) from None
-            if split < 1:
-                raise ConfigError("MEMGUARD_SPLIT", "an integer >= 1", env_split)
-        if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
-            raise ConfigError("split", "an integer >= 1", split)
+        if micro_batches is None:
+            micro_batches = micro_batches_from_env()
+        elif not _positive_int(micro_batches):
+            raise ConfigError("micro_batches", "an integer >= 1", micro_batches)
         if isinstance(monitor_interval_s, bool) or not isinstance(monitor_interval_s, (int, float)) \
                 or monitor_interval_s < 0:
             raise ConfigError("monitor_interval_s", "a number of seconds >= 0", monitor_interval_s)
@@ -87,24 +135,9 @@ class GuardOptions:
         for name, flag in (("fail_fast", fail_fast), ("preflight", preflight)):
             if not isinstance(flag, bool):
                 raise ConfigError(name, "True or False", flag)
+        if grow is not None and not isinstance(grow, GrowPolicy):
+            raise ConfigError("grow", "a memguard_core.monitor.GrowPolicy, or None", grow)
         return cls(budget_bytes=budget_bytes, safety_ratio=ratio, thresholds=thresholds or Thresholds(),
                    seq_length=seq_length, apply=tuple(apply), fail_fast=fail_fast, loss_weighting=loss_weighting,
-                   split=split or 1, monitor_interval_s=float(monitor_interval_s), device=device,
-                   preflight=preflight)
-
-    def set_on(self, adapter: object, skip: Sequence[str] = ()) -> None:
-        """Set every option on ``adapter`` under its public name (``ADAPTER_NAMES``), except
-        the fields named in ``skip`` (options the adapter does not have, e.g. ``MlxGuard`` has no
-        ``loss_weighting`` nor ``device``). The adapters' ``__init__`` call this once, after
-        ``from_kwargs``.
-
-        Raises:
-            ConfigError: ``skip`` names something that is not a field.
-        """
-        names = [f.name for f in fields(self)]
-        for name in skip:
-            if name not in names:
-                raise ConfigError("skip", f"field names among {tuple(names)}", name)
-        for name in names:
-            if name not in skip:
-                setattr(adapter, ADAPTER_NAMES.get(name, name), getattr(self, name))
+                   micro_batches=micro_batches or 1, monitor_interval_s=float(monitor_interval_s), device=device,
+                   preflight=preflight, grow=grow)

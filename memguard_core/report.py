@@ -1,5 +1,4 @@
-"""Readable tables (rich) for estimates, plans and probes; the summary the torch adapters
-(HF and Lightning ``MemGuardCallback``) make at the end of a run; and the parts the
+"""Readable tables (rich) for estimates, plans and probes, and the parts the
 ``memguard demo`` runs (HF ``Trainer``, Lightning, mlx_lm) share: the shipped text as byte-token
 rows, the budget choice, the co-tenant squeeze and the result table. No framework import here:
 the callers pass in what they measured.
@@ -7,9 +6,8 @@ the callers pass in what they measured.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 from rich.console import Console
 from rich.table import Table
@@ -130,44 +128,6 @@ def probe_table(snap) -> Table:
 
 def print_probe(snap) -> None:
     console().print(probe_table(snap))
-
-
-def finish_guarded_run(guard, optimizer_steps: int, log: logging.Logger, **extra: Any) -> Optional[Dict[str, Any]]:
-    """End a torch adapter's run (HF and Lightning ``MemGuardCallback``, passed as ``guard``): stop
-    its monitor, take the final sample (the last micro-batch's peak included), log the run's
-    summary on ``log`` and record the preflight's estimate against the measured peak
-    (``memguard_core.calibration.record_preflight``; logs, never raises; a run with OOM retries
-    passes no split, one the guard split further than planned is not recorded).
-
-    Returns the summary, or None when no monitor ran: ``split`` (final k), ``max_usage`` (fraction
-    of the budget), ``budget_bytes``, ``measured_peak_bytes`` (the adapter's counter),
-    ``estimated_peak_bytes`` (the planned settings; None without a preflight),
-    ``requested_peak_bytes``, ``optimizer_steps``, ``samples_per_step`` (the distinct values),
-    ``oom_retries``, ``events`` (how many), then ``extra``.
-    """
-    from .calibration import record_preflight
-
-    mon, pf = guard.monitor, guard.preflight
-    if mon is None:
-        return None
-    mon.stop()
-    measured = mon.final_sample()
-    summary = {
-        "split": mon.split,
-        "max_usage": round(mon.max_usage, 4),
-        "budget_bytes": mon.budget_bytes,
-        "measured_peak_bytes": measured,
-        "estimated_peak_bytes": pf.best_peak_bytes if pf else None,
-        "requested_peak_bytes": pf.estimate.peak_bytes if pf else None,
-        "optimizer_steps": optimizer_steps,
-        "samples_per_step": sorted(set(guard.samples_per_step)),
-        "oom_retries": guard.oom_retries,
-        "events": len(guard.events),
-        **extra,
-    }
-    log.info("memguard summary: %s", summary)
-    record_preflight(pf, measured, split=None if guard.oom_retries else mon.split)
-    return summary
 
 
 # ---------------------------------------------------------------------------------- the demos

@@ -2,13 +2,11 @@
 
 What it does:
 
-* **Preflight** at ``on_train_begin``: builds the ``ModelSpec`` from ``trainer.model`` (PEFT and
-  4-bit aware) and the ``TrainSpec`` from ``trainer.args`` and the data, estimates the peak,
-  compares it with the budget (available memory x ``safety_ratio``) and plans. What can be applied
-  in place is applied (activation checkpointing via ``model.activation_checkpointing_enable`` /
-  ``gradient_checkpointing_enable``, and the micro-batch split); what cannot (sequence length, LoRA
-  rank / layers) is reported with the exact change to make, or raises ``DoesNotFitError`` at once
-  with ``fail_fast=True``.
+* **Lifecycle** (``memguard_core.guard.Guard``, docs/lifecycle.md): at ``on_train_begin`` the
+  preflight reads the ``ModelSpec`` / ``TrainSpec`` from ``trainer.model`` and ``trainer.args``
+  (``memguard_hf.preflight``), the guard plans against the budget, applies what can be applied in
+  place (activation checkpointing, the micro-batches per batch), reports the rest and starts the
+  monitor; at ``on_train_end`` it writes the run summary.
 * **Virtual micro-batches**: ``trainer.training_step`` is wrapped on the instance. When the split
   factor k > 1, each batch that reaches it is cut into k chunks (``memguard_hf.microbatch``); each
   chunk runs forward+backward through the Trainer's own ``training_step`` (so subclasses such as
@@ -17,12 +15,12 @@ What it does:
   step counters are untouched, so samples per optimizer step, LR schedule and step count stay.
   Non-final chunks run under ``accelerator.no_sync`` (no DDP all-reduce), except under FSDP where
   ``no_sync`` would keep unsharded gradients and cost the memory being saved.
-* **Runtime guard**: a ``MemoryMonitor`` samples at each micro-batch (cheap counters) and in a
-  background thread; it cleans caches and doubles k under pressure.
+* **Runtime guard**: the guard's ``MemoryMonitor`` samples at each micro-batch (cheap counters) and
+  in a background thread; it cleans caches and doubles k under pressure.
 * **OOM catch and retry**: an out-of-memory error raised in a chunk's *forward* (CUDA
   ``torch.OutOfMemoryError``, or the CPU allocator's "can't allocate memory", as
   ``accelerate.utils.memory.should_reduce_batch_size`` recognises them) frees memory, doubles k and
-  redoes the rows not yet processed; earlier chunks' gradients are already correctly weighted for
+  redoes the rows not yet processed (``Guard.after_oom``); earlier chunks' gradients are already correctly weighted for
   the whole batch, so nothing is counted twice and the run never restarts. An OOM raised during
   *backward* has already added part of a chunk's gradient and cannot be undone: it is re-raised.
 * **Ranks agree**: under ``torch.distributed`` the k of each micro-batch is all-reduced (MAX) so
@@ -35,8 +33,7 @@ called from a ``Trainer`` method, so the callback walks up the call stack to the
 subclasses (TRL, Unsloth). The explicit form ``MemGuardCallback.attach(trainer)`` needs no
 stack walk.
 
-Environment: ``MEMGUARD_SPLIT=<k>`` sets the starting split factor (the ``memguard run``
-supervisor passes a doubled one after an OOM kill).
+Transformers-private names are in ``memguard_hf._compat``.
 """
 
 from __future__ import annotations
@@ -44,24 +41,23 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from transformers import TrainerCallback
 
-from memguard_core.distributed import agree_max
-from memguard_core.errors import ConfigError, DoesNotFitError
-from memguard_core.monitor import GrowPolicy, MemoryEvent, MemoryMonitor, Thresholds
-from memguard_core.options import APPLY_CHOICES as _APPLY_CHOICES
-from memguard_core.options import GuardOptions
-from memguard_core.report import finish_guarded_run
-
 from memguard_core import microbatch
-from .preflight import Preflight, run_preflight
+from memguard_core import torch_train as tt
+from memguard_core._deprecation import renamed_attribute
+from memguard_core.guard import Guard
+from memguard_core.monitor import GrowPolicy, MemoryEvent, MemoryMonitor, Thresholds
+from memguard_core.options import APPLY_CHOICES, GuardOptions
+from memguard_core.preflight import Preflight
+
+from . import _compat
+from .preflight import read_specs
 
 logger = logging.getLogger("memguard.hf")
-
 
 
 def is_oom_error(exc: BaseException) -> bool:
@@ -95,46 +91,58 @@ class MemGuardCallback(TrainerCallback):
             cannot be applied in place (sequence length, LoRA rank/layers) or nothing fits.
         loss_weighting: ``auto`` (token share when the loss is a token mean, else none needed),
             ``tokens`` or ``rows`` (per-sample mean losses).
-        split: starting split factor k (>= 1); also ``MEMGUARD_SPLIT`` in the environment.
+        micro_batches: micro-batches each batch is cut into from the start (>= 1); default
+            ``MEMGUARD_MICRO_BATCHES`` in the environment (``memguard run`` sets it after an OOM
+            kill), else 1. ``split`` is its deprecated name.
         monitor_interval_s: background sampling period (0 disables the thread).
         device: which memory to probe (``auto`` | ``cpu`` | ``cuda``).
         preflight: run the preflight at train start (default True).
+        grow: when the micro-batches per batch may halve again after pressure has gone
+            (``memguard_core.monitor.GrowPolicy``; ``None``: never). Also settable as
+            ``callback.grow`` before ``train()``.
+
+    Attributes (the guard's, see ``memguard_core.guard.Guard``): ``guard``, ``monitor``,
+    ``preflight``, ``events``, ``micro_batch_rows``, ``samples_per_step``, ``oom_retries``,
+    ``split_disabled_reason``, ``summary``, ``budget_bytes``.
 
     Raises:
         ConfigError: invalid arguments.
     """
 
-    #: when the split k may halve again after pressure has gone
-    #: (``memguard_core.monitor.GrowPolicy``; ``None``: never). Set on the instance before
-    #: ``train()`` to change it, e.g. ``guard.grow = GrowPolicy(steps=4, seconds=0)``.
-    grow: Optional[GrowPolicy] = GrowPolicy()
-    _rows_resolved = 0
-
     def __init__(self, *, budget_bytes: Optional[int] = None, safety_ratio: float = 0.8,
                  thresholds: Optional[Thresholds] = None, seq_length: Optional[int] = None,
-                 apply: Sequence[str] = _APPLY_CHOICES, fail_fast: bool = False,
-                 loss_weighting: str = "auto", split: Optional[int] = None,
-                 monitor_interval_s: float = 0.5, device: str = "auto", preflight: bool = True):
-        opts = GuardOptions.from_kwargs(
+                 apply: Sequence[str] = APPLY_CHOICES, fail_fast: bool = False,
+                 loss_weighting: str = "auto", micro_batches: Optional[int] = None,
+                 monitor_interval_s: float = 0.5, device: str = "auto", preflight: bool = True,
+                 grow: Optional[GrowPolicy] = GrowPolicy(), split: Optional[int] = None):
+        options = GuardOptions.from_kwargs(
             budget_bytes=budget_bytes, safety_ratio=safety_ratio, thresholds=thresholds, seq_length=seq_length,
-            apply=apply, fail_fast=fail_fast, loss_weighting=loss_weighting, split=split,
-            monitor_interval_s=monitor_interval_s, device=device, preflight=preflight)
-        opts.set_on(self)  # budget_bytes, ..., initial_split, do_preflight
-
+            apply=apply, fail_fast=fail_fast, loss_weighting=loss_weighting, micro_batches=micro_batches,
+            monitor_interval_s=monitor_interval_s, device=device, preflight=preflight, grow=grow, split=split)
+        _compat.check_version()
+        self.guard = Guard(options, log=logger, on_event=self.on_event_log)
+        self.options = options
         self.trainer = None
-        self.monitor: Optional[MemoryMonitor] = None
-        self.preflight: Optional[Preflight] = None
-        self.events: List[Dict[str, Any]] = []
-        self.forward_rows: List[int] = []  # rows of every forward that ran (for reports/tests)
-        self.oom_retries = 0
         self._orig_training_step = None
         self._orig_compute_loss = None
         self._loss_scale = 1.0
-        self._pending_logs: Dict[str, Any] = {}
-        self.samples_per_step: List[int] = []
         self._rows_this_step = 0
-        self._disabled_split_reason: Optional[str] = None
-        self.start_time: Optional[float] = None
+        self._rows_resolved = 0
+        self._oom_in_forward = False
+
+    # the guard's state, read where a user of the callback looks for it
+    monitor: Optional[MemoryMonitor] = property(lambda self: self.guard.monitor)
+    preflight: Optional[Preflight] = property(lambda self: self.guard.preflight)
+    events: List[Dict[str, Any]] = property(lambda self: self.guard.events)
+    micro_batch_rows: List[int] = property(lambda self: self.guard.micro_batch_rows)
+    samples_per_step: List[int] = property(lambda self: self.guard.samples_per_step)
+    oom_retries: int = property(lambda self: self.guard.oom_retries)
+    split_disabled_reason: Optional[str] = property(lambda self: self.guard.split_disabled_reason)
+    summary: Optional[Dict[str, Any]] = property(lambda self: self.guard.summary)
+    budget_bytes: Optional[int] = property(lambda self: self.guard.budget_bytes)
+    grow = property(lambda self: self.guard.grow, lambda self, value: setattr(self.guard, "grow", value),
+                    doc="The monitor's ``GrowPolicy`` (None: never grow back); set it before ``train()``.")
+    forward_rows = renamed_attribute("forward_rows", "guard.micro_batch_rows")
 
     # ------------------------------------------------------------------ attaching to the trainer
     @classmethod
@@ -157,23 +165,21 @@ class MemGuardCallback(TrainerCallback):
         if self.trainer is trainer:
             return
         self.trainer = trainer
-        handler = trainer.callback_handler
-        if self in handler.callbacks:
-            handler.callbacks.remove(self)
-            handler.callbacks.insert(0, self)
+        _compat.move_callback_first(trainer, self)
         self._orig_training_step = trainer.training_step
         self._orig_compute_loss = trainer.compute_loss
         trainer.training_step = self._guarded_training_step
         trainer.compute_loss = self._weighted_compute_loss
-        accel = getattr(trainer, "accelerator", None)
-        dist_type = str(getattr(accel, "distributed_type", ""))
-        if "DEEPSPEED" in dist_type:
-            self._disabled_split_reason = (
+        if "DEEPSPEED" in self._distributed_type():
+            self.guard.split_disabled_reason = (
                 "DeepSpeed counts micro-steps inside its engine; extra backward calls would break its "
                 "gradient accumulation. Use memguard's preflight plan (per_device_train_batch_size / "
                 "gradient_accumulation_steps) instead.")
             logger.warning("memguard: in-place micro-batching disabled under DeepSpeed: %s",
-                           self._disabled_split_reason)
+                           self.guard.split_disabled_reason)
+
+    def _distributed_type(self) -> str:
+        return str(getattr(getattr(self.trainer, "accelerator", None), "distributed_type", ""))
 
     def _find_trainer(self):
         frame = inspect.currentframe()
@@ -205,57 +211,13 @@ class MemGuardCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if not self._ensure_bound():
             return
-        self.start_time = time.time()
-        trainer = self.trainer
-        split = self.initial_split
-        budget = self.budget_bytes
-        if self.do_preflight:
-            try:
-                self.preflight = run_preflight(trainer, budget_bytes=budget, safety_ratio=self.safety_ratio,
-                                               seq_length=self.seq_length, apply=self.apply,
-                                               device=self.device, plan_fraction=self.thresholds.warning)
-            except DoesNotFitError as exc:
-                if self.fail_fast:
-                    raise
-                # the closest the in-place steps get: one-row chunks, checkpointing on
-                split = args.per_device_train_batch_size if "micro_batch" in self.apply else split
-                if "grad_checkpoint" in self.apply:
-                    try:
-                        from .preflight import enable_activation_checkpointing
-                        enable_activation_checkpointing(trainer.model)
-                    except Exception:
-                        logger.warning("memguard: could not enable activation checkpointing", exc_info=True)
-                logger.error("memguard preflight: nothing fits the budget (%s). Training continues with "
-                             "split k=%d and activation checkpointing, the runtime guard watching.", exc, split)
-                self.preflight = None
-            except ConfigError:
-                raise
-            except Exception:
-                logger.warning("memguard preflight failed; the runtime guard still runs", exc_info=True)
-                self.preflight = None
-        pf = self.preflight
-        if pf is not None:
-            budget = pf.budget_bytes
-            split = max(split, pf.split_factor)
-            for line in pf.report_lines():
-                logger.info("%s", line)
-            if pf.not_applied and self.fail_fast:
-                raise DoesNotFitError(pf.shortfall_bytes, pf.budget_bytes, pf.best_peak_bytes,
-                                      [c.reason for c in pf.not_applied])
-        if budget is None:
-            from memguard_core.probes import probe
-            snap = probe(self.device)
-            budget = int((snap.process_bytes + snap.available_bytes) * self.safety_ratio)
-        rows = args.per_device_train_batch_size
-        self.monitor = MemoryMonitor(budget, device=self.device, safety_ratio=self.safety_ratio,
-                                     thresholds=self.thresholds, interval_s=self.monitor_interval_s,
-                                     split=min(split, rows), max_split=rows, on_event=self._on_event,
-                                     grow=self.grow)
-        if split > 1:
-            logger.info("memguard: micro-batch split k=%d (micro-batch %d rows -> %d-row chunks; "
-                        "effective batch unchanged)", min(split, rows), rows, -(-rows // min(split, rows)))
-        self.monitor.prime()
-        self.monitor.start()
+        trainer, opts = self.trainer, self.options
+        can_checkpoint = tt.checkpoint_target(trainer.model) is not None
+        self.guard.start(rows=args.per_device_train_batch_size,
+                         read_specs=lambda: read_specs(trainer, seq_length=opts.seq_length, device=opts.device),
+                         enable_checkpointing=(lambda: tt.enable_activation_checkpointing(trainer.model))
+                         if can_checkpoint else None,
+                         plan_hint=": set per_device_train_batch_size and gradient_accumulation_steps so")
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._rows_this_step = 0
@@ -263,8 +225,8 @@ class MemGuardCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         # packed batches on an accelerator were counted on the device (no sync per micro-batch):
         # resolved here, once per optimizer step
-        self.samples_per_step.append(int(self._rows_this_step))
-        fr = self.forward_rows
+        self.guard.samples_per_step.append(int(self._rows_this_step))
+        fr = self.guard.micro_batch_rows
         for i in range(self._rows_resolved, len(fr)):
             if not isinstance(fr[i], int):
                 fr[i] = int(fr[i])
@@ -279,16 +241,11 @@ class MemGuardCallback(TrainerCallback):
         logs["memguard_usage"] = round(mon.max_usage, 3)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.monitor is not None:
-            self.summary = finish_guarded_run(self, state.global_step, logger)
+        self.guard.finish(state.global_step)
 
     def on_event_log(self, event: MemoryEvent) -> None:  # pragma: no cover - override hook
-        pass
-
-    def _on_event(self, event: MemoryEvent) -> None:
-        d = event.to_dict()
-        self.events.append(d)
-        self.on_event_log(event)
+        """Called with every ``MemoryEvent`` (possibly on the monitor's thread); override to forward
+        events elsewhere. They are already in ``events``."""
 
     # ------------------------------------------------------------------ the guarded step
     def _weighted_compute_loss(self, model, inputs, *args, **kwargs):
@@ -304,10 +261,6 @@ class MemGuardCallback(TrainerCallback):
             return (out[0] * scale,) + tuple(out[1:])
         return out * scale
 
-    def _agreed_split(self, k: int) -> int:
-        """The MAX of k over ranks, on a gloo side group (no device sync under NCCL)."""
-        return agree_max(k)
-
     def _loss_is_token_normalised(self, num_items_in_batch) -> bool:
         t = self.trainer
         scaled = getattr(t, "loss_is_scaled_for_ga", None)
@@ -321,22 +274,13 @@ class MemGuardCallback(TrainerCallback):
             return self._guarded_training_step_inner(model, inputs, num_items_in_batch, *args, **kwargs)
         except BaseException:
             # the run is leaving train() without on_train_end: stop the monitor thread with it
-            if self.monitor is not None:
-                self.monitor.stop()
+            self.guard.stop()
             raise
 
     def _guarded_training_step_inner(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
-        mon = self.monitor
-        if mon is None or self._disabled_split_reason is not None:
+        if self.guard.monitor is None or self.guard.split_disabled_reason is not None:
             return self._orig_training_step(model, inputs, num_items_in_batch, *args, **kwargs)
-        mon.step_sample(self.trainer.state.global_step)
-        k = mon.split
-        try:
-            k = self._agreed_split(k)
-        except Exception:
-            logger.warning("memguard: split all-reduce failed; using the local k", exc_info=True)
-        if k != mon.split:
-            mon.request_split(k, "another rank asked for it", self.trainer.state.global_step)
+        k = self.guard.micro_batches_for_step(self.trainer.state.global_step)
         token_norm = self._loss_is_token_normalised(num_items_in_batch)
         if k <= 1:
             try:
@@ -345,8 +289,8 @@ class MemGuardCallback(TrainerCallback):
                 if not (is_oom_error(exc) and self._oom_in_forward):
                     raise
                 k = self._after_oom(exc, 1, microbatch.batch_rows(inputs))
-        weighting = "rows" if self.loss_weighting == "rows" else "tokens"
-        shift = bool(getattr(self.trainer, "_loss_shifts_labels", True))
+        weighting = "rows" if self.options.loss_weighting == "rows" else "tokens"
+        shift = _compat.loss_shifts_labels(self.trainer)
         try:
             splitter = microbatch.BatchSplitter(inputs, weighting=weighting, shift_labels=shift)
         except ValueError:
@@ -372,21 +316,16 @@ class MemGuardCallback(TrainerCallback):
 
     def _after_oom(self, exc: BaseException, k: int, units_left: int) -> int:
         """Free memory after a forward OOM and return the doubled split; re-raise if none helps."""
-        accel = getattr(self.trainer, "accelerator", None)
-        if "FSDP" in str(getattr(accel, "distributed_type", "")):
+        if "FSDP" in self._distributed_type():
             # every FSDP forward all-gathers parameters: a retry on one rank alone would hang the others
             logger.error("memguard: out of memory under FSDP; an in-place retry on one rank would "
                          "desynchronise the all-gathers, so it is re-raised (%s)", exc)
             raise exc
-        k_new = microbatch.split_after_oom(self.monitor, exc, k, units_left, self.trainer.state.global_step, logger)
-        self.oom_retries += 1
-        return k_new
-
-    _oom_in_forward = False
+        return self.guard.after_oom(exc, k, units_left, self.trainer.state.global_step)
 
     def _run_chunk(self, model, inputs, num_items_in_batch, weight, last, args, kwargs):
         rows = self._rows_of(inputs)
-        self.forward_rows.append(rows)
+        self.guard.micro_batch_rows.append(rows)
         self._loss_scale = weight
         self._oom_in_forward = False
         ctx = contextlib.nullcontext()
@@ -402,9 +341,7 @@ class MemGuardCallback(TrainerCallback):
 
     def _no_sync(self, model):
         accel = getattr(self.trainer, "accelerator", None)
-        if accel is None:
-            return contextlib.nullcontext()
-        if "FSDP" in str(getattr(accel, "distributed_type", "")):
+        if accel is None or "FSDP" in self._distributed_type():
             return contextlib.nullcontext()  # no_sync keeps unsharded grads under FSDP
         return accel.no_sync(model)
 

@@ -121,7 +121,7 @@ def outcome(guard, args, steps_done: int) -> Tuple[bool, List[Tuple[str, str]]]:
     rows = [("optimizer steps (requested / done)", f"{args.steps} / {steps_done}"),
             ("samples per optimizer step", ", ".join(str(n) for n in guard.samples_per_step)),
             ("effective batch kept", yes_no(kept)),
-            ("rows per forward seen", ", ".join(str(r) for r in sorted(set(guard.forward_rows)))),
+            ("rows per forward seen", ", ".join(str(r) for r in sorted(set(guard.micro_batch_rows)))),
             ("final split k", str((guard.summary or {}).get("split"))),
             ("runtime decisions", str(len(guard.events)))]
     return kept, rows

@@ -154,13 +154,13 @@ def run_demo(args) -> int:
     updates = int(opt.state["step"])
     expected_lr = [float(sched(mx.array(i))) for i in range(args.steps)]  # lr used at update i+1 (mlx: scheduler(step) before step += 1)
     lr_ok = np.allclose(guard.learning_rates, expected_lr, rtol=1e-6, atol=1e-12)
-    rows_per_update = sum(guard.chunk_rows) / max(1, updates)
+    rows_per_update = sum(guard.micro_batch_rows) / max(1, updates)
     kept = updates == args.steps and lr_ok and rows_per_update == args.batch_size * args.grad_accum
     rows = [("optimizer updates (requested / done)", f"{args.steps} / {updates}"),
             ("LR schedule followed", yes_no(lr_ok)),
             ("rows per optimizer update", f"{rows_per_update:g}"),
             ("effective batch kept", yes_no(kept)),
-            ("rows per forward seen", ", ".join(str(r) for r in sorted(set(guard.chunk_rows)))),
+            ("rows per forward seen", ", ".join(str(r) for r in sorted(set(guard.micro_batch_rows)))),
             ("split k by iteration", ", ".join(f"it {it}: k={k}" for it, k in guard.split_history)),
             ("runtime decisions", str(len(guard.events))),
             ("MLX limits set", ", ".join(f"{k}={mib(v)}" for k, v in guard.limits.items()) or "-"),

@@ -10,20 +10,13 @@ adapter files), plus keyword-only guard options (see :class:`MlxGuard`). It retu
 :class:`MlxGuard` holding what happened (mlx_lm's returns None; callers that ignore the value are
 unaffected).
 
-Why an own loop that tracks mlx_lm's, and not a wrapper around it
------------------------------------------------------------------
-mlx_lm compiles its ``step(batch, prev_grad, do_update)`` once inside ``train`` with
-``grad_accumulation_steps`` captured in the closure, and drives everything -- when the optimizer
-updates (``it % grad_accum_steps == 0``), evaluation, reports (``steps_per_report``) and adapter saves
-(``steps_per_save``) -- from one counter ``it`` that counts *batches from iterate_batches*. The only
-ways into it from outside are ``iterate_batches`` and ``loss``. Cutting batches by wrapping
-``iterate_batches`` would make ``it`` count chunks: with k chunks per batch the run would stop after
-``iters / k`` real batches, update the optimizer every ``grad_accum_steps`` *chunks*, average the
-gradient over the wrong count, and report / save at other points -- and ``range(1, iters + 1)`` and
-the compiled ``grad_accum_steps`` are fixed when ``train`` starts, so k could not change mid-run.
-So this module keeps mlx_lm's loop line for line (same counters, same conditions, same report
-dicts, same ``TrainUI``, mlx_lm's own ``evaluate``, ``grad_checkpoint``, ``iterate_batches`` and
-``default_loss``) and changes only what happens to one batch:
+How
+---
+The loop is mlx_lm's own, copied line for line in ``memguard_mlx._mlx_lm_loop`` (why a copy: see
+there), with the same counters, conditions, report dicts, ``TrainUI``, mlx_lm's ``evaluate``,
+``grad_checkpoint``, ``iterate_batches`` and ``default_loss``. This module changes only what
+happens to one batch, and runs the guard's lifecycle (``memguard_core.guard.Guard``,
+docs/lifecycle.md) around the loop:
 
 * k == 1: ``grad_step`` computes the batch's ``(loss, ntoks), grad`` exactly as mlx_lm's ``step``
   does; ``update_step`` adds the previous accumulated gradient and, on update iterations, averages
@@ -53,8 +46,8 @@ Under ``mx.distributed`` no rank agreement on k is needed: chunks run no collect
 averaged across ranks only in ``update_step``, which every rank reaches once per update as before.
 
 Allocation failures: an MLX allocation error (:func:`memguard_mlx.memory.is_allocation_error`) while
-a batch's gradient is computed frees the cache, doubles k and redoes the whole batch from the
-previous accumulated gradient (nothing of the failed attempt is kept). On MLX's Linux CPU backend a
+a batch's gradient is computed frees the cache, doubles k (``Guard.after_oom``) and redoes the whole
+batch from the previous accumulated gradient (nothing of the failed attempt is kept). On MLX's Linux CPU backend a
 failed ``malloc`` is a SIGSEGV rather than an exception (see ``memory.py``), so there the guard's
 per-batch monitor (split at critical/emergency pressure) is what keeps the run inside the budget.
 """
@@ -63,34 +56,32 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.nn.utils import average_gradients
-from mlx.utils import tree_flatten, tree_map
-from mlx_lm.tuner import trainer as _mlt
+from mlx.utils import tree_map
 from mlx_lm.tuner.trainer import TrainingArgs, default_loss, iterate_batches
 
-from memguard_core.errors import ConfigError, DoesNotFitError, require_fraction
+from memguard_core._deprecation import renamed_attribute
+from memguard_core.errors import ConfigError
+from memguard_core.guard import Guard
 from memguard_core.microbatch import _merge_empty, split_count
-from memguard_core.monitor import Action, Level, MemoryEvent, MemoryMonitor, Thresholds
-from memguard_core.preflight import Preflight, plan_in_place
+from memguard_core.monitor import Action, GrowPolicy, Level, MemoryEvent, MemoryMonitor, Thresholds
+from memguard_core.options import APPLY_CHOICES, GuardOptions
+from memguard_core.preflight import Preflight
 from memguard_core.preflight import default_budget as _core_default_budget
 
+from . import _compat
+from ._mlx_lm_loop import compile_halves, train_loop
 from .memory import LeakDetector, MemoryControls, is_allocation_error
 from .spec import model_spec_from_mlx_module, train_spec_from_args
 
 logger = logging.getLogger("memguard.mlx")
 
 __all__ = ["train", "MlxGuard", "MlxPreflight", "run_preflight", "default_budget", "row_token_counts"]
-
-from memguard_core.options import APPLY_CHOICES as _APPLY_CHOICES  # noqa: E402
-from memguard_core.options import GuardOptions  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,32 +99,30 @@ def default_budget(safety_ratio: float = 0.8) -> int:
     return _core_default_budget("mlx", safety_ratio)
 
 
+def _reader(model, optimizer, args, train_dataset, seq_length: Optional[int]) -> Callable[[], tuple]:
+    def read_specs() -> tuple:
+        ms = model_spec_from_mlx_module(model, args)
+        return ms, train_spec_from_args(model, optimizer, args, ms, train_dataset=train_dataset,
+                                        seq_length=seq_length)
+    return read_specs
+
+
 def run_preflight(model, optimizer, args, train_dataset=None, *, budget_bytes: Optional[int] = None,
                   safety_ratio: float = 0.8, seq_length: Optional[int] = None,
-                  apply: Sequence[str] = _APPLY_CHOICES, plan_fraction: float = 0.85) -> MlxPreflight:
-    """Estimate the mlx_lm run, plan against the budget and apply gradient checkpointing in place
-    when the plan asks for it (mlx_lm's own ``grad_checkpoint(model.layers[0])``, which patches the
-    block class as ``TrainingArgs.grad_checkpoint`` does). The micro-batch split is returned in
-    ``split_factor`` for the loop to apply.
-
-    The plan targets ``plan_fraction x budget`` (the guard passes its warning threshold, as the HF
-    adapter does): a run planned right up to the budget would sit at the monitor's critical level
-    from its first batch and be split further for nothing.
+                  apply: Sequence[str] = APPLY_CHOICES) -> MlxPreflight:
+    """Estimate the mlx_lm run and plan it against the budget (``Guard.plan``: below the monitor's
+    warning level), applying gradient checkpointing in place when the plan asks for it (mlx_lm's
+    own ``grad_checkpoint(model.layers[0])``). The micro-batches per batch are returned in
+    ``split_factor`` for the loop to apply. :func:`train` runs this itself.
 
     Raises:
         DoesNotFitError: nothing in the search fits.
         ConfigError: bad inputs.
     """
-    ms = model_spec_from_mlx_module(model, args)
-    ts = train_spec_from_args(model, optimizer, args, ms, train_dataset=train_dataset, seq_length=seq_length)
-    if budget_bytes is None:
-        budget_bytes = default_budget(safety_ratio)
-    pf = plan_in_place(ms, ts, int(budget_bytes * require_fraction("plan_fraction", plan_fraction)),
-                       apply=apply)
-    pf.budget_bytes = int(budget_bytes)
-    if pf.checkpointing_planned:
-        _mlt.grad_checkpoint(model.layers[0])
-    return pf
+    options = GuardOptions.from_kwargs(budget_bytes=budget_bytes, safety_ratio=safety_ratio, seq_length=seq_length,
+                                       apply=apply, device="mlx", micro_batches=1)
+    return Guard(options, log=logger).plan(_reader(model, optimizer, args, train_dataset, seq_length),
+                                           lambda: _compat.grad_checkpoint(model.layers[0]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,7 +176,8 @@ class MlxGuard:
             :func:`default_budget` (``safety_ratio`` of MLX active + available).
         safety_ratio: fraction of the available memory the default budget takes (0.8).
         thresholds: ``memguard_core.monitor.Thresholds`` (warning 85 %, critical 90 %, emergency 95 %).
-        split: starting split factor k (>= 1); also ``MEMGUARD_SPLIT`` in the environment.
+        micro_batches: micro-batches each batch is cut into from the start (>= 1); default
+            ``MEMGUARD_MICRO_BATCHES`` in the environment, else 1. ``split`` is its deprecated name.
         preflight: estimate and plan at the start (default True).
         apply: what the preflight may change in place: ``grad_checkpoint``, ``micro_batch``.
         fail_fast: raise ``DoesNotFitError`` at the start when the plan needs a change that cannot
@@ -204,29 +194,35 @@ class MlxGuard:
         chunk_weight: ``fn(chunk, value, weight) -> mx.array``: a chunk's loss weight for a custom
             loss (default: the loss's own second output, ``ntoks`` for ``default_loss``).
         on_event: callable receiving every ``MemoryEvent``.
+        grow: when the micro-batches per batch may halve again after pressure has gone
+            (``memguard_core.monitor.GrowPolicy``; None: never).
 
     Attributes after a run:
-        preflight (``memguard_core.preflight.Preflight`` or None), monitor, events (dicts), split_history
+        the guard's (``memguard_core.guard.Guard``): guard, preflight, monitor, events (dicts),
+        micro_batch_rows, samples_per_step, oom_retries, budget_bytes, summary; and split_history
         (``[(iteration, k)]`` whenever k changed, from the first batch), batch_peaks
         (``[(iteration, k, peak_bytes)]``, the ``mx.get_peak_memory()`` of each batch: the peak is
-        reset at every batch boundary), updates (optimizer updates done), learning_rates (after
-        each update), alloc_retries, leak (the detector), limits (what was set), summary.
+        reset at every batch boundary), optimizer_steps, learning_rates (after each update), leak
+        (the detector), limits (what was set). Deprecated names: ``chunk_rows``
+        (``micro_batch_rows``), ``alloc_retries`` (``oom_retries``), ``updates``
+        (``optimizer_steps``).
 
     Raises:
         ConfigError: invalid settings.
     """
 
     def __init__(self, *, budget_bytes: Optional[int] = None, safety_ratio: float = 0.8,
-                 thresholds: Optional[Thresholds] = None, split: Optional[int] = None,
-                 preflight: bool = True, apply: Sequence[str] = _APPLY_CHOICES, fail_fast: bool = False,
+                 thresholds: Optional[Thresholds] = None, micro_batches: Optional[int] = None,
+                 preflight: bool = True, apply: Sequence[str] = APPLY_CHOICES, fail_fast: bool = False,
                  seq_length: Optional[int] = None, memory_controls: Any = True, leak_detector: Any = True,
                  monitor_interval_s: float = 0.5, clear_cache_on_warning: bool = True,
                  chunk_weight: Optional[Callable] = None,
-                 on_event: Optional[Callable[[MemoryEvent], None]] = None):
-        opts = GuardOptions.from_kwargs(
+                 on_event: Optional[Callable[[MemoryEvent], None]] = None,
+                 grow: Optional[GrowPolicy] = GrowPolicy(), split: Optional[int] = None):
+        options = GuardOptions.from_kwargs(
             budget_bytes=budget_bytes, safety_ratio=safety_ratio, thresholds=thresholds, seq_length=seq_length,
-            apply=apply, fail_fast=fail_fast, split=split, monitor_interval_s=monitor_interval_s,
-            device="mlx", preflight=preflight)
+            apply=apply, fail_fast=fail_fast, micro_batches=micro_batches, monitor_interval_s=monitor_interval_s,
+            device="mlx", preflight=preflight, grow=grow, split=split)
         if not isinstance(clear_cache_on_warning, bool):
             raise ConfigError("clear_cache_on_warning", "True or False", clear_cache_on_warning)
         if memory_controls is True:
@@ -243,33 +239,45 @@ class MlxGuard:
             raise ConfigError("leak_detector", "True, False or a LeakDetector", leak_detector)
         if chunk_weight is not None and not callable(chunk_weight):
             raise ConfigError("chunk_weight", "a callable fn(chunk, value, weight) or None", chunk_weight)
-        opts.set_on(self, skip=("loss_weighting", "device"))  # budget_bytes, ..., initial_split, do_preflight
+        if on_event is not None and not callable(on_event):
+            raise ConfigError("on_event", "a callable, or None", on_event)
+        _compat.check_version()
+        self.options = options
+        self.guard = Guard(options, log=logger, on_event=self._on_event)
         self.controls: Optional[MemoryControls] = memory_controls
         self.leak: Optional[LeakDetector] = leak_detector
         self.clear_cache_on_warning = clear_cache_on_warning
         self.chunk_weight = chunk_weight
         self._user_on_event = on_event
 
-        self.preflight: Optional[MlxPreflight] = None
-        self.monitor: Optional[MemoryMonitor] = None
-        self.events: List[Dict[str, Any]] = []
         self.split_history: List[Tuple[int, int]] = []
         self.batch_peaks: List[Tuple[int, int, int]] = []
-        self.chunk_rows: List[int] = []
-        self.updates = 0
+        self.optimizer_steps = 0
         self.learning_rates: List[float] = []
-        self.alloc_retries = 0
         self.limits: Dict[str, int] = {}
-        self.summary: Dict[str, Any] = {}
         self.max_peak_bytes = 0
         self._clean_pending = False
         self._it = 0
-        self._k = 1
         self._batch_k = 1
+        self._rows_this_update = 0
+
+    # the guard's state, read where a user looks for it
+    monitor: Optional[MemoryMonitor] = property(lambda self: self.guard.monitor)
+    preflight: Optional[Preflight] = property(lambda self: self.guard.preflight)
+    events: List[Dict[str, Any]] = property(lambda self: self.guard.events)
+    micro_batch_rows: List[int] = property(lambda self: self.guard.micro_batch_rows)
+    samples_per_step: List[int] = property(lambda self: self.guard.samples_per_step)
+    oom_retries: int = property(lambda self: self.guard.oom_retries)
+    summary: Optional[Dict[str, Any]] = property(lambda self: self.guard.summary)
+    budget_bytes: Optional[int] = property(lambda self: self.guard.budget_bytes)
+    grow = property(lambda self: self.guard.grow, lambda self, value: setattr(self.guard, "grow", value),
+                    doc="The monitor's ``GrowPolicy`` (None: never grow back); set it before :func:`train`.")
+    chunk_rows = renamed_attribute("chunk_rows", "guard.micro_batch_rows")
+    alloc_retries = renamed_attribute("alloc_retries", "guard.oom_retries")
+    updates = renamed_attribute("updates", "optimizer_steps")
 
     # ----------------------------------------------------------------- monitor plumbing
     def _on_event(self, event: MemoryEvent) -> None:
-        self.events.append(event.to_dict())
         if self.clear_cache_on_warning and event.level == Level.WARNING and event.action is Action.LOG:
             self._clean_pending = True
         if self._user_on_event is not None:
@@ -283,7 +291,7 @@ class MlxGuard:
 
     def _peak_fn(self) -> int:
         """The peak of the batch just finished (``mx.get_peak_memory``), then reset: one peak window
-        per batch (seed 001, "reset_peak_memory ... before profiling specific code sections")."""
+        per batch."""
         p = int(mx.get_peak_memory())
         mx.reset_peak_memory()
         self.max_peak_bytes = max(self.max_peak_bytes, p)
@@ -297,52 +305,23 @@ class MlxGuard:
 
     # ----------------------------------------------------------------- setup / teardown
     def start(self, model, optimizer, args, train_dataset) -> None:
-        budget = self.budget_bytes
-        split = self.initial_split
-        planned_peak = None
-        if self.do_preflight:
-            try:
-                self.preflight = run_preflight(model, optimizer, args, train_dataset, budget_bytes=budget,
-                                               safety_ratio=self.safety_ratio, seq_length=self.seq_length,
-                                               apply=self.apply, plan_fraction=self.thresholds.warning)
-            except DoesNotFitError:
-                if self.fail_fast:
-                    raise
-                logger.error("memguard preflight: nothing fits the budget; training goes on with the "
-                             "runtime guard watching", exc_info=True)
-            except ConfigError:
-                raise
-            except Exception:
-                logger.warning("memguard preflight failed; the runtime guard still runs", exc_info=True)
-        pf = self.preflight
-        if pf is not None:
-            budget = pf.budget_bytes
-            split = max(split, pf.split_factor)
-            planned_peak = pf.best_peak_bytes
-            for line in pf.report_lines():
-                logger.info("%s", line)
-            if pf.not_applied and self.fail_fast:
-                raise DoesNotFitError(max(0, pf.best_peak_bytes - pf.budget_bytes), pf.budget_bytes,
-                                      pf.best_peak_bytes, [c.reason for c in pf.not_applied])
-        if budget is None:
-            budget = default_budget(self.safety_ratio)
-        self.budget_bytes = int(budget)
+        """The guard's start (``Guard.start``): preflight, budget, MLX memory limits, monitor.
+
+        Raises:
+            DoesNotFitError, ConfigError: with ``fail_fast`` (see ``Guard.start``).
+        """
+        self.guard.start(rows=int(args.batch_size),
+                         read_specs=_reader(model, optimizer, args, train_dataset, self.options.seq_length),
+                         enable_checkpointing=lambda: _compat.grad_checkpoint(model.layers[0]),
+                         before_monitor=self._apply_limits, clean_fn=self._request_clean, peak_fn=self._peak_fn,
+                         plan_hint=": set TrainingArgs batch_size and grad_accumulation_steps so")
+
+    def _apply_limits(self, budget_bytes: int, planned_peak: Optional[int]) -> None:
         if self.controls is not None:
             # sets the wired limit too (on Metal; min(recommended, budget) instead of mlx_lm's
             # recommended size); wired_limit=False leaves it alone
-            self.limits = self.controls.apply(self.budget_bytes, planned_peak)
-        else:
-            self._mlx_lm_wired_limit()
-        rows = int(args.batch_size)
-        self.monitor = MemoryMonitor(self.budget_bytes, device="mlx", safety_ratio=self.safety_ratio,
-                                     thresholds=self.thresholds, interval_s=self.monitor_interval_s,
-                                     split=max(1, min(split, rows)), max_split=rows, on_event=self._on_event,
-                                     clean_fn=self._request_clean, peak_fn=self._peak_fn)
-        self.monitor.prime()
-        self.monitor.start()
-
-    @staticmethod
-    def _mlx_lm_wired_limit() -> None:
+            self.limits = self.controls.apply(budget_bytes, planned_peak)
+            return
         try:
             from mlx_lm.utils import maybe_set_recommended_wired_limit
 
@@ -351,33 +330,13 @@ class MlxGuard:
             logger.warning("memguard: mlx_lm's wired limit could not be set: %s", exc)
 
     def stop(self, iterations: int) -> None:
-        mon = self.monitor
-        if mon is not None:
-            mon.stop()
-            mon.final_sample()
+        """End the run: the guard's summary (same keys as the torch adapters', plus ``iterations``,
+        ``split_history``, ``leaks`` and ``limits``) and calibration record; MLX limits restored."""
+        self.guard.finish(self.optimizer_steps, measured_bytes=lambda: self.max_peak_bytes,
+                          iterations=iterations, split_history=list(self.split_history),
+                          leaks=len(self.leak.reports) if self.leak else 0, limits=dict(self.limits))
         if self.controls is not None:
             self.controls.restore()
-        pf = self.preflight
-        self.summary = {
-            "iterations": iterations,
-            "optimizer_updates": self.updates,
-            "split": mon.split if mon else None,
-            "split_history": list(self.split_history),
-            "budget_bytes": self.budget_bytes,
-            "measured_peak_bytes": self.max_peak_bytes,
-            "estimated_peak_bytes": pf.best_peak_bytes if pf else None,
-            "requested_peak_bytes": int(pf.estimate.peak_bytes) if pf else None,
-            "max_usage": round(mon.max_usage, 4) if mon else None,
-            "alloc_retries": self.alloc_retries,
-            "leaks": len(self.leak.reports) if self.leak else 0,
-            "limits": dict(self.limits),
-            "events": len(self.events),
-        }
-        logger.info("memguard summary: %s", self.summary)
-        # calibration (issue #6): record estimate vs measured peak; logs, never raises
-        from memguard_core.calibration import record_preflight
-        if mon is not None and not self.alloc_retries:
-            record_preflight(pf, self.max_peak_bytes, split=mon.split)
 
     # ----------------------------------------------------------------- per batch
     def split_for_batch(self, it: int, rows: int) -> int:
@@ -386,10 +345,10 @@ class MlxGuard:
         if self._clean_pending:
             self._clean_pending = False
             mx.clear_cache()
-        mon = self.monitor
-        if mon is not None:
-            mon.step_sample(it)
-        k = max(1, min(mon.split if mon else 1, rows))
+        mon = self.guard.monitor
+        # chunks run no collective under mx.distributed: no agreement over ranks needed
+        k = self.guard.micro_batches_for_step(it, agree=False) if mon is not None else 1
+        k = max(1, min(k, rows))
         if not self.split_history or self.split_history[-1][1] != k:
             self.split_history.append((it, k))
         self._it = it
@@ -397,30 +356,36 @@ class MlxGuard:
         return k
 
     def after_alloc_failure(self, exc: BaseException, k: int, rows: int, it: int) -> int:
-        """Free memory after an allocation failure and return the doubled k; re-raise when a batch
-        of one row per chunk already failed."""
-        if k >= rows:
-            logger.error("memguard: allocation failed with one row per chunk; cannot split further (%s)", exc)
-            raise exc
-        self.alloc_retries += 1
-        new_k = min(max(2, 2 * k), rows)
-        if self.monitor is not None:
-            new_k = max(new_k, self.monitor.request_split(
-                new_k, f"allocation failed ({exc}); redoing the batch in smaller chunks", it))
-        gc.collect()
-        mx.clear_cache()
+        """Free memory after an allocation failure and return the doubled k (the whole batch is
+        redone); re-raise when a batch of one row per micro-batch already failed."""
+        new_k = self.guard.after_oom(exc, k, rows, it, free=_free_mlx)
         self.split_history.append((it, new_k))
         self._batch_k = new_k
         return new_k
 
+    def micro_batch_done(self, rows: int) -> None:
+        """Record a micro-batch whose gradient was evaluated (MLX is lazy: an allocation failure
+        surfaces at evaluation, so only micro-batches that went through are recorded)."""
+        self.guard.micro_batch_rows.append(rows)
+        self._rows_this_update += rows
+
     def after_update(self, it: int, optimizer) -> None:
-        self.updates += 1
+        """After an optimizer update: count it, note the learning rate, sample the leak detector."""
+        self.optimizer_steps += 1
+        self.guard.samples_per_step.append(self._rows_this_update)
+        self._rows_this_update = 0
         try:
             self.learning_rates.append(float(optimizer.learning_rate.item()))
         except Exception:
-            pass
+            logger.debug("memguard: no learning rate to record", exc_info=True)
         if self.leak is not None:
             self.leak.sample(it)
+
+
+def _free_mlx() -> None:
+    """What an allocation failure left goes back before the retry."""
+    gc.collect()
+    mx.clear_cache()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,7 +412,7 @@ def train(
         training_callback: as ``mlx_lm.tuner.trainer.train`` (mlx-lm 0.32).
         guard: an :class:`MlxGuard` (settings; filled with the run's record).
         **guard_kwargs: :class:`MlxGuard` settings when ``guard`` is not given (``budget_bytes``,
-            ``split``, ``memory_controls``, ``leak_detector``, ...).
+            ``micro_batches``, ``memory_controls``, ``leak_detector``, ...).
 
     Returns:
         the :class:`MlxGuard`.
@@ -464,27 +429,17 @@ def train(
                           sorted(guard_kwargs))
 
     world = mx.distributed.init()
-    world_size = world.size()
-    rank = world.rank()
-
     grad_accum_steps = args.grad_accumulation_steps
     if grad_accum_steps < 1:
         raise ValueError("grad_accumulation_steps must be at least 1")
 
     guard.start(model, optimizer, args, train_dataset)  # wired limit: here (mlx_lm sets it first)
-
     if args.grad_checkpoint:
-        _mlt.grad_checkpoint(model.layers[0])
+        _compat.grad_checkpoint(model.layers[0])
 
     loss_value_and_grad = nn.value_and_grad(model, loss)
     chunk_weight = guard.chunk_weight
-    state = [model.state, optimizer.state, mx.random.state]
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def grad_step(batch):
-        # the first half of mlx_lm's `step`: the whole batch's loss, token count and gradient
-        (lvalue, toks), grad = loss_value_and_grad(model, *batch)
-        return lvalue, toks, grad
+    state, grad_step, update_step = compile_halves(model, optimizer, loss_value_and_grad, grad_accum_steps)
 
     @partial(mx.compile, inputs=state, outputs=state)
     def chunk_step(chunk, acc):
@@ -499,21 +454,6 @@ def train(
         lw = mx.where(ok, lvalue.astype(mx.float32) * w, mx.array(0.0, mx.float32))
         return lw, w, toks, grad
 
-    @partial(mx.compile, inputs=state, outputs=state)
-    def update_step(grad, scale, prev_grad, do_update):
-        # the second half of mlx_lm's `step` (same operations, same order)
-        if scale is not None:
-            grad = tree_map(lambda g: g / scale.astype(g.dtype), grad)
-        if prev_grad is not None:
-            grad = tree_map(lambda x, y: x + y, grad, prev_grad)
-        if do_update:
-            grad = average_gradients(grad)
-            if grad_accum_steps > 1:
-                grad = tree_map(lambda x: x / grad_accum_steps, grad)
-            optimizer.update(model, grad)
-            grad = None
-        return grad
-
     def run_batch(batch, prev_grad, do_update, it):
         rows = _batch_rows(batch)
         k = guard.split_for_batch(it, rows)
@@ -521,7 +461,7 @@ def train(
             try:
                 lvalue, toks, g = grad_step(batch)
                 _eval_gradient(rows, lvalue, toks, g)
-                guard.chunk_rows.append(rows)
+                guard.micro_batch_done(rows)
                 return lvalue, toks, update_step(g, None, prev_grad, do_update)
             except Exception as exc:
                 if not is_allocation_error(exc):
@@ -542,7 +482,7 @@ def train(
                     wsum = w if wsum is None else wsum + w
                     tsum = t if tsum is None else tsum + t
                     _eval_gradient(b - a, lsum, wsum, tsum, acc)  # one chunk's activations at a time
-                    guard.chunk_rows.append(b - a)
+                    guard.micro_batch_done(b - a)
                 break
             except Exception as exc:
                 if not is_allocation_error(exc):
@@ -551,108 +491,16 @@ def train(
                 k = guard.after_alloc_failure(exc, k, rows, it)
         return lsum / wsum, tsum, update_step(acc, wsum, prev_grad, do_update)
 
-    model.train()
-    losses = 0
-    n_tokens = 0
-    steps = 0
-    trained_tokens = 0
-    train_time = 0
-    grad_accum = None
-    it = 0
+    def report_extra(ui, it, rank):
+        mon = guard.monitor
+        if mon is not None and mon.split > 1 and rank == 0:
+            _compat.print_muted(ui, f"memguard: k={mon.split} chunks per batch, peak {guard.peak_so_far() / 1e9:.3f} GB")
 
-    ui = _mlt.TrainUI(args.iters, rank=rank)
     try:
-        with ui:
-            for it, batch in zip(
-                range(1, args.iters + 1),
-                iterate_batches(
-                    dataset=train_dataset,
-                    batch_size=args.batch_size,
-                    max_seq_length=args.max_seq_length,
-                    loop=True,
-                    comm_group=world,
-                ),
-            ):
-                tic = time.perf_counter()
-                if val_dataset and (it == 1 or it % args.steps_per_eval == 0 or it == args.iters):
-                    if args.val_batches == -1:
-                        val_total = len(val_dataset) // args.batch_size
-                    else:
-                        val_total = min(len(val_dataset) // args.batch_size, args.val_batches)
-                    tic = time.perf_counter()
-                    with ui.val_task(val_total) as advance_val:
-                        val_loss = _mlt.evaluate(
-                            model=model,
-                            dataset=val_dataset,
-                            loss=loss,
-                            batch_size=args.batch_size,
-                            num_batches=args.val_batches,
-                            max_seq_length=args.max_seq_length,
-                            iterate_batches=iterate_batches,
-                            progress_callback=advance_val,
-                        )
-                    model.train()
-                    val_time = time.perf_counter() - tic
-                    ui.report_val(it, val_loss, val_time)
-                    if training_callback is not None:
-                        training_callback.on_val_loss_report(
-                            {"iteration": it - 1, "val_loss": val_loss, "val_time": val_time})
-                    tic = time.perf_counter()
-
-                do_update = it % grad_accum_steps == 0
-                lvalue, toks, grad_accum = run_batch(batch, grad_accum, do_update, it)
-
-                losses += lvalue
-                n_tokens += toks
-                steps += 1
-                mx.eval(state, losses, n_tokens, grad_accum)
-                _mlt._clear_cache(args.clear_cache_threshold)
-                train_time += time.perf_counter() - tic
-                if do_update:
-                    guard.after_update(it, optimizer)
-
-                ui.advance()
-
-                if it % args.steps_per_report == 0 or it == args.iters:
-                    train_loss = mx.distributed.all_sum(losses, stream=mx.cpu).item()
-                    train_loss /= steps * world_size
-                    n_tokens = mx.distributed.all_sum(n_tokens, stream=mx.cpu).item()
-                    learning_rate = optimizer.learning_rate.item()
-                    it_sec = args.steps_per_report / train_time
-                    tokens_sec = float(n_tokens) / train_time
-                    trained_tokens += n_tokens
-                    peak_mem = guard.peak_so_far() / 1e9
-                    ui.report_train(it, train_loss, tokens_sec, trained_tokens)
-                    if guard.monitor is not None and guard.monitor.split > 1 and rank == 0:
-                        ui._console.print(f"  [ui.muted]memguard: k={guard.monitor.split} chunks per batch, "
-                                          f"peak {peak_mem:.3f} GB[/ui.muted]")
-                    if training_callback is not None:
-                        training_callback.on_train_loss_report(
-                            {
-                                "iteration": it,
-                                "train_loss": train_loss,
-                                "learning_rate": learning_rate,
-                                "iterations_per_second": it_sec,
-                                "tokens_per_second": tokens_sec,
-                                "trained_tokens": trained_tokens,
-                                "peak_memory": peak_mem,
-                            }
-                        )
-                    losses = 0
-                    n_tokens = 0
-                    steps = 0
-                    train_time = 0
-
-                if it % args.steps_per_save == 0 and rank == 0:
-                    adapter_weights = dict(tree_flatten(model.trainable_parameters()))
-                    mx.save_safetensors(str(args.adapter_file), adapter_weights)
-                    checkpoint = Path(args.adapter_file).parent / f"{it:07d}_adapters.safetensors"
-                    mx.save_safetensors(str(checkpoint), adapter_weights)
-                    ui.report_save(checkpoint)
-
-        if rank == 0:
-            adapter_weights = dict(tree_flatten(model.trainable_parameters()))
-            mx.save_safetensors(str(args.adapter_file), adapter_weights)
+        train_loop(model, optimizer, train_dataset, val_dataset, args, loss, iterate_batches, training_callback,
+                   state=state, run_batch=run_batch, world=world,
+                   on_update=lambda it: guard.after_update(it, optimizer), peak_memory=guard.peak_so_far,
+                   report_extra=report_extra)
     finally:
-        guard.stop(it)
+        guard.stop(guard._it)
     return guard

@@ -1,0 +1,308 @@
+"""One guarded training run's lifecycle, the same for every adapter (HF ``Trainer``, Lightning,
+mlx_lm) and usable from a plain training loop: options -> preflight -> budget -> apply the plan ->
+monitor -> OOM re-split -> run summary and calibration record. One rule per moment, written down in
+docs/lifecycle.md.
+
+An adapter gives the guard what only it knows -- how to read the run's ``ModelSpec`` /
+``TrainSpec``, how to turn activation checkpointing on, the rows of a batch -- and keeps its
+framework's hooks: where a batch comes from, how one micro-batch's forward and backward run there,
+how figures reach its logger.
+
+Imports no framework: the adapters pass callables.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .distributed import agree_max
+from .errors import ConfigError, DoesNotFitError
+from .microbatch import empty_torch_cache, split_after_oom
+from .monitor import MemoryEvent, MemoryMonitor
+from .options import GuardOptions
+from .preflight import Preflight, default_budget, plan_in_place, resident_bytes_for
+
+__all__ = ["Guard", "SpecReader"]
+
+#: ``read_specs() -> (ModelSpec, TrainSpec)``: the adapter's reading of the run it guards.
+SpecReader = Callable[[], Tuple[Any, Any]]
+
+
+class Guard:
+    """The lifecycle of one guarded run (see the module doc and docs/lifecycle.md).
+
+    Args:
+        options: the validated :class:`memguard_core.options.GuardOptions`.
+        log: where the guard's lines go (the adapter's logger, e.g. ``memguard.hf``).
+        on_event: called with every ``MemoryEvent`` after it is recorded in ``events`` (may run on
+            the monitor's thread).
+
+    Attributes:
+        options: the options.
+        grow: the ``GrowPolicy`` the monitor gets (from ``options.grow``; settable before start).
+        budget_bytes: the budget in bytes (``options.budget_bytes`` until :meth:`start` resolves it).
+        preflight: the ``Preflight`` (None without one, or when it failed).
+        monitor: the ``MemoryMonitor`` once started.
+        events: every ``MemoryEvent`` as a dict.
+        micro_batch_rows: rows (packed batches: sequences) of every micro-batch forward that ran,
+            a failed one included.
+        samples_per_step: rows per optimizer step.
+        oom_retries: out-of-memory errors recovered by a re-split.
+        split_disabled_reason: why the adapter cannot cut batches in place (None: it can).
+        summary: the run summary after :meth:`finish`.
+    """
+
+    def __init__(self, options: GuardOptions, *, log: Optional[logging.Logger] = None,
+                 on_event: Optional[Callable[[MemoryEvent], None]] = None):
+        if not isinstance(options, GuardOptions):
+            raise ConfigError("options", "a memguard_core.options.GuardOptions", options)
+        if on_event is not None and not callable(on_event):
+            raise ConfigError("on_event", "a callable, or None", on_event)
+        self.options = options
+        self.log = log or logging.getLogger("memguard")
+        self.grow = options.grow
+        self.budget_bytes: Optional[int] = options.budget_bytes
+        self.preflight: Optional[Preflight] = None
+        self.monitor: Optional[MemoryMonitor] = None
+        self.events: List[Dict[str, Any]] = []
+        self.micro_batch_rows: List[Any] = []
+        self.samples_per_step: List[int] = []
+        self.oom_retries = 0
+        self.split_disabled_reason: Optional[str] = None
+        self.start_time: Optional[float] = None
+        self.summary: Optional[Dict[str, Any]] = None
+        self._on_event_cb = on_event
+
+    # ------------------------------------------------------------------ start
+    def start(self, *, rows: int, read_specs: Optional[SpecReader] = None,
+              enable_checkpointing: Optional[Callable[[], None]] = None,
+              before_monitor: Optional[Callable[[int, Optional[int]], None]] = None,
+              clean_fn: Optional[Callable[[], None]] = None,
+              peak_fn: Optional[Callable[[], Optional[int]]] = None,
+              plan_hint: str = "") -> MemoryMonitor:
+        """Preflight, budget, plan applied, monitor started. Call once, before the first forward.
+
+        Args:
+            rows: rows of a batch (the micro-batches per batch never exceed it).
+            read_specs: the adapter's ``() -> (ModelSpec, TrainSpec)``; None: no preflight.
+            enable_checkpointing: turns activation checkpointing on in place; None: the model
+                cannot (the planner then does not choose it).
+            before_monitor: ``fn(budget_bytes, planned_peak_bytes or None)`` run after the budget
+                is known and before the monitor starts (MLX memory limits).
+            clean_fn, peak_fn: passed to ``MemoryMonitor`` (None: its defaults).
+            plan_hint: how the user applies a planned micro-batch change where the adapter cannot
+                split in place (e.g. Lightning's ``accumulate_grad_batches``), for the warning.
+
+        Returns:
+            the started monitor.
+
+        Raises:
+            DoesNotFitError: with ``fail_fast``, when nothing fits or the plan needs a change that
+                cannot be applied in place.
+            ConfigError: with ``fail_fast``, when the preflight cannot read the run.
+        """
+        opts = self.options
+        self.start_time = time.time()
+        rows = max(1, int(rows))
+        k = opts.micro_batches
+        if opts.preflight and read_specs is not None:
+            k = max(k, self._run_preflight(read_specs, enable_checkpointing, rows, plan_hint))
+        budget = self.budget_bytes
+        if budget is None:
+            budget = default_budget(opts.device, opts.safety_ratio)
+        self.budget_bytes = int(budget)
+        if before_monitor is not None:
+            before_monitor(self.budget_bytes, self.preflight.best_peak_bytes if self.preflight else None)
+        k = min(k, rows)
+        self.monitor = MemoryMonitor(self.budget_bytes, device=opts.device, safety_ratio=opts.safety_ratio,
+                                     thresholds=opts.thresholds, interval_s=opts.monitor_interval_s, split=k,
+                                     max_split=rows, on_event=self._on_event, grow=self.grow,
+                                     clean_fn=clean_fn, peak_fn=peak_fn)
+        if k > 1:
+            self.log.info("memguard: %d micro-batches per batch (batch of %d rows -> %d-row micro-batches; "
+                          "effective batch unchanged)", k, rows, -(-rows // k))
+        self.monitor.prime()
+        self.monitor.start()
+        return self.monitor
+
+    def _run_preflight(self, read_specs: SpecReader, enable_checkpointing: Optional[Callable[[], None]],
+                       rows: int, plan_hint: str) -> int:
+        """The preflight moment: returns the micro-batches per batch it asks for (1: none)."""
+        opts = self.options
+        try:
+            self.preflight = pf = self.plan(read_specs, enable_checkpointing)
+        except DoesNotFitError as exc:
+            if opts.fail_fast:
+                raise
+            return self._nothing_fits(exc, enable_checkpointing, rows)
+        except ConfigError as exc:
+            if opts.fail_fast:
+                raise
+            self.log.warning("memguard preflight skipped: %s; the runtime guard still runs", exc)
+            return 1
+        except Exception:
+            self.log.warning("memguard preflight failed; the runtime guard still runs", exc_info=True)
+            return 1
+        for line in pf.report_lines():
+            self.log.info("%s", line)
+        if pf.split_factor > 1 and self.split_disabled_reason is not None:
+            ts = pf.plan.train_spec
+            self.log.warning("memguard: the plan needs micro-batch %d x accumulation %d, which cannot be applied "
+                             "in place here (%s)%s", ts.batch_size, ts.grad_accum,
+                             self.split_disabled_reason.split(":")[0], plan_hint)
+        if pf.not_applied and opts.fail_fast:
+            raise DoesNotFitError(pf.shortfall_bytes, pf.budget_bytes, pf.best_peak_bytes,
+                                  [c.reason for c in pf.not_applied])
+        self.budget_bytes = pf.budget_bytes
+        return pf.split_factor
+
+    def plan(self, read_specs: SpecReader, enable_checkpointing: Optional[Callable[[], None]] = None) -> Preflight:
+        """Estimate the run ``read_specs()`` describes, plan it against the budget (the option, else
+        the default budget of its device) below the monitor's warning level, with what this
+        process already holds counted, and turn activation checkpointing on when the plan asks
+        for it. Starts nothing; :meth:`start` calls it for its preflight.
+
+        Raises:
+            ConfigError: the run cannot be read or a setting is invalid.
+            DoesNotFitError: nothing in the allowed search fits.
+        """
+        opts = self.options
+        model_spec, train_spec = read_specs()
+        budget = self.budget_bytes
+        if budget is None:
+            budget = default_budget(train_spec.device if opts.device == "auto" else opts.device, opts.safety_ratio)
+        apply = tuple(a for a in opts.apply if a != "grad_checkpoint" or enable_checkpointing is not None)
+        # plan below the warning level: a run planned up to the budget would sit at the critical level
+        # from its first step and be split further for nothing
+        pf = plan_in_place(model_spec, train_spec, budget, apply=apply, plan_fraction=opts.thresholds.warning,
+                           resident_bytes=resident_bytes_for(train_spec))
+        if pf.checkpointing_planned and enable_checkpointing is not None:
+            enable_checkpointing()
+        return pf
+
+    def _nothing_fits(self, exc: DoesNotFitError, enable_checkpointing: Optional[Callable[[], None]],
+                      rows: int) -> int:
+        """Nothing fits: the closest the allowed in-place steps get (one-row micro-batches,
+        checkpointing on), the runtime guard watching."""
+        apply = self.options.apply
+        k = rows if "micro_batch" in apply else 1
+        checkpointing = "grad_checkpoint" in apply and enable_checkpointing is not None
+        if checkpointing:
+            try:
+                enable_checkpointing()
+            except Exception:
+                checkpointing = False
+                self.log.warning("memguard: could not enable activation checkpointing", exc_info=True)
+        self.log.error("memguard preflight: nothing fits the budget (%s). Training continues with %d micro-batches "
+                       "per batch%s, the runtime guard watching.", exc, k,
+                       " and activation checkpointing" if checkpointing else "")
+        return k
+
+    def _on_event(self, event: MemoryEvent) -> None:
+        self.events.append(event.to_dict())  # may run on the monitor's thread: only appends here
+        if self._on_event_cb is not None:
+            self._on_event_cb(event)
+
+    # ------------------------------------------------------------------ per step
+    def micro_batches_for_step(self, step: Optional[int], *, agree: bool = True) -> int:
+        """Sample memory at a step (batch) boundary and return the micro-batches for this batch:
+        the monitor's k, with ``agree`` the MAX over ranks (:meth:`agreed`; the monitor is raised to
+        it). 1 without a monitor. Never raises."""
+        mon = self.monitor
+        if mon is None:
+            return 1
+        mon.step_sample(step)
+        k = mon.split
+        if agree:
+            k = self.agreed(k)
+            if k > mon.split:
+                mon.request_split(k, "another rank asked for it", step)
+        return k
+
+    def agreed(self, k: int) -> int:
+        """The MAX of ``k`` over ``torch.distributed`` ranks (every rank must cut alike: FSDP /
+        ZeRO-3 gathers would hang otherwise); ``k`` itself outside a process group, or with a
+        warning when the all-reduce fails. Never raises."""
+        try:
+            return agree_max(k)
+        except Exception:
+            self.log.warning("memguard: micro-batch all-reduce failed; using the local k", exc_info=True)
+            return k
+
+    def after_oom(self, exc: BaseException, k: int, units_left: int, step: Optional[int],
+                  free: Callable[[], None] = empty_torch_cache) -> int:
+        """After an out-of-memory error in a micro-batch's forward (nothing of it kept): double the
+        micro-batches for the ``units_left`` rows (sequences) not yet processed, free memory with
+        ``free`` and return the new k; counts ``oom_retries``.
+
+        Raises:
+            ``exc`` itself when a single row already failed (no split can help).
+        """
+        if self.monitor is not None:
+            k_new = split_after_oom(self.monitor, exc, k, units_left, step, self.log, free=free)
+        else:
+            if units_left <= 1 or k >= units_left:
+                raise exc
+            k_new = min(max(2, 2 * k), units_left)
+            gc.collect()
+            free()
+        self.oom_retries += 1
+        return k_new
+
+    # ------------------------------------------------------------------ end
+    def finish(self, optimizer_steps: int, *, measured_bytes: Optional[Callable[[], Optional[int]]] = None,
+               **extra: Any) -> Optional[Dict[str, Any]]:
+        """End the run: stop the monitor, take the final sample (the last micro-batch's peak), log the
+        summary and record the preflight's estimate against the measured peak in the calibration
+        store (only for a run that ran the planned settings: ended at the planned micro-batches and
+        had no OOM retry, whose measured peak is the limit's, not the settings'). Never raises.
+
+        Args:
+            optimizer_steps: optimizer steps done.
+            measured_bytes: the adapter's peak counter (default: the monitor's step peaks).
+            extra: more summary keys.
+
+        Returns:
+            the summary (None when no monitor ran): ``split`` (final micro-batches per batch),
+            ``max_usage`` (fraction of the budget), ``budget_bytes``, ``measured_peak_bytes``,
+            ``estimated_peak_bytes`` (planned settings; None without a preflight),
+            ``requested_peak_bytes``, ``optimizer_steps``, ``samples_per_step`` (distinct values),
+            ``oom_retries``, ``events`` (how many), then ``extra``.
+        """
+        mon, pf = self.monitor, self.preflight
+        if mon is None:
+            return None
+        try:
+            mon.stop()
+            measured = mon.final_sample()
+            if measured_bytes is not None:
+                measured = measured_bytes()
+            self.summary = {
+                "split": mon.split,
+                "max_usage": round(mon.max_usage, 4),
+                "budget_bytes": mon.budget_bytes,
+                "measured_peak_bytes": measured,
+                "estimated_peak_bytes": pf.best_peak_bytes if pf else None,
+                "requested_peak_bytes": int(pf.estimate.peak_bytes) if pf else None,
+                "optimizer_steps": int(optimizer_steps),
+                "samples_per_step": sorted({int(s) for s in self.samples_per_step}),
+                "oom_retries": self.oom_retries,
+                "events": len(self.events),
+                **extra,
+            }
+            self.log.info("memguard summary: %s", self.summary)
+            if not self.oom_retries:
+                from .calibration import record_preflight
+
+                record_preflight(pf, measured, split=mon.split)
+        except Exception:
+            self.log.warning("memguard: could not finish the run summary", exc_info=True)
+        return self.summary
+
+    def stop(self) -> None:
+        """Stop the monitor's thread (the run is leaving training without :meth:`finish`)."""
+        if self.monitor is not None:
+            self.monitor.stop()

@@ -1,0 +1,190 @@
+"""Reading a live torch training run, for the torch adapters (``memguard_hf``,
+``memguard_lightning``): the sequence length, the optimizer, activation checkpointing (reading and
+turning it on) and the weights' dtype and device.
+
+Imports torch at import time: only the torch adapters import this module (``memguard_core`` itself
+must not import torch; ``import memguard_core`` does not load this module).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Iterable, Optional, Tuple
+
+import torch
+
+logger = logging.getLogger("memguard.preflight")
+
+#: The sequence length the estimate uses when nothing tells it (a warning says so).
+FALLBACK_SEQ_LENGTH = 512
+
+
+def unwrap(model: Any) -> Any:
+    """The module inside DDP / DataParallel-style wrappers (``.module`` chains)."""
+    while hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def checkpoint_target(model: Any) -> Optional[Any]:
+    """The module that turns activation checkpointing on: a transformers ``PreTrainedModel``
+    (``gradient_checkpointing_enable``), found through wrappers and PEFT's ``get_base_model``;
+    None when the model has none."""
+    target = unwrap(model)
+    if not hasattr(target, "gradient_checkpointing_enable") and callable(getattr(target, "get_base_model", None)):
+        target = target.get_base_model()
+    return target if hasattr(target, "gradient_checkpointing_enable") else None
+
+
+def _flag(module: Any) -> Optional[bool]:
+    # transformers 5 renamed the flag: read the new name first
+    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(module), attr) or attr in getattr(module, "__dict__", {}):
+            return bool(getattr(module, attr, False))
+    return None
+
+
+def checkpointing_on(model: Any) -> bool:
+    """Whether activation checkpointing is on, as the model (or the ``PreTrainedModel`` inside a PEFT
+    wrapper) reports it."""
+    for module in (unwrap(model), checkpoint_target(model)):
+        if module is not None and _flag(module):
+            return True
+    return False
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Per-block activation checkpointing of the transformers model inside ``model``, in place
+    (``memguard_core.preflight.enable_hf_checkpointing``: non-reentrant, ``use_cache`` off).
+
+    Raises:
+        ValueError: the model has no ``gradient_checkpointing_enable`` (not a transformers model).
+    """
+    from .preflight import enable_hf_checkpointing
+
+    target = checkpoint_target(model)
+    if target is None:
+        raise ValueError("the model has no gradient_checkpointing_enable(): activation checkpointing cannot "
+                         "be turned on in place")
+    enable_hf_checkpointing(target)
+
+
+def optimizer_name(optimizer: Any) -> str:
+    """``TrainSpec.optimizer`` of an optimizer: a name (HF ``args.optim``: ``adamw_torch``, ``sgd``,
+    ``adafactor``, ``adamw_bnb_8bit`` ...) or a torch optimizer (Lightning's ``trainer.optimizers[0]``,
+    unwrapped from ``LightningOptimizer``). Adam/AdamW -> ``adamw`` (the same states), SGD ->
+    ``sgd`` (HF's named ``sgd`` has no momentum) or ``sgd-momentum`` (an SGD object with momentum),
+    ``*8bit`` -> ``adamw-8bit``; anything else is estimated as ``adamw`` with a warning."""
+    opt = getattr(optimizer, "optimizer", optimizer)
+    if isinstance(opt, str):
+        name, groups = str(getattr(opt, "value", opt)).lower(), ()
+    else:
+        name, groups = type(opt).__name__.lower(), getattr(opt, "param_groups", ())
+    if "8bit" in name:
+        return "adamw-8bit"
+    if "adafactor" in name:
+        return "adafactor"
+    if name == "sgd":
+        return "sgd-momentum" if any(g.get("momentum", 0) for g in groups) else "sgd"
+    if "adam" in name:
+        return "adamw"
+    logger.warning("memguard: optimizer %r is not modelled; estimating it as adamw", name)
+    return "adamw"
+
+
+#: transformers versions (major.minor) :func:`attn_implementation`'s private name was checked on.
+ATTN_IMPLEMENTATION_CHECKED = ("5.24", "5.24")
+
+
+def attn_implementation(model: Any) -> Optional[str]:
+    """``config._attn_implementation`` (transformers-private: ``eager`` | ``sdpa`` |
+    ``flash_attention_*``; checked on :data:`ATTN_IMPLEMENTATION_CHECKED`) of ``model`` or the
+    transformers model inside it; None when absent (the estimate then assumes ``sdpa``). Here and
+    not in one adapter's ``_compat``: Lightning modules wrap transformers models too."""
+    for module in (checkpoint_target(model), unwrap(model)):
+        name = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if name is not None:
+            return name
+    return None
+
+
+def weights_dtype_device(model: Any) -> Tuple[torch.dtype, str]:
+    """The dtype and device type of the model's first parameter (fp32 / cpu without parameters)."""
+    p = next((p for p in unwrap(model).parameters()), None)
+    return (p.dtype, p.device.type) if p is not None else (torch.float32, "cpu")
+
+
+def counter_device(device: str, weights_device: str) -> str:
+    """The counter the estimate predicts: the ``device`` option, or for ``auto`` where the weights
+    are (``cuda``; anything else is read as the CPU's)."""
+    if device != "auto":
+        return "cuda" if device.startswith("cuda") else device
+    return "cuda" if weights_device == "cuda" else "cpu"
+
+
+def file_pages_kwargs(device: str, kwargs: dict) -> dict:
+    """``kwargs`` with ``resident_file_bytes`` read from this process on the CPU counter: the mapped
+    libraries' resident pages are part of VmHWM and vary with the page cache."""
+    if device == "cpu" and "resident_file_bytes" not in kwargs:
+        from .stats import process_file_resident_bytes
+
+        kwargs = dict(kwargs, resident_file_bytes=process_file_resident_bytes())
+    return kwargs
+
+
+def row_length(row: Any) -> int:
+    """Tokens of one dataset row: its ``input_ids`` (dict rows), first element (tuple rows) or the
+    row itself (a tensor or a list of ids); 0 when unknown."""
+    if isinstance(row, Mapping):
+        ids = row.get("input_ids")
+    elif isinstance(row, (tuple, list)) and row and not isinstance(row[0], (int, float)):
+        ids = row[0]
+    else:
+        ids = row
+    if torch.is_tensor(ids):
+        return int(ids.shape[-1]) if ids.dim() > 0 else 0
+    return len(ids) if isinstance(ids, (list, tuple)) else 0
+
+
+def batch_seq_length(batch: Any) -> int:
+    """Dimension 1 of a batch's ``input_ids`` (dict batches) or first 2-D integer tensor; 0 if none."""
+    if isinstance(batch, Mapping) and torch.is_tensor(batch.get("input_ids")):
+        t = batch["input_ids"]
+        return int(t.shape[1]) if t.dim() >= 2 else 0
+    leaves = batch if isinstance(batch, (tuple, list)) else [batch]
+    for t in leaves:
+        if torch.is_tensor(t) and t.dim() >= 2 and not t.is_floating_point():
+            return int(t.shape[1])
+    return 0
+
+
+def infer_seq_length(given: Optional[int], settings: Iterable[Tuple[Any, Iterable[str]]], dataset: Any = None,
+                     batch: Any = None, scan_rows: int = 2048) -> int:
+    """Tokens per row for the estimate: ``given``; else the first positive integer setting among
+    ``settings`` (``(object or mapping, names)`` pairs, e.g. HF ``args.max_length``, Lightning
+    ``hparams.block_size``); else the longest of the first ``scan_rows`` rows of ``dataset``
+    (:func:`row_length`) and of ``batch`` (:func:`batch_seq_length`). A dataloader is never
+    iterated: an extra iterator would draw from the sampler's generator and change the data order.
+    Falls back to :data:`FALLBACK_SEQ_LENGTH` with a warning."""
+    if given:
+        return int(given)
+    for source, names in settings:
+        for name in names:
+            v = source.get(name) if isinstance(source, Mapping) else getattr(source, name, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    longest = 0
+    try:
+        if dataset is not None and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+            for i in range(min(len(dataset), scan_rows)):
+                longest = max(longest, row_length(dataset[i]))
+    except Exception:
+        logger.debug("memguard: could not scan the dataset for lengths", exc_info=True)
+    if batch is not None:
+        longest = max(longest, batch_seq_length(batch))
+    if longest:
+        return longest
+    logger.warning("memguard: sequence length unknown; estimating with %d (pass seq_length=...)",
+                   FALLBACK_SEQ_LENGTH)
+    return FALLBACK_SEQ_LENGTH

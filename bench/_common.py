@@ -20,13 +20,14 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 
 def child_env() -> Dict[str, str]:
     """The environment of a benchmark's child process: memguard importable from this checkout, no
-    ``MEMGUARD_SPLIT`` left over from a supervisor (it would set the starting split), and the
+    ``MEMGUARD_MICRO_BATCHES`` / ``MEMGUARD_SPLIT`` left over from a supervisor (it would set the starting split), and the
     calibration store off (``MEMGUARD_CALIBRATION=0`` unless set): otherwise every guarded run
     records into this machine's store and corrects the next plan, and a table would depend on the
     runs before it (even within one benchmark). The benchmarks measure the uncalibrated planner, as
     a first run sees it."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("MEMGUARD_SPLIT", None)
+    env.pop("MEMGUARD_MICRO_BATCHES", None)
     env.setdefault("MEMGUARD_CALIBRATION", "0")
     return env
 

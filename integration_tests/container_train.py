@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     if a.resume:
         from memguard_hf import resume_checkpoint
         resume = resume_checkpoint()
-    print(f"container_train: pid {os.getpid()} guard={a.guard} split_env={os.environ.get('MEMGUARD_SPLIT')} "
+    print(f"container_train: pid {os.getpid()} guard={a.guard} split_env={os.environ.get('MEMGUARD_MICRO_BATCHES')} "
           f"resume={resume}", flush=True)
     t0 = time.monotonic()
     trainer.train(resume_from_checkpoint=resume)

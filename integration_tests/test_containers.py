@@ -149,7 +149,7 @@ def test_runtime_cotenant_takes_memory_mid_run(memory_cgroup, tmp_path):
 def test_supervisor_restarts_a_killed_run_without_repeating_steps(memory_cgroup, tmp_path):
     """A 32-token run whose rows become 256 tokens long from step 3 (sequential data): the guard
     (told seq_length 32) cannot see it coming, the kernel kills the step; ``memguard run``
-    restarts it with MEMGUARD_SPLIT=2 from checkpoint-2, and it completes."""
+    restarts it with MEMGUARD_MICRO_BATCHES=2 from checkpoint-2, and it completes."""
     steps = 4
     out = str(tmp_path / "supervised")
     report = str(tmp_path / "report.json")
@@ -167,7 +167,7 @@ def test_supervisor_restarts_a_killed_run_without_repeating_steps(memory_cgroup,
     assert a2["returncode"] == 0 and a2["split"] == 2
     assert a2["resume_from"] == os.path.join(out, "checkpoint-2")
     assert res.oom_kills == 1
-    assert "restart 1/2 with MEMGUARD_SPLIT=2, resuming from" in res.stderr
+    assert "restart 1/2 with MEMGUARD_MICRO_BATCHES=2, resuming from" in res.stderr
     # no finished optimizer step repeated: attempt 1 did 1, 2; attempt 2 did 3, 4
     log = _steps_log(out)
     pids = sorted({p for p, _, _ in log}, key=[p for p, _, _ in log].index)
@@ -182,5 +182,5 @@ def test_supervisor_restarts_a_killed_run_without_repeating_steps(memory_cgroup,
         assert [h["step"] for h in json.load(f)["log_history"] if "loss" in h] == [1, 2, 3, 4]
     _report("supervisor", limit_mib=SUPERVISOR_LIMIT // MiB,
             attempt1=f"rc={a1['returncode']} ({a1['reason']}) after {a1['wall_s']}s",
-            attempt2="rc=0 MEMGUARD_SPLIT=2 from checkpoint-2, steps 3-4",
+            attempt2="rc=0 MEMGUARD_MICRO_BATCHES=2 from checkpoint-2, steps 3-4",
             cgroup_peak_mib=round(res.max_usage_bytes / MiB), wall_s=round(res.wall_s, 1))

@@ -122,9 +122,10 @@ def read_result(out_dir: str):
 
 def child_env(**extra: str) -> Dict[str, str]:
     """The environment of a training script: memguard importable from this checkout, no
-    ``MEMGUARD_SPLIT`` / ``MEMGUARD_RESUME_FROM`` left from a supervisor, then ``extra``."""
+    ``MEMGUARD_MICRO_BATCHES`` (``MEMGUARD_SPLIT``) / ``MEMGUARD_RESUME_FROM`` left from a supervisor, then ``extra``."""
     env = dict(os.environ)
     env.pop("MEMGUARD_SPLIT", None)
+    env.pop("MEMGUARD_MICRO_BATCHES", None)
     env.pop("MEMGUARD_RESUME_FROM", None)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)

@@ -25,7 +25,7 @@ from .monitor import MemoryEvent, MemoryMonitor
 from .options import GuardOptions
 from .preflight import Preflight, default_budget, plan_in_place, resident_bytes_for
 
-__all__ = ["Guard", "SpecReader"]
+__all__ = ["Guard", "GuardAttributes", "SpecReader"]
 
 #: ``read_specs() -> (ModelSpec, TrainSpec)``: the adapter's reading of the run it guards.
 SpecReader = Callable[[], Tuple[Any, Any]]
@@ -306,3 +306,25 @@ class Guard:
         """Stop the monitor's thread (the run is leaving training without :meth:`finish`)."""
         if self.monitor is not None:
             self.monitor.stop()
+
+
+def _from_guard(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.guard, name), doc=doc)
+
+
+class GuardAttributes:
+    """The guard's state under the same names on every adapter (HF and Lightning
+    ``MemGuardCallback``, ``MlxGuard``), read through the adapter's ``guard`` attribute."""
+
+    guard: Guard
+    monitor = _from_guard("monitor", "The run's ``MemoryMonitor`` (None before the start).")
+    preflight = _from_guard("preflight", "The ``Preflight`` (None without one, or when it failed).")
+    events = _from_guard("events", "Every ``MemoryEvent`` of the run, as dicts.")
+    micro_batch_rows = _from_guard("micro_batch_rows", "Rows (packed: sequences) of each micro-batch forward.")
+    samples_per_step = _from_guard("samples_per_step", "Rows per optimizer step.")
+    oom_retries = _from_guard("oom_retries", "Out-of-memory errors recovered by a re-split.")
+    split_disabled_reason = _from_guard("split_disabled_reason", "Why batches are not cut in place (None: they are).")
+    summary = _from_guard("summary", "The run summary (``Guard.finish``), None before the end.")
+    budget_bytes = _from_guard("budget_bytes", "The budget in bytes (resolved at the start).")
+    grow = property(lambda self: self.guard.grow, lambda self, value: setattr(self.guard, "grow", value),
+                    doc="The monitor's ``GrowPolicy`` (None: never grow back); set it before training starts.")

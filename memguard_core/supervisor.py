@@ -4,9 +4,10 @@ No in-process guard can catch the kernel's cgroup OOM killer (SIGKILL, no Python
 Metal command-buffer abort: the process is gone. The supervisor runs the training command as a
 child and, when the child was killed *for memory*, starts it again with
 
-* a doubled micro-batch split: ``MEMGUARD_SPLIT=<2 x the previous>`` in the child's environment;
-  ``MemGuardCallback`` (memguard_hf) reads it at construction and starts with that split factor
-  k, so every batch runs in k row-chunks (effective batch, step count and LR schedule unchanged);
+* twice the micro-batches per batch: ``MEMGUARD_MICRO_BATCHES=<2 x the previous>`` in the child's
+  environment (``MEMGUARD_SPLIT`` is its deprecated name); every adapter reads it at construction
+  (``memguard_core.options``) and cuts each batch into that many micro-batches from the start
+  (effective batch, step count and LR schedule unchanged);
 * resume semantics: ``MEMGUARD_RESUME_FROM=<output dir>/checkpoint-<N>`` (largest N, the
   ``transformers.trainer_utils.get_last_checkpoint`` rule). The training script passes it to
   ``trainer.train(resume_from_checkpoint=memguard_hf.resume_checkpoint())``: a callback cannot,
@@ -63,10 +64,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from .errors import ConfigError, require_positive_int
+from .options import MICRO_BATCHES_ENV, OLD_MICRO_BATCHES_ENV, micro_batches_from_env
 
 logger = logging.getLogger("memguard.supervisor")
 
-SPLIT_ENV = "MEMGUARD_SPLIT"
+#: The environment variable the child reads its starting micro-batches from.
+SPLIT_ENV = MICRO_BATCHES_ENV
 RESUME_ENV = "MEMGUARD_RESUME_FROM"
 ATTEMPT_ENV = "MEMGUARD_ATTEMPT"
 DEFAULT_MAX_RESTARTS = 3
@@ -216,7 +219,7 @@ class Attempt:
 
     Attributes:
         number: 1 for the first run, 2 for the first restart, ...
-        split: the ``MEMGUARD_SPLIT`` it ran with (None: not set).
+        split: the ``MEMGUARD_MICRO_BATCHES`` it ran with (None: not set).
         resume_from: the ``MEMGUARD_RESUME_FROM`` it ran with (None: from scratch).
         returncode: its exit status (``-N``: killed by signal N).
         killed_for_memory: :func:`classify_exit`'s verdict; ``reason`` its evidence.
@@ -334,8 +337,9 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None,
         cmd: the training command (argument list, no shell).
         output_dir: where the script writes ``checkpoint-N``; default :func:`detect_output_dir`.
         max_restarts: restarts allowed after memory kills (>= 0).
-        split: the first run's ``MEMGUARD_SPLIT`` (>= 1); default: the environment's, else unset
-            (the restart after a kill then uses 2).
+        split: the first run's ``MEMGUARD_MICRO_BATCHES`` (>= 1); default: the environment's
+            (``MEMGUARD_MICRO_BATCHES``, else the deprecated ``MEMGUARD_SPLIT``), else unset (the
+            restart after a kill then uses 2).
         env: base environment of the child (default ``os.environ``).
         report: receives one human line per event (default: ``logger.warning``).
         runner, counters: the child runner and the OOM-counter reader (defaults: a real
@@ -353,11 +357,9 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None,
                           cmd)
     max_restarts = require_positive_int("max_restarts", max_restarts, allow_zero=True)
     base_env: Dict[str, str] = dict(os.environ if env is None else env)
-    if split is None and base_env.get(SPLIT_ENV):
-        try:
-            split = int(base_env[SPLIT_ENV])
-        except ValueError:
-            raise ConfigError(SPLIT_ENV, "an integer >= 1", base_env[SPLIT_ENV]) from None
+    if split is None:
+        split = micro_batches_from_env(base_env)
+    base_env.pop(OLD_MICRO_BATCHES_ENV, None)  # the child reads the new name only
     if split is not None:
         split = require_positive_int("split", split)
     out_dir = output_dir if output_dir is not None else detect_output_dir(cmd)
@@ -410,14 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="memguard run",
         description="Run a training command; if it is killed for memory (the cgroup OOM killer, a "
-                    "Metal abort), restart it with a doubled micro-batch split (MEMGUARD_SPLIT) and "
+                    "Metal abort), restart it with twice the micro-batches per batch (MEMGUARD_MICRO_BATCHES) and "
                     "from its latest checkpoint (MEMGUARD_RESUME_FROM).",
         epilog="The script resumes with trainer.train(resume_from_checkpoint=memguard_hf.resume_checkpoint()).")
     p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
                    help=f"restarts after memory kills [{DEFAULT_MAX_RESTARTS}]")
     p.add_argument("--output-dir", default=None,
                    help="where the script writes checkpoint-N [detected from the command's --output-dir/--output_dir]")
-    p.add_argument("--split", type=int, default=None, help="first run's MEMGUARD_SPLIT [environment's, else unset]")
+    p.add_argument("--split", type=int, default=None, help="first run's MEMGUARD_MICRO_BATCHES [environment's, else unset]")
     p.add_argument("--report", default=None, metavar="PATH", help="write the attempts as JSON to PATH")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     return p

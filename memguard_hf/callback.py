@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from transformers import TrainerCallback
@@ -49,10 +49,9 @@ from transformers import TrainerCallback
 from memguard_core import microbatch
 from memguard_core import torch_train as tt
 from memguard_core._deprecation import renamed_attribute
-from memguard_core.guard import Guard
-from memguard_core.monitor import GrowPolicy, MemoryEvent, MemoryMonitor, Thresholds
+from memguard_core.guard import Guard, GuardAttributes
+from memguard_core.monitor import GrowPolicy, MemoryEvent, Thresholds
 from memguard_core.options import APPLY_CHOICES, GuardOptions
-from memguard_core.preflight import Preflight
 
 from . import _compat
 from .preflight import read_specs
@@ -76,7 +75,7 @@ def is_oom_error(exc: BaseException) -> bool:
         return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
-class MemGuardCallback(TrainerCallback):
+class MemGuardCallback(GuardAttributes, TrainerCallback):
     """Memory guard for ``transformers.Trainer`` (and subclasses: TRL ``SFTTrainer``, Unsloth).
 
     Args:
@@ -130,18 +129,7 @@ class MemGuardCallback(TrainerCallback):
         self._rows_resolved = 0
         self._oom_in_forward = False
 
-    # the guard's state, read where a user of the callback looks for it
-    monitor: Optional[MemoryMonitor] = property(lambda self: self.guard.monitor)
-    preflight: Optional[Preflight] = property(lambda self: self.guard.preflight)
-    events: List[Dict[str, Any]] = property(lambda self: self.guard.events)
-    micro_batch_rows: List[int] = property(lambda self: self.guard.micro_batch_rows)
-    samples_per_step: List[int] = property(lambda self: self.guard.samples_per_step)
-    oom_retries: int = property(lambda self: self.guard.oom_retries)
-    split_disabled_reason: Optional[str] = property(lambda self: self.guard.split_disabled_reason)
-    summary: Optional[Dict[str, Any]] = property(lambda self: self.guard.summary)
-    budget_bytes: Optional[int] = property(lambda self: self.guard.budget_bytes)
-    grow = property(lambda self: self.guard.grow, lambda self, value: setattr(self.guard, "grow", value),
-                    doc="The monitor's ``GrowPolicy`` (None: never grow back); set it before ``train()``.")
+    # deprecated names
     forward_rows = renamed_attribute("forward_rows", "guard.micro_batch_rows")
 
     # ------------------------------------------------------------------ attaching to the trainer

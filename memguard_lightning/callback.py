@@ -46,15 +46,15 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, Optional, Sequence, Tuple
 
 from lightning.pytorch.callbacks import Callback
 
 from memguard_core import torch_train as tt
 from memguard_core._deprecation import renamed_attribute
 from memguard_core.errors import ConfigError
-from memguard_core.guard import Guard
-from memguard_core.monitor import GrowPolicy, MemoryMonitor, Thresholds
+from memguard_core.guard import Guard, GuardAttributes
+from memguard_core.monitor import GrowPolicy, Thresholds
 from memguard_core.options import APPLY_CHOICES, GuardOptions
 from memguard_core.preflight import Preflight
 
@@ -66,7 +66,7 @@ from .split_step import SplitStep
 logger = logging.getLogger("memguard.lightning")
 
 
-class MemGuardCallback(Callback):
+class MemGuardCallback(GuardAttributes, Callback):
     """Memory guard for ``lightning.pytorch.Trainer``.
 
     Args:
@@ -122,18 +122,7 @@ class MemGuardCallback(Callback):
         self.pl_module = None
         self._started = False
 
-    # the guard's state, read where a user of the callback looks for it
-    monitor: Optional[MemoryMonitor] = property(lambda self: self.guard.monitor)
-    preflight: Optional[Preflight] = property(lambda self: self.guard.preflight)
-    events: List[Dict[str, Any]] = property(lambda self: self.guard.events)
-    micro_batch_rows: List[int] = property(lambda self: self.guard.micro_batch_rows)
-    samples_per_step: List[int] = property(lambda self: self.guard.samples_per_step)
-    oom_retries: int = property(lambda self: self.guard.oom_retries)
-    split_disabled_reason: Optional[str] = property(lambda self: self.guard.split_disabled_reason)
-    summary: Optional[Dict[str, Any]] = property(lambda self: self.guard.summary)
-    budget_bytes: Optional[int] = property(lambda self: self.guard.budget_bytes)
-    grow = property(lambda self: self.guard.grow, lambda self, value: setattr(self.guard, "grow", value),
-                    doc="The monitor's ``GrowPolicy`` (None: never grow back); set it before ``fit()``.")
+    # deprecated names
     forward_rows = renamed_attribute("forward_rows", "guard.micro_batch_rows")
 
     # ------------------------------------------------------------------ setup / teardown

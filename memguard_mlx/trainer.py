@@ -67,9 +67,9 @@ from mlx_lm.tuner.trainer import TrainingArgs, default_loss, iterate_batches
 
 from memguard_core._deprecation import renamed_attribute
 from memguard_core.errors import ConfigError
-from memguard_core.guard import Guard
+from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.microbatch import _merge_empty, split_count
-from memguard_core.monitor import Action, GrowPolicy, Level, MemoryEvent, MemoryMonitor, Thresholds
+from memguard_core.monitor import Action, GrowPolicy, Level, MemoryEvent, Thresholds
 from memguard_core.options import APPLY_CHOICES, GuardOptions
 from memguard_core.preflight import Preflight
 from memguard_core.preflight import default_budget as _core_default_budget
@@ -168,7 +168,7 @@ def _slice(batch: Any, a: int, b: int, rows: int) -> Any:
 # the guard
 
 
-class MlxGuard:
+class MlxGuard(GuardAttributes):
     """Guard settings for :func:`train`, and what happened during the run.
 
     Args:
@@ -261,17 +261,7 @@ class MlxGuard:
         self._batch_k = 1
         self._rows_this_update = 0
 
-    # the guard's state, read where a user looks for it
-    monitor: Optional[MemoryMonitor] = property(lambda self: self.guard.monitor)
-    preflight: Optional[Preflight] = property(lambda self: self.guard.preflight)
-    events: List[Dict[str, Any]] = property(lambda self: self.guard.events)
-    micro_batch_rows: List[int] = property(lambda self: self.guard.micro_batch_rows)
-    samples_per_step: List[int] = property(lambda self: self.guard.samples_per_step)
-    oom_retries: int = property(lambda self: self.guard.oom_retries)
-    summary: Optional[Dict[str, Any]] = property(lambda self: self.guard.summary)
-    budget_bytes: Optional[int] = property(lambda self: self.guard.budget_bytes)
-    grow = property(lambda self: self.guard.grow, lambda self, value: setattr(self.guard, "grow", value),
-                    doc="The monitor's ``GrowPolicy`` (None: never grow back); set it before :func:`train`.")
+    # deprecated names
     chunk_rows = renamed_attribute("chunk_rows", "guard.micro_batch_rows")
     alloc_retries = renamed_attribute("alloc_retries", "guard.oom_retries")
     updates = renamed_attribute("updates", "optimizer_steps")

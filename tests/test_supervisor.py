@@ -72,7 +72,7 @@ def test_detect_output_dir(cmd, out):
 CHILD = r"""
 import json, os, sys
 out = sys.argv[1]
-rec = {k: os.environ.get(k) for k in ("MEMGUARD_ATTEMPT", "MEMGUARD_SPLIT", "MEMGUARD_RESUME_FROM")}
+rec = {k: os.environ.get(k) for k in ("MEMGUARD_ATTEMPT", "MEMGUARD_MICRO_BATCHES", "MEMGUARD_RESUME_FROM")}
 with open(os.path.join(out, "seen.jsonl"), "a") as f:
     f.write(json.dumps(rec) + "\n")
 if int(rec["MEMGUARD_ATTEMPT"]) < int(sys.argv[2]):
@@ -93,12 +93,12 @@ def test_restarts_with_doubled_split_and_latest_checkpoint(tmp_path):
                     report=lines.append)
     assert res.returncode == 0 and res.restarts == 2 and not res.gave_up
     seen = _seen(tmp_path)
-    assert [s["MEMGUARD_SPLIT"] for s in seen] == [None, "2", "4"]
+    assert [s["MEMGUARD_MICRO_BATCHES"] for s in seen] == [None, "2", "4"]
     assert [s["MEMGUARD_RESUME_FROM"] for s in seen] == [None, str(tmp_path / "checkpoint-3"),
                                                         str(tmp_path / "checkpoint-6")]
     assert [a.killed_for_memory for a in res.attempts] == [True, True, False]
     assert len([l for l in lines if "killed for memory" in l]) == 2
-    assert "restart 2/3 with MEMGUARD_SPLIT=4, resuming from" in lines[1]
+    assert "restart 2/3 with MEMGUARD_MICRO_BATCHES=4, resuming from" in lines[1]
 
 
 def test_bounded_retries_then_gives_up_with_the_childs_status(tmp_path):
@@ -106,7 +106,7 @@ def test_bounded_retries_then_gives_up_with_the_childs_status(tmp_path):
     res = supervise([sys.executable, "-c", CHILD, str(tmp_path), "99"], output_dir=str(tmp_path),
                     max_restarts=1, split=4, env=dict(os.environ), report=lines.append)
     assert res.gave_up and res.restarts == 1 and res.returncode == 1
-    assert [s["MEMGUARD_SPLIT"] for s in _seen(tmp_path)] == ["4", "8"]
+    assert [s["MEMGUARD_MICRO_BATCHES"] for s in _seen(tmp_path)] == ["4", "8"]
     assert "no restart left" in lines[-1]
 
 
@@ -140,5 +140,8 @@ def test_supervise_validates():
         supervise("python train.py")
     assert e.value.field == "command"
     with pytest.raises(ConfigError) as e:
-        supervise(["true"], env={"MEMGUARD_SPLIT": "two"})
+        supervise(["true"], env={"MEMGUARD_MICRO_BATCHES": "two"})
+    assert e.value.field == "MEMGUARD_MICRO_BATCHES"
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError) as e:
+        supervise(["true"], env={"MEMGUARD_SPLIT": "two"})  # the deprecated name still read
     assert e.value.field == "MEMGUARD_SPLIT"

@@ -118,6 +118,8 @@ CALLBACK_CASES = [
     (dict(fail_fast="yes"), "fail_fast"),
     (dict(loss_weighting="mean"), "loss_weighting"),
     (dict(split=0), "split"),
+    (dict(micro_batches=0), "micro_batches"),
+    (dict(grow=16), "grow"),
     (dict(monitor_interval_s=-1), "monitor_interval_s"),
     (dict(device="gpu"), "device"),
     (dict(preflight=None), "preflight"),
@@ -130,6 +132,7 @@ def test_memguard_callback_kwargs_name_the_bad_field(kw, field, monkeypatch):
     from memguard_hf import MemGuardCallback
 
     monkeypatch.delenv("MEMGUARD_SPLIT", raising=False)
+    monkeypatch.delenv("MEMGUARD_MICRO_BATCHES", raising=False)
     with pytest.raises(ConfigError) as e:
         MemGuardCallback(**kw)
     assert e.value.field == field

@@ -1,0 +1,196 @@
+"""The guard lifecycle (memguard_core.guard.Guard, docs/lifecycle.md) without a framework: one rule
+per moment, the summary keys, the deprecated names and the version warning of the ``_compat``
+modules."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from memguard_core import versions
+from memguard_core._deprecation import renamed_attribute
+from memguard_core.errors import ConfigError, DoesNotFitError
+from memguard_core.guard import Guard
+from memguard_core.options import GuardOptions, micro_batches_from_env
+from memguard_core.spec import TrainSpec, model_spec_from_hf_config
+
+SMOL = os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")
+GiB = 2**30
+SUMMARY_KEYS = {"split", "max_usage", "budget_bytes", "measured_peak_bytes", "estimated_peak_bytes",
+                "requested_peak_bytes", "optimizer_steps", "samples_per_step", "oom_retries", "events"}
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    monkeypatch.delenv("MEMGUARD_MICRO_BATCHES", raising=False)
+    monkeypatch.delenv("MEMGUARD_SPLIT", raising=False)
+
+
+@pytest.fixture(scope="module")
+def specs():
+    # the MLX counter: no resident-memory term from this (large) pytest process
+    return (model_spec_from_hf_config(SMOL),
+            TrainSpec(batch_size=8, seq_length=128, method="lora", framework="mlx", device="mlx"))
+
+
+def _guard(**kw) -> Guard:
+    kw.setdefault("monitor_interval_s", 0)
+    kw.setdefault("device", "cpu")
+    return Guard(GuardOptions.from_kwargs(**kw), log=logging.getLogger("memguard.test"))
+
+
+def test_a_plan_that_fits_changes_nothing_and_keeps_the_budget(specs):
+    g = _guard(budget_bytes=64 * GiB)
+    mon = g.start(rows=8, read_specs=lambda: specs)
+    try:
+        assert g.preflight is not None and g.preflight.split_factor == 1 and mon.split == 1
+        assert g.budget_bytes == mon.budget_bytes == 64 * GiB
+        assert g.preflight.plan_fraction == g.options.thresholds.warning  # planned below the warning level
+    finally:
+        g.stop()
+
+
+def test_nothing_fits_starts_with_one_row_micro_batches_and_checkpointing(specs, caplog):
+    turned_on = []
+    g = _guard(budget_bytes=2**20)
+    with caplog.at_level(logging.ERROR, logger="memguard.test"):
+        mon = g.start(rows=8, read_specs=lambda: specs, enable_checkpointing=lambda: turned_on.append(True))
+    g.stop()
+    assert mon.split == 8 and turned_on == [True] and g.preflight is None
+    assert "nothing fits" in caplog.text
+
+
+def test_nothing_fits_with_fail_fast_raises(specs):
+    g = _guard(budget_bytes=2**20, fail_fast=True)
+    with pytest.raises(DoesNotFitError):
+        g.start(rows=8, read_specs=lambda: specs)
+    assert g.monitor is None
+
+
+def test_nothing_fits_only_takes_the_allowed_steps(specs):
+    g = _guard(budget_bytes=2**20, apply=("grad_checkpoint",))
+    mon = g.start(rows=8, read_specs=lambda: specs, enable_checkpointing=lambda: None)
+    g.stop()
+    assert mon.split == 1
+
+
+@pytest.mark.parametrize("exc", [ConfigError("model", "a readable model"), RuntimeError("broken")])
+def test_a_preflight_that_cannot_read_the_run_is_skipped(exc, caplog):
+    def read():
+        raise exc
+
+    g = _guard(budget_bytes=GiB)
+    with caplog.at_level(logging.WARNING, logger="memguard.test"):
+        mon = g.start(rows=4, read_specs=read)
+    g.stop()
+    assert g.preflight is None and mon is not None and mon.split == 1 and "preflight" in caplog.text
+
+
+def test_a_preflight_config_error_is_raised_with_fail_fast():
+    def read():
+        raise ConfigError("model", "a readable model")
+
+    with pytest.raises(ConfigError):
+        _guard(budget_bytes=GiB, fail_fast=True).start(rows=4, read_specs=read)
+
+
+def test_micro_batches_never_exceed_the_rows_and_the_default_budget_is_read():
+    g = _guard(micro_batches=16, preflight=False)
+    mon = g.start(rows=4)
+    g.stop()
+    assert mon.split == 4 and mon.max_split == 4 and g.budget_bytes > 0
+
+
+def test_after_oom_doubles_counts_and_gives_up_on_one_row():
+    g = _guard(budget_bytes=GiB, preflight=False)
+    g.start(rows=8)
+    freed = []
+    assert g.after_oom(MemoryError("x"), 1, 8, 3, free=lambda: freed.append(1)) == 2
+    assert g.monitor.split == 2 and g.oom_retries == 1 and freed == [1]
+    exc = MemoryError("one row")
+    with pytest.raises(MemoryError):
+        g.after_oom(exc, 1, 1, 3)
+    g.stop()
+
+
+def test_summary_keys_and_no_calibration_record_after_an_oom_retry(specs, monkeypatch):
+    recorded = []
+    import memguard_core.calibration as cal
+
+    monkeypatch.setattr(cal, "record_preflight", lambda *a, **k: recorded.append(a))
+    g = _guard(budget_bytes=64 * GiB)
+    g.start(rows=8, read_specs=lambda: specs)
+    g.samples_per_step += [8, 8]
+    s = g.finish(2, extra_key=1)
+    assert set(s) == SUMMARY_KEYS | {"extra_key"} and s["optimizer_steps"] == 2 and s["samples_per_step"] == [8]
+    assert len(recorded) == 1
+    g2 = _guard(budget_bytes=64 * GiB)
+    g2.start(rows=8, read_specs=lambda: specs)
+    g2.after_oom(MemoryError("x"), 1, 8, 1)
+    g2.finish(1)
+    assert len(recorded) == 1  # a peak measured into an OOM is not the settings' peak
+
+
+def test_finish_without_a_start_is_none():
+    assert _guard(budget_bytes=GiB).finish(0) is None
+
+
+def test_split_is_a_deprecated_alias_of_micro_batches():
+    with pytest.warns(DeprecationWarning, match="micro_batches"):
+        assert GuardOptions.from_kwargs(split=4).micro_batches == 4
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError) as e:
+        GuardOptions.from_kwargs(split=2, micro_batches=2)
+    assert e.value.field == "split"
+    with pytest.raises(ConfigError) as e:
+        GuardOptions.from_kwargs(micro_batches=0)
+    assert e.value.field == "micro_batches"
+
+
+def test_micro_batches_from_the_environment_old_name_deprecated():
+    assert micro_batches_from_env({"MEMGUARD_MICRO_BATCHES": "4", "MEMGUARD_SPLIT": "2"}) == 4
+    with pytest.warns(DeprecationWarning, match="MEMGUARD_MICRO_BATCHES"):
+        assert micro_batches_from_env({"MEMGUARD_SPLIT": "2"}) == 2
+    with pytest.raises(ConfigError) as e:
+        micro_batches_from_env({"MEMGUARD_MICRO_BATCHES": "0"})
+    assert e.value.field == "MEMGUARD_MICRO_BATCHES"
+    assert micro_batches_from_env({}) is None
+
+
+def test_renamed_attribute_warns_and_forwards():
+    class Inner:
+        micro_batch_rows = [1]
+
+    class Outer:
+        guard = Inner()
+        forward_rows = renamed_attribute("forward_rows", "guard.micro_batch_rows")
+
+    o = Outer()
+    with pytest.warns(DeprecationWarning, match="micro_batch_rows"):
+        assert o.forward_rows == [1]
+    with pytest.warns(DeprecationWarning):
+        o.forward_rows = [2]
+    assert Inner.micro_batch_rows == [1] and o.guard.micro_batch_rows == [2]
+
+
+def test_version_outside_the_checked_range_warns_once(monkeypatch, caplog):
+    monkeypatch.setattr(versions, "installed_version", lambda dist: "9.1.0")
+    monkeypatch.setattr(versions, "_warned", set())
+    log = logging.getLogger("memguard.test")
+    with caplog.at_level(logging.WARNING, logger="memguard.test"):
+        assert not versions.warn_outside("somepkg", ("1.2", "1.4"), ["Thing._private"], log)
+        assert not versions.warn_outside("somepkg", ("1.2", "1.4"), ["Thing._private"], log)
+    assert caplog.text.count("Thing._private") == 1
+    assert versions.in_range("1.4.7", ("1.2", "1.4")) and not versions.in_range("1.10", ("1.2", "1.4"))
+    monkeypatch.setattr(versions, "installed_version", lambda dist: "1.3.0")
+    assert versions.warn_outside("otherpkg", ("1.2", "1.4"), ["x"], log)
+
+
+def test_the_core_and_the_guard_import_no_framework():
+    code = ("import sys, memguard_core, memguard_core.guard, memguard_core.options, memguard_core.supervisor; "
+            "bad = [m for m in ('torch', 'transformers', 'mlx', 'lightning') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

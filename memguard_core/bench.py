@@ -801,6 +801,8 @@ def specs_of(case: dict, rec: dict):
     if rec.get("train_spec"):
         t = dict(rec["train_spec"])
         t["lora_targets"] = tuple(t["lora_targets"])
+        if "ranks" in t:  # records written before TrainSpec.ranks became world_size
+            t["world_size"] = t.pop("ranks")
         return ms, TrainSpec(**t)
     kw = case["train"]
     return ms, TrainSpec(batch_size=kw["batch_size"], seq_length=kw["seq_length"], grad_accum=kw["grad_accum"],

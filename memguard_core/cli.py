@@ -34,6 +34,7 @@ FLAG_OF = {
     "num_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "model_bits": "--model-bits",
     "vocab_size": "--vocab-size", "intermediate_size": "--intermediate-size",
     "budget_bytes": "--budget-gib", "safety_ratio": "--safety-ratio", "ranks": "--ranks",
+    "world_size": "--world-size",
 }
 
 GiB = 2**30
@@ -81,7 +82,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--device", default="cpu",
                    help="counter predicted: cpu (peak RSS, VmHWM) | cuda (peak device memory) | mlx "
                         "(mx.get_peak_memory) [cpu]")
-    t.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (effective batch only) [1]")
+    t.add_argument("--world-size", type=int, default=1,
+                   help="data-parallel processes (effective batch only) [1]")
+    t.add_argument("--ranks", type=int, default=None, help=argparse.SUPPRESS)  # deprecated: --world-size
     b = p.add_argument_group("planning (optional)")
     b.add_argument("--budget-gib", type=float, help="plan against this budget (GiB)")
     b.add_argument("--available-gib", type=float,
@@ -189,7 +192,8 @@ def _train_spec(args, model_spec):
                      method=args.method, lora_rank=args.lora_rank, lora_targets=targets,
                      lora_layers=args.lora_layers, optimizer=args.optimizer, dtype=dtype,
                      mixed_precision=args.mixed_precision, grad_checkpoint=args.grad_checkpoint,
-                     attn_impl=args.attn, framework=args.framework, device=args.device, ranks=args.ranks)
+                     attn_impl=args.attn, framework=args.framework, device=args.device,
+                     world_size=args.world_size, ranks=args.ranks)
 
 
 def cmd_estimate(args) -> int:

@@ -185,7 +185,7 @@ class TrainSpec:
     Attributes:
         batch_size: micro-batch size (rows one forward pass sees), >= 1.
         seq_length: tokens per row (padded length), >= 1.
-        grad_accum: gradient accumulation steps (effective batch = batch_size x grad_accum x ranks).
+        grad_accum: gradient accumulation steps (effective batch = batch_size x grad_accum x world_size).
         method: ``full`` | ``lora`` | ``qlora``.
         lora_rank: LoRA rank r.
         lora_targets: module names LoRA wraps, or ``("all-linear",)``.
@@ -203,7 +203,8 @@ class TrainSpec:
         framework: ``hf`` | ``lightning`` | ``mlx`` (whose conventions apply).
         device: which counter the estimate predicts: ``cpu`` (peak RSS, VmHWM), ``cuda`` (peak
             device memory incl. context), ``mlx`` (``mx.get_peak_memory()``).
-        ranks: data-parallel ranks (only for the effective batch).
+        world_size: data-parallel processes (only for the effective batch). ``ranks`` is its
+            deprecated name (accepted by the constructor and readable, with a ``DeprecationWarning``).
         resident_file_bytes: this process's file-backed resident pages (``RssFile``: mapped
             libraries) when training starts, bytes, as the adapters read it on Linux; ``None`` =
             the typical figure of :data:`memguard_core.estimate.CPU_FILE_PAGES_AT_START_BYTES`. It
@@ -225,17 +226,27 @@ class TrainSpec:
     attn_impl: str = "sdpa"
     framework: str = "hf"
     device: str = "cpu"
-    ranks: int = 1
+    world_size: int = 1
     resident_file_bytes: Optional[int] = None
+    ranks: dataclasses.InitVar[Optional[int]] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, ranks: Optional[int] = None) -> None:
+        if ranks is not None:
+            from ._deprecation import warn_renamed
+
+            require_positive_int("ranks", ranks)
+            warn_renamed("ranks", "world_size", stacklevel=4)
+            if self.world_size not in (1, ranks):
+                raise ConfigError("ranks", f"not given together with world_size={self.world_size} (its new name)",
+                                  ranks)
+            object.__setattr__(self, "world_size", ranks)
         require_positive_int("batch_size", self.batch_size)
         rf = self.resident_file_bytes
         if rf is not None and (isinstance(rf, bool) or not isinstance(rf, int) or rf < 0):
             raise ConfigError("resident_file_bytes", "an integer >= 0 (bytes) or None", rf)
         require_positive_int("seq_length", self.seq_length)
         require_positive_int("grad_accum", self.grad_accum)
-        require_positive_int("ranks", self.ranks)
+        require_positive_int("world_size", self.world_size)
         object.__setattr__(self, "method", require_choice("method", self.method, METHODS))
         object.__setattr__(self, "optimizer", require_choice("optimizer", self.optimizer, OPTIMIZERS))
         object.__setattr__(self, "dtype", require_choice("dtype", self.dtype, DTYPES))
@@ -256,11 +267,25 @@ class TrainSpec:
 
     @property
     def effective_batch(self) -> int:
-        """Samples per optimizer step: micro-batch x accumulation x ranks."""
-        return self.batch_size * self.grad_accum * self.ranks
+        """Samples per optimizer step: micro-batch x accumulation x world_size."""
+        return self.batch_size * self.grad_accum * self.world_size
 
     def replace(self, **changes: Any) -> "TrainSpec":
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` (field names; ``ranks`` is the deprecated ``world_size``)."""
+        # ranks=None: dataclasses.replace would otherwise read the deprecated alias back
+        return dataclasses.replace(self, **{"ranks": None, **changes})
+
+
+def _ranks(self: TrainSpec) -> int:
+    from ._deprecation import warn_renamed
+
+    warn_renamed("ranks", "world_size")
+    return self.world_size
+
+
+# the constructor's ``ranks`` (an InitVar) stays; reading it gives world_size, with a warning (use
+# TrainSpec.replace, not dataclasses.replace, which would read it back)
+TrainSpec.ranks = property(_ranks, doc="Deprecated alias of ``world_size``.")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def trainspec_from_trainer(trainer: Any, model_spec: ModelSpec, *, seq_length: O
                      grad_accum=args.gradient_accumulation_steps, method=method,
                      optimizer=tt.optimizer_name(args.optim), dtype=dtype, mixed_precision=mixed,
                      grad_checkpoint=gc_on, attn_impl=attn_impl_from(_compat.attn_implementation(model)),
-                     framework="hf", device=device, ranks=max(1, int(getattr(args, "world_size", 1))),
+                     framework="hf", device=device, world_size=max(1, int(getattr(args, "world_size", 1))),
                      **tt.file_pages_kwargs(device, kwargs))
 
 

@@ -91,7 +91,7 @@ def trainspec_from_lightning(trainer, pl_module, batch: Any, model_spec: ModelSp
                      method=method, optimizer=tt.optimizer_name(opts[0]) if opts else "adamw", dtype=dtype,
                      mixed_precision=mixed, grad_checkpoint=target is not None and tt.checkpointing_on(target),
                      attn_impl=attn_impl, framework="lightning", device=device,
-                     ranks=max(1, int(trainer.world_size)), **tt.file_pages_kwargs(device, kwargs))
+                     world_size=max(1, int(trainer.world_size)), **tt.file_pages_kwargs(device, kwargs))
 
 
 def read_specs(trainer, pl_module, batch: Any, *, seq_length: Optional[int] = None,

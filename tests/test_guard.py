@@ -194,3 +194,15 @@ def test_the_core_and_the_guard_import_no_framework():
             "bad = [m for m in ('torch', 'transformers', 'mlx', 'lightning') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_trainspec_ranks_is_a_deprecated_alias_of_world_size():
+    with pytest.warns(DeprecationWarning, match="world_size"):
+        ts = TrainSpec(batch_size=2, grad_accum=3, ranks=4)
+    assert ts.world_size == 4 and ts.effective_batch == 24 and ts == TrainSpec(batch_size=2, grad_accum=3, world_size=4)
+    with pytest.warns(DeprecationWarning):
+        assert ts.ranks == 4
+    assert ts.replace(batch_size=1).world_size == 4  # replace does not go through the alias
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError) as e:
+        TrainSpec(world_size=2, ranks=4)
+    assert e.value.field == "ranks"

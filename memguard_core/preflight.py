@@ -2,9 +2,9 @@
 the budget with only the steps the adapter may take, and sort the plan's changes into those the
 adapter applies in place (micro-batch split, activation checkpointing) and those the user must make.
 
-The adapters (``memguard_hf.preflight``, ``memguard_lightning.preflight``) read the model and the
-framework's settings into a ``ModelSpec`` / ``TrainSpec`` and call :func:`plan_in_place`; this
-module imports no framework (the HF and Lightning adapters must not import each other's framework).
+The adapters (``memguard_hf.preflight``, ``memguard_lightning.preflight``, ``memguard_mlx.spec``)
+read the model and the framework's settings into a ``ModelSpec`` / ``TrainSpec``;
+``memguard_core.guard.Guard.plan`` calls :func:`plan_in_place`. This module imports no framework.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
 
     fraction = require_fraction("plan_fraction", plan_fraction)
     runs = 0
-    if correction is None:  # calibration (issue #6): never raises, 1.0 without 3 comparable runs
+    if correction is None:  # calibration: never raises, 1.0 without 3 comparable runs
         from .calibration import correction_for
 
         found = correction_for(model_spec, train_spec)

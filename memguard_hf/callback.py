@@ -8,7 +8,7 @@ What it does:
   place (activation checkpointing, the micro-batches per batch), reports the rest and starts the
   monitor; at ``on_train_end`` it writes the run summary.
 * **Virtual micro-batches**: ``trainer.training_step`` is wrapped on the instance. When the split
-  factor k > 1, each batch that reaches it is cut into k chunks (``memguard_hf.microbatch``); each
+  factor k > 1, each batch that reaches it is cut into k chunks (``memguard_core.microbatch``); each
   chunk runs forward+backward through the Trainer's own ``training_step`` (so subclasses such as
   TRL's ``SFTTrainer`` keep their ``compute_loss``), weighted so that the accumulated gradient
   equals the unsplit one. The dataloader, ``gradient_accumulation_steps``, the scheduler and the

@@ -190,7 +190,7 @@ class MlxGuard(GuardAttributes):
         leak_detector: ``True`` (default :class:`LeakDetector`), ``False``, or a detector.
         monitor_interval_s: background sampling period (0: no thread).
         clear_cache_on_warning: ``mx.clear_cache()`` at the next batch boundary when the monitor
-            enters the warning level (seed 001; the monitor itself cleans at critical).
+            enters the warning level (the monitor itself cleans at critical).
         chunk_weight: ``fn(chunk, value, weight) -> mx.array``: a chunk's loss weight for a custom
             loss (default: the loss's own second output, ``ntoks`` for ``default_loss``).
         on_event: callable receiving every ``MemoryEvent``.

@@ -25,10 +25,33 @@ from .monitor import MemoryEvent, MemoryMonitor
 from .options import GuardOptions
 from .preflight import Preflight, default_budget, plan_in_place, resident_bytes_for
 
-__all__ = ["Guard", "GuardAttributes", "SpecReader"]
+__all__ = ["Guard", "GuardAttributes", "RunSummary", "SpecReader"]
 
 #: ``read_specs() -> (ModelSpec, TrainSpec)``: the adapter's reading of the run it guards.
 SpecReader = Callable[[], Tuple[Any, Any]]
+
+
+class RunSummary(dict):
+    """The run summary (a dict). The MLX adapter's old key names still read, with a
+    ``DeprecationWarning``: ``optimizer_updates`` (``optimizer_steps``), ``alloc_retries``
+    (``oom_retries``); they are not among the keys."""
+
+    RENAMED = {"optimizer_updates": "optimizer_steps", "alloc_retries": "oom_retries"}
+
+    def __missing__(self, key: str) -> Any:
+        if key in self.RENAMED:
+            from ._deprecation import warn_renamed
+
+            warn_renamed(key, self.RENAMED[key])
+            return self[self.RENAMED[key]]
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``dict.get``, old key names included."""
+        try:
+            return self[key]
+        except KeyError:
+            return default
 
 
 class Guard:
@@ -280,7 +303,7 @@ class Guard:
             measured = mon.final_sample()
             if measured_bytes is not None:
                 measured = measured_bytes()
-            self.summary = {
+            self.summary = RunSummary({
                 "split": mon.split,
                 "max_usage": round(mon.max_usage, 4),
                 "budget_bytes": mon.budget_bytes,
@@ -292,7 +315,7 @@ class Guard:
                 "oom_retries": self.oom_retries,
                 "events": len(self.events),
                 **extra,
-            }
+            })
             self.log.info("memguard summary: %s", self.summary)
             if not self.oom_retries:
                 from .calibration import record_preflight

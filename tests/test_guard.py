@@ -128,6 +128,11 @@ def test_summary_keys_and_no_calibration_record_after_an_oom_retry(specs, monkey
     s = g.finish(2, extra_key=1)
     assert set(s) == SUMMARY_KEYS | {"extra_key"} and s["optimizer_steps"] == 2 and s["samples_per_step"] == [8]
     assert len(recorded) == 1
+    with pytest.warns(DeprecationWarning, match="optimizer_steps"):
+        assert s["optimizer_updates"] == 2  # the MLX adapter's old key
+    with pytest.warns(DeprecationWarning):
+        assert s.get("alloc_retries") == 0
+    assert s.get("nothing", 7) == 7
     g2 = _guard(budget_bytes=64 * GiB)
     g2.start(rows=8, read_specs=lambda: specs)
     g2.after_oom(MemoryError("x"), 1, 8, 1)

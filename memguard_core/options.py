@@ -104,7 +104,8 @@ class GuardOptions:
                 for a bad environment value).
         """
         if split is not None:
-            warn_renamed("split", "micro_batches")
+            # stacklevel 4: the user's line that built the adapter (adapter -> from_kwargs -> here)
+            warn_renamed("split", "micro_batches", stacklevel=4)
             if micro_batches is not None:
                 raise ConfigError("split", "not given together with micro_batches (its new name)", split)
             if not _positive_int(split):

@@ -73,7 +73,8 @@ def test_packed_batch_is_cut_at_sequence_boundaries():
 
 @pytest.mark.parametrize("kwargs,field", [
     ({"budget_bytes": -1}, "budget_bytes"), ({"loss_weighting": "mean"}, "loss_weighting"),
-    ({"split": 0}, "split"), ({"apply": ("seq_length",)}, "apply"), ({"label_key": 1.5}, "label_key"),
+    ({"split": 0}, "split"), ({"micro_batches": 0}, "micro_batches"), ({"apply": ("seq_length",)}, "apply"),
+    ({"label_key": 1.5}, "label_key"),
     ({"seq_length": 0}, "seq_length"), ({"monitor_interval_s": -1}, "monitor_interval_s"),
     ({"safety_ratio": 1.5}, "safety_ratio"), ({"shift_labels": "yes"}, "shift_labels"),
     ({"thresholds": 0.9}, "thresholds"), ({"device": "gpu"}, "device"), ({"fail_fast": "no"}, "fail_fast"),

@@ -70,8 +70,9 @@ class Guard:
         preflight: the ``Preflight`` (None without one, or when it failed).
         monitor: the ``MemoryMonitor`` once started.
         events: every ``MemoryEvent`` as a dict.
-        micro_batch_rows: rows (packed batches: sequences) of every micro-batch forward that ran,
-            a failed one included.
+        micro_batch_rows: rows (packed batches: sequences) of every micro-batch forward that ran
+            (torch adapters: a failed one included; MLX, whose failures surface when the gradient
+            is evaluated: the micro-batches that went through).
         samples_per_step: rows per optimizer step.
         oom_retries: out-of-memory errors recovered by a re-split.
         split_disabled_reason: why the adapter cannot cut batches in place (None: it can).
@@ -129,6 +130,8 @@ class Guard:
         """
         opts = self.options
         self.start_time = time.time()
+        # a new start (Lightning: a second fit) reads the budget and plans afresh
+        self.budget_bytes, self.preflight = opts.budget_bytes, None
         rows = max(1, int(rows))
         k = opts.micro_batches
         if opts.preflight and read_specs is not None:
@@ -194,7 +197,7 @@ class Guard:
         """
         opts = self.options
         model_spec, train_spec = read_specs()
-        budget = self.budget_bytes
+        budget = opts.budget_bytes
         if budget is None:
             budget = default_budget(train_spec.device if opts.device == "auto" else opts.device, opts.safety_ratio)
         apply = tuple(a for a in opts.apply if a != "grad_checkpoint" or enable_checkpointing is not None)

@@ -205,7 +205,8 @@ class MemGuardCallback(GuardAttributes, TrainerCallback):
                          read_specs=lambda: read_specs(trainer, seq_length=opts.seq_length, device=opts.device),
                          enable_checkpointing=(lambda: tt.enable_activation_checkpointing(trainer.model))
                          if can_checkpoint else None,
-                         plan_hint=": set per_device_train_batch_size and gradient_accumulation_steps so")
+                         plan_hint=": set per_device_train_batch_size and gradient_accumulation_steps "
+                                   "to these numbers")
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._rows_this_step = 0

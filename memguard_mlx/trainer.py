@@ -304,7 +304,7 @@ class MlxGuard(GuardAttributes):
                          read_specs=_reader(model, optimizer, args, train_dataset, self.options.seq_length),
                          enable_checkpointing=lambda: _compat.grad_checkpoint(model.layers[0]),
                          before_monitor=self._apply_limits, clean_fn=self._request_clean, peak_fn=self._peak_fn,
-                         plan_hint=": set TrainingArgs batch_size and grad_accumulation_steps so")
+                         plan_hint=": set TrainingArgs batch_size and grad_accumulation_steps to these numbers")
 
     def _apply_limits(self, budget_bytes: int, planned_peak: Optional[int]) -> None:
         if self.controls is not None:
@@ -484,7 +484,8 @@ def train(
     def report_extra(ui, it, rank):
         mon = guard.monitor
         if mon is not None and mon.split > 1 and rank == 0:
-            _compat.print_muted(ui, f"memguard: k={mon.split} chunks per batch, peak {guard.peak_so_far() / 1e9:.3f} GB")
+            peak_gb = guard.peak_so_far() / 1e9
+            _compat.print_muted(ui, f"memguard: k={mon.split} chunks per batch, peak {peak_gb:.3f} GB")
 
     try:
         train_loop(model, optimizer, train_dataset, val_dataset, args, loss, iterate_batches, training_callback,

@@ -1,5 +1,6 @@
 """``memguard`` command line: estimate | probe | demo | run | bench | calibration.
 
+    memguard estimate Qwen/Qwen2.5-7B-Instruct --batch-size 4 --seq-length 2048   # hub id (config only)
     memguard estimate --config config.json --batch-size 8 --seq-length 2048 --method lora
     memguard estimate --config config.json ... --budget-gib 20      # and plan against a budget
     memguard estimate ... --json                                     # one JSON object
@@ -25,7 +26,7 @@ from .errors import ConfigError, DoesNotFitError, MemGuardError
 
 # TrainSpec / ModelSpec field -> the CLI flag that sets it (so errors name what the user typed)
 FLAG_OF = {
-    "config": "--config",
+    "config": "--config", "model": "MODEL", "image_tokens": "--image-tokens", "revision": "--revision",
     "batch_size": "--batch-size", "seq_length": "--seq-length", "grad_accum": "--grad-accum",
     "method": "--method", "lora_rank": "--lora-rank", "lora_targets": "--lora-targets",
     "lora_layers": "--lora-layers", "optimizer": "--optimizer", "dtype": "--dtype",
@@ -45,8 +46,13 @@ def _gib(n: float) -> str:
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("model (give --config, or the plain numbers)")
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help="a Hugging Face Hub id (Qwen/Qwen2.5-7B-Instruct: its config.json only, through the "
+                        "HF cache; HF_HOME / HF_HUB_CACHE / HF_HUB_OFFLINE apply), a local model folder, or a "
+                        "config.json")
+    m = p.add_argument_group("model (give MODEL, --config, or the plain numbers)")
     m.add_argument("--config", metavar="PATH", help="HF config.json (or a folder holding one)")
+    m.add_argument("--revision", default=None, help="hub branch, tag or commit of MODEL [the default branch]")
     m.add_argument("--model-params", type=float, help="total parameters, e.g. 7e9")
     m.add_argument("--hidden-dim", type=int)
     m.add_argument("--num-layers", type=int)
@@ -78,10 +84,15 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--grad-checkpoint", action="store_true", help="activation (gradient) checkpointing")
     t.add_argument("--attn", default="sdpa", help="eager | sdpa | flash [sdpa]")
     t.add_argument("--double-quant", action="store_true", help="QLoRA with double quantization (4.127 bits)")
+    t.add_argument("--image-tokens", type=int, default=None,
+                   help="image tokens per row of a vision-language model, on top of --seq-length "
+                        "[one image at the model family's default: the config's mm_tokens_per_image / "
+                        "image_seq_len, or its vision patch grid; 256 for Qwen2-VL at 448 px]")
     t.add_argument("--framework", default="hf", help="hf | lightning | mlx (its conventions apply) [hf]")
-    t.add_argument("--device", default="cpu",
+    t.add_argument("--device", default=None,
                    help="counter predicted: cpu (peak RSS, VmHWM) | cuda (peak device memory) | mlx "
-                        "(mx.get_peak_memory) [cpu]")
+                        "(mx.get_peak_memory) [the device this machine would train on: cuda when torch "
+                        "sees a GPU, mlx for --framework mlx, else cpu]")
     t.add_argument("--world-size", type=int, default=1,
                    help="data-parallel processes (effective batch only) [1]")
     t.add_argument("--ranks", type=int, default=None, help=argparse.SUPPRESS)  # deprecated: --world-size
@@ -146,6 +157,12 @@ def _model_spec(args):
     qbits = None
     if args.method.strip().lower() == "qlora":
         qbits = 4
+    if args.model:
+        from .sources import resolve_model_config
+
+        if args.config:
+            raise ConfigError("--config", "not given together with MODEL (one model source)", args.config)
+        args.config = resolve_model_config(args.model, revision=args.revision)
     if args.config:
         return model_spec_from_hf_config(args.config, quantization_bits=qbits, double_quant=args.double_quant)
     missing = [f for f in ("model_params", "hidden_dim", "num_layers", "num_heads") if getattr(args, f) is None]
@@ -183,6 +200,32 @@ def resolve_dtype(dtype, mixed_precision: bool, model_spec) -> str:
     return "fp32" if model_spec.dense_bits >= 32 else "bf16"
 
 
+def default_device(framework: str = "hf", torch_cuda=None) -> str:
+    """The counter ``memguard estimate`` predicts when ``--device`` is not given: the device this
+    machine would train on. ``mlx`` for ``--framework mlx`` (mlx_lm has only MLX's counter);
+    ``cuda`` when torch is installed and ``torch.cuda.is_available()`` (``CUDA_VISIBLE_DEVICES``
+    applies); else ``cpu``. ``torch_cuda`` replaces ``torch.cuda`` (tests).
+
+    torch is imported only to answer this (the estimate itself imports no framework)."""
+    if str(framework).strip().lower() == "mlx":
+        return "mlx"
+    if torch_cuda is None:
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            return "cpu"
+        try:
+            import torch
+
+            torch_cuda = torch.cuda
+        except Exception:  # a broken torch install: the host counter
+            return "cpu"
+    try:
+        return "cuda" if torch_cuda.is_available() else "cpu"
+    except Exception:
+        return "cpu"
+
+
 def _train_spec(args, model_spec):
     from .spec import TrainSpec
 
@@ -192,7 +235,9 @@ def _train_spec(args, model_spec):
                      method=args.method, lora_rank=args.lora_rank, lora_targets=targets,
                      lora_layers=args.lora_layers, optimizer=args.optimizer, dtype=dtype,
                      mixed_precision=args.mixed_precision, grad_checkpoint=args.grad_checkpoint,
-                     attn_impl=args.attn, framework=args.framework, device=args.device,
+                     attn_impl=args.attn, framework=args.framework,
+                     device=args.device or default_device(args.framework),
+                     image_tokens=model_spec.image_tokens if args.image_tokens is None else args.image_tokens,
                      world_size=args.world_size, ranks=args.ranks)
 
 
@@ -306,10 +351,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return calibration_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    from rich.console import Console
     from rich.logging import RichHandler
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(name)s: %(message)s",
-                        handlers=[RichHandler(show_path=False, show_time=False, rich_tracebacks=False)])
+                        handlers=[RichHandler(show_path=False, show_time=False, rich_tracebacks=False,
+                                              console=Console(stderr=True))])  # stdout: tables / --json
     if args.command is None:
         parser.print_help()
         return 2

@@ -48,7 +48,10 @@ def estimate_table(est, budget_bytes: Optional[int] = None, title: str = "memgua
         f"{f' r={ts.lora_rank}' if ts.method != 'full' else ''}, micro-batch {ts.batch_size} x accum "
         f"{ts.grad_accum}, seq {ts.seq_length}, {ts.optimizer}, compute {ts.dtype}"
         f"{' (autocast)' if ts.mixed_precision else ''}, ckpt {'on' if ts.grad_checkpoint else 'off'}, "
-        f"attn {ts.attn_impl}, framework {ts.framework}"))
+        f"attn {ts.attn_impl}, framework {ts.framework}"
+        f"{f', image tokens {ts.image_tokens}/row' if getattr(ts, 'image_tokens', 0) else ''}"
+        f"{f', vision tower {ms.params.vision / 1e6:,.1f}M' if getattr(ms.params, 'vision', 0) else ''}"
+        f"; predicts {COUNTER_LABELS.get(est.counter, est.counter)}"))
     t.add_column(f"term (at the {est.phase} peak)")
     t.add_column("GiB", justify="right")
     t.add_column("share", justify="right")
@@ -59,11 +62,21 @@ def estimate_table(est, budget_bytes: Optional[int] = None, title: str = "memgua
     t.add_row(f"[b]peak ({est.counter}), at the {est.phase} moment[/b]", f"[b]{est.peak_bytes / GiB:,.2f}[/b]", "")
     for phase, val in est.phases.items():
         t.add_row(f"  {phase} moment", f"{val / GiB:,.2f}", "" if phase != est.phase else "peak")
+    for note in getattr(est, "notes", ()):
+        t.add_row(f"[dim]note: {note}[/dim]", "", "")
     if budget_bytes is not None:
         ok = est.peak_bytes <= budget_bytes
         t.add_row("budget", f"{budget_bytes / GiB:,.2f}", f"{est.peak_bytes / budget_bytes:.0%} used")
         t.add_row("verdict", "[green]fits[/green]" if ok else "[red]does not fit[/red]", "")
     return t
+
+
+#: What each counter measures, as the table names it.
+COUNTER_LABELS = {
+    "cpu": "cpu: the process's peak RSS (VmHWM)",
+    "cuda": "cuda: peak device memory (allocator reserved + CUDA context)",
+    "mlx": "mlx: mx.get_peak_memory()",
+}
 
 
 def weights_label(ms) -> str:

@@ -18,7 +18,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, List, Mapping, Optional
 
 from .errors import ConfigError, require_choice, require_positive_int
 
@@ -70,6 +70,9 @@ class ParamCounts:
 
     ``attention``, ``mlp``, ``experts``, ``router`` and ``norms`` cover all blocks together;
     ``norms`` also holds the final norm; ``embeddings`` holds token (and learned position) embeddings.
+    ``vision`` holds a vision-language model's vision tower and multimodal projector (everything
+    outside the language model's blocks whose module path names the vision side, see
+    ``_VISION_PARTS``); LoRA leaves it frozen (its linears are not block linears).
     """
 
     embeddings: int = 0
@@ -80,6 +83,7 @@ class ParamCounts:
     norms: int = 0
     lm_head: int = 0
     other: int = 0
+    vision: int = 0
 
     # norms of the blocks only (a subset of ``norms``, without the final norm)
     norms_in_blocks: int = 0
@@ -87,7 +91,7 @@ class ParamCounts:
     @property
     def total(self) -> int:
         return (self.embeddings + self.attention + self.mlp + self.experts + self.router
-                + self.norms + self.lm_head + self.other)
+                + self.norms + self.lm_head + self.other + self.vision)
 
     @property
     def blocks(self) -> int:
@@ -136,6 +140,10 @@ class ModelSpec:
             config's ``torch_dtype``, a live module's embedding dtype), ``None`` when unknown.
             For specs not read from a live module the TrainSpec decides what is counted: see
             :func:`weights_for_training`.
+        max_position_embeddings: the longest sequence the positions cover (config
+            ``max_position_embeddings`` / ``n_positions``; 0 when unknown).
+        image_tokens: tokens one image adds to the language model's sequence for a
+            vision-language model (:func:`image_tokens_per_image`; 0 for text-only models).
     """
 
     name: str
@@ -165,6 +173,8 @@ class ModelSpec:
     weight_dtype: Optional[str] = None
     attn_logit_softcapping: float = 0.0
     final_logit_softcapping: float = 0.0
+    max_position_embeddings: int = 0
+    image_tokens: int = 0
 
     @property
     def total_params(self) -> int:
@@ -210,6 +220,9 @@ class TrainSpec:
             the typical figure of :data:`memguard_core.estimate.CPU_FILE_PAGES_AT_START_BYTES`. It
             is part of VmHWM and depends on the page cache, not on the model: the same run read
             128 MiB in one venv and 227 MiB in a fresh copy of it here.
+        image_tokens: image tokens per row of a vision-language model, on top of ``seq_length``
+            (the text tokens): the language model's sequence is ``seq_length + image_tokens``
+            (images per row x :attr:`ModelSpec.image_tokens`); 0 for text-only rows.
     """
 
     batch_size: int = 1
@@ -228,6 +241,7 @@ class TrainSpec:
     device: str = "cpu"
     world_size: int = 1
     resident_file_bytes: Optional[int] = None
+    image_tokens: int = 0
     ranks: dataclasses.InitVar[Optional[int]] = None
 
     def __post_init__(self, ranks: Optional[int] = None) -> None:
@@ -246,6 +260,9 @@ class TrainSpec:
             raise ConfigError("resident_file_bytes", "an integer >= 0 (bytes) or None", rf)
         require_positive_int("seq_length", self.seq_length)
         require_positive_int("grad_accum", self.grad_accum)
+        it = self.image_tokens
+        if isinstance(it, bool) or not isinstance(it, int) or it < 0:
+            raise ConfigError("image_tokens", "an integer >= 0 (image tokens per row)", it)
         require_positive_int("world_size", self.world_size)
         object.__setattr__(self, "method", require_choice("method", self.method, METHODS))
         object.__setattr__(self, "optimizer", require_choice("optimizer", self.optimizer, OPTIMIZERS))
@@ -377,6 +394,20 @@ def _component_kind(parts: list, is_moe: bool) -> str:
     if any(p in _MLP_NAMES or "mlp" in p.lower() or "ffn" in p.lower() for p in parts):
         return "mlp"
     return "other"
+
+
+#: Module names of a vision-language model's vision side (transformers 5 modeling code:
+#: Qwen2-VL / Qwen2.5-VL ``model.visual`` (its ``merger`` inside), LLaVA / Gemma-3 / Mllama
+#: ``model.vision_tower`` or ``vision_model`` + ``model.multi_modal_projector``, SmolVLM / Idefics3
+#: ``model.vision_model`` + ``model.connector``, LLaVA-NeXT ``image_newline``).
+_VISION_PARTS = frozenset({"visual", "vision_tower", "vision_model", "vision_encoder", "vision_embed_tokens",
+                           "multi_modal_projector", "mm_projector", "vision_projector", "connector",
+                           "image_newline", "vision"})
+
+
+def _is_vision_path(parts: list) -> bool:
+    """True when a parameter's module path (outside the blocks) lies on the vision side."""
+    return any(p in _VISION_PARTS for p in parts)
 
 
 def _is_norm(module: Any) -> bool:
@@ -539,7 +570,7 @@ def _count_params(model: Any, *, num_layers: Optional[int], hidden_size: int, is
     out_ids = {id(p) for p in emb_out.parameters()} if emb_out is not None else set()
 
     c = dict(embeddings=0, attention=0, mlp=0, experts=0, router=0, norms=0, lm_head=0, other=0,
-             norms_in_blocks=0)
+             vision=0, norms_in_blocks=0)
     adapter = trainable = 0
     per_block: dict = {}
     lora_dims: list = []
@@ -596,7 +627,9 @@ def _count_params(model: Any, *, num_layers: Optional[int], hidden_size: int, is
             c[kind] += n
             bc[kind] += n
             continue
-        if isinstance(owner, nn.Embedding) or owner is emb_in:
+        if _is_vision_path(parts[:-1]):
+            c["vision"] += n
+        elif isinstance(owner, nn.Embedding) or owner is emb_in:
             c["embeddings"] += n
         elif owner is not None and _is_norm(owner):
             c["norms"] += n
@@ -655,6 +688,56 @@ def dropout_probabilities(cfg: Any) -> dict:
     return out
 
 
+#: Image tokens per image a vision-language decoder sees, when the config does not fix it, by
+#: model type: the family's documented default resolution. Qwen2-VL / Qwen2.5-VL resize each image
+#: dynamically (processor ``min_pixels`` .. ``max_pixels``); 448 x 448 px -> (448 / 14)^2 patches /
+#: ``spatial_merge_size``^2 = 256 tokens is counted (``Qwen2VLImageProcessor``: one token per 28 x 28
+#: px). Mllama feeds the image through cross-attention layers, so the decoder sequence does not grow.
+IMAGE_TOKENS_DEFAULT_PX = {"qwen2_vl": 448, "qwen2_5_vl": 448, "qwen3_vl": 448}
+#: Tiles one image becomes at the processor's default settings, by model type: Idefics3 / SmolVLM
+#: split an image into up to 4 x 4 tiles plus a downscaled global view (``do_image_splitting=True``,
+#: ``max_image_size`` = 4 tiles per edge: ``Idefics3ImageProcessor``); LLaVA-NeXT's ``anyres`` adds up
+#: to 2 x 2 grid tiles to the base view (``image_grid_pinpoints`` up to 672 x 672).
+IMAGE_TILES_DEFAULT = {"idefics3": 17, "smolvlm": 17, "llava_next": 5}
+
+
+def image_tokens_per_image(cfg: Any) -> int:
+    """Tokens one image adds to the language model's sequence, from a vision-language config
+    (0 for a text-only config and for cross-attention models such as Mllama).
+
+    Rules (transformers 5 configs / processors): ``mm_tokens_per_image`` (Gemma-3: 256);
+    ``image_seq_len`` (Idefics3 / SmolVLM); else ``(image_size / patch_size)^2`` patches of the
+    vision config, divided by ``scale_factor^2`` (Idefics3 / SmolVLM pixel shuffle) or by
+    ``spatial_merge_size^2`` (Qwen2-VL merger), with LLaVA's ``vision_feature_select_strategy``
+    "default" dropping the CLS token (576 for LLaVA-1.5's 336 px / 14); Qwen2-VL-style dynamic
+    resolution at ``IMAGE_TOKENS_DEFAULT_PX``; times the tiles of ``IMAGE_TILES_DEFAULT`` where the
+    family's processor splits an image by default.
+    """
+    if not _is_vision_language(cfg) or cfg.model_type == "mllama":
+        return 0
+    return IMAGE_TILES_DEFAULT.get(cfg.model_type, 1) * _tokens_per_tile(cfg)
+
+
+def _tokens_per_tile(cfg: Any) -> int:
+    for key in ("mm_tokens_per_image", "image_seq_len", "image_seq_length"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return int(v)
+    vc = cfg.vision_config
+    patch = getattr(vc, "patch_size", None) or 14
+    size = getattr(vc, "image_size", None) or IMAGE_TOKENS_DEFAULT_PX.get(cfg.model_type, 448)
+    if isinstance(size, (list, tuple)):
+        size = size[0]
+    n = (int(size) // int(patch)) ** 2
+    merge = getattr(vc, "spatial_merge_size", None)
+    scale = getattr(cfg, "scale_factor", None) or getattr(vc, "scale_factor", None)
+    if isinstance(merge, int) and merge > 1:
+        n //= merge * merge
+    elif isinstance(scale, int) and scale > 1:
+        n //= scale * scale
+    return int(n)
+
+
 def _config_numbers(cfg: Any) -> dict:
     """The ModelSpec numbers of a transformers config (text config of a multimodal one).
 
@@ -677,7 +760,12 @@ def _config_numbers(cfg: Any) -> dict:
     kv = int(kv or heads)
     head_dim = _cfg_get(cfg, "head_dim")
     if not isinstance(head_dim, int) or head_dim < 1:
+        if hidden % heads:
+            raise ConfigError("num_attention_heads", f"a divisor of hidden_size ({hidden}), or a head_dim "
+                              "in the model config", heads)
         head_dim = hidden // heads
+    if heads % kv:
+        raise ConfigError("num_key_value_heads", f"a divisor of num_attention_heads ({heads})", kv)
     experts = int(_cfg_get(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
     per_tok = int(_cfg_get(cfg, "num_experts_per_tok", "moe_topk", default=0) or 0) if experts else 0
     inter = _cfg_get(cfg, "intermediate_size", "n_inner", "ffn_dim")
@@ -690,7 +778,13 @@ def _config_numbers(cfg: Any) -> dict:
                 num_experts=experts, num_experts_per_tok=per_tok, moe_intermediate_size=moe_inter,
                 attn_logit_softcapping=_positive_float(_cfg_get(cfg, "attn_logit_softcapping")),
                 final_logit_softcapping=_positive_float(_cfg_get(cfg, "final_logit_softcapping")),
+                max_position_embeddings=_positive_int(_cfg_get(cfg, "max_position_embeddings", "n_positions",
+                                                               "max_sequence_length")),
                 **dropout_probabilities(cfg))
+
+
+def _positive_int(v: Any) -> int:
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
 
 
 def _positive_float(v: Any) -> float:
@@ -760,13 +854,35 @@ def _config_from_dict(d: dict, label: str) -> Any:
         if key not in text and (alias is None or alias not in text):
             raise ConfigError(f"{label}: {key}" + (f" (or {alias})" if alias else ""),
                               "present in the model config", None)
+    _check_heads(text, amap, label)
     d = {k: v for k, v in d.items() if k not in ("quantization_config", "model_type")}
     if "torch_dtype" in d and "dtype" not in d:  # transformers 5 renamed it (and warns)
         d["dtype"] = d.pop("torch_dtype")
     try:
         return AutoConfig.for_model(mt, **d)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(label, f"a valid {mt} config", str(exc)) from None
+    except Exception as exc:  # TypeError / ValueError, huggingface_hub's strict-dataclass validators
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        raise ConfigError(label, f"a valid {mt} config", str(cause)) from None
+
+
+def _check_heads(text: dict, amap: dict, label: str) -> None:
+    """The head counts of a raw config dict divide what they must (else transformers' validators
+    raise deep inside the config class): ``num_attention_heads`` divides ``hidden_size`` unless the
+    config gives ``head_dim``, and ``num_key_value_heads`` divides ``num_attention_heads``.
+
+    Raises:
+        ConfigError: naming the field and the path.
+    """
+    def get(key):
+        v = text.get(key, text.get(amap.get(key, ""), None))
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    hidden, heads, kv = get("hidden_size"), get("num_attention_heads"), get("num_key_value_heads")
+    if hidden and heads and not get("head_dim") and hidden % heads:
+        raise ConfigError(f"{label}: num_attention_heads", f"a divisor of hidden_size ({hidden}), or a "
+                          "head_dim in the config", heads)
+    if heads and kv and heads % kv:
+        raise ConfigError(f"{label}: num_key_value_heads", f"a divisor of num_attention_heads ({heads})", kv)
 
 
 _META_CACHE: dict = {}
@@ -931,15 +1047,30 @@ def _truncation_plan(cfg: Any, num_layers: int):
     return n_a, n_b, fields, types
 
 
+def _is_vision_language(cfg: Any) -> bool:
+    """A composite config with a vision side (``vision_config`` among its sub-configs)."""
+    return getattr(cfg, "vision_config", None) is not None
+
+
 def _build_meta(cfg: Any) -> Any:
-    """``AutoModelForCausalLM.from_config`` under ``torch.device("meta")`` and accelerate's
+    """The model a config describes, built under ``torch.device("meta")`` and accelerate's
     ``init_empty_weights`` (every tensor on the meta device; the second guard catches code that
-    creates parameters on an explicit device)."""
+    creates parameters on an explicit device): ``AutoModelForImageTextToText`` for a
+    vision-language config (the class users fine-tune: vision tower, projector and language model;
+    ``AutoModelForCausalLM`` would build Mllama's text model alone or refuse Qwen2-VL / LLaVA),
+    ``AutoModelForCausalLM`` otherwise."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"), init_empty_weights():
+        if _is_vision_language(cfg):
+            from transformers import AutoModelForImageTextToText
+
+            try:
+                return AutoModelForImageTextToText.from_config(cfg)
+            except ValueError:  # a composite config the image-text mapping does not list
+                pass
         return AutoModelForCausalLM.from_config(cfg)
 
 
@@ -1197,7 +1328,7 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
         name=name or str(label), model_type=str(cfg.model_type), params=counted["counts"],
         block_linears=counted["block_linears"], tie_word_embeddings=tied,
         weight_bits=float(weight_bits), dense_bits=float(dense), source="hf-config",
-        weight_dtype=declared, **nums)
+        weight_dtype=declared, image_tokens=image_tokens_per_image(cfg), **nums)
 
 
 def model_spec_from_module(model: Any, name: Optional[str] = None) -> ModelSpec:
@@ -1275,7 +1406,7 @@ def model_spec_from_module(model: Any, name: Optional[str] = None) -> ModelSpec:
         params=counted["counts"], block_linears=counted["block_linears"], tie_word_embeddings=tied,
         weight_bits=float(wbits), dense_bits=float(dense), trainable_params=counted["trainable"],
         lora_rank_found=lora_rank, adapter_params=counted["adapter_params"],
-        source="module", **nums)
+        image_tokens=image_tokens_per_image(cfg) if cfg is not None else 0, source="module", **nums)
 
 
 def _numbers_from_structure(model: Any) -> dict:
@@ -1429,6 +1560,50 @@ def _target_matches(lin: LinearShape, target: str) -> bool:
     if lin.is_param:
         return hit and "." in target
     return hit
+
+
+def check_train_spec(model_spec: ModelSpec, train_spec: TrainSpec) -> List[str]:
+    """Check training settings against the model they train; return warnings (strings, also
+    logged on ``memguard.spec``) for settings that run but are probably not meant.
+
+    Errors (``ConfigError`` naming the field):
+        lora_layers: more blocks than the model has.
+        lora_rank: above the larger width of every LoRA'd linear (a rank no layer can use; PEFT
+            would still allocate ``r x (in + out)`` per layer).
+    Warnings:
+        lora_rank above the smaller width of a LoRA'd linear (legal in PEFT, no gain in rank);
+        ``seq_length + image_tokens`` above the config's ``max_position_embeddings`` (learned
+        position tables raise an index error; RoPE models extrapolate unless scaled).
+    """
+    ms, ts = model_spec, train_spec
+    warnings: List[str] = []
+    if ts.method != "full":
+        if ts.lora_layers is not None and ts.lora_layers > ms.num_layers:
+            raise ConfigError("lora_layers", f"at most the model's {ms.num_layers} blocks", ts.lora_layers)
+        targets = [t.strip() for t in ts.lora_targets]
+        all_linear = any(t.lower() in ("all-linear", "all_linear") for t in targets)
+        hit = [lin for lin in ms.block_linears
+               if (all_linear and not lin.is_param and lin.kind not in ("router", "experts"))
+               or any(_target_matches(lin, t) for t in targets)]
+        r = int(ts.lora_rank)
+        if hit and r > max(max(lin.in_features, lin.out_features) for lin in hit):
+            widest = max(hit, key=lambda lin: max(lin.in_features, lin.out_features))
+            raise ConfigError("lora_rank", f"at most the width of the LoRA'd layers (the widest, {widest.name}, "
+                              f"is {widest.in_features} -> {widest.out_features})", r)
+        narrow = [lin for lin in hit if r > min(lin.in_features, lin.out_features)]
+        if narrow:
+            lin = min(narrow, key=lambda x: min(x.in_features, x.out_features))
+            warnings.append(f"lora_rank {r} is above the width of {lin.name} ({lin.in_features} -> "
+                            f"{lin.out_features}): the adapter cannot use more than "
+                            f"{min(lin.in_features, lin.out_features)} there")
+    tokens = ts.seq_length + ts.image_tokens
+    if ms.max_position_embeddings and tokens > ms.max_position_embeddings:
+        what = f"seq_length {ts.seq_length}" + (f" + image_tokens {ts.image_tokens}" if ts.image_tokens else "")
+        warnings.append(f"{what} is above the model's max_position_embeddings "
+                        f"({ms.max_position_embeddings})")
+    for w in warnings:
+        _log.warning("memguard: %s", w)
+    return warnings
 
 
 def lora_trainable_params(model_spec: ModelSpec, train_spec: TrainSpec) -> int:

@@ -43,10 +43,12 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from .errors import ConfigError
-from .spec import LinearShape, ModelSpec, TrainSpec, weights_for_training
+from .spec import LinearShape, ModelSpec, TrainSpec, check_train_spec, weights_for_training
 
 __all__ = ["MemoryEstimate", "estimate", "trainable_param_count", "RUNTIME_OVERHEAD_BYTES",
-           "BREAKDOWN_ORDER", "runtime_overhead_bytes"]
+           "BREAKDOWN_ORDER", "runtime_overhead_bytes", "cuda_sdpa_backend", "cuda_counter_bytes",
+           "cuda_block_bytes", "cuda_segment_bytes", "nf4_storage_bytes", "paged_state_bytes",
+           "CUDA_COUNTERS"]
 
 MiB = 1 << 20
 
@@ -68,10 +70,12 @@ NF4_DOUBLE_QUANT_BITS = 4.127
 #: cuda: the CUDA context of a PyTorch process (cuBLAS/cuDNN handles and kernels loaded lazily),
 #:   which ``torch.cuda.memory_reserved`` does not count; PyTorch's CUDA semantics notes put it at
 #:   hundreds of MiB per device ("CUDA context ... typically ~300-500MB", docs.pytorch.org
-#:   notes/cuda.html, "Memory management"); we take 500 MiB. The caching allocator's
-#:   fragmentation is added as a fraction of the peak, CUDA_FRAGMENTATION below.
+#:   notes/cuda.html, "Memory management"); we take 500 MiB (``CUDA_CONTEXT_BYTES``), plus the
+#:   two cuBLAS workspaces a training step allocates through the caching allocator
+#:   (``CUDA_CUBLAS_WORKSPACES_BYTES``: they are inside ``memory_allocated``). The caching
+#:   allocator's fragmentation is added as a fraction of the peak, CUDA_FRAGMENTATION below.
 #: mlx: ``mx.get_peak_memory()`` counts only MLX buffers: no overhead.
-RUNTIME_OVERHEAD_BYTES = {"cpu": 368 * MiB, "cuda": 500 * MiB, "mlx": 0}
+RUNTIME_OVERHEAD_BYTES = {"cpu": 368 * MiB, "cuda": 500 * MiB + 2 * (8 * MiB + 128 * 1024), "mlx": 0}
 
 #: cpu, HF ``Trainer``: ``transformers/trainer.py`` imports ``datasets`` at module level when it is
 #: installed (``if is_datasets_available(): import datasets``), which pulls pyarrow and pandas in:
@@ -112,6 +116,55 @@ def runtime_overhead_bytes(ts: TrainSpec) -> int:
         if ts.resident_file_bytes is not None:
             b += int(ts.resident_file_bytes) - CPU_FILE_PAGES_AT_START_BYTES
     return max(0, b)
+
+
+#: cuda: the CUDA context (driver state, kernel images, cuDNN/cuBLAS handles), outside every torch
+#: counter (``memory_allocated`` / ``memory_reserved`` do not see it, ``nvidia-smi`` does). Bytes.
+#: Source: PyTorch docs, notes/cuda.html "Memory management" (the context takes hundreds of MiB per
+#: device, depending on the CUDA version and the kernels loaded); an assumption, not measured here.
+CUDA_CONTEXT_BYTES = 500 * MiB
+#: cuda: the cuBLAS workspaces of a training step, bytes. torch allocates one workspace per
+#: (cuBLAS handle, stream) through the caching allocator (``aten/src/ATen/cuda/CublasHandlePool.cpp``
+#: ``getCurrentCUDABlasHandle`` / ``cublas_handle_stream_to_workspace``), of the size
+#: ``CUBLAS_WORKSPACE_CONFIG`` names -- default ``:4096:2:16:8`` = 2 x 4096 KiB + 8 x 16 KiB =
+#: 8.125 MiB (``parseChosenWorkspaceSize``; Hopper builds default to 4 x that). Handles are per
+#: thread, and autograd runs the backward of CUDA ops on its own device thread
+#: (``torch/csrc/autograd/engine.cpp``), so a step holds two: the forward's and the backward's.
+CUDA_CUBLAS_WORKSPACES_BYTES = 2 * (8 * MiB + 128 * 1024)
+
+#: PyTorch CUDA caching allocator sizes, bytes (``c10/cuda/CUDACachingAllocator.cpp``,
+#: ``c10/core/AllocatorConfig.h``): every request is rounded up to a multiple of 512 B
+#: (``kMinBlockSize``, ``round_size``); requests up to 1 MiB (``kSmallSize``) come from 2 MiB
+#: segments of the small pool (``kSmallBuffer``); 1-10 MiB requests (``kMinLargeAlloc``) get 20 MiB
+#: segments (``kLargeBuffer``); larger ones a segment rounded up to 2 MiB (``kRoundLarge``,
+#: ``get_allocation_size``). ``memory_allocated`` counts the rounded block, ``memory_reserved`` the
+#: segments.
+CUDA_MIN_BLOCK = 512
+CUDA_SMALL_SIZE = 1 * MiB
+CUDA_SMALL_BUFFER = 2 * MiB
+CUDA_LARGE_BUFFER = 20 * MiB
+CUDA_MIN_LARGE_ALLOC = 10 * MiB
+CUDA_ROUND_LARGE = 2 * MiB
+
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """Bytes ``memory_allocated`` counts for one CUDA tensor of ``nbytes``: the caching allocator's
+    ``round_size`` (at least 512 B, a multiple of 512 B; ``c10/cuda/CUDACachingAllocator.cpp``)."""
+    n = max(int(nbytes), 0)
+    return CUDA_MIN_BLOCK if n < CUDA_MIN_BLOCK else CUDA_MIN_BLOCK * ((n + CUDA_MIN_BLOCK - 1) // CUDA_MIN_BLOCK)
+
+
+def cuda_segment_bytes(nbytes: int) -> int:
+    """Bytes of the segment (``cudaMalloc``) the caching allocator reserves for a request of
+    ``nbytes`` when no cached block fits (``get_allocation_size`` in
+    ``c10/cuda/CUDACachingAllocator.cpp``): 2 MiB up to 1 MiB, 20 MiB up to 10 MiB, else rounded up
+    to 2 MiB."""
+    n = cuda_block_bytes(nbytes)
+    if n <= CUDA_SMALL_SIZE:
+        return CUDA_SMALL_BUFFER
+    if n < CUDA_MIN_LARGE_ALLOC:
+        return CUDA_LARGE_BUFFER
+    return CUDA_ROUND_LARGE * ((n + CUDA_ROUND_LARGE - 1) // CUDA_ROUND_LARGE)
 
 
 #: Reserved-but-unallocated slack of PyTorch's CUDA caching allocator (blocks rounded to 512 B /
@@ -354,6 +407,108 @@ def _weights(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
     return int(math.ceil(b))
 
 
+#: bitsandbytes 4-bit quantization (``bitsandbytes/functional.py`` ``quantize_4bit``, the default
+#: ``blocksize=64`` that ``Params4bit`` / ``Linear4bit`` and transformers' ``BitsAndBytesConfig``
+#: use): weights packed two per byte, one fp32 absmax per block of 64; with double quantization
+#: (``compress_statistics=True``, ``bnb_4bit_use_double_quant``) the absmax minus their mean are
+#: quantized blockwise again (``quantize_blockwise(absmax, blocksize=256)``): one uint8 per block, an
+#: fp32 absmax per 256 blocks, the 256-entry fp32 dynamic code and the fp32 offset.
+BNB_4BIT_BLOCKSIZE = 64
+BNB_DQ_BLOCKSIZE = 256
+
+
+def nf4_storage_bytes(numel: int, double_quant: bool = False) -> int:
+    """Bytes a bitsandbytes NF4 weight of ``numel`` elements occupies on the device: the packed
+    data ``(numel + 1) // 2`` (uint8 storage), the absmax (``ceil(numel / 64)`` fp32; with double
+    quantization ``ceil(numel / 64)`` uint8 + ``ceil(blocks / 256)`` fp32 + the 256-entry fp32 code
+    + the fp32 offset) and the 16-entry fp32 NF4 code of the ``QuantState``. Source:
+    ``bitsandbytes/functional.py`` ``quantize_4bit`` / ``QuantState``; ``nn/modules.py``
+    ``Params4bit._quantize``. Per weight this is 4.5 bits (4.127 with double quantization), the
+    QLoRA paper's figures (Dettmers et al. 2023, sec. 3), plus a few hundred bytes per tensor."""
+    n = int(numel)
+    blocks = -(-n // BNB_4BIT_BLOCKSIZE)
+    b = (n + 1) // 2 + 16 * 4
+    if double_quant:
+        b += blocks + 4 * (-(-blocks // BNB_DQ_BLOCKSIZE)) + 256 * 4 + 4
+    else:
+        b += 4 * blocks
+    return b
+
+
+def _quantized_linears(ms: ModelSpec) -> List[LinearShape]:
+    """Block linears bitsandbytes quantizes: the module linears (not routers, not transformers 5's
+    fused expert tensors)."""
+    return [ls for ls in _block_linears(ms) if not ls.is_param and ls.kind not in ("router", "experts")]
+
+
+def _dequant_transient(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Bytes of the weight bitsandbytes materialises for one quantized linear's matmul, live while
+    that linear runs in the forward and again in the backward (one layer at a time).
+
+    * 4-bit: ``MatMul4Bit.forward`` / ``backward`` (``bitsandbytes/autograd/_functions.py``) call
+      ``dequantize_4bit(B, quant_state)`` -- a dense out x in weight in ``quant_state.dtype`` (the
+      dtype the weight was loaded in) cast ``.to(A.dtype)`` -- then ``F.linear``; the dense copy is
+      freed after the matmul. With double quantization ``dequantize_4bit`` first rebuilds the fp32
+      absmax (``dequantize_blockwise(absmax, state2) + offset``): 4 bytes per 64 weights more.
+      Counted for the largest quantized linear of a block.
+    * 8-bit (LLM.int8, ``MatMul8bitLt``): the input quantized to int8 (tokens x in bytes) and the
+      int32 product (tokens x out x 4) before it is dequantized.
+    Zero without bitsandbytes weights."""
+    wb = _weight_bits(ms, ts)
+    if ts.framework == "mlx" or ts.method == "full" or wb >= 16:
+        return 0
+    lins = _quantized_linears(ms)
+    if not lins:
+        return 0
+    e = DTYPE_BYTES[ts.dtype]
+    if ts.mixed_precision and ms.dense_bits >= 32 and e < 4:
+        e = 2
+    if wb >= 8:
+        tokens = ts.batch_size * ts.seq_length
+        return max(tokens * (ls.in_features + 4 * ls.out_features) for ls in lins)
+    big = max(ls.in_features * ls.out_features for ls in lins)
+    out = e * big
+    if wb < NF4_BITS - 0.1:  # double quantization: the fp32 absmax rebuilt first
+        out += 4 * (-(-big // BNB_4BIT_BLOCKSIZE))
+    return int(out)
+
+
+#: bitsandbytes optimizers keep the state of a tensor below ``1e5`` elements in ordinary device
+#: memory even when paged (``bitsandbytes/optim/optimizer.py`` ``Optimizer8bit.get_state_buffer``:
+#: ``if not self.is_paged or A.numel() < 1e5: return torch.zeros_like(...)``); larger ones go to
+#: CUDA unified memory (``F.get_paged``: ``cudaMallocManaged``), prefetched to the GPU for each
+#: ``step`` and evicted to the host only under device-memory pressure.
+BNB_PAGED_MIN_NUMEL = 100_000
+
+
+def paged_state_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Bytes of optimizer state a bitsandbytes *paged* optimizer (``paged_adamw_8bit`` /
+    ``paged_adamw_32bit``, HF ``optim="paged_adamw_8bit"``) would hold in CUDA unified memory for
+    these settings: the states (``_optimizer_states`` per element: 8-bit 2 x (1 + 4/256), 32-bit
+    2 x 4 -- bnb's 32-bit states are fp32 whatever the parameter dtype) of the trainable tensors of
+    at least ``BNB_PAGED_MIN_NUMEL`` elements. Those bytes are outside the caching allocator:
+    ``max_memory_allocated`` / ``max_memory_reserved`` never count them; ``nvidia-smi`` does while
+    they are resident on the GPU. ``ts.optimizer`` ``adamw-8bit`` means the 8-bit states, anything
+    else the 32-bit ones. (TrainSpec has no paged flag yet: callers that know the run is paged use
+    this to split the estimate, see ``cuda_counter_bytes``.)"""
+    per = 2 * (1 + 4 / 256) if ts.optimizer == "adamw-8bit" else 8.0
+    big = 0
+    if ts.method != "full":
+        r = ts.lora_rank
+        for ls in _lora_linears(ms, ts):
+            for numel in (r * ls.in_features, ls.out_features * r):
+                if numel >= BNB_PAGED_MIN_NUMEL:
+                    big += ls.count * numel
+        big *= _num_lora_layers(ms, ts)
+    else:
+        for ls in _block_linears(ms):
+            numel = ls.in_features * ls.out_features
+            if numel >= BNB_PAGED_MIN_NUMEL:
+                big += ls.count * numel * ms.num_layers
+        big += ms.params.embeddings + ms.params.lm_head
+    return int(math.ceil(per * big))
+
+
 def _param_bytes_trainable(ms: ModelSpec, ts: TrainSpec) -> int:
     """Bytes per element of a trainable parameter (and so of its gradient and, for torch/MLX
     optimizers, of its states: ``torch.zeros_like(p)`` in ``torch/optim/adamw.py``)."""
@@ -502,6 +657,63 @@ class _Act:
 
 
 def _block_act_per_token(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_block: bool) -> _Act:
+    """Bytes one block saves for its backward, per token: the module rules of
+    ``_block_act_per_token_modules`` plus, for a frozen block of bitsandbytes-quantized linears,
+    the inputs those linears save (``_bnb_saved_inputs``)."""
+    a = _block_act_per_token_modules(ms, ts, lora=lora, trainable_block=trainable_block)
+    if not trainable_block:
+        a.hidden += _bnb_saved_inputs(ms, ts, lora=lora)
+    return a
+
+
+#: Attention output projections by name (the rest of a block's attention linears read the
+#: normalised block input).
+_ATTN_OUT_NAMES = ("o_proj", "out_proj", "dense", "c_proj")
+
+
+def _bnb_saved_inputs(ms: ModelSpec, ts: TrainSpec, *, lora: bool) -> float:
+    """Bytes per token that bitsandbytes' quantized linears of one frozen block save, beyond what
+    the module rules count (HF / Lightning with NF4 or LLM.int8 block linears; MLX quantization is
+    not bitsandbytes).
+
+    bitsandbytes ``autograd/_functions.py``: ``MatMul4Bit.forward`` (what ``Linear4bit.forward``
+    calls through ``bnb.matmul_4bit``) computes ``F.linear(A, dequantize_4bit(B, quant_state)
+    .to(A.dtype).t(), bias)`` and stores ``ctx.tensors = (A, B)`` whenever
+    ``any(ctx.needs_input_grad[:2])`` -- the input A is kept although the backward only needs B
+    (``grad_A = grad_output @ dequantize_4bit(B)``; the weight is frozen). ``MatMul8bitLt`` (LLM.int8,
+    ``Linear8bitLt``) likewise keeps A in ``ctx.tensors``. Under LoRA the activations require grad
+    (the adapters upstream), so every quantized linear of every block the backward passes through
+    keeps its input, in the compute dtype (``Linear4bit.forward`` casts x to ``compute_dtype``;
+    under autocast the bf16 copy). A frozen 16-bit ``nn.Linear`` keeps nothing for its input
+    (``derivatives.yaml`` ``mm``: the input is saved only for the weight's gradient).
+
+    Linears sharing one input (q/k/v; gate/up) save one tensor. When the compute dtype is fp32 and
+    LoRA wraps a linear of the group, PEFT's ``lora_A`` already saves that very tensor (no cast):
+    nothing more. Phi's single LayerNorm feeds the attention and the MLP (one tensor for both).
+    Fused MoE expert tensors are not bitsandbytes modules: not counted."""
+    if ts.framework == "mlx" or ts.method == "full" or _weight_bits(ms, ts) >= 16:
+        return 0.0
+    e = DTYPE_BYTES[ts.dtype]
+    amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
+    b = 2 if amp else e
+    h = ms.hidden_size
+    lora_names = {ls.name for ls in _lora_linears(ms, ts)} if lora else set()
+    groups: Dict[str, List] = {}
+    for ls in _block_linears(ms):
+        if ls.is_param or ls.kind in ("router", "experts"):
+            continue
+        if ls.kind == "attention":
+            role = "attn_out" if ls.name in _ATTN_OUT_NAMES else "attn_in"
+        else:
+            role = "mlp_in" if ls.in_features == h else "mlp_out"
+        if ms.model_type == "phi" and role == "mlp_in":
+            role = "attn_in"
+        g = groups.setdefault(role, [ls.in_features, False])
+        g[1] = g[1] or ls.name in lora_names
+    return float(sum(b * fin for fin, has_lora in groups.values() if not (b == 4 and has_lora)))
+
+
+def _block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_block: bool) -> _Act:
     """Bytes one block saves for its backward, per token (Korthikanti et al. 2022 sec. 4.1 method,
     applied to transformers 5.x modules and PyTorch autograd's saved tensors).
 
@@ -595,7 +807,9 @@ def _block_act_per_token(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_
         a.hidden += r * h                       # normalised (norm weight grad; fp32 under amp)
     a.hidden += group_input(("q_proj", "k_proj", "v_proj"), h)
     eager = ts.attn_impl == "eager"
-    if ms.attention_dropout > 0 and ts.attn_impl == "sdpa":
+    cuda_backend = cuda_sdpa_backend(ms, ts) if ts.device == "cuda" else None
+    cpu_math = ts.device != "cuda" and ms.attention_dropout > 0 and ts.attn_impl == "sdpa"
+    if cpu_math or cuda_backend == "math":
         core_h, core_s = _attention_core(ms, ts, e, views_of_one_buffer=False)
         a.hidden += core_h                      # SDPA's math path: fp32 copies, GQA repeated
         a.scores += core_s
@@ -607,11 +821,14 @@ def _block_act_per_token(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_
         if amp:
             a.scores += nh * s * 2
         if ms.attention_dropout > 0:
-            a.scores += nh * s * 2 * e          # dropout noise and the dropped probabilities
+            # dropout noise (CPU, in e) or 1-byte mask (CUDA ``native_dropout``) and the dropped
+            # probabilities
+            a.scores += nh * s * (e + _dropout_bytes(ts, e))
     else:
         a.hidden += e * (qd + 2 * kvd)          # q, k (RoPE'd), v
         a.hidden += e * qd                      # sdpa output (flash backward needs it)
-        a.scores += 4 * nh                      # logsumexp
+        # fp32 logsumexp (CUDA memory-efficient kernel: padded to 32 queries)
+        a.scores += _sdpa_lse_per_token(ms, ts, cuda_backend or "flash")
     a.hidden += group_input(("o_proj",), qd)  # o_proj input (contiguous copy)
     a.hidden += 4 * h                           # post_attention_layernorm: fp32 input
     if trainable_block:
@@ -654,6 +871,61 @@ def _dropout_bytes(ts: TrainSpec, e: int) -> int:
     return e if ts.device == "cpu" else 1
 
 
+#: Head dims the CUDA flash kernel takes (``check_head_dim_size_flash`` in torch
+#: ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: q, k, v of one head size <= 256).
+CUDA_FLASH_MAX_HEAD_DIM = 256
+#: The memory-efficient kernel pads its fp32 logsumexp to a multiple of 32 queries
+#: (``_efficient_attention_forward`` in ``aten/src/ATen/native/transformers/cuda/attention.cu``:
+#: ``logsumexp`` of shape (batch, heads, ceil(s / 32) * 32) when ``compute_log_sumexp``).
+CUDA_EFFICIENT_LSE_PAD = 32
+
+
+def cuda_sdpa_backend(ms: ModelSpec, ts: TrainSpec) -> str:
+    """The kernel ``scaled_dot_product_attention`` runs on CUDA for this model and these settings:
+    ``flash`` | ``efficient`` | ``math`` (or ``eager`` when ``attn_impl="eager"``: no SDPA at all;
+    ``attn_impl="flash"``, the flash-attn package, saves what the flash kernel saves).
+
+    torch ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` ``select_sdp_backend`` tries the
+    backends in ``priority_order`` (flash, memory-efficient, math; cuDNN first only on sm90/sm100
+    with cuDNN > 9.15, ``check_prefer_cudnn_attention`` -- it saves the same output + statistics as
+    flash) and takes the first whose filters pass:
+
+    * flash (``use_flash_attention``): fp16/bf16 inputs only (``check_dtypes_low_precision``), q/k/v
+      of one head dim <= 256 (``check_head_dim_size_flash``), no explicit mask
+      (``check_for_attn_mask``; transformers passes ``is_causal=True`` and no mask when a batch has
+      no padding), sm80 or newer; dropout is supported (a philox seed and offset are kept and the
+      mask is regenerated in the backward), and grouped-query attention too (``enable_gqa``);
+    * memory-efficient (``use_mem_efficient_attention``): fp32 as well, head dim a multiple of the
+      GEMM alignment (``check_head_dim_size_mem_efficient``: 8 for fp16/bf16, 4 for fp32 on sm80),
+      masks and dropout (philox) supported;
+    * math otherwise (``_scaled_dot_product_attention_math``: the scores and probabilities are
+      materialised and saved).
+    The compute dtype is the autocast dtype under ``mixed_precision``. A GPU older than sm80 is not
+    modelled (flash is refused there; the memory-efficient kernel saves the same, bar the padding).
+    """
+    if ts.attn_impl == "eager":
+        return "eager"
+    if ts.attn_impl == "flash":
+        return "flash"
+    half = DTYPE_BYTES[ts.dtype] < 4
+    hd = ms.head_dim
+    if half and hd <= CUDA_FLASH_MAX_HEAD_DIM:
+        return "flash"
+    if hd % (8 if half else 4) == 0:
+        return "efficient"
+    return "math"
+
+
+def _sdpa_lse_per_token(ms: ModelSpec, ts: TrainSpec, backend: str) -> float:
+    """Bytes per token of the fp32 logsumexp the fused SDPA kernels save: heads x 4, padded to a
+    multiple of ``CUDA_EFFICIENT_LSE_PAD`` queries for the memory-efficient kernel."""
+    nh, s = ms.num_heads, ts.seq_length
+    if backend == "efficient":
+        padded = -(-s // CUDA_EFFICIENT_LSE_PAD) * CUDA_EFFICIENT_LSE_PAD
+        return 4.0 * nh * padded / s
+    return 4.0 * nh
+
+
 def _attention_core(ms: ModelSpec, ts: TrainSpec, e: int, *, views_of_one_buffer: bool) -> Tuple[float, float]:
     """(hidden-sized, score-sized) bytes per token that the attention core saves, from q/k/v to
     its output, for ``scaled_dot_product_attention`` or the eager matmul-softmax-matmul.
@@ -672,10 +944,19 @@ def _attention_core(ms: ModelSpec, ts: TrainSpec, e: int, *, views_of_one_buffer
     drop = ms.attention_dropout > 0
     qkv = e * (qd + 2 * kvd) if views_of_one_buffer else 0.0
     if ts.attn_impl == "eager":
-        per_score = e + (2 * e if drop else 0)
+        # with dropout: CPU saves the noise in e (``_dropout_impl``), CUDA a 1-byte mask
+        per_score = e + ((e + _dropout_bytes(ts, e)) if drop else 0)
         return qkv, nh * s * per_score
+    if ts.device == "cuda":
+        backend = cuda_sdpa_backend(ms, ts)
+        if backend == "math":
+            # fp32 probabilities, and with dropout the 1-byte ``native_dropout`` mask and the dropped
+            # probabilities (fp32)
+            per_score = 4 + ((1 + 4) if drop else 0)
+            return 4.0 * 3 * qd, nh * s * per_score
+        return qkv + e * qd, _sdpa_lse_per_token(ms, ts, backend)
     if drop and ts.attn_impl == "sdpa":
-        per_score = 4 + 4 + (4 if ts.device == "cpu" else 1)
+        per_score = 4 + 4 + 4
         return 4.0 * 3 * qd, nh * s * per_score
     return qkv + e * qd, 4.0 * nh
 
@@ -736,7 +1017,7 @@ def _plain_mlp_block_act(ms: ModelSpec, ts: TrainSpec, a: _Act, lora_names: set,
         a.scores += nh * s * (4 + (e if e < 4 else 0) + (1 if attn_drop else 0))
     else:
         a.hidden += e * h                       # SDPA output
-        a.scores += 4 * nh                      # logsumexp
+        a.scores += _sdpa_lse_per_token(ms, ts, cuda_sdpa_backend(ms, ts) if ts.device == "cuda" else "flash")
     if attn_out:
         a.hidden += e * h                       # merged heads, the out projection's input
     a.hidden += n_drop * h * (e if ts.device == "cpu" else 1)  # dropout noise / mask
@@ -1120,15 +1401,23 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
             fine-tuning of quantized weights, LoRA targets that match nothing.
     """
     _validate(model_spec, train_spec, correction)
+    notes: List[str] = list(check_train_spec(model_spec, train_spec))
     ts = train_spec
+    if ts.image_tokens:  # a vision-language decoder's sequence holds the image tokens too
+        ts = ts.replace(seq_length=ts.seq_length + ts.image_tokens, image_tokens=0)
     ms = weights_for_training(model_spec, ts)
-    notes: List[str] = []
+    if ms.params.vision and ts.method == "full":
+        notes.append("full fine-tune of a vision-language model: the vision tower's weights, gradients "
+                     "and optimizer states are counted, its activations are not")
     trainable = trainable_param_count(ms, ts)
     e = DTYPE_BYTES[ts.dtype]
     tokens = ts.batch_size * ts.seq_length
 
     weights = _weights(ms, ts, trainable)
     copies = _weight_copies(ms, ts)
+    # bitsandbytes: the dense weight one quantized linear materialises while it runs (the first
+    # backward op, the top block's, starts while the loss moment's tensors are live)
+    dequant = _dequant_transient(ms, ts)
     master = _master_weights(ms, ts, trainable)
     pb = 4 if master else _param_bytes_trainable(ms, ts)
     grads = pb * trainable if not master else int(ms.dense_bits // 8) * trainable
@@ -1158,7 +1447,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     # window is the optimizer moment below (``_mlx_full_optimizer_moment``). (SGD's extra copy of
     # the trainable parameters, once modelled here, is MLX SGD's ``v`` buffer: a state.)
     mlx_update = 0
-    loss = dict(weights=weights, weight_copies=copies, gradients=grads_at_loss,
+    loss = dict(weights=weights, weight_copies=copies + dequant, gradients=grads_at_loss,
                 optimizer_states=states, master_weights=master, optimizer_temporaries=mlx_update,
                 backward_transients=0, activations=hidden + lora_act + head_in + recompute,
                 attention_scores=scores + mask, logits=logits_peak, runtime_overhead=overhead)
@@ -1166,7 +1455,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     # EMBEDDING_GRAD_COPIES by tied head / accumulation) + the first block's working set.
     emb_tmp, head_tmp = _embedding_grad_transients(ms, ts, pb)
     loss["backward_transients"] = head_tmp
-    bwd = dict(weights=weights, weight_copies=copies, gradients=grads, backward_transients=emb_tmp,
+    bwd = dict(weights=weights, weight_copies=copies + dequant, gradients=grads, backward_transients=emb_tmp,
                optimizer_states=states, master_weights=master, optimizer_temporaries=0,
                activations=min(one_block, hidden + lora_act + recompute) if _grad_layers(ms, ts) else 0,
                attention_scores=0, logits=0, runtime_overhead=overhead)
@@ -1211,9 +1500,48 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
         notes.append("gradient checkpointing: one block input per layer + one recomputed block")
     if ts.method == "qlora" and ms.weight_bits >= 8:
         notes.append(f"QLoRA: block linears stored as NF4 ({NF4_BITS} bits)")
+    if dequant:
+        notes.append("bitsandbytes: each quantized linear keeps its input for the backward "
+                     "(MatMul4Bit/MatMul8bitLt ctx.tensors) and dequantizes one weight at a time")
+    if ts.device == "cuda":
+        notes.append(f"cuda: SDPA kernel {cuda_sdpa_backend(ms, ts)}")
     return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, counter=ts.device,
-                          model_spec=ms, train_spec=ts, trainable_params=trainable, phase=phase,
+                          model_spec=ms, train_spec=train_spec, trainable_params=trainable, phase=phase,
                           phases=totals,
                           phase_breakdowns={k: {t: int(v.get(t, 0)) for t in BREAKDOWN_ORDER
                                                 if t != "calibration"} for k, v in phases.items()},
                           correction=float(correction), notes=tuple(notes))
+
+
+#: What a published CUDA figure can be, and what of the estimate it compares with.
+CUDA_COUNTERS = ("max_memory_allocated", "max_memory_reserved", "nvidia-smi")
+
+
+def cuda_counter_bytes(est: MemoryEstimate, counter: str = "nvidia-smi", *, paged: bool = False) -> int:
+    """The part of a ``device="cuda"`` estimate a given counter sees, bytes.
+
+    * ``nvidia-smi`` (the process's device memory): the whole estimate -- CUDA context
+      (``CUDA_CONTEXT_BYTES``) + reserved segments + managed (paged) memory resident on the GPU;
+    * ``max_memory_reserved`` (``torch.cuda.max_memory_reserved``): without the context (the driver
+      holds it, not the caching allocator) and without paged optimizer states;
+    * ``max_memory_allocated``: also without the allocator slack (``CUDA_FRAGMENTATION``: cached but
+      unused segment bytes). The cuBLAS workspaces stay: torch allocates them through the caching
+      allocator.
+    ``paged``: the run uses a bitsandbytes paged optimizer (``paged_state_bytes`` leaves the
+    allocator's counters).
+
+    Raises:
+        ConfigError: an estimate of another counter, or an unknown ``counter``.
+    """
+    if est.counter != "cuda":
+        raise ConfigError("counter", "an estimate made with device='cuda'", est.counter)
+    if counter not in CUDA_COUNTERS:
+        raise ConfigError("counter", " | ".join(CUDA_COUNTERS), counter)
+    if counter == "nvidia-smi":
+        return int(est.peak_bytes)
+    p = paged_state_bytes(est.model_spec, est.train_spec) if paged else 0
+    p = int(p * (1 + CUDA_FRAGMENTATION))
+    out = est.peak_bytes - CUDA_CONTEXT_BYTES - p
+    if counter == "max_memory_allocated":
+        out -= est.breakdown.get("allocator_slack", 0) - int(CUDA_FRAGMENTATION * p / (1 + CUDA_FRAGMENTATION))
+    return int(out)

@@ -1,0 +1,161 @@
+"""CUDA rules of the estimator: the SDPA kernel torch picks, what it saves, the caching allocator's
+rounding, the counters a published figure can be; bitsandbytes (QLoRA / LLM.int8) storage and
+saved tensors. Analytic: no GPU needed."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from memguard_core.estimate import (CUDA_CONTEXT_BYTES, CUDA_CUBLAS_WORKSPACES_BYTES, RUNTIME_OVERHEAD_BYTES,
+                                    _bnb_saved_inputs, _dequant_transient, cuda_block_bytes,
+                                    cuda_counter_bytes, cuda_sdpa_backend, cuda_segment_bytes, estimate,
+                                    nf4_storage_bytes, paged_state_bytes)
+from memguard_core.errors import ConfigError
+from memguard_core.spec import NF4_BITS, NF4_DOUBLE_QUANT_BITS, TrainSpec, model_spec_from_hf_config
+
+HERE = os.path.join(os.path.dirname(__file__), "configs")
+PHI = os.path.join(HERE, "phi-1_5.json")
+LLAMA3 = os.path.join(HERE, "llama-3-8b.json")
+MiB = 1 << 20
+
+
+def _cuda(**kw) -> TrainSpec:
+    base = dict(batch_size=1, seq_length=1044, method="lora", dtype="bf16", device="cuda",
+                framework="lightning")
+    base.update(kw)
+    return TrainSpec(**base)
+
+
+def test_phi_on_cuda_keeps_no_score_matrix():
+    # phi-1.5: attention_dropout 0.0, head dim 64, bf16: the flash kernel, which saves an fp32
+    # logsumexp per head and query -- nothing of size s x s
+    ms = model_spec_from_hf_config(PHI)
+    assert ms.attention_dropout == 0.0 and ms.head_dim == 64
+    ts = _cuda(lora_targets=("q_proj", "v_proj"))
+    assert cuda_sdpa_backend(ms, ts) == "flash"
+    est = estimate(ms, ts)
+    scores = est.phase_breakdowns["loss"]["attention_scores"]
+    assert scores == ms.num_layers * ms.num_heads * 4 * 1044
+    # the math path would keep fp32 probabilities: layers x heads x s x s x 4 bytes (3.9 GiB here)
+    assert scores * 1000 < ms.num_layers * ms.num_heads * 1044 * 1044 * 4
+    assert "cuda: SDPA kernel flash" in est.notes
+
+
+def test_attention_dropout_does_not_force_math_on_cuda():
+    ms = model_spec_from_hf_config(PHI).replace(attention_dropout=0.1)
+    for dtype in ("bf16", "fp16"):
+        assert cuda_sdpa_backend(ms, _cuda(dtype=dtype)) == "flash"
+    # fp32 has no flash kernel: memory-efficient (head dim 64 divisible by 4), also with dropout
+    assert cuda_sdpa_backend(ms, _cuda(dtype="fp32")) == "efficient"
+    # the same settings on CPU still take the math path (sdp_utils_cpp.cpp check_for_dropout)
+    cpu = estimate(ms, _cuda(device="cpu", framework="hf")).phase_breakdowns["loss"]["attention_scores"]
+    assert cpu >= ms.num_layers * ms.num_heads * 1044 * 1044 * 12
+
+
+def test_backend_selection_rules():
+    ms = model_spec_from_hf_config(PHI)
+    assert cuda_sdpa_backend(ms, _cuda(attn_impl="eager")) == "eager"
+    assert cuda_sdpa_backend(ms, _cuda(attn_impl="flash")) == "flash"
+    # head dim above 256: no flash; 512 divisible by 8 -> memory-efficient
+    assert cuda_sdpa_backend(ms.replace(head_dim=512), _cuda()) == "efficient"
+    # fp32 with a head dim not divisible by 4: math, whose probabilities are saved (s x s)
+    odd = ms.replace(head_dim=66)
+    assert cuda_sdpa_backend(odd, _cuda(dtype="fp32")) == "math"
+    # autocast: the half compute dtype decides
+    assert cuda_sdpa_backend(ms, _cuda(dtype="bf16", mixed_precision=True)) == "flash"
+
+
+def test_memory_efficient_logsumexp_is_padded_to_32_queries():
+    ms = model_spec_from_hf_config(PHI)
+    ts = _cuda(dtype="fp32", seq_length=100)
+    assert cuda_sdpa_backend(ms, ts) == "efficient"
+    scores = estimate(ms, ts).phase_breakdowns["loss"]["attention_scores"]
+    assert scores == ms.num_layers * ms.num_heads * 4 * 128
+
+
+def test_caching_allocator_rounding():
+    assert cuda_block_bytes(1) == 512 and cuda_block_bytes(512) == 512 and cuda_block_bytes(513) == 1024
+    assert cuda_segment_bytes(1) == 2 * MiB and cuda_segment_bytes(MiB) == 2 * MiB
+    assert cuda_segment_bytes(MiB + 1) == 20 * MiB and cuda_segment_bytes(9 * MiB) == 20 * MiB
+    assert cuda_segment_bytes(10 * MiB) == 10 * MiB and cuda_segment_bytes(11 * MiB + 1) == 12 * MiB
+
+
+def test_context_and_cublas_workspaces():
+    # default CUBLAS_WORKSPACE_CONFIG :4096:2:16:8 -> 8.125 MiB per handle, forward + backward threads
+    assert CUDA_CUBLAS_WORKSPACES_BYTES == 2 * (2 * 4096 + 8 * 16) * 1024
+    assert RUNTIME_OVERHEAD_BYTES["cuda"] == CUDA_CONTEXT_BYTES + CUDA_CUBLAS_WORKSPACES_BYTES
+
+
+def test_cuda_counters_nest():
+    ms = model_spec_from_hf_config(LLAMA3)
+    est = estimate(ms, _cuda(seq_length=512))
+    smi = cuda_counter_bytes(est, "nvidia-smi")
+    reserved = cuda_counter_bytes(est, "max_memory_reserved")
+    allocated = cuda_counter_bytes(est, "max_memory_allocated")
+    assert smi == est.peak_bytes
+    assert reserved == smi - CUDA_CONTEXT_BYTES
+    assert allocated == reserved - est.breakdown["allocator_slack"]
+    with pytest.raises(ConfigError):
+        cuda_counter_bytes(est, "rss")
+    with pytest.raises(ConfigError):
+        cuda_counter_bytes(estimate(ms, _cuda(device="cpu", framework="hf")), "nvidia-smi")
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (11008, 4096), (14336, 4096), (8192, 2048)])
+def test_nf4_storage_matches_bitsandbytes_quantize_4bit(shape):
+    n = shape[0] * shape[1]
+    blocks = math.ceil(n / 64)
+    # bitsandbytes functional.quantize_4bit: uint8 (n + 1) // 2, fp32 absmax per 64, 16-entry code
+    assert nf4_storage_bytes(n) == (n + 1) // 2 + 4 * blocks + 64
+    # double quant: uint8 absmax + fp32 absmax per 256 blocks + 256-entry fp32 code + fp32 offset
+    assert nf4_storage_bytes(n, double_quant=True) == (n + 1) // 2 + 64 + blocks + 4 * math.ceil(blocks / 256) + 1024 + 4
+    # the per-weight bits the QLoRA paper gives, up to the per-tensor constants
+    assert nf4_storage_bytes(n) * 8 / n == pytest.approx(NF4_BITS, rel=1e-3)
+    assert nf4_storage_bytes(n, True) * 8 / n == pytest.approx(NF4_DOUBLE_QUANT_BITS, rel=1e-3)
+
+
+def test_qlora_linears_save_their_inputs():
+    # bitsandbytes MatMul4Bit keeps ctx.tensors = (A, B): every quantized linear's input stays,
+    # one tensor per shared input (q/k/v; gate/up), in the compute dtype
+    ms = model_spec_from_hf_config(LLAMA3)
+    h, i, qd = ms.hidden_size, ms.intermediate_size, ms.num_heads * ms.head_dim
+    qlora = _cuda(method="qlora", seq_length=512, lora_targets=("q_proj", "v_proj"))
+    assert _bnb_saved_inputs(ms, qlora, lora=True) == 2 * (h + qd + h + i)
+    lora = qlora.replace(method="lora")
+    assert _bnb_saved_inputs(ms, lora, lora=True) == 0
+    a_q = estimate(ms, qlora).phase_breakdowns["loss"]["activations"]
+    a_l = estimate(ms, lora).phase_breakdowns["loss"]["activations"]
+    assert a_q - a_l == ms.num_layers * 512 * 2 * (h + qd + h + i)
+    # fp32 compute: PEFT's lora_A saves the very input of q/k/v, so only o, gate/up, down add
+    fp32 = qlora.replace(dtype="fp32")
+    assert _bnb_saved_inputs(ms, fp32, lora=True) == 4 * (qd + h + i)
+    # MLX quantization is not bitsandbytes
+    assert _bnb_saved_inputs(ms, qlora.replace(framework="mlx", device="mlx"), lora=True) == 0
+
+
+def test_qlora_dequantizes_one_weight_at_a_time():
+    ms = model_spec_from_hf_config(LLAMA3)
+    big = ms.intermediate_size * ms.hidden_size
+    ts = _cuda(method="qlora", seq_length=512)
+    assert _dequant_transient(ms, ts) == 2 * big
+    dq = model_spec_from_hf_config(LLAMA3, quantization_bits=4, double_quant=True)
+    assert _dequant_transient(dq, ts) == 2 * big + 4 * math.ceil(big / 64)
+    est = estimate(ms, ts)
+    assert est.phase_breakdowns["loss"]["weight_copies"] == 2 * big
+    assert _dequant_transient(ms, ts.replace(method="lora")) == 0
+
+
+def test_paged_optimizer_states_only_for_large_tensors():
+    # bitsandbytes get_state_buffer pages a tensor's state only from 1e5 elements on
+    ms = model_spec_from_hf_config(LLAMA3)
+    small = _cuda(method="qlora", lora_rank=8, lora_targets=("q_proj", "v_proj"))
+    assert paged_state_bytes(ms, small) == 0            # 8 x 4096 = 32768 elements per tensor
+    big = small.replace(lora_rank=64)                   # 64 x 4096 = 262144; B of v: 1024 x 64
+    n = ms.num_layers * (64 * 4096 + 4096 * 64 + 64 * 4096)  # q: A and B; v: A (B is 65536)
+    assert paged_state_bytes(ms, big) == 8 * n
+    est = estimate(ms, big)
+    assert (cuda_counter_bytes(est, "max_memory_allocated", paged=True)
+            < cuda_counter_bytes(est, "max_memory_allocated"))

@@ -9,6 +9,7 @@
     memguard run -- python train.py --output_dir out                 # restart after an OOM kill
     memguard bench [--quick] [--only TEXT] [--json PATH] [--submit]  # the estimate vs real runs here
     memguard calibration show | reset                                # the auto-calibration store
+    memguard report run.jsonl --png run.png                          # a guarded run's timeline
 
 Exit codes: 0 ok; 2 bad input (the message names the flag); 3 the run does not fit the budget.
 """
@@ -148,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="run real training cases here and score the estimate against them "
                                  "(--quick: a 30-second subset; --submit: a markdown report)", add_help=False)
     sub.add_parser("calibration", help="the auto-calibration store: show | reset", add_help=False)
+    sub.add_parser("report", help="draw a guarded run's event log (MEMGUARD_LOG_DIR): memory per step against "
+                                  "the budget with the decisions (memguard report FILE.jsonl --png OUT.png)",
+                   add_help=False)
     return p
 
 
@@ -345,6 +349,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["report"]:  # memguard report FILE.jsonl [--png OUT] [--html OUT]
+        from .timeline import report_main
+
+        return report_main(argv[1:])
     if argv[:1] == ["calibration"]:  # memguard calibration show [--json] | reset
         from .calibration import main as calibration_main
 

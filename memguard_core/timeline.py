@@ -1,0 +1,237 @@
+"""``memguard report``: a guarded run's event log as a timeline picture and a short summary.
+
+The picture: memory per optimizer step (peak solid, current dashed, one colour per rank) against
+the budget and its 85 / 90 / 95 % lines, each decision marked and labelled where it happened, and
+the micro-batches per batch underneath. matplotlib draws it (Agg backend: no display needed).
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+import html
+import io
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+from .errors import ConfigError
+from .events import read_events
+
+__all__ = ["load_runs", "summarize", "draw_timeline", "write_html", "summary_text"]
+
+GiB = float(1 << 30)
+#: Decisions listed under the picture (all of them are in the printed summary).
+MAX_LISTED = 12
+#: The usage lines drawn on the picture: the monitor's default warn / critical / emergency levels
+#: (``memguard_core.monitor_policy.Thresholds``).
+USAGE_LINES = (0.85, 0.90, 0.95)
+_DECISION_COLOURS = {"preflight": "#6a3d9a", "clean": "#1f78b4", "split": "#e31a1c", "grow": "#33a02c",
+                     "oom_retry": "#b15928", "restart": "#000000", "leak": "#ff7f00", "snapshot": "#a6cee3",
+                     "pressure": "#fb9a99"}
+
+
+def load_runs(paths: Sequence[str]) -> Dict[int, List[Dict[str, Any]]]:
+    """Records by rank from one or more event logs (a folder: every ``memguard-*.jsonl`` in it).
+
+    Raises:
+        ConfigError: no file, or a file that is not an event log.
+    """
+    files: List[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            files += sorted(os.path.join(p, f) for f in os.listdir(p)
+                            if f.startswith("memguard-") and f.endswith(".jsonl"))
+        else:
+            files.append(p)
+    if not files:
+        raise ConfigError("FILE", "a memguard event log (.jsonl) or a folder holding some", list(paths))
+    runs: Dict[int, List[Dict[str, Any]]] = {}
+    for f in files:
+        for rec in read_events(f):
+            runs.setdefault(int(rec.get("rank", 0)), []).append(rec)
+    if not any(r.get("type") in ("step", "decision") for recs in runs.values() for r in recs):
+        raise ConfigError("FILE", "an event log with step or decision records", files)
+    return runs
+
+
+def summarize(runs: Dict[int, List[Dict[str, Any]]]) -> Dict[str, Any]:
+    """Steps, the highest peak (bytes) and its share of the budget, decisions by kind, restarts."""
+    steps = [r for recs in runs.values() for r in recs if r.get("type") == "step"]
+    decisions = [r for recs in runs.values() for r in recs if r.get("type") == "decision"]
+    peaks = [r["peak_bytes"] for r in steps if r.get("peak_bytes") is not None]
+    budgets = [r["budget_bytes"] for r in steps if r.get("budget_bytes")]
+    top = max(steps, key=lambda r: r.get("peak_bytes") or 0) if peaks else None
+    kinds: Dict[str, int] = {}
+    for d in decisions:
+        kinds[d.get("kind", "?")] = kinds.get(d.get("kind", "?"), 0) + 1
+    return {
+        "ranks": sorted(runs), "steps": len({(r.get("rank"), r.get("step")) for r in steps}),
+        "peak_bytes": max(peaks) if peaks else None,
+        "peak_step": top.get("step") if top else None,
+        "budget_bytes": max(budgets) if budgets else None,
+        "peak_usage": (max(peaks) / top["budget_bytes"]) if top and top.get("budget_bytes") else None,
+        "micro_batches_last": steps[-1].get("micro_batches") if steps else None,
+        "decisions": kinds,
+        "decision_lines": [f"step {d.get('step')}: {d.get('kind')}: {d.get('message')}" for d in decisions],
+    }
+
+
+def summary_text(s: Dict[str, Any]) -> str:
+    """The summary as a few lines of text."""
+    lines = [f"ranks {', '.join(map(str, s['ranks']))}; {s['steps']} optimizer step records"]
+    if s["peak_bytes"] is not None:
+        usage = f" = {s['peak_usage']:.0%} of the {s['budget_bytes'] / GiB:.2f} GiB budget" if s["peak_usage"] else ""
+        lines.append(f"highest step peak {s['peak_bytes'] / GiB:.2f} GiB at step {s['peak_step']}{usage}")
+    if s["micro_batches_last"] is not None:
+        lines.append(f"micro-batches per batch at the last step: {s['micro_batches_last']}")
+    lines.append("decisions: " + (", ".join(f"{k} x{n}" for k, n in sorted(s["decisions"].items())) or "none"))
+    lines += ["  " + d for d in s["decision_lines"]]
+    return "\n".join(lines)
+
+
+def draw_timeline(runs: Dict[int, List[Dict[str, Any]]], out_png: str, *, title: Optional[str] = None) -> str:
+    """Draw the timeline to ``out_png`` (PNG) and return its path.
+
+    Raises:
+        ConfigError: matplotlib is not installed, or the file cannot be written.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--png", "matplotlib installed (pip install matplotlib)", out_png) from None
+    decisions = [r for rank in sorted(runs) for r in runs[rank]
+                 if r.get("type") == "decision" and r.get("step") is not None]
+    listed = decisions[:MAX_LISTED]
+    fig = plt.figure(figsize=(11, 6.5 + 0.22 * (len(listed) + (len(decisions) > len(listed)))))
+    lines = len(listed) + (len(decisions) > len(listed))
+    grid = fig.add_gridspec(4, 1, height_ratios=[4, 1, 0.45, 0.2 * max(lines, 1)], hspace=0.12)
+    ax = fig.add_subplot(grid[0])
+    axk = fig.add_subplot(grid[1], sharex=ax)
+    axt = fig.add_subplot(grid[3])
+    axt.axis("off")
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    budget = None
+    ymax = 0.0
+    for i, rank in enumerate(sorted(runs)):
+        recs = runs[rank]
+        steps = [r for r in recs if r.get("type") == "step"]
+        c = colours[i % len(colours)]
+        tag = f"rank {rank}" if len(runs) > 1 else ""
+        xs = [r["step"] for r in steps]
+        peak = [_gib(r.get("peak_bytes")) for r in steps]
+        cur = [_gib(r.get("current_bytes")) for r in steps]
+        if xs:
+            ax.plot(xs, peak, "-o", color=c, ms=3, label=f"peak per step {tag}".strip())
+            if any(v is not None for v in cur):
+                ax.plot(xs, cur, "--", color=c, alpha=0.7, label=f"current at step end {tag}".strip())
+            axk.step(xs, [r.get("micro_batches", 1) for r in steps], where="post", color=c)
+            ymax = max([ymax] + [v for v in peak if v is not None])
+        for r in steps:
+            if r.get("budget_bytes"):
+                budget = r["budget_bytes"]
+    if budget:
+        b = budget / GiB
+        ax.axhline(b, color="black", lw=1.5, label=f"budget {b:.2f} GiB")
+        for frac, style in zip(USAGE_LINES, (":", "-.", "--")):
+            ax.axhline(b * frac, color="grey", lw=0.8, ls=style)
+            ax.annotate(f"{frac:.0%}", xy=(1.0, b * frac), xycoords=("axes fraction", "data"),
+                        xytext=(3, 0), textcoords="offset points", va="center", fontsize=8, color="grey")
+        ymax = max(ymax, b)
+    ax.set_ylim(0, ymax * 1.22 if ymax else 1)
+    # decisions: a vertical line at their step with a number on top; the numbered list underneath
+    placed: Dict[Any, int] = {}
+    for i, r in enumerate(decisions, 1):
+        colour = _DECISION_COLOURS.get(r.get("kind"), "#555555")
+        x = r["step"]
+        n = placed.get(x, 0)
+        placed[x] = n + 1
+        ax.axvline(x, color=colour, lw=1, alpha=0.6)
+        ax.annotate(str(i), xy=(x, ax.get_ylim()[1]), xytext=(3 + 12 * n, -4), textcoords="offset points",
+                    fontsize=9, fontweight="bold", color=colour, va="top")
+    for i, r in enumerate(listed, 1):
+        axt.text(0.0, 1.0 - (i - 1) / max(lines, 1), f"{i}  step {r['step']}  {_label(r)}",
+                 transform=axt.transAxes, fontsize=8.5, va="top",
+                 color=_DECISION_COLOURS.get(r.get("kind"), "#555555"))
+    if len(decisions) > len(listed):
+        axt.text(0.0, 1.0 - len(listed) / max(lines, 1), f"... and {len(decisions) - len(listed)} more "
+                 "(memguard report prints them all)", transform=axt.transAxes, fontsize=8.5, va="top")
+    ax.set_ylabel("memory (GiB)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    axk.set_ylabel("micro-batches\nper batch", fontsize=9)
+    axk.set_xlabel("optimizer step")
+    plt.setp(ax.get_xticklabels(), visible=False)
+    axk.grid(alpha=0.3)
+    axk.yaxis.get_major_locator().set_params(integer=True)
+    ax.set_title(title or "memguard: memory per step against the budget")
+    fig.subplots_adjust(left=0.08, right=0.93, top=0.95, bottom=0.03)
+    try:
+        fig.savefig(out_png, dpi=110)
+    except OSError as exc:
+        raise ConfigError("--png", "a writable path", f"{out_png} ({exc.strerror or exc})") from None
+    finally:
+        plt.close(fig)
+    return out_png
+
+
+def _gib(v: Any) -> Optional[float]:
+    return None if v is None else float(v) / GiB
+
+
+def _label(r: Dict[str, Any]) -> str:
+    kind = r.get("kind", "?")
+    msg = str(r.get("message", ""))
+    rank = f"rank {r['rank']} " if r.get("rank") else ""
+    return f"{rank}{kind}: {msg[:110]}{'...' if len(msg) > 110 else ''}"
+
+
+def write_html(runs: Dict[int, List[Dict[str, Any]]], out_html: str, png_path: Optional[str] = None) -> str:
+    """A one-file HTML page: the picture (embedded) and the summary with every decision."""
+    import tempfile
+
+    s = summarize(runs)
+    own = png_path is None
+    if own:
+        fd, png_path = tempfile.mkstemp(suffix=".png")
+        os.close(fd)
+        draw_timeline(runs, png_path)
+    with open(png_path, "rb") as fh:
+        data = base64.b64encode(fh.read()).decode("ascii")
+    if own:
+        os.unlink(png_path)
+    body = (f"<h1>memguard run report</h1><img alt='timeline' src='data:image/png;base64,{data}'>"
+            f"<pre>{html.escape(summary_text(s))}</pre>")
+    try:
+        with open(out_html, "w", encoding="utf-8") as fh:
+            fh.write(f"<!doctype html><meta charset='utf-8'><title>memguard report</title>{body}")
+    except OSError as exc:
+        raise ConfigError("--html", "a writable path", f"{out_html} ({exc.strerror or exc})") from None
+    return out_html
+
+
+def report_main(argv: Optional[List[str]] = None) -> int:
+    """``memguard report FILE.jsonl [...] [--png OUT.png] [--html OUT.html]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="memguard report",
+                                description="Draw a guarded run's event log (MEMGUARD_LOG_DIR): memory per step "
+                                            "against the budget, with the decisions, and print a summary.")
+    p.add_argument("files", nargs="+", metavar="FILE", help="event log(s) (.jsonl), or a folder of them")
+    p.add_argument("--png", metavar="OUT", help="write the timeline picture here [FILE with .png]")
+    p.add_argument("--html", metavar="OUT", help="also write a one-file HTML report")
+    args = p.parse_args(argv)
+    try:
+        runs = load_runs(args.files)
+        png = args.png or (os.path.splitext(args.files[0].rstrip("/"))[0] + ".png")
+        draw_timeline(runs, png)
+        print(summary_text(summarize(runs)))
+        print(f"timeline: {png}")
+        if args.html:
+            print(f"html: {write_html(runs, args.html, png)}")
+    except ConfigError as exc:
+        print(f"memguard report: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0

@@ -1,0 +1,193 @@
+"""The run event log (JSONL), ``memguard report``'s timeline, the torch leak detector and the CUDA
+snapshot trigger."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from memguard_core.cuda_snapshots import CudaSnapshots
+from memguard_core.errors import ConfigError
+from memguard_core.events import EventLog, read_events
+from memguard_core.leak import LeakDetector
+from memguard_core.timeline import draw_timeline, load_runs, summarize, summary_text
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GiB = 1 << 30
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def test_a_killed_run_leaves_every_record_it_wrote(tmp_path):
+    """SIGKILL right after the 5th step record: the 5 steps and the decision are in the file."""
+    code = f"""
+import os, signal
+from memguard_core.events import EventLog
+log = EventLog({str(tmp_path)!r}, run_id="killed", budget_bytes=4 << 30)
+log.decision("split", "micro-batches 1 -> 2", step=2)
+for s in range(1, 6):
+    log.step(s, peak_bytes=s << 28, current_bytes=s << 27, budget_bytes=4 << 30, micro_batches=2)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    recs = read_events(str(tmp_path / "memguard-killed-rank0.jsonl"))
+    assert [r["type"] for r in recs] == ["start", "decision"] + ["step"] * 5
+    assert recs[-1]["step"] == 5 and recs[-1]["usage"] == pytest.approx(5 / 16)
+    assert recs[1]["kind"] == "split" and recs[1]["message"] == "micro-batches 1 -> 2"
+
+
+def test_records_from_two_threads_stay_whole_lines(tmp_path):
+    log = EventLog(str(tmp_path), run_id="threads")
+
+    def write(kind):
+        for i in range(300):
+            log.decision(kind, "x" * 200, step=i)
+
+    ts = [threading.Thread(target=write, args=(k,)) for k in ("clean", "split")]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    log.close(steps=0)
+    recs = read_events(log.path)
+    assert len(recs) == 1 + 600 + 1 and recs[-1]["type"] == "end"
+
+
+def test_truncated_last_line_is_skipped_and_a_bad_middle_line_is_an_error(tmp_path):
+    path = tmp_path / "memguard-x-rank0.jsonl"
+    path.write_text('{"type": "step", "step": 1, "peak_bytes": 5}\n{"type": "st')
+    assert len(read_events(str(path))) == 1
+    path.write_text('{"type": "step"}\nnot json\n{"type": "step"}\n')
+    with pytest.raises(ConfigError, match="line 2"):
+        read_events(str(path))
+
+
+def test_an_unwritable_log_dir_turns_the_log_off_without_raising(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    log = EventLog(str(blocker), run_id="off")  # a file where the folder should be
+    assert not log.enabled
+    log.step(1, peak_bytes=1)
+    log.decision("clean", "nothing")
+    log.close()
+
+
+def test_from_env_and_run_id_shared_with_children(tmp_path, monkeypatch):
+    monkeypatch.delenv("MEMGUARD_LOG_DIR", raising=False)
+    monkeypatch.delenv("MEMGUARD_RUN_ID", raising=False)
+    assert EventLog.from_env() is None
+    monkeypatch.setenv("MEMGUARD_LOG_DIR", str(tmp_path))
+    log = EventLog.from_env(rank=1)
+    assert os.environ["MEMGUARD_RUN_ID"] == log.run_id
+    assert log.path.endswith(f"memguard-{log.run_id}-rank1.jsonl") and os.path.exists(log.path)
+
+
+def _two_rank_run(tmp_path):
+    for rank in (0, 1):
+        log = EventLog(str(tmp_path), rank=rank, run_id="two", budget_bytes=3 * GiB)
+        log.decision("preflight", "micro-batch 8 -> 4 x accumulation 2", step=0)
+        k = 1
+        for s in range(1, 11):
+            if s == 4 and rank == 1:
+                log.decision("split", "micro-batches 1 -> 2 (critical 93 %)", step=s)
+                k = 2
+            peak = (2.0 + 0.1 * rank + (0.8 if s in (3, 4) and rank == 1 else 0)) * GiB
+            log.step(s, peak_bytes=int(peak), current_bytes=int(peak * 0.7), budget_bytes=3 * GiB, micro_batches=k)
+        log.close()
+
+
+def test_timeline_png_and_summary_of_two_ranks(tmp_path):
+    _two_rank_run(tmp_path)
+    runs = load_runs([str(tmp_path)])
+    assert sorted(runs) == [0, 1]
+    s = summarize(runs)
+    assert s["steps"] == 20 and s["peak_bytes"] == int(2.9 * GiB) and s["peak_step"] == 3
+    assert s["decisions"] == {"preflight": 2, "split": 1}
+    text = summary_text(s)
+    assert "97% of the 3.00 GiB budget" in text and "step 4: split" in text
+    png = draw_timeline(runs, str(tmp_path / "t.png"))
+    with open(png, "rb") as fh:
+        data = fh.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_report_cli(tmp_path):
+    _two_rank_run(tmp_path)
+    f = str(tmp_path / "memguard-two-rank0.jsonl")
+    p = subprocess.run([sys.executable, "-m", "memguard_core.cli", "report", f, "--html", str(tmp_path / "r.html")],
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "timeline: " + str(tmp_path / "memguard-two-rank0.png") in p.stdout
+    assert os.path.getsize(tmp_path / "memguard-two-rank0.png") > 10_000
+    assert "data:image/png;base64," in (tmp_path / "r.html").read_text()
+    bad = subprocess.run([sys.executable, "-m", "memguard_core.cli", "report", str(tmp_path / "none.jsonl")],
+                         env=_env(), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "FILE" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_leak_detector_flags_steady_growth_only():
+    d = LeakDetector(window=4, min_growth_bytes=1 << 20, warmup=1, what="CPU RSS")
+    reports = [d.sample(i, (1 << 30) + i * (1 << 19)) for i in range(7)]
+    assert reports[:5] == [None] * 5 and reports[5] is not None
+    assert "CPU RSS grew at every step for 4 steps" in reports[5].message
+    assert reports[5].per_step_bytes == 1 << 19
+    flat = LeakDetector(window=4, min_growth_bytes=1 << 20, warmup=0)
+    noise = [0, 3, 1, 4, 2, 5, 3, 6]
+    assert all(flat.sample(i, (1 << 30) + v * (1 << 20)) is None for i, v in enumerate(noise))
+
+
+class _FakeCudaMemory:
+    """Thinnest stand-in for ``torch.cuda.memory`` (no GPU here): records the calls the snapshot
+    trigger makes and writes a file where torch would write its pickle."""
+
+    def __init__(self, fail_dump=False):
+        self.calls = []
+        self.retries = 0
+        self.fail_dump = fail_dump
+
+    def _record_memory_history(self, enabled="all", max_entries=None, **kw):
+        self.calls.append(("record", enabled, max_entries))
+
+    def _dump_snapshot(self, filename):
+        if self.fail_dump:
+            raise RuntimeError("no CUDA")
+        with open(filename, "wb") as fh:
+            fh.write(b"snapshot")
+        self.calls.append(("dump", os.path.basename(filename)))
+
+    def memory_stats(self):
+        return {"num_alloc_retries": self.retries}
+
+
+def test_cuda_snapshots_at_steps_pressure_retries_and_oom(tmp_path):
+    mem = _FakeCudaMemory()
+    snap = CudaSnapshots(str(tmp_path), rank=1, max_entries=5000, at_steps=(2,), cuda_memory=mem)
+    assert snap.start() and mem.calls == [("record", "all", 5000)]
+    snap.step_end(1, "ok")
+    snap.step_end(2, "ok")
+    snap.step_end(3, "critical")
+    snap.step_end(4, "critical")   # the same episode: no second dump
+    snap.step_end(5, "ok")
+    mem.retries = 3                 # the allocator freed its cache and retried: pressure
+    snap.step_end(6, "ok")
+    snap.oom(7)
+    dumps = [c[1] for c in mem.calls if c[0] == "dump"]
+    assert dumps == ["rank1_step2_step.pickle", "rank1_step3_critical.pickle", "rank1_step6_critical.pickle",
+                     "rank1_step7_oom.pickle"]
+    assert all(os.path.exists(p) for p in snap.written)
+    snap.stop()
+    assert mem.calls[-1] == ("record", None, None)
+
+
+def test_cuda_snapshot_failures_are_logged_not_raised(tmp_path, caplog):
+    snap = CudaSnapshots(str(tmp_path), cuda_memory=_FakeCudaMemory(fail_dump=True))
+    snap.start()
+    assert snap.oom(3) is None
+    assert "not written" in caplog.text
+    with pytest.raises(ConfigError, match="snapshot_max_entries"):
+        CudaSnapshots(str(tmp_path), max_entries=0)

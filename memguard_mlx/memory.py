@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from memguard_core.errors import ConfigError, require_fraction, require_positive_int
+from memguard_core.leak import LeakDetector as _CoreLeakDetector, LeakReport
 
 logger = logging.getLogger("memguard.mlx")
 
@@ -170,45 +171,18 @@ class MemoryControls:
 # leak detector
 
 
-@dataclass
-class LeakReport:
-    """A detected leak: active memory grew at every one of ``window`` consecutive samples.
-
-    Attributes:
-        step: the step of the last sample.
-        growth_bytes: active(last) - active(first) over the window (bytes).
-        per_step_bytes: mean growth per step (bytes).
-        samples: the window's active-memory samples (bytes).
-        message: one human line.
-    """
-
-    step: Optional[int]
-    growth_bytes: int
-    per_step_bytes: float
-    samples: Tuple[int, ...]
-    message: str
-
-
-class LeakDetector:
-    """Flags monotonic growth of MLX active memory across training steps.
+class LeakDetector(_CoreLeakDetector):
+    """Flags monotonic growth of MLX active memory across training steps
+    (:class:`memguard_core.leak.LeakDetector` reading ``mx.get_active_memory()``).
 
     The pattern of mlx-examples #1262 (and #738, #1076): memory climbs a little every step until the
     machine swaps, while each step's own work is the same -- a reference kept to a step's arrays (a
     list of losses that are never ``.item()``-ed, a growing compile cache, a callback storing
     arrays). Active memory sampled at the same point of every step (after the optimizer update is
-    evaluated) is flat in a healthy run once the optimizer state exists; a leak makes it rise at
-    every step.
+    evaluated) is flat in a healthy run once the optimizer state exists.
 
-    Rule: after ``warmup`` samples, the last ``window`` + 1 samples never decrease, each step adds
-    at least ``min_step_bytes`` on average, and the total growth is at least ``min_growth_bytes``.
-    After firing, the detector re-arms one window later (one report per window of growth).
-
-    Args:
-        window: consecutive steps of growth required (>= 2).
-        min_growth_bytes: total growth over the window that counts as a leak (bytes).
-        min_step_bytes: mean growth per step below which nothing is flagged (bytes; rounding noise).
-        warmup: samples ignored at the start (optimizer state and compile caches are created then).
-        on_leak: callable receiving the :class:`LeakReport`.
+    Args: as :class:`memguard_core.leak.LeakDetector` (``window``, ``min_growth_bytes``,
+    ``min_step_bytes``, ``warmup``, ``on_leak``).
 
     Raises:
         ConfigError: bad numbers.
@@ -216,53 +190,12 @@ class LeakDetector:
 
     def __init__(self, window: int = 8, min_growth_bytes: int = 8 << 20, min_step_bytes: int = 4096,
                  warmup: int = 2, on_leak: Optional[Callable[[LeakReport], None]] = None):
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise ConfigError("leak_window", "an integer >= 2", window)
-        self.window = window
-        self.min_growth_bytes = require_positive_int("leak_min_growth_bytes", min_growth_bytes, allow_zero=True)
-        self.min_step_bytes = require_positive_int("leak_min_step_bytes", min_step_bytes, allow_zero=True)
-        self.warmup = require_positive_int("leak_warmup", warmup, allow_zero=True)
-        self.on_leak = on_leak
-        self.samples: List[Tuple[Optional[int], int]] = []
-        self.reports: List[LeakReport] = []
-        self._armed_at = 0
+        super().__init__(window, min_growth_bytes, min_step_bytes, warmup, on_leak,
+                         what="MLX active memory",
+                         hint="look for arrays kept across steps (losses not .item()-ed, lists in callbacks)")
 
-    @property
-    def fired(self) -> bool:
-        return bool(self.reports)
-
-    def sample(self, step: Optional[int] = None, active_bytes: Optional[int] = None) -> Optional[LeakReport]:
-        """Record active memory (default ``mx.get_active_memory()``) at ``step``; returns a report
-        when a leak is detected at this sample. Never raises."""
-        try:
-            if active_bytes is None:
-                active_bytes = int(_mx().get_active_memory())
-        except Exception as exc:  # pragma: no cover
-            logger.debug("memguard leak detector: no sample (%s)", exc)
-            return None
-        self.samples.append((step, int(active_bytes)))
-        n = len(self.samples)
-        if n - self.warmup < self.window + 1 or n < self._armed_at:
-            return None
-        win = [a for _, a in self.samples[-(self.window + 1):]]
-        diffs = [b - a for a, b in zip(win[:-1], win[1:])]
-        growth = win[-1] - win[0]
-        if min(diffs) < 0 or growth < self.min_growth_bytes or growth / self.window < self.min_step_bytes \
-                or sum(1 for d in diffs if d > 0) < len(diffs) * 0.75:
-            return None
-        rep = LeakReport(step, growth, growth / self.window, tuple(win),
-                         f"possible memory leak: MLX active memory grew at every step for {self.window} "
-                         f"steps (+{growth / 2**20:.2f} MiB, {growth / self.window / 2**10:.1f} KiB/step); "
-                         f"look for arrays kept across steps (losses not .item()-ed, lists in callbacks)")
-        self.reports.append(rep)
-        self._armed_at = n + self.window
-        logger.warning("memguard: %s", rep.message)
-        if self.on_leak is not None:
-            try:
-                self.on_leak(rep)
-            except Exception as exc:
-                logger.warning("memguard: on_leak callback failed: %s", exc)
-        return rep
+    def read(self) -> Optional[int]:
+        return int(_mx().get_active_memory())
 
 
 # ---------------------------------------------------------------------------------------------

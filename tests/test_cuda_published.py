@@ -47,14 +47,16 @@ def test_every_row_names_its_source_model_and_counter(data):
         assert ns["source"] in data["sources"] and ns["why"]
 
 
-def test_scorer_reports_each_row(data, results):
+def test_scorer_reports_each_row(cp, data, results):
     assert [r["case"] for r in results] == [r["case"] for r in data["rows"]]
     for res, row in zip(results, data["rows"]):
-        assert res["measured"] == pytest.approx(row["measured_gb"] * 1e9)
+        unit = cp.UNIT_BYTES[data["sources"][row["source"]]["unit"]]
+        assert res["measured"] == pytest.approx(row["measured_gb"] * unit)
         assert res["estimate"] > 0
         assert res["error"] == pytest.approx(res["estimate"] / res["measured"] - 1)
         assert res["within"] == (-0.05 <= res["error"] <= 0.25)
-        assert "cuda: SDPA kernel flash" in res["notes"]  # bf16, head dims <= 256, no mask
+        kernel = "eager" if row.get("attn") == "eager" else "flash"  # bf16, head dims <= 256, no mask
+        assert f"cuda: SDPA kernel {kernel}" in res["notes"]
 
 
 def test_markdown_page_has_date_rows_and_sources(cp, data, results):

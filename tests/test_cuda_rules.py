@@ -159,3 +159,15 @@ def test_paged_optimizer_states_only_for_large_tensors():
     est = estimate(ms, big)
     assert (cuda_counter_bytes(est, "max_memory_allocated", paged=True)
             < cuda_counter_bytes(est, "max_memory_allocated"))
+
+
+def test_llm_int8_linears_save_their_inputs_too():
+    # bitsandbytes MatMul8bitLt: ctx.tensors = (CAt, subA, A) -- A kept; the forward's int8 copy of
+    # the input and the int32 product are transients
+    ms = model_spec_from_hf_config(LLAMA3, quantization_bits=8)
+    assert ms.weight_bits == 8
+    h, i, qd = ms.hidden_size, ms.intermediate_size, ms.num_heads * ms.head_dim
+    ts = _cuda(method="lora", seq_length=512, lora_targets=("q_proj", "v_proj"))
+    assert _bnb_saved_inputs(ms, ts, lora=True) == 2 * (h + qd + h + i)
+    tokens = 512
+    assert _dequant_transient(ms, ts) == max(tokens * (h + 4 * i), tokens * (i + 4 * h), tokens * (h + 4 * qd))

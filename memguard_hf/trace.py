@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from memguard_core.errors import ConfigError, MemGuardError
-from memguard_core.spec import TrainSpec
+from memguard_core.spec import TrainSpec, _is_vision_language
 
 __all__ = ["TraceResult", "ModuleRow", "trace_step", "compare", "comparison_table", "STAGES", "trace_for_cli",
            "trace_json", "print_trace"]
@@ -492,7 +492,10 @@ def trace_step(config_or_path: Any, train_spec: TrainSpec, *, device: str = "cpu
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # transformers 5's deprecation notices
-            model = AutoModelForCausalLM.from_config(cfg, dtype=wdtype, attn_implementation=ts.attn_impl)
+            auto = AutoModelForCausalLM
+            if _is_vision_language(cfg):  # the class users fine-tune: vision tower + language model
+                from transformers import AutoModelForImageTextToText as auto
+            model = auto.from_config(cfg, dtype=wdtype, attn_implementation=ts.attn_impl)
     except ConfigError:
         raise
     except Exception as exc:  # whatever the modeling code raises on this config / implementation

@@ -53,7 +53,7 @@ def _config(name: str, **changes) -> dict:
     return d
 
 
-#: five families, 2 blocks each
+#: six families, 2 blocks each
 ARCHS = {
     # dense GQA: HuggingFaceTB/SmolLM2-135M (llama, vocab 49152, hidden 576, heads 9/3, tied)
     "llama": _config("smollm2-135m.json", num_hidden_layers=2),
@@ -73,6 +73,15 @@ ARCHS = {
     # GPT-2 (LayerNorm, Conv1D c_attn, dropout 0.1) and Qwen2.5-0.5B (q/k/v biases, GQA 14/2)
     "gpt2": _config("gpt2.json", n_layer=2),
     "qwen2": _config("qwen2.5-0.5b.json", num_hidden_layers=2),
+    # vision-language: Qwen/Qwen2-VL-2B-Instruct's layout (vision tower + merger + Qwen2 decoder with
+    # M-RoPE), narrowed to 2 decoder and 2 vision blocks; a text-only batch (the tower's weights count,
+    # LoRA q/v adapts the decoder only: Qwen2-VL's vision blocks name their projections qkv / proj)
+    "qwen2_vl": dict(model_type="qwen2_vl", tie_word_embeddings=True,
+                     text_config=dict(model_type="qwen2_vl_text", hidden_size=1536, intermediate_size=8960,
+                                      num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=2,
+                                      vocab_size=151936, tie_word_embeddings=True),
+                     vision_config=dict(depth=2, embed_dim=1280, hidden_size=1536, num_heads=16,
+                                        patch_size=14, spatial_merge_size=2)),
 }
 
 #: one representative setting per architecture (2 x 128 tokens)
@@ -83,6 +92,7 @@ CASES = {
     "gemma2": dict(method="full", dtype="fp32", attn_impl="eager"),
     "gpt2": dict(method="full", dtype="fp32"),
     "qwen2": dict(method="lora", dtype="bf16", lora_rank=16, lora_targets=("all-linear",)),
+    "qwen2_vl": dict(method="lora", dtype="bf16", lora_rank=16, lora_targets=("q_proj", "v_proj")),
 }
 
 _CACHE: dict = {}
@@ -346,3 +356,13 @@ def test_analytic_path_does_not_load_the_tracer():
             "assert 'torch' not in sys.modules and 'memguard_hf.trace' not in sys.modules" % ROOT)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_vision_language_trace_counts_the_vision_tower():
+    """The traced weights of Qwen2-VL hold its vision tower (2 blocks of width 1280 + patch embedding
+    + merger here), which the analytic estimate counts as ``vision`` (frozen under LoRA)."""
+    tr, est, rows = traced("qwen2_vl")
+    vision = est.model_spec.params.vision
+    assert vision > 60e6
+    language = (est.model_spec.total_params - vision) * 2  # bf16 bytes
+    assert rows["weights"]["traced"] - language == pytest.approx(vision * 2, rel=0.02)

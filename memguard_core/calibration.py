@@ -30,9 +30,12 @@ import os
 import platform
 import sqlite3
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
+
+from .errors import ConfigError
 
 logger = logging.getLogger("memguard.calibration")
 
@@ -68,7 +71,13 @@ def enabled() -> bool:
 
 
 def data_dir() -> str:
-    """``$MEMGUARD_DATA_DIR`` or platformdirs' user data dir for ``memguard`` (created)."""
+    """``$MEMGUARD_DATA_DIR`` or platformdirs' user data dir for ``memguard`` (created).
+
+    Raises:
+        ConfigError: the path exists and is not a folder, or cannot be created (the field named is
+            ``MEMGUARD_DATA_DIR`` when that is set). Recording and reading catch it: a guarded run
+            goes on without calibration.
+    """
     d = os.environ.get("MEMGUARD_DATA_DIR")
     if not d:
         try:
@@ -77,7 +86,14 @@ def data_dir() -> str:
             d = user_data_dir("memguard", appauthor=False)
         except Exception:  # platformdirs missing: a dot-dir in the home
             d = os.path.join(os.path.expanduser("~"), ".memguard")
-    os.makedirs(d, exist_ok=True)
+    if os.path.exists(d) and not os.path.isdir(d):
+        raise ConfigError("MEMGUARD_DATA_DIR" if os.environ.get("MEMGUARD_DATA_DIR") else "data dir",
+                          "a folder (or a path where one can be created)", d)
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("MEMGUARD_DATA_DIR" if os.environ.get("MEMGUARD_DATA_DIR") else "data dir",
+                          "a folder memguard can create and write", f"{d} ({exc.strerror or exc})") from None
     return d
 
 
@@ -328,6 +344,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("action", choices=("show", "reset"))
     ap.add_argument("--json", action="store_true", help="show: one JSON list")
     a = ap.parse_args(argv)
+    try:
+        data_dir()
+    except ConfigError as exc:
+        print(f"memguard calibration: error: invalid {exc.field}: expected {exc.expected}, got {exc.got!r}",
+              file=sys.stderr)
+        return 2
     if a.action == "reset":
         print(f"deleted {reset()} recorded runs from {db_path()}")
         return 0

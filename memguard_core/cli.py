@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from typing import List, Optional
 
@@ -261,11 +262,11 @@ def cmd_estimate(args) -> int:
         trace = tracing.trace_for_cli(args.config, ts)
     budget = None
     if args.budget_gib is not None:
-        if args.budget_gib <= 0:
+        if not math.isfinite(args.budget_gib) or args.budget_gib <= 0:
             raise ConfigError("--budget-gib", "a number of GiB > 0", args.budget_gib)
         budget = int(args.budget_gib * GiB)
     elif args.available_gib is not None:
-        if args.available_gib <= 0:
+        if not math.isfinite(args.available_gib) or args.available_gib <= 0:
             raise ConfigError("--available-gib", "a number of GiB > 0", args.available_gib)
         budget = budget_from_available(int(args.available_gib * GiB), args.safety_ratio)
     chosen = None

@@ -55,6 +55,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -350,11 +351,15 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None,
         :class:`SupervisorResult`.
 
     Raises:
-        ConfigError: empty ``cmd``, bad ``max_restarts`` or ``split``.
+        ConfigError: empty ``cmd``, a command that is not an executable (on ``PATH`` or a path to
+            one), bad ``max_restarts`` or ``split``.
     """
     if isinstance(cmd, (str, bytes)) or not cmd or not all(isinstance(c, str) for c in cmd):
         raise ConfigError("command", "a non-empty list of arguments (memguard run -- python train.py ...)",
                           cmd)
+    if runner is None and shutil.which(cmd[0], path=(env or os.environ).get("PATH")) is None:
+        raise ConfigError("command", "an executable on PATH or a path to one (memguard run -- python train.py ...)",
+                          cmd[0])
     max_restarts = require_positive_int("max_restarts", max_restarts, allow_zero=True)
     base_env: Dict[str, str] = dict(os.environ if env is None else env)
     if split is None:

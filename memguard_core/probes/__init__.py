@@ -63,7 +63,8 @@ class MemorySnapshot:
         pressure: percent 0..100. Linux: PSI ``some avg10`` of memory (share of the last 10 s
             in which at least one task stalled on memory; kernel Documentation/accounting/psi.rst).
             macOS: ``100 - kern.memorystatus_level`` (share of memory the kernel does not
-            count as available; NOT a stall time, compare by ``source``). ``None`` elsewhere.
+            count as available; NOT a stall time: ``pressure_kind`` says which). ``None``
+            elsewhere.
         limit_bytes: the container (cgroup) limit in force (smaller than the host total),
             ``None`` if none.
         limit_source: ``"host"``, ``"cgroup-v1:<dir>"``, ``"cgroup-v2:<dir>"`` (the cgroup
@@ -72,6 +73,26 @@ class MemorySnapshot:
             ``"cuda"``, ``"mlx"``, or ``"psutil"`` / ``"none"`` for the fallbacks used when
             the platform probe failed.
         timestamp: ``time.monotonic()`` at the reading.
+        pressure_kind: what ``pressure`` measures, so that each pressure policy reads only its own
+            platform's figure: ``"psi"`` (Linux stall share), ``"memorystatus"`` (macOS share in
+            use), None where ``pressure`` is None or its kind is unknown.
+        kernel_pressure: the kernel's own pressure level where it publishes one: macOS
+            ``kern.memorystatus_vm_pressure_level`` as ``"normal"`` / ``"warn"`` / ``"critical"``
+            (the ``DISPATCH_MEMORYPRESSURE_*`` levels); None elsewhere or when unreadable.
+        swap_used_bytes: swap in use on the host (macOS ``vm.swapusage`` ``xsu_used``), bytes; the
+            monitor turns successive readings into swap activity. None where not read.
+        address_limit_bytes: a limit on this process's *virtual* memory in force, bytes: the soft
+            ``RLIMIT_AS`` or ``RLIMIT_DATA`` (setrlimit(2); what ``ulimit -v`` / ``prlimit --as``
+            set) with the least room left, or the Windows commit limit; None where none is set.
+        address_limit_source: which one: ``"RLIMIT_AS"``, ``"RLIMIT_DATA"`` or ``"commit-limit"``;
+            None with no such limit.
+        address_headroom_bytes: the room left under that limit for new mappings, bytes: the limit
+            minus what it counts now (``RLIMIT_AS``: ``VmSize``; ``RLIMIT_DATA``: ``VmData +
+            VmStk``, /proc/self/status; the commit limit: ``ullAvailPageFile``), never negative.
+            It is virtual address space, not RSS: ``available_bytes`` is capped by it (every new
+            resident byte of a fresh allocation needs as much new mapping, so the cap is the
+            conservative translation to the resident figures the monitor compares) and
+            ``total_bytes`` by the limit itself (RSS <= VmSize <= RLIMIT_AS).
     """
 
     device: str
@@ -84,6 +105,12 @@ class MemorySnapshot:
     limit_source: str
     source: str
     timestamp: float
+    pressure_kind: Optional[str] = None
+    kernel_pressure: Optional[str] = None
+    swap_used_bytes: Optional[int] = None
+    address_limit_bytes: Optional[int] = None
+    address_limit_source: Optional[str] = None
+    address_headroom_bytes: Optional[int] = None
 
     @property
     def used_fraction(self) -> float:

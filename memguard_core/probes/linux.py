@@ -15,6 +15,12 @@ Sources:
 - Locating the cgroup from /proc/self/cgroup + /proc/self/mountinfo (never fixed paths): the
   same scheme as the JDK's container support (src/hotspot/os/linux/cgroupSubsystem_linux.cpp)
   and proc(5) / proc_pid_mountinfo(5) for the field layout.
+- Virtual-memory limits ``RLIMIT_AS`` / ``RLIMIT_DATA`` (getrlimit(2), setrlimit(2); ``ulimit -v``,
+  ``prlimit --as``): the kernel refuses a new mapping when ``total_vm`` (``VmSize``) plus its size
+  exceeds the soft ``RLIMIT_AS``, or, for a private writable mapping, when ``data_vm``
+  (``VmData``) plus its size exceeds ``RLIMIT_DATA`` (mm/mmap.c ``may_expand_vm``, Linux >= 4.7
+  for the data limit); torch's CPU allocator then raises "can't allocate memory". See
+  :func:`address_limit`.
 - Working set = usage - inactive file cache: what cAdvisor reports as
   ``container_memory_working_set_bytes`` and the kubelet uses for memory eviction
   (cadvisor container/libcontainer/handler.go: v1 ``total_inactive_file``, v2 ``inactive_file``).
@@ -46,6 +52,7 @@ __all__ = [
     "parse_flat_keyed", "read_meminfo", "read_status", "read_psi", "locate_cgroups",
     "cgroup_memory", "probe", "reset_peak", "step_figures", "pressure", "malloc_in_use",
     "malloc_trim", "step_reader", "UNLIMITED_THRESHOLD",
+    "AddressLimit", "read_rlimits", "address_limit",
 ]
 
 #: Limits at or above this many bytes (1 EiB) mean "no limit". cgroup v1 reports "unlimited"
@@ -698,6 +705,122 @@ def cgroup_memory(proc_root: str = "/proc", sys_root: str = "", *,
 
 
 # ----------------------------------------------------------------------------------------------
+# virtual-memory limits: RLIMIT_AS / RLIMIT_DATA
+
+@dataclass(frozen=True)
+class AddressLimit:
+    """A limit on this process's virtual memory and the room left under it. Sizes in bytes.
+
+    Attributes:
+        source: ``"RLIMIT_AS"`` or ``"RLIMIT_DATA"``.
+        limit: the soft limit (the one the kernel enforces; the hard one only caps raising it).
+        counted: what the kernel counts against it now: ``VmSize`` (``total_vm``) for
+            ``RLIMIT_AS``; ``VmData + VmStk`` for ``RLIMIT_DATA`` (the kernel counts ``data_vm`` =
+            ``VmData``; the main stack is added so the full probe agrees with /proc/self/statm's
+            ``data`` field, which the per-step path can read; it errs towards less room).
+        headroom: ``max(0, limit - counted)``: the room left for new mappings.
+    """
+
+    source: str
+    limit: int
+    counted: int
+    headroom: int
+
+
+def _rlimit_bytes(which: int) -> Optional[int]:
+    """The soft limit ``which`` in bytes, None when unlimited or unreadable."""
+    try:
+        soft, _hard = _resource.getrlimit(which)
+    except Exception as exc:  # defensive: a probe never raises
+        _warn_once(f"getrlimit:{which}", "memguard: getrlimit(%r) failed: %r", which, exc)
+        return None
+    if soft is None or soft < 0 or soft == _resource.RLIM_INFINITY or soft >= UNLIMITED_THRESHOLD:
+        return None
+    return int(soft)
+
+
+def read_rlimits() -> Tuple[Optional[int], Optional[int]]:
+    """The soft ``(RLIMIT_AS, RLIMIT_DATA)`` of this process in bytes (getrlimit(2)); None for one
+    that is unlimited (``RLIM_INFINITY``) or cannot be read. Never raises."""
+    if _resource is None:
+        return None, None
+    return (_rlimit_bytes(_resource.RLIMIT_AS),
+            _rlimit_bytes(getattr(_resource, "RLIMIT_DATA", _resource.RLIMIT_AS)))
+
+
+#: ``(monotonic s, (RLIMIT_AS, RLIMIT_DATA))`` of the last :func:`read_rlimits`: a limit changes when
+#: someone calls setrlimit / prlimit, not per step, so the per-step path re-reads it at most every
+#: :data:`SLOW_FIGURES_MAX_AGE_S`.
+_rlimits_seen: Optional[Tuple[float, Tuple[Optional[int], Optional[int]]]] = None
+
+
+def _cached_rlimits(max_age: float = None) -> Tuple[Optional[int], Optional[int]]:
+    global _rlimits_seen
+    now = time.monotonic()
+    hit = _rlimits_seen
+    age = SLOW_FIGURES_MAX_AGE_S if max_age is None else max_age
+    if hit is not None and now - hit[0] < age:
+        return hit[1]
+    limits = read_rlimits()
+    _rlimits_seen = (now, limits)
+    return limits
+
+
+def address_limit(vm_size: Optional[int], vm_data: Optional[int],
+                  limits: Tuple[Optional[int], Optional[int]]) -> Optional[AddressLimit]:
+    """The virtual-memory limit with the least room left, from the process's counters.
+
+    Args:
+        vm_size: ``VmSize`` (bytes; counted by ``RLIMIT_AS``).
+        vm_data: ``VmData + VmStk`` (bytes; counted by ``RLIMIT_DATA``).
+        limits: soft ``(RLIMIT_AS, RLIMIT_DATA)`` in bytes, None for unlimited
+            (:func:`read_rlimits`).
+
+    Returns:
+        :class:`AddressLimit`, or None when no limit is set or its counter is unknown.
+
+    How it becomes a budget: the headroom is virtual address space, not resident memory. The
+    probe caps ``available_bytes`` at it and ``total_bytes`` at the limit; the monitor's effective
+    budget is ``(process RSS + available) x safety_ratio``, i.e. RSS + headroom at most. That is
+    the conservative translation to the resident figures the monitor compares: a fresh allocation
+    (torch's CPU tensors above glibc's mmap threshold are fresh mappings, unmapped again when
+    freed) needs as much new mapping as it will make resident, while mapped-but-untouched
+    memory (reserved arenas, thread stacks) counts against the limit without being resident.
+    """
+    cands = []
+    as_lim, data_lim = limits
+    if as_lim is not None and vm_size is not None:
+        cands.append(AddressLimit("RLIMIT_AS", as_lim, int(vm_size), max(0, as_lim - int(vm_size))))
+    if data_lim is not None and vm_data is not None:
+        cands.append(AddressLimit("RLIMIT_DATA", data_lim, int(vm_data), max(0, data_lim - int(vm_data))))
+    if not cands:
+        return None
+    return min(cands, key=lambda c: c.headroom)
+
+
+_VM_KEYS = frozenset(("VmSize", "VmData", "VmStk"))
+
+
+def _address_limit_now(proc_root: str) -> Optional[AddressLimit]:
+    """This process's :func:`address_limit` now (only for the real /proc: the limits read are this
+    process's own). Never raises."""
+    if proc_root != "/proc":
+        return None
+    try:
+        limits = _cached_rlimits()
+        if limits == (None, None):
+            return None
+        vm = read_status(proc_root, keys=_VM_KEYS)
+        data = vm.get("VmData")
+        if data is not None:
+            data += vm.get("VmStk", 0)
+        return address_limit(vm.get("VmSize"), data, limits)
+    except Exception as exc:  # defensive: a probe never raises
+        _warn_once("linux.address_limit", "memguard: reading the address-space limits failed: %r", exc)
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
 # this process's resident set on the per-step path: /proc/self/statm and getrusage
 
 #: Generating /proc/self/status makes the kernel sum per-CPU RSS counters and format dozens of
@@ -805,13 +928,15 @@ def step_figures() -> Optional[Tuple[float, int, int, int]]:
     cold: this path skips the cheap probe's extra reads and its snapshot object.
 
     Returns None, and the caller takes :func:`probe`, when the common case does not hold: a limited
-    cgroup level (its usage must be read), the cgroup levels or /proc/meminfo last read
+    cgroup level (its usage must be read), an ``RLIMIT_AS`` / ``RLIMIT_DATA`` in force, the cgroup levels or /proc/meminfo last read
     :data:`SLOW_FIGURES_MAX_AGE_S` or more ago (the cheap probe re-reads them), no peak reset yet,
     or an ambiguous ``ru_maxrss`` (see above). Never raises.
     """
     levels, floor, fd = _step_levels, _ru_floor_kib, _statm_fd
     if levels is None or levels[2] or floor is None or fd is None:
         return None
+    if _cached_rlimits() != (None, None):
+        return None   # a virtual-memory limit caps what is available: the cheap probe applies it
     now = time.monotonic()
     hit = _slow_cache.get(_MEMINFO_KEY)
     if hit is None or now - hit[0] >= SLOW_FIGURES_MAX_AGE_S or now - levels[0] >= SLOW_FIGURES_MAX_AGE_S:
@@ -963,6 +1088,9 @@ def probe(cheap: bool = False, *, proc_root: str = "/proc", sys_root: str = "") 
     ``memory.pressure`` where present, else /proc/pressure/memory). ``limit_bytes`` is the
     cgroup limit when it is below MemTotal (a larger one is not in force), else None.
 
+    Under a soft ``RLIMIT_AS`` / ``RLIMIT_DATA`` (:func:`address_limit`), ``available`` is capped
+    at the room left under it and ``total`` at the limit; ``address_limit_*`` report it.
+
     ``cheap=True`` (the per-step path) reuses the cached cgroup location (no mountinfo parse),
     reads through kept descriptors (:class:`_KeptFiles`), skips PSI (``pressure`` is None: the
     monitor reads PSI averages in its background thread only) and reuses readings of
@@ -1029,6 +1157,12 @@ def _probe(cheap: bool, proc_root: str, sys_root: str) -> MemorySnapshot:
             total = cg.limit if host_total <= 0 else min(host_total, cg.limit)
         if cg.available is not None:
             avail = min(avail, cg.available)
+    vlim = _address_limit_now(proc_root)
+    if vlim is not None:
+        # virtual room, not RSS: capping what is available at it is the conservative translation
+        # (see address_limit); RSS can never pass the limit itself
+        avail = min(avail, vlim.headroom)
+        total = vlim.limit if total <= 0 else min(total, vlim.limit)
     avail = max(0, min(avail, total)) if total > 0 else max(0, avail)
 
     pressure = None
@@ -1041,4 +1175,7 @@ def _probe(cheap: bool, proc_root: str, sys_root: str) -> MemorySnapshot:
     return MemorySnapshot(device="cpu", total_bytes=int(total), available_bytes=int(avail),
                           process_bytes=int(rss), process_peak_bytes=hwm, pressure=pressure,
                           limit_bytes=limit_bytes, limit_source=limit_source, source="linux",
-                          timestamp=now)
+                          timestamp=now, pressure_kind=None if pressure is None else "psi",
+                          address_limit_bytes=None if vlim is None else vlim.limit,
+                          address_limit_source=None if vlim is None else vlim.source,
+                          address_headroom_bytes=None if vlim is None else vlim.headroom)

@@ -25,13 +25,14 @@ import time
 from typing import Callable, List, Optional
 
 from .errors import ConfigError, require_fraction
-from .monitor_policy import (Action, GrowPolicy, Level, MemoryEvent, PressureEpisodes, PsiPolicy,
-                             SplitPolicy, Thresholds)
+from .monitor_policy import (Action, GrowPolicy, Level, MemoryEvent, MemorystatusEpisodes,
+                             MemorystatusPolicy, PressureEpisodes, PsiPolicy, SplitPolicy, Thresholds)
 from .monitor_sampler import SamplerThread, StepSampler
 
 __all__ = ["MemoryMonitor", "Level", "Action", "Thresholds", "PsiPolicy", "GrowPolicy",
            "MemoryEvent", "SplitPolicy", "PressureEpisodes", "StepSampler", "SamplerThread",
-           "default_clean", "FULL_SAMPLE_MAX_AGE_S"]
+           "default_clean", "FULL_SAMPLE_MAX_AGE_S", "MemorystatusPolicy", "MemorystatusEpisodes",
+           "pressure_kind"]
 
 logger = logging.getLogger("memguard.monitor")
 
@@ -46,6 +47,25 @@ def _on(part: str, name: str, doc: str) -> property:
     """A monitor attribute kept by one of its parts (``policy`` or ``sampler``), read and set there."""
     return property(lambda self: getattr(getattr(self, part), name),
                     lambda self, value: setattr(getattr(self, part), name, value), doc=doc)
+
+
+def pressure_kind(snapshot) -> Optional[str]:
+    """Which pressure model a snapshot's ``pressure`` belongs to: its ``pressure_kind`` where set;
+    else by its ``source`` (``"darwin"``: ``"memorystatus"``; ``"mlx"``: the host's model;
+    ``"linux"`` or no source, as custom probes give: ``"psi"``, what ``pressure`` meant before
+    snapshots named their kind); None for any other source (its figure is read by no policy)."""
+    kind = getattr(snapshot, "pressure_kind", None)
+    if kind is not None:
+        return kind
+    source = getattr(snapshot, "source", None)
+    if source == "darwin":
+        return "memorystatus"
+    if source == "mlx":
+        from .probes import host_source
+        return "memorystatus" if host_source() == "darwin" else "psi"
+    if source in (None, "linux"):
+        return "psi"
+    return None
 
 
 class MemoryMonitor:
@@ -70,8 +90,11 @@ class MemoryMonitor:
         live_fn: ``live_fn() -> Optional[int]``: bytes held by live allocations, read before and
             after a critical clean at a step sample (default: the reader's, ``probes.live_bytes``;
             None, e.g. CPU off Linux, credits the clean with nothing: split at once).
-        psi: :class:`PsiPolicy` for the pressure early warning (background samples only); ``None``
-            turns it off.
+        psi: :class:`PsiPolicy` for the pressure early warning on Linux (PSI stall shares,
+            background samples only); ``None`` turns it off.
+        memorystatus: :class:`MemorystatusPolicy`, the same early warning on macOS (share of
+            memory in use, the kernel's pressure level, swap activity); ``None`` turns it off.
+            Each snapshot's pressure goes to its own platform's policy (:func:`pressure_kind`).
         grow: :class:`GrowPolicy` for halving k again once pressure has gone; ``None`` turns
             growing back off (k then only rises).
         planned_split: the k the preflight planned (default: ``split``). k goes below it only when
@@ -91,7 +114,8 @@ class MemoryMonitor:
                  peak_fn: Optional[Callable[[], Optional[int]]] = None,
                  live_fn: Optional[Callable[[], Optional[int]]] = None,
                  psi: Optional[PsiPolicy] = PsiPolicy(),
-                 grow: Optional[GrowPolicy] = GrowPolicy(), planned_split: Optional[int] = None):
+                 grow: Optional[GrowPolicy] = GrowPolicy(), planned_split: Optional[int] = None,
+                 memorystatus: Optional[MemorystatusPolicy] = MemorystatusPolicy()):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ConfigError("budget_bytes", "a positive integer number of bytes", budget_bytes)
         if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or interval_s < 0:
@@ -105,6 +129,9 @@ class MemoryMonitor:
             raise ConfigError("thresholds", "a memguard_core.monitor.Thresholds", thresholds)
         if psi is not None and not isinstance(psi, PsiPolicy):
             raise ConfigError("psi", "a memguard_core.monitor.PsiPolicy, or None", psi)
+        if memorystatus is not None and not isinstance(memorystatus, MemorystatusPolicy):
+            raise ConfigError("memorystatus", "a memguard_core.monitor.MemorystatusPolicy, or None",
+                              memorystatus)
         if grow is not None and not isinstance(grow, GrowPolicy):
             raise ConfigError("grow", "a memguard_core.monitor.GrowPolicy, or None", grow)
         if planned_split is not None and (isinstance(planned_split, bool) or not isinstance(planned_split, int)
@@ -123,7 +150,8 @@ class MemoryMonitor:
         self.interval_s = float(interval_s)
         #: the decisions (levels, k, PSI episodes, growing back)
         self.policy = SplitPolicy(thresholds or Thresholds(), split=split, max_split=max_split,
-                                  psi=psi, grow=grow, planned_split=planned_split)
+                                  psi=psi, grow=grow, planned_split=planned_split,
+                                  memorystatus=memorystatus)
         #: the reads of the device
         self.sampler = StepSampler(device, probe_fn=probe_fn, peak_fn=peak_fn, live_fn=live_fn)
         self.events: List[MemoryEvent] = []
@@ -143,12 +171,14 @@ class MemoryMonitor:
     thresholds = _on("policy", "thresholds", "The level thresholds (:class:`Thresholds`).")
     max_split = _on("policy", "max_split", "Upper bound of k, or None.")
     psi = _on("policy", "psi", "The :class:`PsiPolicy`, or None.")
+    memorystatus = _on("policy", "memorystatus", "The :class:`MemorystatusPolicy`, or None.")
     grow = _on("policy", "grow", "The :class:`GrowPolicy`, or None.")
     planned_split = _on("policy", "planned_split", "The preflight plan's k.")
     level = _on("policy", "level", "The current :class:`Level`.")
     samples = _on("policy", "samples", "Samples classified so far (step and background).")
     max_usage = _on("policy", "max_usage", "The largest usage seen (fraction of the effective budget).")
-    last_pressure = _on("policy", "last_pressure", "The last valid PSI reading (percent), or None.")
+    last_pressure = _on("policy", "last_pressure", "The last valid pressure reading (percent: PSI, "
+                        "or the share in use on macOS), or None.")
     peak_at_split = _on("policy", "peak_at_split", "k -> the largest step peak measured at k (bytes).")
     _split = _on("policy", "_split", "k, set directly (tests set it to go back down).")
     _grow_failures = _on("policy", "_grow_failures", "Failed grow-backs in a row.")
@@ -223,6 +253,42 @@ class MemoryMonitor:
             self._safe(self._clean_fn, "clean")
         self._emit(event)
         return event.action
+
+    def observe_memorystatus(self, used_percent: Optional[float], now: float, *,
+                             kernel_level: Optional[str] = None, swap_used_bytes: Optional[int] = None,
+                             used_bytes: int = 0, budget_bytes: int = 0, act: bool = True) -> Action:
+        """Feed one macOS pressure reading taken at ``now`` (monotonic seconds): ``used_percent`` =
+        100 - ``kern.memorystatus_level``, the kernel's level, swap in use (bytes); see
+        :class:`MemorystatusPolicy` (:meth:`SplitPolicy.observe_memorystatus`). Returns ``CLEAN`` /
+        ``SPLIT`` when the pressure has been sustained and not easing for a window, else ``NONE``.
+        Garbage is logged once and ignored; ``act=False`` records only."""
+        try:
+            event = self.policy.observe_memorystatus(used_percent, now, kernel_level=kernel_level,
+                                                     swap_used_bytes=swap_used_bytes, step=self._step,
+                                                     used_bytes=used_bytes, budget_bytes=budget_bytes,
+                                                     act=act)
+        except ValueError as exc:
+            self._log_failure("pressure", exc)
+            return Action.NONE
+        if event is None:
+            return Action.NONE
+        if event.action in (Action.CLEAN, Action.SPLIT):
+            self._safe(self._clean_fn, "clean")
+        self._emit(event)
+        return event.action
+
+    def _observe_snapshot_pressure(self, snap, now: float, used: int, budget: int, act: bool) -> Action:
+        """Route a snapshot's pressure to its own platform's policy (:func:`pressure_kind`)."""
+        kind = pressure_kind(snap)
+        if kind == "psi":
+            return self.observe_pressure(getattr(snap, "pressure", None), now, used_bytes=used,
+                                         budget_bytes=budget, act=act)
+        if kind == "memorystatus":
+            return self.observe_memorystatus(getattr(snap, "pressure", None), now,
+                                             kernel_level=getattr(snap, "kernel_pressure", None),
+                                             swap_used_bytes=getattr(snap, "swap_used_bytes", None),
+                                             used_bytes=used, budget_bytes=budget, act=act)
+        return Action.NONE
 
     def predict_peak(self, k: int) -> Optional[int]:
         """Predicted step peak (bytes) at split factor ``k`` (:meth:`SplitPolicy.predict_peak`)."""
@@ -301,7 +367,9 @@ class MemoryMonitor:
         """One sample of the background thread (full probe: PSI, NVML). Never raises.
 
         The usage level is decided first (:meth:`observe`); when that asks for nothing, the
-        snapshot's ``pressure`` goes to :meth:`observe_pressure` (the PSI early warning). Where the
+        snapshot's pressure goes to its own platform's early warning: PSI to
+        :meth:`observe_pressure`, macOS memorystatus to :meth:`observe_memorystatus`
+        (:func:`pressure_kind`). Where the
         device's reader reads pressure alone (Linux CPU), while step samples come at least twice
         per ``interval_s`` (the last two at most ``interval_s / 2`` apart, the last one younger
         than ``interval_s``) and the last full sample is younger than
@@ -325,10 +393,8 @@ class MemoryMonitor:
             return Action.NONE
         try:
             now = getattr(snap, "timestamp", None)
-            psi_action = self.observe_pressure(getattr(snap, "pressure", None),
-                                               time.monotonic() if now is None else float(now),
-                                               used_bytes=used, budget_bytes=budget,
-                                               act=action is Action.NONE)
+            psi_action = self._observe_snapshot_pressure(snap, time.monotonic() if now is None else float(now),
+                                                         used, budget, action is Action.NONE)
         except Exception as exc:
             self._log_failure("pressure", exc)
             return action
@@ -338,6 +404,8 @@ class MemoryMonitor:
         """A background sample that reads the pressure alone, judged with the last step sample's
         usage. Never raises."""
         try:
+            if self.sampler.pressure_kind != "psi":
+                return Action.NONE   # no reader reads another model's figure alone
             pressure = self.sampler.pressure()
             return self.observe_pressure(pressure, now, used_bytes=last[1], budget_bytes=last[2])
         except Exception as exc:

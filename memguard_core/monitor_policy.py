@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 from .errors import ConfigError, require_fraction
 
 __all__ = ["Level", "Action", "Thresholds", "PsiPolicy", "GrowPolicy", "MemoryEvent",
-           "PressureEpisodes", "SplitPolicy"]
+           "PressureEpisodes", "SplitPolicy", "MemorystatusPolicy", "MemorystatusEpisodes"]
 
 
 class Level(enum.IntEnum):
@@ -119,6 +119,64 @@ class PsiPolicy:
 
 
 @dataclass(frozen=True)
+class MemorystatusPolicy:
+    """When macOS memory pressure triggers an action: the darwin pressure model (background samples
+    of the host probe on macOS, and of MLX on Metal). Never fed PSI figures, nor PSI this one's.
+
+    A reading is ``used`` = ``100 - kern.memorystatus_level`` (percent of memory in use), the
+    kernel's own level (``kern.memorystatus_vm_pressure_level``: normal / warn / critical, when
+    readable) and swap in use (``vm.swapusage``, bytes; its rise per second is the swap activity).
+    Its severity is the highest of:
+
+    * **critical**: the kernel says critical, or ``used >= critical`` (95 %, i.e. at most 5 % of
+      memory quickly reclaimable: xnu's jetsam ``critical_threshold_percentage`` = 5,
+      bsd/kern/kern_memorystatus.c);
+    * **warn**: the kernel says warn, or ``used >= warn`` (85 %: ``pressure_threshold_percentage``
+      = 15, where memorystatus starts warning and kills processes over their soft limits; xnu
+      doc/memorystatus/overview.md: "under 15% available pages"), or swap in use rising by at
+      least ``swap_bytes_per_s`` (the compressor swaps to disk only past its swap threshold, 0.4
+      x available memory on macOS, between the kernel's warning and critical levels: xnu
+      doc/vm/memorystatus_notify.md);
+    * else normal. (Activity Monitor's memory pressure graph combines the same inputs: free
+      memory, swap rate, wired and file cache.)
+
+    An *episode* opens at a warn or critical reading and closes at a normal one below ``release``
+    (80 %; the kernel's level is normal or unread and swap is not rising): hysteresis, as the
+    kernel's own falling thresholds are 1.2-1.4x its rising ones. Within it, readings spanning
+    ``sustain_s`` (at least ``min_samples``) whose newest is warn or critical *and* not easing
+    (``used`` rose over the window, swap is rising, or the level is critical) act: the first
+    action cleans, each later one splits; every action needs a new window. 55-65 % in use, the
+    everyday state of a Mac with a few apps open, never opens an episode.
+
+    Raises:
+        ConfigError: not ``0 < release <= warn < critical <= 100``, ``swap_bytes_per_s`` <= 0,
+            ``sustain_s`` < 0 or ``min_samples`` < 1 (the error names ``memorystatus.<field>``).
+    """
+
+    warn: float = 85.0
+    critical: float = 95.0
+    release: float = 80.0
+    swap_bytes_per_s: float = float(4 << 20)
+    sustain_s: float = 3.0
+    min_samples: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("warn", "critical", "release", "swap_bytes_per_s", "sustain_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"memorystatus.{name}", "a finite number", v)
+        if not (0.0 < self.release <= self.warn < self.critical <= 100.0):
+            raise ConfigError("memorystatus", "0 < release <= warn < critical <= 100",
+                              (self.release, self.warn, self.critical))
+        if self.swap_bytes_per_s <= 0:
+            raise ConfigError("memorystatus.swap_bytes_per_s", "a rate > 0 (bytes/s)", self.swap_bytes_per_s)
+        if self.sustain_s < 0:
+            raise ConfigError("memorystatus.sustain_s", "a number of seconds >= 0", self.sustain_s)
+        if isinstance(self.min_samples, bool) or not isinstance(self.min_samples, int) or self.min_samples < 1:
+            raise ConfigError("memorystatus.min_samples", "an integer >= 1", self.min_samples)
+
+
+@dataclass(frozen=True)
 class GrowPolicy:
     """When the split factor k may halve again after pressure has gone (see :class:`SplitPolicy`).
 
@@ -170,7 +228,8 @@ class MemoryEvent:
         budget_bytes: the effective budget at this sample.
         split: the split factor k after this decision.
         source: ``step`` (per-step sample), ``background``, ``psi`` (sustained memory pressure,
-            see :class:`PsiPolicy`; ``usage`` is then the latest usage) or ``request``. A
+            see :class:`PsiPolicy`; ``usage`` is then the latest usage), ``memorystatus`` (macOS
+            pressure, see :class:`MemorystatusPolicy`) or ``request``. A
             grow-back (action ``grow``) and its undo (action ``split``) come from ``step``.
         message: one human line.
     """
@@ -250,6 +309,82 @@ class PressureEpisodes:
                               f"{span:.1f} s, rising from {p0:.1f}%)")
 
 
+_SEVERITY = ("normal", "warn", "critical")
+_KERNEL_SEVERITY = {"normal": 0, "warn": 1, "critical": 2}
+
+
+class MemorystatusEpisodes:
+    """macOS pressure episodes of one run (:class:`MemorystatusPolicy`), from readings fed in time
+    order. ``window`` holds ``(monotonic s, used %, severity)`` since the episode started or since
+    its last action; empty while no episode is open. Not thread-safe by itself (fed under
+    :class:`SplitPolicy`'s lock)."""
+
+    def __init__(self, policy: MemorystatusPolicy):
+        self.policy = policy
+        self.window: List[Tuple[float, float, int]] = []
+        self.actions = 0
+        self._swap: Optional[Tuple[float, int]] = None   # (monotonic s, swap used bytes) last read
+        self.swap_rate: Optional[float] = None            # bytes/s between the last two readings
+
+    @property
+    def open(self) -> bool:
+        """True while an episode is open."""
+        return bool(self.window)
+
+    def severity(self, used: Optional[float], kernel: Optional[str], swap_rate: Optional[float]) -> int:
+        """0 normal, 1 warn, 2 critical (see :class:`MemorystatusPolicy`)."""
+        pol = self.policy
+        sev = _KERNEL_SEVERITY.get(kernel, 0) if kernel is not None else 0
+        if used is not None:
+            if used >= pol.critical:
+                sev = 2
+            elif used >= pol.warn:
+                sev = max(sev, 1)
+        if swap_rate is not None and swap_rate >= pol.swap_bytes_per_s:
+            sev = max(sev, 1)
+        return sev
+
+    def feed(self, used: Optional[float], now: float, *, kernel: Optional[str] = None,
+             swap_used: Optional[int] = None, act: bool = True) -> Optional[Tuple[int, str]]:
+        """Feed one reading: ``used`` percent in use (None: unread), ``kernel`` the kernel's level
+        name, ``swap_used`` bytes, taken at ``now`` (monotonic s). Returns ``(n, description)``
+        when the episode calls for its n-th action (n = 1 cleans, later ones split), else None."""
+        pol, win = self.policy, self.window
+        rate = None
+        if swap_used is not None:
+            last = self._swap
+            if last is not None and now > last[0]:
+                rate = max(0.0, (swap_used - last[1]) / (now - last[0]))
+            self._swap = (now, int(swap_used))
+        self.swap_rate = rate
+        sev = self.severity(used, kernel, rate)
+        u = 0.0 if used is None else float(used)
+        if not win:
+            if sev >= 1:
+                win.append((now, u, sev))
+            return None
+        if sev == 0 and u < pol.release:
+            win.clear()                  # the episode is over
+            self.actions = 0
+            return None
+        win.append((now, u, sev))
+        t0, u0, _ = win[0]
+        span = now - t0
+        swapping = rate is not None and rate >= pol.swap_bytes_per_s
+        pressing = sev >= 1 and (u > u0 or swapping or sev == 2)
+        if not (act and pressing and len(win) >= pol.min_samples and span >= pol.sustain_s):
+            return None
+        self.actions += 1
+        win[:] = [(now, u, sev)]
+        parts = [f"{u:.0f}% in use (memorystatus level {100 - u:.0f}%)"]
+        if kernel is not None:
+            parts.append(f"kernel level {kernel}")
+        if rate is not None:
+            parts.append(f"swap {'+' if rate > 0 else ''}{rate / 2**20:.1f} MiB/s")
+        return self.actions, (f"memory pressure (macOS {_SEVERITY[sev]}): {', '.join(parts)}, for "
+                              f"{span:.1f} s (from {u0:.0f}% in use)")
+
+
 class SplitPolicy:
     """The monitor's decision state: the level, the split factor k, PSI episodes and growing back.
 
@@ -264,7 +399,7 @@ class SplitPolicy:
     the next micro-batch's peak has been read (two step samples).
 
     Growing back (``grow``): after ``grow.steps`` calm step samples (usage < ``grow.below``, OK
-    level, no PSI episode open) lasting ``grow.seconds``, k halves, if the peak predicted at the
+    level, no PSI or macOS pressure episode open) lasting ``grow.seconds``, k halves, if the peak predicted at the
     halved k (:meth:`predict_peak`) allows: below the warning level (or nothing known) down to
     ``planned_split``; below it only with a measured prediction at or below ``grow.below``. The
     next step sample at or above warning undoes it; that, or a split within ``grow.steps``
@@ -278,6 +413,8 @@ class SplitPolicy:
         psi: :class:`PsiPolicy`, or None to ignore pressure readings.
         grow: :class:`GrowPolicy`, or None: k never falls.
         planned_split: the preflight plan's k (default ``split``).
+        memorystatus: :class:`MemorystatusPolicy` for macOS pressure readings
+            (:meth:`observe_memorystatus`), or None to ignore them.
 
     Raises:
         ConfigError: ``grow.below`` above ``thresholds.warning - thresholds.hysteresis``.
@@ -285,7 +422,8 @@ class SplitPolicy:
 
     def __init__(self, thresholds: Thresholds, *, split: int = 1, max_split: Optional[int] = None,
                  psi: Optional[PsiPolicy] = None, grow: Optional[GrowPolicy] = None,
-                 planned_split: Optional[int] = None):
+                 planned_split: Optional[int] = None,
+                 memorystatus: Optional[MemorystatusPolicy] = None):
         if grow is not None and grow.below > thresholds.warning - thresholds.hysteresis + 1e-12:
             raise ConfigError("grow.below", f"a fraction <= warning - hysteresis "
                               f"({thresholds.warning - thresholds.hysteresis:.2f})", grow.below)
@@ -305,6 +443,8 @@ class SplitPolicy:
         self._step_samples = 0
         self._split_at_sample = -10
         self._episodes = PressureEpisodes(psi) if psi is not None else None
+        self.memorystatus = memorystatus
+        self._mac_episodes = MemorystatusEpisodes(memorystatus) if memorystatus is not None else None
         self._k_running = split      # k of the micro-batch whose peak the next step sample reads
         self._calm = 0               # consecutive calm step samples
         self._calm_since: Optional[float] = None
@@ -480,21 +620,61 @@ class SplitPolicy:
         with self._lock:
             self.last_pressure = p
             hit = self._episodes.feed(p, now, act)
-            if hit is None:
-                return None
-            nth, what = hit
-            if nth == 1:
-                action, msg = Action.CLEAN, f"{what}: cleaning caches"
+            return self._pressure_event(hit, "psi", step, usage, used_bytes, budget_bytes)
+
+    def _pressure_event(self, hit: Optional[Tuple[int, str]], source: str, step: Optional[int],
+                        usage: float, used_bytes: int, budget_bytes: int) -> Optional[MemoryEvent]:
+        """The event of an episode's n-th action (lock held): the first cleans, later ones split."""
+        if hit is None:
+            return None
+        nth, what = hit
+        if nth == 1:
+            action, msg = Action.CLEAN, f"{what}: cleaning caches"
+        else:
+            old = self.raise_split()
+            if old is not None:
+                action = Action.SPLIT
+                msg = f"{what} after a clean: splitting micro-batches {old} -> {self._split}"
             else:
-                old = self.raise_split()
-                if old is not None:
-                    action = Action.SPLIT
-                    msg = f"{what} after a clean: splitting micro-batches {old} -> {self._split}"
-                else:
-                    action = Action.LOG
-                    msg = f"{what}; the micro-batch cannot be split further (k={self._split})"
-            return MemoryEvent(step, self.level, action, usage, int(used_bytes), int(budget_bytes),
-                               self._split, "psi", msg)
+                action = Action.LOG
+                msg = f"{what}; the micro-batch cannot be split further (k={self._split})"
+        return MemoryEvent(step, self.level, action, usage, int(used_bytes), int(budget_bytes),
+                           self._split, source, msg)
+
+    def observe_memorystatus(self, used_percent: Optional[float], now: float, *,
+                             kernel_level: Optional[str] = None, swap_used_bytes: Optional[int] = None,
+                             step: Optional[int] = None, used_bytes: int = 0, budget_bytes: int = 0,
+                             act: bool = True) -> Optional[MemoryEvent]:
+        """Feed one macOS pressure reading taken at ``now`` (monotonic s), see
+        :class:`MemorystatusPolicy`: ``used_percent`` = 100 - ``kern.memorystatus_level``,
+        ``kernel_level`` ``"normal"`` / ``"warn"`` / ``"critical"``, ``swap_used_bytes`` swap in
+        use (bytes). All None, or ``memorystatus`` None: ignored. With ``act=False`` the reading
+        is recorded but nothing is decided. ``used_bytes`` / ``budget_bytes`` only go into the
+        event (source ``"memorystatus"``).
+
+        Raises:
+            ValueError: ``used_percent`` not a number in 0..100, or ``swap_used_bytes`` negative.
+        """
+        if self._mac_episodes is None or (used_percent is None and kernel_level is None
+                                          and swap_used_bytes is None):
+            return None
+        if used_percent is not None and (isinstance(used_percent, bool)
+                                         or not isinstance(used_percent, (int, float))
+                                         or not math.isfinite(used_percent)
+                                         or not (0.0 <= used_percent <= 100.0)):
+            raise ValueError(f"memorystatus reading {used_percent!r} is not a percentage")
+        if swap_used_bytes is not None and (isinstance(swap_used_bytes, bool)
+                                            or not isinstance(swap_used_bytes, int) or swap_used_bytes < 0):
+            raise ValueError(f"swap in use {swap_used_bytes!r} is not a number of bytes")
+        if kernel_level not in (None, "normal", "warn", "critical"):
+            kernel_level = None
+        usage = used_bytes / budget_bytes if budget_bytes > 0 else 0.0
+        with self._lock:
+            if used_percent is not None:
+                self.last_pressure = float(used_percent)
+            hit = self._mac_episodes.feed(None if used_percent is None else float(used_percent), now,
+                                          kernel=kernel_level, swap_used=swap_used_bytes, act=act)
+            return self._pressure_event(hit, "memorystatus", step, usage, used_bytes, budget_bytes)
 
     # ----- growing back -------------------------------------------------------------------------
     def predict_peak(self, k: int) -> Optional[int]:
@@ -544,7 +724,8 @@ class SplitPolicy:
         elif self._grow_failures and n - self._grow_sample > g.steps and self._grow_sample > 0:
             self._grow_failures = 0   # the last grow-back held for a whole stretch
         calm = (usage < g.below and level == Level.OK and action in (Action.NONE, Action.LOG)
-                and not (self._episodes is not None and self._episodes.open))
+                and not (self._episodes is not None and self._episodes.open)
+                and not (self._mac_episodes is not None and self._mac_episodes.open))
         if not calm:
             self._calm, self._calm_since = 0, None
             return action, msg

@@ -58,6 +58,11 @@ class StepSampler:
         """True when :meth:`pressure` reads the pressure signal without a full snapshot."""
         return self.probe_fn is None and self.reader.pressure_alone
 
+    @property
+    def pressure_kind(self) -> Optional[str]:
+        """The model of what :meth:`pressure` reads (``"psi"``, ...), None where unknown."""
+        return getattr(self.reader, "pressure_kind", None)
+
     def probe(self, cheap: bool):
         """A snapshot (``cheap``: the per-step path)."""
         if self.probe_fn is not None:

@@ -117,19 +117,28 @@ def test_memorystatusex_struct_layout():
 def test_windows_snapshot_recorded():
     rec = json.loads(_fix("windows_win11_32gb_memorystatusex.json"))
     p = windows.parse_memorystatusex(rec)
-    assert p == {"total": 34197790720, "available": 18124828672, "load_percent": 47}
+    assert p == {"total": 34197790720, "available": 18124828672, "load_percent": 47,
+                 "commit_limit": 39566499840, "commit_available": 17130967040}
+    # dwMemoryLoad is the kernel's rounded used percentage of physical memory: it must match ours
+    assert round((1 - p["available"] / p["total"]) * 100) == rec["dwMemoryLoad"]
     s = windows.snapshot_from_fields(rec, rss=2 * GiB, peak=3 * GiB, now=2.0)
-    assert s.source == "windows" and s.total_bytes == 34197790720
-    assert s.available_bytes == 18124828672 and s.pressure is None
-    # dwMemoryLoad is the kernel's rounded used percentage: it must match ours
-    assert round(s.used_fraction * 100) == rec["dwMemoryLoad"]
+    assert s.source == "windows" and s.total_bytes == 34197790720 and s.pressure is None
+    # this desktop had less commit left (17.1 GB) than free RAM (18.1 GB): an allocation beyond the
+    # commit left fails, so that is what is available
+    assert s.available_bytes == 17130967040
+    assert (s.address_limit_source, s.address_limit_bytes, s.address_headroom_bytes) == \
+        ("commit-limit", 39566499840, 17130967040)
+    # without the commit fields (psutil alone) the physical figures stand
+    s = windows.snapshot_from_fields({"ullTotalPhys": 100, "ullAvailPhys": 40}, rss=1, peak=None)
+    assert s.available_bytes == 40 and s.address_limit_source is None
 
 
 def test_windows_inconsistent_fields_clamped(caplog):
     with caplog.at_level(logging.WARNING, logger="memguard.probes"):
         p = windows.parse_memorystatusex({"ullTotalPhys": 100, "ullAvailPhys": 200,
                                           "dwMemoryLoad": 101})
-    assert p == {"total": 100, "available": 100, "load_percent": None}
+    assert p == {"total": 100, "available": 100, "load_percent": None, "commit_limit": None,
+                 "commit_available": None}
     assert len(caplog.records) == 2
     assert windows.parse_memorystatusex({"ullTotalPhys": -1})["total"] is None
 
@@ -359,3 +368,21 @@ def test_live_bytes_unknown_off_linux(monkeypatch):
 
     monkeypatch.setattr(probes, "host_source", lambda: "darwin")
     assert probes.live_bytes("cpu") is None
+
+
+def test_windows_probe_takes_psutil_and_the_commit_limit(monkeypatch):
+    """No Windows here: GlobalMemoryStatusEx is replaced by its recorded values; psutil is real."""
+    import psutil
+
+    rec = json.loads(_fix("windows_win11_32gb_memorystatusex.json"))
+    monkeypatch.setattr(windows, "read_memorystatusex", lambda: {k: rec[k] for k in windows.FIELDS})
+    s = windows.probe()
+    assert s.total_bytes == psutil.virtual_memory().total
+    assert s.available_bytes <= min(psutil.virtual_memory().total, 17130967040)
+    assert s.address_limit_source == "commit-limit" and s.address_headroom_bytes == 17130967040
+
+    def fail():
+        raise OSError("GlobalMemoryStatusEx failed")
+    monkeypatch.setattr(windows, "read_memorystatusex", fail)
+    s = windows.probe()
+    assert s.total_bytes == psutil.virtual_memory().total and s.address_limit_source is None

@@ -332,6 +332,8 @@ class StepReader:
             than a full probe; None: the backend has none apart from its full snapshot.
         live_bytes: ``live_bytes() -> int | None``: bytes held by live allocations (see
             :func:`live_bytes`); None: no such counter.
+        pressure_kind: the model of what ``pressure`` reads (``"psi"`` on Linux), so the monitor
+            feeds it to its own policy; None where there is no ``pressure``.
 
     Only :meth:`probe` raises (what the probe raises); the other methods log a failing backend
     function once and read it as absent.
@@ -341,8 +343,10 @@ class StepReader:
                  reset_peak: Optional[Callable[[], object]] = None,
                  step_figures: Optional[Callable[[], Optional[Tuple[float, int, int, int]]]] = None,
                  pressure: Optional[Callable[[], Optional[float]]] = None,
-                 live_bytes: Optional[Callable[[], Optional[int]]] = None):
+                 live_bytes: Optional[Callable[[], Optional[int]]] = None,
+                 pressure_kind: Optional[str] = None):
         self.device = device
+        self.pressure_kind = pressure_kind if pressure is not None else None
         self._probe = probe
         self._reset_peak = reset_peak
         self._step_figures = step_figures

@@ -1,43 +1,55 @@
-"""macOS memory probe: ``sysctl hw.memsize``, ``vm_stat``, ``kern.memorystatus_level``.
+"""macOS memory probe: psutil for total / available, ``sysctlbyname`` for what psutil lacks.
 
 macOS has no container limits and no OOM error: when unified memory runs out it compresses,
 then swaps, then the memorystatus ("jetsam") subsystem kills processes. So the signals are:
 
-- total: ``hw.memsize`` (bytes of physical RAM), sysctl(3).
-- available: ``(free + speculative + inactive) * page size`` from ``vm_stat``. This is psutil's
-  ``virtual_memory().available`` on macOS (psutil/_psosx.py: ``avail = inactive + free`` where
-  psutil's ``free`` is the kernel's ``free_count``), which psutil took from Zabbix
-  (src/libs/zbxsysinfo/osx/memory.c). ``vm_stat`` prints ``Pages free`` as
-  ``free_count - speculative_count`` (Apple system_cmds, vm_stat.c), so speculative is added
-  back. ``Pages purgeable`` is NOT added: purgeable pages sit on the active/inactive queues
-  too, so adding them would count some pages twice; leaving them out errs on the safe side.
-- pressure: ``100 - kern.memorystatus_level``. ``kern.memorystatus_level`` is the percentage
-  of memory the kernel counts as available to memorystatus (bsd/kern/kern_memorystatus.c:
-  ``memorystatus_level = available_pages * 100 / total_pages``); it falls as pressure rises.
-  It is not a PSI stall time; consumers must compare it by ``snapshot.source``.
+- total / available: ``psutil.virtual_memory()`` (``hw.memsize``; ``available = inactive + free``
+  pages from ``host_statistics64``, psutil/_psosx.py, after Zabbix). The same formula as
+  :func:`available_from_vm_stat` over ``vm_stat`` text, which stays for recorded outputs.
+- pressure: ``100 - kern.memorystatus_level``, the share of memory in use. The sysctl is the
+  percentage of memory memorystatus counts as quickly reclaimable (free + file-backed +
+  purgeable; bsd/kern/kern_memorystatus.c ``memorystatus_level = available_pages * 100 /
+  total_pages``; xnu doc/vm/memorystatus.md); it falls as pressure rises. It is NOT a PSI stall
+  time: ``MemorySnapshot.pressure_kind`` is ``"memorystatus"`` and the monitor feeds it to its own
+  policy (:class:`memguard_core.monitor_policy.MemorystatusPolicy`).
+- the kernel's pressure level: ``kern.memorystatus_vm_pressure_level``, returned as the dispatch
+  flags ``DISPATCH_MEMORYPRESSURE_NORMAL`` = 1, ``_WARN`` = 2, ``_CRITICAL`` = 4
+  (bsd/kern/kern_memorystatus_notify.c ``sysctl_memorystatus_vm_pressure_level`` converts the
+  internal level; xnu doc/vm/memorystatus_notify.md for the levels; readable without privileges
+  on macOS). Any other value is unknown (None), never "normal".
+- swap: ``vm.swapusage`` (``struct xsw_usage``: ``xsu_total``, ``xsu_avail``, ``xsu_used``
+  (u_int64, bytes), ``xsu_pagesize`` (u_int32), ``xsu_encrypted``; sys/sysctl.h). The monitor
+  turns successive ``xsu_used`` readings into swap activity.
 - process: RSS from psutil, peak from ``getrusage(RUSAGE_SELF).ru_maxrss`` (bytes on macOS,
   getrusage(2)).
 
-The parse functions take the raw command output so tests feed recorded outputs; the
-subprocess calls (and the ctypes ``sysctlbyname`` of the cheap path) are the only parts that
-need a Mac. The cheap path runs no subprocess: it uses psutil's ``host_statistics64`` reading
-(same formula) and ``sysctlbyname`` through ctypes.
+Every sysctl goes through :func:`_sysctlbyname` (raw bytes; the only part that needs a Mac), so
+tests replace exactly that boundary. No subprocess runs: ``cheap`` and full probes read the same
+counters. The text parsers (:func:`parse_vm_stat`, :func:`parse_sysctl`,
+:func:`snapshot_from_outputs`) interpret recorded ``vm_stat`` / ``sysctl`` output.
 """
 
 from __future__ import annotations
 
 import re
-import subprocess
+import struct
 import time
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 from memguard_core.probes import MemorySnapshot, StepReader, _warn_once
 
 __all__ = ["parse_vm_stat", "parse_sysctl", "available_from_vm_stat", "snapshot_from_outputs",
-           "probe", "step_reader", "SYSCTL_NAMES"]
+           "probe", "step_reader", "SYSCTL_NAMES", "KERNEL_PRESSURE_LEVELS", "read_pressure",
+           "parse_swapusage_text"]
 
-#: What the full probe asks ``sysctl`` for.
+#: The sysctls of a recorded ``sysctl`` output (:func:`snapshot_from_outputs`).
 SYSCTL_NAMES = ("hw.memsize", "hw.pagesize", "kern.memorystatus_level", "vm.swapusage")
+
+#: ``kern.memorystatus_vm_pressure_level`` values (the ``DISPATCH_MEMORYPRESSURE_*`` flags,
+#: dispatch/source.h) -> level name.
+KERNEL_PRESSURE_LEVELS = {1: "normal", 2: "warn", 4: "critical"}
+
+_SWAP_USED_RE = re.compile(r"used\s*=\s*([0-9.]+)([KMG])")
 
 _PAGE_SIZE_RE = re.compile(r"page size of (\d+) bytes")
 
@@ -160,7 +172,18 @@ def snapshot_from_outputs(vm_stat_text: str, sysctl_text: str, *, rss: int,
                           process_bytes=int(rss), process_peak_bytes=peak,
                           pressure=None if level is None else float(100 - level),
                           limit_bytes=None, limit_source="host", source="darwin",
-                          timestamp=time.monotonic() if now is None else now)
+                          timestamp=time.monotonic() if now is None else now,
+                          pressure_kind=None if level is None else "memorystatus",
+                          swap_used_bytes=parse_swapusage_text(sc.get("vm.swapusage", "")))
+
+
+def parse_swapusage_text(text: str) -> Optional[int]:
+    """``used`` of ``sysctl vm.swapusage`` text (``total = 2048.00M  used = 1263.25M  free = ...``)
+    in bytes; None if absent."""
+    m = _SWAP_USED_RE.search(text or "")
+    if not m:
+        return None
+    return int(float(m.group(1)) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)])
 
 
 def _process_figures():
@@ -173,27 +196,78 @@ def _process_figures():
     return rss, max(peak, rss)
 
 
-def _sysctlbyname_int(name: str) -> Optional[int]:
-    """Read an integer sysctl through libc ``sysctlbyname`` (no subprocess; macOS only)."""
+_libc = None
+
+
+def _sysctlbyname(name: str) -> Optional[bytes]:
+    """The raw value of sysctl ``name`` through libc ``sysctlbyname(3)`` (size query, then read);
+    None when the call fails (unknown name, no permission). macOS only: the one boundary tests
+    replace."""
     import ctypes
     import ctypes.util
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    buf = ctypes.c_uint64(0)
-    size = ctypes.c_size_t(ctypes.sizeof(buf))
-    if libc.sysctlbyname(name.encode(), ctypes.byref(buf), ctypes.byref(size), None,
-                         ctypes.c_size_t(0)) != 0:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    size = ctypes.c_size_t(0)
+    if _libc.sysctlbyname(name.encode(), None, ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
         return None
-    # 4-byte sysctls (kern.memorystatus_level is an int) fill the low bytes (little-endian).
-    return int(buf.value & 0xFFFFFFFF) if size.value == 4 else int(buf.value)
+    buf = ctypes.create_string_buffer(max(1, size.value))
+    if _libc.sysctlbyname(name.encode(), buf, ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+        return None
+    return buf.raw[: size.value]
+
+
+def _sysctl_uint(name: str) -> Optional[int]:
+    """An integer sysctl (4 or 8 bytes, little-endian on every Mac), None if unreadable."""
+    raw = _sysctlbyname(name)
+    if raw is None or len(raw) not in (4, 8):
+        if raw is not None:
+            _warn_once(f"sysctl:{name}", "memguard: sysctl %s: %d bytes, not an integer; ignored",
+                       name, len(raw))
+        return None
+    return int.from_bytes(raw, "little")
+
+
+def _sysctlbyname_int(name: str) -> Optional[int]:
+    """Read an integer sysctl (kept for callers of the former helper)."""
+    return _sysctl_uint(name)
+
+
+def read_pressure() -> Tuple[Optional[float], Optional[str], Optional[int]]:
+    """``(100 - kern.memorystatus_level (percent in use), kernel level name, vm.swapusage
+    xsu_used bytes)``, each None where unreadable or out of range (logged once). Never raises."""
+    used = kernel = swap = None
+    try:
+        level = _sysctl_uint("kern.memorystatus_level")
+        if level is not None and 0 <= level <= 100:
+            used = float(100 - level)
+        elif level is not None:
+            _warn_once("sysctl:kern.memorystatus_level", "memguard: memorystatus_level %d > 100; "
+                       "ignored", level)
+        flag = _sysctl_uint("kern.memorystatus_vm_pressure_level")
+        if flag is not None:
+            kernel = KERNEL_PRESSURE_LEVELS.get(flag)
+            if kernel is None:
+                _warn_once("sysctl:kern.memorystatus_vm_pressure_level",
+                           "memguard: memorystatus_vm_pressure_level %d is no known level; ignored", flag)
+        raw = _sysctlbyname("vm.swapusage")
+        if raw is not None and len(raw) >= 24:
+            _total, _avail, swap = struct.unpack_from("<QQQ", raw)
+        elif raw is not None:
+            _warn_once("sysctl:vm.swapusage", "memguard: vm.swapusage: %d bytes; ignored", len(raw))
+    except Exception as exc:  # defensive: a probe never raises
+        _warn_once("darwin.sysctlbyname", "memguard: sysctlbyname failed: %r", exc)
+    return used, kernel, swap
 
 
 def probe(cheap: bool = False) -> MemorySnapshot:
-    """macOS host snapshot (see module doc). Runs only on macOS; never raises.
+    """macOS host snapshot (see module doc). Never raises.
 
-    ``cheap=False`` runs ``sysctl`` and ``vm_stat`` (two subprocesses);
-    ``cheap=True`` uses psutil (``host_statistics64``, same available formula) and
-    ``sysctlbyname`` through ctypes.
+    ``total`` / ``available`` from ``psutil.virtual_memory()``; ``pressure`` = 100 -
+    ``kern.memorystatus_level`` with ``pressure_kind="memorystatus"``, ``kernel_pressure`` and
+    ``swap_used_bytes`` from sysctls (:func:`read_pressure`). ``cheap`` is accepted for the common
+    probe signature: both paths read the same cheap counters and run no subprocess.
     """
     now = time.monotonic()
     try:
@@ -201,36 +275,27 @@ def probe(cheap: bool = False) -> MemorySnapshot:
     except Exception as exc:
         _warn_once("darwin.process", "memguard: process memory unavailable: %r", exc)
         rss, peak = 0, None
-    if not cheap:
-        try:
-            vm_out = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5,
-                                    check=True).stdout
-            sc_out = subprocess.run(["sysctl", *SYSCTL_NAMES], capture_output=True, text=True,
-                                    timeout=5).stdout
-            return snapshot_from_outputs(vm_out, sc_out, rss=rss, peak=peak, now=now)
-        except Exception as exc:
-            _warn_once("darwin.subprocess", "memguard: vm_stat/sysctl failed (%r); using the "
-                       "cheap path", exc)
-    import psutil
-
-    vm = psutil.virtual_memory()
-    level = None
+    total = avail = 0
     try:
-        level = _sysctlbyname_int("kern.memorystatus_level")
+        import psutil
+
+        vm = psutil.virtual_memory()
+        total, avail = int(vm.total), int(vm.available)
     except Exception as exc:
-        _warn_once("darwin.sysctlbyname", "memguard: sysctlbyname failed: %r", exc)
-    if level is not None and not 0 <= level <= 100:
-        level = None
-    return MemorySnapshot(device="cpu", total_bytes=int(vm.total),
-                          available_bytes=int(vm.available), process_bytes=rss,
-                          process_peak_bytes=peak,
-                          pressure=None if level is None else float(100 - level),
-                          limit_bytes=None, limit_source="host", source="darwin", timestamp=now)
+        _warn_once("darwin.psutil", "memguard: psutil.virtual_memory() failed: %r", exc)
+    used, kernel, swap = read_pressure()
+    return MemorySnapshot(device="cpu", total_bytes=total, available_bytes=max(0, min(avail, total)),
+                          process_bytes=rss, process_peak_bytes=peak, pressure=used,
+                          limit_bytes=None, limit_source="host", source="darwin", timestamp=now,
+                          pressure_kind=None if used is None and kernel is None and swap is None
+                          else "memorystatus",
+                          kernel_pressure=kernel, swap_used_bytes=swap)
 
 
 def step_reader() -> StepReader:
     """The runtime monitor's reader on macOS CPU: the host probe through ``probes.probe("cpu")``
     (psutil if this backend fails). macOS cannot reset ``ru_maxrss`` (the process's lifetime
     high-water mark), so there is no peak reset and no snapshot-free per-step path; the
-    memorystatus level comes with the full snapshots only; no live-bytes counter is read."""
+    memorystatus figures come with the snapshots (background samples); no live-bytes counter is
+    read."""
     return StepReader("cpu")

@@ -1073,7 +1073,7 @@ def step_reader() -> StepReader:
     between full samples) and glibc's in-use bytes (:func:`malloc_in_use`). The module's functions
     are bound when the reader is built."""
     return StepReader("cpu", probe=probe, reset_peak=reset_peak, step_figures=step_figures,
-                      pressure=pressure, live_bytes=malloc_in_use)
+                      pressure=pressure, live_bytes=malloc_in_use, pressure_kind="psi")
 
 
 # ----------------------------------------------------------------------------------------------

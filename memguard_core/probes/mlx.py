@@ -13,7 +13,7 @@ Snapshot meaning on ``"mlx"``:
 - Metal: ``total = min(max_recommended_working_set_size, memory limit)`` (``limit_bytes`` the
   same, ``limit_source="mlx"``); ``available = min(total - active, host available + cache)``
   (cached blocks are reusable by MLX but already resident, so the host does not count them
-  free); ``pressure`` from the host (macOS memorystatus).
+  free); ``pressure`` from the host (macOS memorystatus), with the host's ``pressure_kind``.
 - CPU (``mlx[cpu]``, e.g. Linux): total / available / limit / pressure from the host probe
   (container-aware on Linux); the process figures come from the MLX counters.
 - ``process_bytes = active``, ``process_peak_bytes = peak``.
@@ -177,9 +177,21 @@ def probe(cheap: bool = False, *, mx=None, host: Optional[MemorySnapshot] = None
             return MemorySnapshot(device="mlx", total_bytes=total, available_bytes=avail,
                                   process_bytes=c.active, process_peak_bytes=c.peak,
                                   pressure=host.pressure, limit_bytes=total, limit_source="mlx",
-                                  source="mlx", timestamp=now)
+                                  source="mlx", timestamp=now, **_host_pressure(host))
     avail = max(0, min(host.total_bytes, host.available_bytes))
     return MemorySnapshot(device="mlx", total_bytes=host.total_bytes, available_bytes=avail,
                           process_bytes=c.active, process_peak_bytes=c.peak,
                           pressure=host.pressure, limit_bytes=host.limit_bytes,
-                          limit_source=host.limit_source, source="mlx", timestamp=now)
+                          limit_source=host.limit_source, source="mlx", timestamp=now,
+                          **_host_pressure(host))
+
+
+def _host_pressure(host: MemorySnapshot) -> Dict[str, object]:
+    """The host's pressure fields, named by their model (the host's own probe decided it: PSI on
+    Linux, memorystatus on macOS)."""
+    kind = getattr(host, "pressure_kind", None)
+    if kind is None and host.pressure is not None:
+        kind = {"darwin": "memorystatus", "linux": "psi"}.get(host.source)
+    return {"pressure_kind": kind,
+            "kernel_pressure": getattr(host, "kernel_pressure", None),
+            "swap_used_bytes": getattr(host, "swap_used_bytes", None)}

@@ -74,7 +74,8 @@ class MemoryMonitor:
     Args:
         budget_bytes: the memory the training process may use at most (bytes), e.g. from
             ``plan.budget_from_available``. Must be > 0.
-        device: probe device (``auto`` | ``cpu`` | ``cuda`` | ``mlx``), see ``memguard_core.probes``.
+        device: probe device (``auto`` | ``cpu`` | ``cuda`` | ``cuda:<index>`` | ``mlx`` | ``mps``),
+            see ``memguard_core.probes``.
         safety_ratio: fraction of (process + available) usable when capacity shrinks at runtime.
         thresholds: ``Thresholds``.
         interval_s: background sampling period in seconds; ``0`` disables the thread.
@@ -137,9 +138,9 @@ class MemoryMonitor:
         if planned_split is not None and (isinstance(planned_split, bool) or not isinstance(planned_split, int)
                                           or planned_split < 1):
             raise ConfigError("planned_split", "an integer >= 1, or None", planned_split)
-        from .probes import _DEVICE_RE
+        from .probes import _DEVICE_CHOICES, _DEVICE_RE
         if not isinstance(device, str) or _DEVICE_RE.match(device) is None:
-            raise ConfigError("device", '"auto", "cpu", "cuda", "cuda:<index>" or "mlx"', device)
+            raise ConfigError("device", _DEVICE_CHOICES, device)
         for name, fn in (("clean_fn", clean_fn), ("on_event", on_event), ("probe_fn", probe_fn),
                          ("peak_fn", peak_fn), ("live_fn", live_fn)):
             if fn is not None and not callable(fn):
@@ -459,7 +460,9 @@ class MemoryMonitor:
 def default_clean() -> None:
     """``gc.collect()``, the free heap handed back to the OS where the host can
     (``probes.trim_heap``: glibc ``malloc_trim(0)`` on Linux), plus the cache of whichever framework
-    is loaded (never imports one). Never raises."""
+    is loaded (never imports one): ``torch.cuda.empty_cache()`` where CUDA is initialised,
+    ``torch.mps.empty_cache()`` where torch's MPS backend is available (``probes.mps.empty_cache``),
+    ``mx.clear_cache()`` where mlx is imported. Never raises."""
     from .probes import trim_heap
 
     gc.collect()
@@ -469,16 +472,13 @@ def default_clean() -> None:
         try:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
-        except Exception:  # pragma: no cover - depends on the device
-            pass
-        try:
-            if hasattr(torch, "mps") and torch.backends.mps.is_available():
-                torch.mps.empty_cache()
-        except Exception:  # pragma: no cover
-            pass
+        except Exception as exc:  # a broken device must not break the clean of the others
+            logger.debug("memguard: torch.cuda.empty_cache() failed: %r", exc)
+        from .probes import mps as _mps
+        _mps.empty_cache()
     mx = sys.modules.get("mlx.core")
     if mx is not None:
         try:
             mx.clear_cache()
-        except Exception:  # pragma: no cover
-            pass
+        except Exception as exc:
+            logger.debug("memguard: mx.clear_cache() failed: %r", exc)

@@ -21,7 +21,7 @@ class StepSampler:
     """Reads one device for the monitor, through its step reader or the given functions.
 
     Args:
-        device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:<index>`` | ``mlx`` (resolved on the first
+        device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:<index>`` | ``mlx`` | ``mps`` (resolved on the first
             read, so ``auto`` sees the frameworks imported by then).
         probe_fn: ``probe_fn(cheap) -> snapshot`` replacing the reader's probe; with it, the
             reader's snapshot-free per-step figures and pressure-alone reads are not used (they

@@ -20,6 +20,10 @@ key                     cuda:<i>                 mlx                        cpu 
 ``utilization``         ``1 - free/total`` (= ``snapshot.used_fraction``), 0..1
 ======================  =======================  =========================  ======================
 
+On ``mps`` (PyTorch on Apple Silicon): ``allocated_bytes`` = ``torch.mps.current_allocated_memory``,
+``reserved_bytes`` and ``peak_bytes`` = ``torch.mps.driver_allocated_memory`` (cache included;
+torch.mps has no peak counter), see :mod:`memguard_core.probes.mps`.
+
 Why ``utilization`` is ``1 - free/total`` and not ``peak/total`` or ``allocated/total``: it is
 the only one of the three that counts other processes, the CUDA context and the container
 limit, and that falls again after a cleanup, so thresholds such as 85/90/95 % can act on it
@@ -75,7 +79,7 @@ def memory_stats(device: str = "auto", *, cheap: bool = True) -> Dict[str, Any]:
     """Memory statistics of ``device`` (see the module table for the per-device meaning).
 
     Args:
-        device: ``"auto"`` | ``"cpu"`` | ``"cuda"`` | ``"cuda:<i>"`` | ``"mlx"``
+        device: ``"auto"`` | ``"cpu"`` | ``"cuda"`` | ``"cuda:<i>"`` | ``"mlx"`` | ``"mps"``
             (see :func:`memguard_core.probes.resolve_device`).
         cheap: use the per-step probe path (default); ``False`` adds NVML / vm_stat.
 
@@ -102,6 +106,12 @@ def memory_stats(device: str = "auto", *, cheap: bool = True) -> Dict[str, Any]:
 
             c = mlx.read_counters(mlx.mlx_module())
             allocated, reserved, peak = c.active, c.active + c.cache, c.peak
+        elif snap.source == "mps":
+            from memguard_core.probes import mps
+
+            c = mps.read_counters(mps.torch_mps_module())
+            # torch.mps has no peak counter: the driver's figure (cache included) bounds it
+            allocated, reserved, peak = c.allocated, c.driver_allocated, c.driver_allocated
         else:
             peak = _cpu_peak(snap)
     except Exception as exc:  # a stats read never breaks training
@@ -145,6 +155,8 @@ def format_memory_stats(device: str = "auto") -> str:
     if s["source"] == "cuda":
         head = (f"{_gib(s['allocated_bytes'])} allocated, {_gib(s['peak_bytes'])} peak, "
                 f"{_gib(s['reserved_bytes'])} reserved")
+    elif s["source"] == "mps":
+        head = f"{_gib(s['allocated_bytes'])} allocated, {_gib(s['reserved_bytes'])} driver"
     elif s["source"] == "mlx":
         head = (f"{_gib(s['allocated_bytes'])} active, {_gib(s['peak_bytes'])} peak, "
                 f"{_gib(s['reserved_bytes'] - s['allocated_bytes'])} cache")
@@ -158,6 +170,8 @@ def reset_peak_memory(device: str = "auto", *, proc_root: str = "/proc") -> str:
 
     - cuda: ``torch.cuda.reset_peak_memory_stats(i)`` -> returns ``"allocator"``.
     - mlx: ``mx.reset_peak_memory()`` -> ``"allocator"``.
+    - mps: ``torch.mps`` has no peak counter to reset -> ``"none"`` (``peak_bytes`` is the
+      driver-allocated figure, cache included).
     - cpu on Linux: write ``5`` to ``/proc/self/clear_refs``, which resets VmHWM to the current
       RSS (kernel Documentation/filesystems/proc.rst, "clear_refs") -> ``"kernel"``.
       Where that is not allowed (old kernel, seccomp, read-only /proc) and on macOS / Windows,
@@ -167,8 +181,9 @@ def reset_peak_memory(device: str = "auto", *, proc_root: str = "/proc") -> str:
       the OS figure is exact again.
 
     Returns:
-        how the reset was done (``"allocator"``, ``"kernel"`` or ``"software"``), or
-        ``"failed"`` if the framework call raised (logged).
+        how the reset was done (``"allocator"``, ``"kernel"`` or ``"software"``), ``"none"``
+        where the device has no peak to reset (mps), or ``"failed"`` if the framework call raised
+        (logged).
 
     Raises:
         ConfigError: bad ``device``.
@@ -186,6 +201,8 @@ def reset_peak_memory(device: str = "auto", *, proc_root: str = "/proc") -> str:
 
             mlx.reset_peak()
             return "allocator"
+        if dev == "mps":
+            return "none"
     except Exception as exc:
         log.warning("memguard: resetting the %s peak failed: %r", dev, exc)
         return "failed"

@@ -7,6 +7,8 @@ The layout follows psutil (``_pslinux`` / ``_psosx`` / ``_pswindows`` behind ``p
 - :mod:`memguard_core.probes.windows` ``GlobalMemoryStatusEx``
 - :mod:`memguard_core.probes.cuda`    torch.cuda allocator counters, ``mem_get_info``, NVML
 - :mod:`memguard_core.probes.mlx`     ``mx.get_active_memory`` / peak / cache, ``mx.device_info``
+- :mod:`memguard_core.probes.mps`     ``torch.mps`` allocated / driver-allocated / recommended max
+  (PyTorch on Apple Silicon; not validated on a Mac)
 
 Every backend returns a :class:`MemorySnapshot`, and offers the runtime monitor a
 :class:`StepReader` (:func:`step_reader`): the per-step figures, the peak reset, the pressure
@@ -46,7 +48,7 @@ class MemorySnapshot:
     All sizes are bytes.
 
     Attributes:
-        device: ``"cpu"``, ``"cuda:<index>"`` or ``"mlx"``.
+        device: ``"cpu"``, ``"cuda:<index>"``, ``"mlx"`` or ``"mps"``.
         total_bytes: the most this process may use: ``min(host or device total, container
             limit)``. On CUDA the device's total memory; on MLX/Metal the recommended working
             set (``max_recommended_working_set_size``).
@@ -157,7 +159,8 @@ def host_source() -> str:
     return "psutil"
 
 
-_DEVICE_RE = re.compile(r"^(auto|cpu|mlx|cuda(?::(\d+))?)$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|mlx|mps|cuda(?::(\d+))?)$")
+_DEVICE_CHOICES = '"auto", "cpu", "cuda", "cuda:<index>", "mlx" or "mps"'
 
 
 def _torch_cuda_in_use():
@@ -191,19 +194,21 @@ def resolve_device(device: str = "auto") -> str:
     """Turn a device request into a concrete device string.
 
     Args:
-        device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:<index>"`` or ``"mlx"``.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:<index>"``, ``"mlx"`` or ``"mps"``.
 
     Returns:
-        ``"cpu"``, ``"cuda:<index>"`` or ``"mlx"``. ``"auto"`` picks CUDA if torch is already
-        imported and CUDA is available (the current device if CUDA is initialised, else 0),
-        else ``"mlx"`` if ``mlx.core`` is imported and Metal is available, else ``"cpu"``.
-        Nothing is imported to decide.
+        ``"cpu"``, ``"cuda:<index>"``, ``"mlx"`` or ``"mps"``. ``"auto"`` picks CUDA if torch is
+        already imported and CUDA is available (the current device if CUDA is initialised, else
+        0), else ``"mlx"`` if ``mlx.core`` is imported and Metal is available, else ``"mps"`` if
+        torch is imported and its MPS backend is available (PyTorch on Apple Silicon, what HF's
+        ``Trainer`` picks on a Mac; after MLX because mlx_lm runs import torch through
+        transformers), else ``"cpu"``. Nothing is imported to decide.
 
     Raises:
         ConfigError: malformed device string.
     """
     if not isinstance(device, str) or _DEVICE_RE.match(device) is None:
-        raise ConfigError("device", '"auto", "cpu", "cuda", "cuda:<index>" or "mlx"', device)
+        raise ConfigError("device", _DEVICE_CHOICES, device)
     if device == "auto":
         cuda = _torch_cuda_in_use()
         if cuda is not None:
@@ -216,6 +221,9 @@ def resolve_device(device: str = "auto") -> str:
             return f"cuda:{idx}"
         if _mlx_metal_in_use():
             return "mlx"
+        from memguard_core.probes import mps as _mps
+        if _mps.mps_in_use():
+            return "mps"
         return "cpu"
     if device == "cuda":
         return "cuda:0"
@@ -262,8 +270,8 @@ def probe(device: str = "auto", *, cheap: bool = False) -> MemorySnapshot:
 
     Args:
         device: see :func:`resolve_device`. ``"cpu"`` means the host (Linux/macOS/Windows by
-            ``sys.platform``); naming ``"cuda..."`` or ``"mlx"`` explicitly imports torch / mlx
-            if needed.
+            ``sys.platform``); naming ``"cuda..."``, ``"mps"`` or ``"mlx"`` explicitly imports
+            torch / mlx if needed.
         cheap: the per-training-step path: reads only cheap counters (allocator counters,
             cgroup files, /proc/self/status, /proc/meminfo, the kernel's precomputed PSI
             averages), runs no subprocess and no NVML, allocates little and never synchronises
@@ -274,7 +282,7 @@ def probe(device: str = "auto", *, cheap: bool = False) -> MemorySnapshot:
         A :class:`MemorySnapshot`.
 
     Raises:
-        ConfigError: malformed ``device``, or ``cuda``/``mlx`` named but not present. Errors
+        ConfigError: malformed ``device``, or ``cuda``/``mlx``/``mps`` named but not present. Errors
         while reading are logged (``memguard.probes``) and degrade to a fallback snapshot,
         never raised.
     """
@@ -291,6 +299,17 @@ def probe(device: str = "auto", *, cheap: bool = False) -> MemorySnapshot:
         except Exception as exc:
             _warn_once(f"cuda.probe:{index}", "memguard: CUDA probe failed: %r", exc)
             return _psutil_fallback(dev)
+    if dev == "mps":
+        from memguard_core.probes import mps
+
+        torch_mps = mps.torch_mps_module()
+        if torch_mps is None:
+            raise ConfigError("device", "torch with the MPS backend available (Apple Silicon)", device)
+        try:
+            return mps.probe(cheap=cheap, mps=torch_mps)
+        except Exception as exc:
+            _warn_once("mps.probe", "memguard: MPS probe failed: %r", exc)
+            return _psutil_fallback("mps")
     if dev == "mlx":
         from memguard_core.probes import mlx
 
@@ -315,7 +334,8 @@ class StepReader:
     for the per-step check and the background thread, so the monitor names no platform.
 
     Each backend builds one (``linux.step_reader()``, ``darwin.step_reader()``,
-    ``windows.step_reader()``, ``cuda.step_reader(index)``, ``mlx.step_reader()``), passing only
+    ``windows.step_reader()``, ``cuda.step_reader(index)``, ``mlx.step_reader()``,
+    ``mps.step_reader()``), passing only
     the functions it has; :func:`step_reader` picks the backend.
 
     Args:
@@ -443,6 +463,10 @@ def step_reader(device: str = "auto") -> StepReader:
         from memguard_core.probes import mlx
 
         return mlx.step_reader()
+    if dev == "mps":
+        from memguard_core.probes import mps
+
+        return mps.step_reader()
     src = host_source()
     if src == "linux":
         from memguard_core.probes import linux
@@ -479,6 +503,7 @@ def live_bytes(device: str) -> Optional[int]:
     ======================  =================================================================
     ``cuda:<i>``            ``torch.cuda.memory_allocated(i)`` (live tensors)
     ``mlx``                 ``mx.get_active_memory()`` (live arrays)
+    ``mps``                 ``torch.mps.current_allocated_memory()`` (live tensors)
     ``cpu`` on Linux        glibc ``mallinfo2()`` in-use bytes (:func:`linux.malloc_in_use`)
     ``cpu`` elsewhere       None (no such counter is read)
     ======================  =================================================================

@@ -1,0 +1,162 @@
+"""PyTorch on Apple Silicon (``mps``): the MPS allocator counters and Metal's working-set limit.
+
+NOT validated on a Mac: this project's machines have no Apple GPU; the tests run the code below
+against the thinnest fake of ``torch.mps`` (tests/test_probes_mps.py). The figures' meaning comes
+from PyTorch's documentation and sources:
+
+- ``torch.mps.current_allocated_memory()``: bytes held by live tensors (the MPS allocator's
+  allocated size; aten/src/ATen/mps/MPSAllocator.mm ``getTotalAllocatedMemory``).
+- ``torch.mps.driver_allocated_memory()``: bytes the Metal driver has allocated for this process:
+  live tensors, the blocks the caching allocator keeps for reuse, and MPSGraph's own buffers
+  (``MTLDevice.currentAllocatedSize``). The analogue of CUDA's reserved memory.
+- ``torch.mps.recommended_max_memory()`` (torch >= 2.5): Metal's
+  ``recommendedMaxWorkingSetSize``, beyond which a unified-memory Mac pages and the GPU stalls;
+  also the base of the allocator's hard limit, ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` x it (1.7 by
+  default), past which it raises "MPS backend out of memory" (PyTorch docs, "MPS Environment
+  Variables"; ``torch.mps.set_per_process_memory_fraction``).
+- ``torch.mps.empty_cache()``: hands the cached blocks back (the monitor's clean).
+
+Snapshot meaning on ``"mps"``:
+- ``total = recommended_max_memory`` (``limit_bytes`` the same, ``limit_source="mps"``); the host
+  total where the call is missing (older torch) or reports 0.
+- ``available = min(total - allocated, host available + cached)``, cached = driver - allocated:
+  cached blocks are reusable by torch but already resident, so the host does not count them free.
+- ``process_bytes = driver_allocated`` (what the process holds on the device, cache included).
+  ``process_peak_bytes`` is None: ``torch.mps`` has no peak counter nor a reset. Between cleans,
+  the driver figure keeps the blocks a step's peak needed (the caching allocator releases cached
+  blocks on its own only past its soft low watermark, ``PYTORCH_MPS_LOW_WATERMARK_RATIO``, 1.4 x
+  the recommended size on unified memory), so the step samples read it as the step's figure;
+  after an ``empty_cache`` it drops towards the live tensors.
+- pressure: the host's (macOS memorystatus), with its ``pressure_kind``.
+
+torch is imported only inside functions, and only where the caller named ``mps`` or torch is
+already imported.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from memguard_core.probes import MemorySnapshot, StepReader, _warn_once
+
+__all__ = ["MpsCounters", "torch_mps_module", "mps_in_use", "read_counters", "empty_cache", "probe",
+           "step_reader", "live_bytes"]
+
+
+@dataclass(frozen=True)
+class MpsCounters:
+    """MPS allocator counters, bytes. ``recommended_max`` is None where torch lacks the call."""
+
+    allocated: int
+    driver_allocated: int
+    recommended_max: Optional[int]
+
+
+def _available(torch) -> bool:
+    backends = getattr(torch, "backends", None)
+    mps = getattr(backends, "mps", None) if backends is not None else None
+    return bool(mps is not None and mps.is_available() and hasattr(torch, "mps"))
+
+
+def mps_in_use() -> bool:
+    """True if torch is already imported and its MPS backend is available. Imports nothing; a
+    broken torch is logged once and read as False."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return _available(torch)
+    except Exception as exc:
+        _warn_once("torch.backends.mps.is_available", "memguard: torch MPS check failed: %r", exc)
+        return False
+
+
+def torch_mps_module():
+    """``torch.mps`` (torch imported if needed), or None where torch or its MPS backend is absent."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch  # noqa: F811
+        except Exception:
+            return None
+    try:
+        return torch.mps if _available(torch) else None
+    except Exception as exc:
+        _warn_once("torch.backends.mps.is_available", "memguard: torch MPS check failed: %r", exc)
+        return None
+
+
+def read_counters(mps) -> MpsCounters:
+    """The counters of ``mps`` (the ``torch.mps`` module); host-side calls, no synchronisation.
+
+    Raises:
+        what torch raises (the package's probe falls back to psutil and logs it).
+    """
+    rec = getattr(mps, "recommended_max_memory", None)
+    recommended = None
+    if rec is not None:
+        recommended = int(rec()) or None
+    return MpsCounters(allocated=int(mps.current_allocated_memory()),
+                       driver_allocated=int(mps.driver_allocated_memory()),
+                       recommended_max=recommended)
+
+
+def empty_cache(mps=None) -> None:
+    """``torch.mps.empty_cache()`` where torch is imported with MPS available. Never raises."""
+    try:
+        mps = mps if mps is not None else (torch_mps_module() if mps_in_use() else None)
+        if mps is not None:
+            mps.empty_cache()
+    except Exception as exc:
+        _warn_once("torch.mps.empty_cache", "memguard: torch.mps.empty_cache() failed: %r", exc)
+
+
+def probe(cheap: bool = False, *, mps=None, host: Optional[MemorySnapshot] = None) -> MemorySnapshot:
+    """MPS snapshot (see module doc).
+
+    Args:
+        cheap: passed to the host probe (the MPS counters are always cheap).
+        mps: the ``torch.mps`` module (default :func:`torch_mps_module`); tests pass a thin fake.
+        host: a host snapshot to use instead of probing the host (tests).
+
+    Raises:
+        RuntimeError: no torch with MPS (the package's ``probe()`` turns it into ConfigError).
+    """
+    mps = mps if mps is not None else torch_mps_module()
+    if mps is None:
+        raise RuntimeError("torch with the MPS backend is not available")
+    now = time.monotonic()
+    c = read_counters(mps)
+    if host is None:
+        from memguard_core.probes import _host_probe
+
+        host = _host_probe(cheap)
+    from memguard_core.probes.mlx import _host_pressure
+
+    cached = max(0, c.driver_allocated - c.allocated)
+    if c.recommended_max:
+        total, limit, limit_source = c.recommended_max, c.recommended_max, "mps"
+    else:
+        total, limit, limit_source = host.total_bytes, host.limit_bytes, host.limit_source
+    avail = max(0, min(total - c.allocated, host.available_bytes + cached))
+    return MemorySnapshot(device="mps", total_bytes=int(total), available_bytes=int(avail),
+                          process_bytes=c.driver_allocated, process_peak_bytes=None,
+                          pressure=host.pressure, limit_bytes=limit, limit_source=limit_source,
+                          source="mps", timestamp=now, **_host_pressure(host))
+
+
+def live_bytes() -> Optional[int]:
+    """``torch.mps.current_allocated_memory()`` where torch is already imported with MPS, else None."""
+    if not mps_in_use():
+        return None
+    return int(sys.modules["torch"].mps.current_allocated_memory())
+
+
+def step_reader() -> StepReader:
+    """The runtime monitor's reader on ``mps``: the probe through ``probes.probe("mps")`` (psutil if
+    it fails) and the live tensors' bytes (:func:`live_bytes`). No peak counter to reset, no
+    snapshot-free path, no pressure read alone (the host's comes with the snapshot)."""
+    return StepReader("mps", live_bytes=live_bytes)

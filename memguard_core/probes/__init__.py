@@ -2,9 +2,11 @@
 
 The layout follows psutil (``_pslinux`` / ``_psosx`` / ``_pswindows`` behind ``psutil``):
 
-- :mod:`memguard_core.probes.linux`   /proc/meminfo, /proc/self/status, PSI, cgroup v1 and v2
-- :mod:`memguard_core.probes.darwin`  ``sysctl hw.memsize``, ``vm_stat``, ``kern.memorystatus_level``
-- :mod:`memguard_core.probes.windows` ``GlobalMemoryStatusEx``
+- :mod:`memguard_core.probes.linux`   /proc/meminfo, /proc/self/status, PSI, cgroup v1 and v2,
+  ``RLIMIT_AS`` / ``RLIMIT_DATA``
+- :mod:`memguard_core.probes.darwin`  psutil, and ``sysctlbyname`` for ``kern.memorystatus_level``,
+  ``kern.memorystatus_vm_pressure_level`` and ``vm.swapusage``
+- :mod:`memguard_core.probes.windows` psutil, and ``GlobalMemoryStatusEx`` for the commit limit
 - :mod:`memguard_core.probes.cuda`    torch.cuda allocator counters, ``mem_get_info``, NVML
 - :mod:`memguard_core.probes.mlx`     ``mx.get_active_memory`` / peak / cache, ``mx.device_info``
 - :mod:`memguard_core.probes.mps`     ``torch.mps`` allocated / driver-allocated / recommended max
@@ -70,9 +72,9 @@ class MemorySnapshot:
         limit_bytes: the container (cgroup) limit in force (smaller than the host total),
             ``None`` if none.
         limit_source: ``"host"``, ``"cgroup-v1:<dir>"``, ``"cgroup-v2:<dir>"`` (the cgroup
-            directory whose limit won), ``"cuda"``, ``"mlx"`` (Metal working set).
+            directory whose limit won), ``"cuda"``, ``"mlx"`` / ``"mps"`` (Metal working set).
         source: the probe that produced it: ``"linux"``, ``"darwin"``, ``"windows"``,
-            ``"cuda"``, ``"mlx"``, or ``"psutil"`` / ``"none"`` for the fallbacks used when
+            ``"cuda"``, ``"mlx"``, ``"mps"``, or ``"psutil"`` / ``"none"`` for the fallbacks used when
             the platform probe failed.
         timestamp: ``time.monotonic()`` at the reading.
         pressure_kind: what ``pressure`` measures, so that each pressure policy reads only its own

@@ -124,3 +124,40 @@ def test_no_limit_in_this_process_reports_none():
     s = linux.probe()
     assert s.address_limit_bytes is None and s.address_limit_source is None
     assert s.address_headroom_bytes is None
+
+
+TORCH_CHILD = textwrap.dedent("""
+    import json, resource, sys
+    import torch
+    from memguard_core.monitor import Action, MemoryMonitor
+
+    vmsize = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:"))
+    limit = vmsize + 1536 * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    mon = MemoryMonitor(1 << 40, device="cpu", interval_s=0, clean_fn=lambda: None, max_split=64)
+    mon.prime()
+    held, log, failed_at = [], [], None
+    for i in range(40):
+        try:
+            held.append(torch.ones(64 * 2**20 // 4))       # 64 MiB, a fresh mapping each
+        except RuntimeError as exc:                          # torch's allocator under the limit
+            failed_at = i
+            break
+        act = mon.step_sample(step=i)
+        log.append([i, act.value, mon.split])
+    print(json.dumps(dict(log=log, failed_at=failed_at, first_split=next(
+        (i for i, a, k in log if a == "split"), None))))
+""")
+
+
+def test_torch_under_rlimit_as_is_split_before_its_allocator_fails():
+    """The issue's failure, for real: torch's CPU allocator under ``RLIMIT_AS`` raises "can't
+    allocate memory". The monitor, reading the headroom as its budget, splits before that."""
+    pytest.importorskip("torch")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", TORCH_CHILD], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["failed_at"] is not None                     # the limit is real: torch fails at last
+    assert r["first_split"] is not None and r["first_split"] < r["failed_at"]

@@ -103,7 +103,7 @@ class MemoryMonitor:
 
     Raises:
         ConfigError: invalid budget, device, ratio, thresholds, interval, split, max_split, psi,
-            grow (or ``grow.below`` above ``warning - hysteresis``) or planned_split (the error
+            memorystatus, grow (or ``grow.below`` above ``warning - hysteresis``) or planned_split (the error
             names the argument).
     """
 

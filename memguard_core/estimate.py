@@ -1490,6 +1490,9 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
             slack = 0
         v["allocator_slack"] = slack
         totals[k] += slack
+    from .sharding import apply_sharding  # per-rank terms of DDP / FSDP / ZeRO (no-op for "none")
+
+    apply_sharding(ms, ts, phases, totals, notes)
     phase = max(totals, key=lambda k: totals[k])
     chosen = phases[phase]
     peak_raw = totals[phase]

@@ -25,7 +25,10 @@ from .errors import ConfigError, require_choice, require_positive_int
 METHODS = ("full", "lora", "qlora")
 OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum", "adafactor", "adamw-8bit")
 DTYPES = ("fp32", "bf16", "fp16")
-FRAMEWORKS = ("hf", "lightning", "mlx")
+FRAMEWORKS = ("hf", "lightning", "mlx", "torch")
+#: Data-parallel memory layouts (memguard_core/sharding.py says what each divides and adds).
+SHARDINGS = ("none", "ddp", "fsdp-full", "fsdp-grad-op", "fsdp-hybrid", "fsdp-no-shard", "zero1", "zero2", "zero3")
+OFFLOADS = ("none", "optimizer", "params")
 DEVICES = ("cpu", "cuda", "mlx")
 ATTN_IMPLS = ("eager", "sdpa", "flash")
 DEFAULT_LORA_TARGETS = ("q_proj", "v_proj")
@@ -210,11 +213,24 @@ class TrainSpec:
             weights). False: weights are stored in ``dtype``.
         grad_checkpoint: activation (gradient) checkpointing per block.
         attn_impl: ``eager`` (O(s^2) scores kept) | ``sdpa`` | ``flash`` (O(s)).
-        framework: ``hf`` | ``lightning`` | ``mlx`` (whose conventions apply).
+        framework: ``hf`` | ``lightning`` | ``mlx`` | ``torch`` (whose conventions apply; ``torch`` is
+            a plain PyTorch / accelerate loop: HF's without the ``Trainer``'s imports).
         device: which counter the estimate predicts: ``cpu`` (peak RSS, VmHWM), ``cuda`` (peak
             device memory incl. context), ``mlx`` (``mx.get_peak_memory()``).
-        world_size: data-parallel processes (only for the effective batch). ``ranks`` is its
-            deprecated name (accepted by the constructor and readable, with a ``DeprecationWarning``).
+        world_size: data-parallel processes (the effective batch; with ``sharding`` the shard group).
+            ``ranks`` is its deprecated name (accepted by the constructor and readable, with a
+            ``DeprecationWarning``).
+        sharding: how the ranks lay out the model state (``memguard_core.sharding``): ``none`` (one
+            process, or ranks that each hold everything without DDP's buckets) | ``ddp`` |
+            ``fsdp-full`` | ``fsdp-grad-op`` | ``fsdp-hybrid`` | ``fsdp-no-shard`` | ``zero1`` |
+            ``zero2`` | ``zero3``. ``peak_bytes`` is then per rank.
+        offload: ``none`` | ``optimizer`` (ZeRO ``offload_optimizer``) | ``params`` (FSDP
+            ``CPUOffload(Policy)``, ZeRO-3 ``offload_param``; implies the optimizer's).
+        shard_group_size: ranks one shard spans under ``fsdp-hybrid`` (HSDP's shard mesh dimension);
+            ``None`` = ``world_size``.
+        bucket_cap_mb: DDP ``bucket_cap_mb`` (MiB, default 25 as in ``DistributedDataParallel``).
+        gradient_as_bucket_view: DDP ``gradient_as_bucket_view`` (``.grad`` are views of the buckets).
+        fsdp_version: 2 (``fully_shard``) | 1 (``FullyShardedDataParallel``, flat parameters).
         resident_file_bytes: this process's file-backed resident pages (``RssFile``: mapped
             libraries) when training starts, bytes, as the adapters read it on Linux; ``None`` =
             the typical figure of :data:`memguard_core.estimate.CPU_FILE_PAGES_AT_START_BYTES`. It
@@ -242,6 +258,12 @@ class TrainSpec:
     world_size: int = 1
     resident_file_bytes: Optional[int] = None
     image_tokens: int = 0
+    sharding: str = "none"
+    offload: str = "none"
+    shard_group_size: Optional[int] = None
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    fsdp_version: int = 2
     ranks: dataclasses.InitVar[Optional[int]] = None
 
     def __post_init__(self, ranks: Optional[int] = None) -> None:
@@ -270,6 +292,9 @@ class TrainSpec:
         object.__setattr__(self, "attn_impl", require_choice("attn_impl", self.attn_impl, ATTN_IMPLS))
         object.__setattr__(self, "framework", require_choice("framework", self.framework, FRAMEWORKS))
         object.__setattr__(self, "device", require_choice("device", self.device, DEVICES))
+        from .sharding import validate_sharding  # the per-rank rules live there
+
+        validate_sharding(self)
         if self.method != "full":
             require_positive_int("lora_rank", self.lora_rank)
         if self.lora_layers is not None:

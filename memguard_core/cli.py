@@ -37,7 +37,8 @@ FLAG_OF = {
     "num_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "model_bits": "--model-bits",
     "vocab_size": "--vocab-size", "intermediate_size": "--intermediate-size",
     "budget_bytes": "--budget-gib", "safety_ratio": "--safety-ratio", "ranks": "--ranks",
-    "world_size": "--world-size",
+    "world_size": "--world-size", "sharding": "--sharding", "offload": "--offload",
+    "shard_group_size": "--shard-group-size",
 }
 
 GiB = 2**30
@@ -90,13 +91,23 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="image tokens per row of a vision-language model, on top of --seq-length "
                         "[one image at the model family's default: the config's mm_tokens_per_image / "
                         "image_seq_len, or its vision patch grid; 256 for Qwen2-VL at 448 px]")
-    t.add_argument("--framework", default="hf", help="hf | lightning | mlx (its conventions apply) [hf]")
+    t.add_argument("--framework", default="hf",
+                   help="hf | lightning | mlx | torch (a plain PyTorch / accelerate loop) (its conventions apply) [hf]")
     t.add_argument("--device", default=None,
                    help="counter predicted: cpu (peak RSS, VmHWM) | cuda (peak device memory) | mlx "
                         "(mx.get_peak_memory) [the device this machine would train on: cuda when torch "
                         "sees a GPU, mlx for --framework mlx, else cpu]")
     t.add_argument("--world-size", type=int, default=1,
-                   help="data-parallel processes (effective batch only) [1]")
+                   help="data-parallel processes: the effective batch, and with --sharding the ranks the "
+                        "model state is divided over [1]")
+    t.add_argument("--sharding", default="none",
+                   help="none | ddp | fsdp-full | fsdp-grad-op | fsdp-hybrid | fsdp-no-shard | zero1 | zero2 | "
+                        "zero3: the estimate is then per rank [none]")
+    t.add_argument("--offload", default="none",
+                   help="none | optimizer (ZeRO offload_optimizer) | params (FSDP CPU offload, ZeRO-3 "
+                        "offload_param) [none]")
+    t.add_argument("--shard-group-size", type=int, default=None,
+                   help="ranks per shard group with --sharding fsdp-hybrid [--world-size]")
     t.add_argument("--ranks", type=int, default=None, help=argparse.SUPPRESS)  # deprecated: --world-size
     b = p.add_argument_group("planning (optional)")
     b.add_argument("--budget-gib", type=float, help="plan against this budget (GiB)")
@@ -243,7 +254,8 @@ def _train_spec(args, model_spec):
                      attn_impl=args.attn, framework=args.framework,
                      device=args.device or default_device(args.framework),
                      image_tokens=model_spec.image_tokens if args.image_tokens is None else args.image_tokens,
-                     world_size=args.world_size, ranks=args.ranks)
+                     world_size=args.world_size, ranks=args.ranks, sharding=args.sharding,
+                     offload=args.offload, shard_group_size=args.shard_group_size)
 
 
 def cmd_estimate(args) -> int:

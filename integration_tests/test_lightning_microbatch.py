@@ -249,8 +249,12 @@ def test_memory_figures_reach_the_logger_on_lightnings_logging_steps(tmp_path):
     fit(guard=guard, logger=CSVLogger(str(tmp_path), name="run"), log_every_n_steps=3,
         extra_callbacks=[AskSplit()])
     path = next(p for p in tmp_path.rglob("metrics.csv"))
-    split_at = {int(r["step"]): float(r["memguard/split"]) for r in csv.DictReader(open(path))
-                if r.get("memguard/split")}
+    rows = list(csv.DictReader(open(path)))
+    split_at = {int(r["step"]): float(r["memguard/micro_batches"]) for r in rows if r.get("memguard/micro_batches")}
+    # the standard figures of the step before each logged one
+    logged = [r for r in rows if r.get("memguard/peak_gib")]
+    assert logged and all(float(r["memguard/peak_gib"]) > 0 and 0 < float(r["memguard/usage"]) < 2
+                          and float(r["memguard/budget_gib"]) > 0 for r in logged)
     assert any(e["action"] == "split" for e in guard.events)
     # Lightning writes at optimizer steps 2 and 5 (its step counter + 1 divisible by 3); the split
     # asked at step 3 shows at step 5

@@ -22,6 +22,7 @@ from .distributed import agree_max
 from .errors import ConfigError, DoesNotFitError
 from .microbatch import empty_torch_cache, split_after_oom
 from .monitor import MemoryEvent, MemoryMonitor
+from .observe import RunRecorder
 from .options import GuardOptions
 from .preflight import Preflight, default_budget, plan_in_place, resident_bytes_for
 
@@ -98,6 +99,7 @@ class Guard:
         self.split_disabled_reason: Optional[str] = None
         self.start_time: Optional[float] = None
         self.summary: Optional[Dict[str, Any]] = None
+        self.recorder = RunRecorder(options, self.log)
         self._on_event_cb = on_event
 
     # ------------------------------------------------------------------ start
@@ -150,9 +152,29 @@ class Guard:
         if k > 1:
             self.log.info("memguard: %d micro-batches per batch (batch of %d rows -> %d-row micro-batches; "
                           "effective batch unchanged)", k, rows, -(-rows // k))
+        self._record_start(k)
         self.monitor.prime()
         self.monitor.start()
         return self.monitor
+
+    def _record_start(self, k: int) -> None:
+        """Open the run's records (event log, leak check, CUDA snapshots) and record the preflight's
+        changes: one WARNING line and a ``preflight`` decision. Never raises."""
+        try:
+            from .probes import resolve_device
+
+            self.recorder.start(resolve_device(self.options.device), self.budget_bytes)
+            pf = self.preflight
+            if pf is not None and (pf.applied or pf.not_applied):
+                done = sorted({c.reason for c in pf.applied})
+                todo = sorted({c.reason for c in pf.not_applied})
+                self.recorder.decision("preflight", "preflight changed the run: " + "; ".join(done)
+                                       + (("; NOT applied (change it yourself): " + "; ".join(todo)) if todo else "")
+                                       + f" (estimate {pf.estimate.peak_bytes / 2**30:.2f} GiB -> "
+                                       f"{pf.best_peak_bytes / 2**30:.2f} GiB, budget {pf.budget_bytes / 2**30:.2f} GiB)",
+                                       step=0, micro_batches=k)
+        except Exception:
+            self.log.warning("memguard: could not open the run records", exc_info=True)
 
     def _run_preflight(self, read_specs: SpecReader, enable_checkpointing: Optional[Callable[[], None]],
                        rows: int, plan_hint: str) -> int:
@@ -229,18 +251,35 @@ class Guard:
 
     def _on_event(self, event: MemoryEvent) -> None:
         self.events.append(event.to_dict())  # may run on the monitor's thread: only appends here
+        try:
+            self.recorder.event(event)
+        except Exception:
+            self.log.debug("memguard: event not recorded", exc_info=True)
         if self._on_event_cb is not None:
             self._on_event_cb(event)
 
+    @property
+    def figures(self) -> Dict[str, Any]:
+        """The last optimizer step's figures under the standard names
+        (:data:`memguard_core.observe.FIGURE_NAMES`), for the adapter's logger; {} before one."""
+        return dict(self.recorder.last_figures)
+
     # ------------------------------------------------------------------ per step
-    def micro_batches_for_step(self, step: Optional[int], *, agree: bool = True) -> int:
+    def micro_batches_for_step(self, step: Optional[int], *, agree: bool = True,
+                               completed: Optional[int] = None) -> int:
         """Sample memory at a step (batch) boundary and return the micro-batches for this batch:
         the monitor's k, with ``agree`` the MAX over ranks (:meth:`agreed`; the monitor is raised to
-        it). 1 without a monitor. Never raises."""
+        it). 1 without a monitor. ``completed``: the optimizer steps (MLX: iterations) done before
+        this batch, for the run records (default ``step``). Never raises."""
         mon = self.monitor
         if mon is None:
             return 1
         mon.step_sample(step)
+        try:
+            self.recorder.step(step if completed is None else completed, mon.last_step_figures, mon.split,
+                               mon.level.name.lower())
+        except Exception:
+            self.log.debug("memguard: step not recorded", exc_info=True)
         k = mon.split
         if agree:
             k = self.agreed(k)
@@ -276,6 +315,10 @@ class Guard:
             gc.collect()
             free()
         self.oom_retries += 1
+        try:
+            self.recorder.oom(step)
+        except Exception:
+            self.log.debug("memguard: OOM snapshot failed", exc_info=True)
         return k_new
 
     # ------------------------------------------------------------------ end
@@ -296,7 +339,8 @@ class Guard:
             ``max_usage`` (fraction of the budget), ``budget_bytes``, ``measured_peak_bytes``,
             ``estimated_peak_bytes`` (planned settings; None without a preflight),
             ``requested_peak_bytes``, ``optimizer_steps``, ``samples_per_step`` (distinct values),
-            ``oom_retries``, ``events`` (how many), then ``extra``.
+            ``oom_retries``, ``events`` (how many), ``event_log`` (the JSONL path, None without
+            one), then ``extra``.
         """
         mon, pf = self.monitor, self.preflight
         if mon is None:
@@ -317,9 +361,15 @@ class Guard:
                 "samples_per_step": sorted({int(s) for s in self.samples_per_step}),
                 "oom_retries": self.oom_retries,
                 "events": len(self.events),
+                "event_log": self.recorder.events.path if self.recorder.events is not None else None,
                 **extra,
             })
             self.log.info("memguard summary: %s", self.summary)
+            last = dict(mon.last_step_figures or {"current": None, "budget": mon.budget_bytes})
+            if measured_bytes is not None:
+                last["peak"] = measured
+            self.recorder.step(int(optimizer_steps), last, mon.split, mon.level.name.lower())
+            self.recorder.finish(self.summary)
             if not self.oom_retries:
                 from .calibration import record_preflight
 

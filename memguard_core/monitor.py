@@ -164,6 +164,9 @@ class MemoryMonitor:
         self._step: Optional[int] = None
         # the last step sample: (monotonic s, used bytes, budget bytes, seconds since the one before)
         self._last_step: Optional[tuple] = None
+        #: the last step sample's figures, bytes: ``peak`` (of the step before it), ``current`` (the
+        #: process figure at the sample: RSS on CPU), ``budget`` (effective); None before the first
+        self.last_step_figures: Optional[dict] = None
         self._last_full = -math.inf               # monotonic s of the last full background sample
         self._thread = SamplerThread(lambda: self.background_sample(),
                                      lambda exc: self._log_failure("background thread", exc))
@@ -305,6 +308,7 @@ class MemoryMonitor:
             budget = self._budget_for(capacity)
             prev = self._last_step
             self._last_step = (now, used, budget, now - prev[0] if prev is not None else math.inf)
+            self.last_step_figures = {"peak": int(used), "current": int(rss), "budget": int(budget)}
             action = self.observe(used, budget, step=step, source="step")
             if action is Action.CLEAN:
                 action = self._split_if_clean_fell_short(rss, used, budget, step)
@@ -358,7 +362,8 @@ class MemoryMonitor:
         """Read (and reset) the peak since the last step without deciding anything: the peak of the
         run's last step, at train end. Returns ``max_step_peak_bytes`` (None if never read)."""
         try:
-            self._read_step()
+            _, rss, used, capacity = self._read_step()
+            self.last_step_figures = {"peak": int(used), "current": int(rss), "budget": int(self._budget_for(capacity))}
         except Exception as exc:
             self._log_failure("final_sample", exc)
         return self.max_step_peak_bytes or None

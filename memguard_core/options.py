@@ -5,6 +5,7 @@ the result to :class:`memguard_core.guard.Guard`; see docs/lifecycle.md.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -27,6 +28,11 @@ _DEVICE = re.compile(r"auto|cpu|mlx|cuda(:\d+)?")
 
 def _positive_int(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def _positive_number(value: object) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            and value > 0)
 
 
 def micro_batches_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
@@ -74,6 +80,15 @@ class GuardOptions:
         preflight: estimate and plan at train start.
         grow: when the number of micro-batches may halve again after pressure has gone
             (``memguard_core.monitor.GrowPolicy``; None: never).
+        log_dir: folder of the run event log (``memguard_core.events``: one JSONL file per rank);
+            None: ``MEMGUARD_LOG_DIR`` from the environment at train start, else no log.
+        cuda_snapshots: folder for CUDA allocator snapshots (``memguard_core.cuda_snapshots``:
+            history recorded from train start, dumps on entering critical pressure, on a caught
+            out-of-memory error and at ``snapshot_steps``); None: ``MEMGUARD_CUDA_SNAPSHOTS``, else off.
+            Only on CUDA devices; it costs time per allocation, see that module.
+        snapshot_steps: optimizer steps at which to dump a CUDA snapshot.
+        leak_detector: warn when the process figure at step boundaries rises step after step
+            (``memguard_core.leak``; the torch adapters; MLX has its own on active memory).
     """
 
     budget_bytes: Optional[int] = None
@@ -88,6 +103,10 @@ class GuardOptions:
     device: str = "auto"
     preflight: bool = True
     grow: Optional[GrowPolicy] = GrowPolicy()
+    log_dir: Optional[str] = None
+    cuda_snapshots: Optional[str] = None
+    snapshot_steps: Tuple[int, ...] = ()
+    leak_detector: bool = True
 
     @classmethod
     def from_kwargs(cls, *, budget_bytes: Optional[int] = None, safety_ratio: float = 0.8,
@@ -95,9 +114,12 @@ class GuardOptions:
                     apply: Sequence[str] = APPLY_CHOICES, fail_fast: bool = False, loss_weighting: str = "auto",
                     micro_batches: Optional[int] = None, monitor_interval_s: float = 0.5, device: str = "auto",
                     preflight: bool = True, grow: Optional[GrowPolicy] = GrowPolicy(),
-                    split: Optional[int] = None) -> "GuardOptions":
+                    split: Optional[int] = None, budget_gib: Optional[float] = None,
+                    log_dir: Optional[str] = None, cuda_snapshots: Optional[str] = None,
+                    snapshot_steps: Sequence[int] = (), leak_detector: bool = True) -> "GuardOptions":
         """Validate and normalise. ``split`` is the deprecated name of ``micro_batches``
-        (``DeprecationWarning``).
+        (``DeprecationWarning``). ``budget_bytes`` takes an int or a float (bytes, rounded down:
+        ``8.5e9``); ``budget_gib`` gives the budget in GiB instead (not both).
 
         Raises:
             ConfigError: naming the first bad field (``MEMGUARD_MICRO_BATCHES`` / ``MEMGUARD_SPLIT``
@@ -111,8 +133,16 @@ class GuardOptions:
             if not _positive_int(split):
                 raise ConfigError("split", "an integer >= 1", split)
             micro_batches = split
-        if budget_bytes is not None and not _positive_int(budget_bytes):
-            raise ConfigError("budget_bytes", "a positive integer number of bytes or None", budget_bytes)
+        if budget_gib is not None:
+            if budget_bytes is not None:
+                raise ConfigError("budget_gib", "not given together with budget_bytes", budget_gib)
+            if not _positive_number(budget_gib):
+                raise ConfigError("budget_gib", "a finite number of GiB > 0, or None", budget_gib)
+            budget_bytes = int(budget_gib * 2**30)
+        if budget_bytes is not None:
+            if not _positive_number(budget_bytes) or int(budget_bytes) < 1:
+                raise ConfigError("budget_bytes", "a finite number of bytes >= 1 (int or float), or None", budget_bytes)
+            budget_bytes = int(budget_bytes)
         ratio = require_fraction("safety_ratio", safety_ratio)
         if thresholds is not None and not isinstance(thresholds, Thresholds):
             raise ConfigError("thresholds", "a memguard_core.monitor.Thresholds", thresholds)
@@ -138,7 +168,19 @@ class GuardOptions:
                 raise ConfigError(name, "True or False", flag)
         if grow is not None and not isinstance(grow, GrowPolicy):
             raise ConfigError("grow", "a memguard_core.monitor.GrowPolicy, or None", grow)
+        for name, folder in (("log_dir", log_dir), ("cuda_snapshots", cuda_snapshots)):
+            if folder is not None and (not isinstance(folder, (str, os.PathLike)) or not str(folder)
+                                       or (os.path.exists(folder) and not os.path.isdir(folder))):
+                raise ConfigError(name, "a folder path (created when missing), or None", folder)
+        if isinstance(snapshot_steps, int):
+            snapshot_steps = (snapshot_steps,)
+        if not all(_positive_int(s) for s in snapshot_steps):
+            raise ConfigError("snapshot_steps", "optimizer steps (integers >= 1)", snapshot_steps)
+        if not isinstance(leak_detector, bool):
+            raise ConfigError("leak_detector", "True or False", leak_detector)
         return cls(budget_bytes=budget_bytes, safety_ratio=ratio, thresholds=thresholds or Thresholds(),
                    seq_length=seq_length, apply=tuple(apply), fail_fast=fail_fast, loss_weighting=loss_weighting,
                    micro_batches=micro_batches or 1, monitor_interval_s=float(monitor_interval_s), device=device,
-                   preflight=preflight, grow=grow)
+                   preflight=preflight, grow=grow, log_dir=None if log_dir is None else os.fspath(log_dir),
+                   cuda_snapshots=None if cuda_snapshots is None else os.fspath(cuda_snapshots),
+                   snapshot_steps=tuple(int(s) for s in snapshot_steps), leak_detector=leak_detector)

@@ -68,7 +68,7 @@ def summarize(runs: Dict[int, List[Dict[str, Any]]]) -> Dict[str, Any]:
         "ranks": sorted(runs), "steps": len({(r.get("rank"), r.get("step")) for r in steps}),
         "peak_bytes": max(peaks) if peaks else None,
         "peak_step": top.get("step") if top else None,
-        "budget_bytes": max(budgets) if budgets else None,
+        "budget_bytes": (top.get("budget_bytes") if top else None) or (max(budgets) if budgets else None),
         "peak_usage": (max(peaks) / top["budget_bytes"]) if top and top.get("budget_bytes") else None,
         "micro_batches_last": steps[-1].get("micro_batches") if steps else None,
         "decisions": kinds,
@@ -113,8 +113,8 @@ def draw_timeline(runs: Dict[int, List[Dict[str, Any]]], out_png: str, *, title:
     axt = fig.add_subplot(grid[3])
     axt.axis("off")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    budget = None
     ymax = 0.0
+    budget_drawn = False
     for i, rank in enumerate(sorted(runs)):
         recs = runs[rank]
         steps = [r for r in recs if r.get("type") == "step"]
@@ -129,17 +129,21 @@ def draw_timeline(runs: Dict[int, List[Dict[str, Any]]], out_png: str, *, title:
                 ax.plot(xs, cur, "--", color=c, alpha=0.7, label=f"current at step end {tag}".strip())
             axk.step(xs, [r.get("micro_batches", 1) for r in steps], where="post", color=c)
             ymax = max([ymax] + [v for v in peak if v is not None])
-        for r in steps:
-            if r.get("budget_bytes"):
-                budget = r["budget_bytes"]
-    if budget:
-        b = budget / GiB
-        ax.axhline(b, color="black", lw=1.5, label=f"budget {b:.2f} GiB")
-        for frac, style in zip(USAGE_LINES, (":", "-.", "--")):
-            ax.axhline(b * frac, color="grey", lw=0.8, ls=style)
-            ax.annotate(f"{frac:.0%}", xy=(1.0, b * frac), xycoords=("axes fraction", "data"),
-                        xytext=(3, 0), textcoords="offset points", va="center", fontsize=8, color="grey")
-        ymax = max(ymax, b)
+        if not budget_drawn:
+            # the budget as it was at each step (a co-tenant or a container change moves it), from
+            # the start record's at step 0
+            start = [r for r in recs if r.get("type") == "start" and r.get("budget_bytes")]
+            bx = ([0] if start else []) + [r["step"] for r in steps if r.get("budget_bytes")]
+            by = ([start[0]["budget_bytes"] / GiB] if start else []) + \
+                 [r["budget_bytes"] / GiB for r in steps if r.get("budget_bytes")]
+            if by:
+                budget_drawn = True
+                ax.step(bx, by, where="mid", color="black", lw=1.5, label=f"budget (last {by[-1]:.2f} GiB)")
+                for frac, style in zip(USAGE_LINES, (":", "-.", "--")):
+                    ax.step(bx, [b * frac for b in by], where="mid", color="grey", lw=0.8, ls=style)
+                    ax.annotate(f"{frac:.0%}", xy=(1.0, by[-1] * frac), xycoords=("axes fraction", "data"),
+                                xytext=(3, 0), textcoords="offset points", va="center", fontsize=8, color="grey")
+                ymax = max([ymax] + by)
     ax.set_ylim(0, ymax * 1.22 if ymax else 1)
     # decisions: a vertical line at their step with a number on top; the numbered list underneath
     placed: Dict[Any, int] = {}
@@ -166,6 +170,7 @@ def draw_timeline(runs: Dict[int, List[Dict[str, Any]]], out_png: str, *, title:
     plt.setp(ax.get_xticklabels(), visible=False)
     axk.grid(alpha=0.3)
     axk.yaxis.get_major_locator().set_params(integer=True)
+    axk.xaxis.get_major_locator().set_params(integer=True)
     ax.set_title(title or "memguard: memory per step against the budget")
     fig.subplots_adjust(left=0.08, right=0.93, top=0.95, bottom=0.03)
     try:

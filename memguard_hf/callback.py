@@ -113,11 +113,16 @@ class MemGuardCallback(GuardAttributes, TrainerCallback):
                  apply: Sequence[str] = APPLY_CHOICES, fail_fast: bool = False,
                  loss_weighting: str = "auto", micro_batches: Optional[int] = None,
                  monitor_interval_s: float = 0.5, device: str = "auto", preflight: bool = True,
-                 grow: Optional[GrowPolicy] = GrowPolicy(), split: Optional[int] = None):
+                 grow: Optional[GrowPolicy] = GrowPolicy(), split: Optional[int] = None,
+                 budget_gib: Optional[float] = None, log_dir: Optional[str] = None,
+                 cuda_snapshots: Optional[str] = None, snapshot_steps: Sequence[int] = (),
+                 leak_detector: bool = True):
         options = GuardOptions.from_kwargs(
             budget_bytes=budget_bytes, safety_ratio=safety_ratio, thresholds=thresholds, seq_length=seq_length,
             apply=apply, fail_fast=fail_fast, loss_weighting=loss_weighting, micro_batches=micro_batches,
-            monitor_interval_s=monitor_interval_s, device=device, preflight=preflight, grow=grow, split=split)
+            monitor_interval_s=monitor_interval_s, device=device, preflight=preflight, grow=grow, split=split,
+            budget_gib=budget_gib, log_dir=log_dir, cuda_snapshots=cuda_snapshots, snapshot_steps=snapshot_steps,
+            leak_detector=leak_detector)
         _compat.check_version()
         self.guard = Guard(options, log=logger, on_event=self.on_event_log)
         self.options = options
@@ -224,10 +229,24 @@ class MemGuardCallback(GuardAttributes, TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or self.monitor is None:
             return
+        figs = self.figures()
+        logs.update(figs)
+        # Trainer.log appends its own copy of ``logs`` to ``state.log_history`` before the callbacks
+        # run: add the figures to that entry too, so trainer_state.json keeps them
+        hist = getattr(state, "log_history", None)
+        if hist and isinstance(hist[-1], dict) and hist[-1].get("step") == state.global_step:
+            hist[-1].update(figs)
+
+    def figures(self) -> dict:
+        """The memory figures this callback adds to every log line (and to ``log_history``): the
+        last optimizer step's (``memguard_core.observe.FIGURE_NAMES``: peak, current, budget in GiB,
+        usage, micro-batches per batch; reserved GiB, ``num_alloc_retries``, ``num_ooms`` on CUDA),
+        plus ``memguard_max_usage`` over the run so far. {} before training starts."""
         mon = self.monitor
-        logs["memguard_split"] = mon.split
-        logs["memguard_peak_gib"] = round(mon.max_step_peak_bytes / 2**30, 3)
-        logs["memguard_usage"] = round(mon.max_usage, 3)
+        if mon is None:
+            return {}
+        return {**self.guard.figures, "memguard_micro_batches": int(mon.split),
+                "memguard_max_usage": round(mon.max_usage, 4)}
 
     def on_train_end(self, args, state, control, **kwargs):
         self.guard.finish(state.global_step)

@@ -141,7 +141,8 @@ def run_demo(args) -> int:
     ts = trainspec_from_trainer(trainer, ms, seq_length=args.seq_length, device="cpu")
     requested, budget = requested_and_budget(args, ms, ts)
 
-    guard = MemGuardCallback(budget_bytes=budget, seq_length=args.seq_length, monitor_interval_s=0.2)
+    guard = MemGuardCallback(budget_bytes=budget, seq_length=args.seq_length, monitor_interval_s=0.2,
+                             log_dir=os.path.join(out, "memguard-log"))
     trainer.add_callback(guard)
     trainer.add_callback(Squeeze(guard, args.squeeze_at))
     t1 = time.time()
@@ -154,4 +155,21 @@ def run_demo(args) -> int:
         "memguard demo: result", rows, requested_peak_bytes=requested.peak_bytes, summary=guard.summary,
         measured="VmHWM, training steps", budget_bytes=budget, end_budget_bytes=guard.monitor.budget_bytes,
         wall_s=wall))
+    timeline(guard.summary)
     return 0 if kept else 1
+
+
+def timeline(summary) -> None:
+    """Draw the run's event log (memory per step against the budget, the decisions) next to it and
+    print both paths. A failure here is reported, not raised: the run itself is over."""
+    path = (summary or {}).get("event_log")
+    if not path:
+        return
+    try:
+        from memguard_core.timeline import draw_timeline, load_runs
+
+        png = draw_timeline(load_runs([path]), path[: -len(".jsonl")] + ".png",
+                            title="memguard demo: memory per optimizer step against the budget")
+        console().print(f"event log: {path}\ntimeline:  {png}   (again: memguard report {path})")
+    except Exception as exc:
+        console().print(f"timeline not drawn: {exc}")

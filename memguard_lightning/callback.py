@@ -24,8 +24,10 @@ What it does (the HF adapter's features, the Lightning way):
   every rank cuts alike. (After an OOM retry one rank may use a larger k for the rest of that
   batch; under DDP the non-final chunks run no collective, and the next batch agrees again.)
 * Memory figures go to Lightning's loggers (``pl_module.log_dict`` on the batches Lightning writes,
-  ``log_every_n_steps``: ``memguard/split``,
-  ``memguard/usage``, ``memguard/peak_gib``, ``memguard/events``; the preflight's figures via
+  ``log_every_n_steps``: the standard per-step figures of ``memguard_core.observe.FIGURE_NAMES``
+  as ``memguard/peak_gib``, ``memguard/current_gib``, ``memguard/budget_gib``, ``memguard/usage``,
+  ``memguard/micro_batches`` (+ reserved and allocator retries on CUDA), ``memguard/max_usage``,
+  ``memguard/events``; the preflight's figures via
   ``logger.log_hyperparams``) and to Python logging (``memguard.lightning``).
 
 Not split (a warning says so and what to do instead; preflight and the monitor still run):
@@ -105,11 +107,16 @@ class MemGuardCallback(GuardAttributes, Callback):
                  loss_weighting: str = "auto", label_key: LabelKey = None,
                  shift_labels: Optional[bool] = None, micro_batches: Optional[int] = None,
                  monitor_interval_s: float = 0.5, device: str = "auto", preflight: bool = True,
-                 grow: Optional[GrowPolicy] = GrowPolicy(), split: Optional[int] = None):
+                 grow: Optional[GrowPolicy] = GrowPolicy(), split: Optional[int] = None,
+                 budget_gib: Optional[float] = None, log_dir: Optional[str] = None,
+                 cuda_snapshots: Optional[str] = None, snapshot_steps: Sequence[int] = (),
+                 leak_detector: bool = True):
         options = GuardOptions.from_kwargs(
             budget_bytes=budget_bytes, safety_ratio=safety_ratio, thresholds=thresholds, seq_length=seq_length,
             apply=apply, fail_fast=fail_fast, loss_weighting=loss_weighting, micro_batches=micro_batches,
-            monitor_interval_s=monitor_interval_s, device=device, preflight=preflight, grow=grow, split=split)
+            monitor_interval_s=monitor_interval_s, device=device, preflight=preflight, grow=grow, split=split,
+            budget_gib=budget_gib, log_dir=log_dir, cuda_snapshots=cuda_snapshots, snapshot_steps=snapshot_steps,
+            leak_detector=leak_detector)
         if label_key is not None and (isinstance(label_key, bool) or not isinstance(label_key, (str, int))):
             raise ConfigError("label_key", "a dict key (str), a tuple index (int) or None", label_key)
         if shift_labels is not None and not isinstance(shift_labels, bool):
@@ -227,9 +234,11 @@ class MemGuardCallback(GuardAttributes, Callback):
         mon = self.guard.monitor
         if mon is None or not self._should_log(trainer):
             return
-        metrics = {"memguard/split": float(mon.split), "memguard/usage": float(round(mon.max_usage, 4)),
-                   "memguard/peak_gib": float(round(mon.max_step_peak_bytes / 2**30, 4)),
-                   "memguard/events": float(len(self.guard.events))}
+        # the standard per-step figures (memguard_core.observe.FIGURE_NAMES) as memguard/<name>
+        metrics = {"memguard/" + k[len("memguard_"):]: float(v) for k, v in self.guard.figures.items()}
+        metrics.update({"memguard/micro_batches": float(mon.split),
+                        "memguard/max_usage": float(round(mon.max_usage, 4)),
+                        "memguard/events": float(len(self.guard.events))})
         try:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False,
                                logger=bool(getattr(trainer, "loggers", None)),

@@ -16,10 +16,11 @@ What differs from upstream, and only this:
   over ranks, divide by ``grad_accum_steps``, ``optimizer.update``), same operations in the same
   order, so an allocation failure in the gradient half surfaces before the model or optimizer
   state is touched.
-* :func:`train_loop`: upstream's loop with four hooks: ``run_batch`` replaces the call of
+* :func:`train_loop`: upstream's loop with five hooks: ``run_batch`` replaces the call of
   ``step``, ``on_update`` runs after each update iteration, ``peak_memory`` replaces
   ``mx.get_peak_memory()`` in the report (the guard resets the peak per batch), ``report_extra``
-  prints after each train report. The wired limit, ``grad_checkpoint`` and ``value_and_grad`` are
+  prints after each train report, ``report_figures`` adds the guard's per-step figures to the
+  train report dict a ``TrainingCallback`` receives (extra keys; upstream's keys unchanged). The wired limit, ``grad_checkpoint`` and ``value_and_grad`` are
   set up by the caller, in upstream's order.
 
 ``memguard_mlx._compat`` names the private names used here and warns outside the checked
@@ -82,7 +83,8 @@ def train_loop(model: Any, optimizer: Any, train_dataset: Any, val_dataset: Any,
                iterate_batches: Callable, training_callback: Any, *, state: List[Any], run_batch: RunBatch,
                world: Any, on_update: Optional[Callable[[int], None]] = None,
                peak_memory: Callable[[], int] = mx.get_peak_memory,
-               report_extra: Optional[Callable[[Any, int, int], None]] = None) -> int:
+               report_extra: Optional[Callable[[Any, int, int], None]] = None,
+               report_figures: Optional[Callable[[], dict]] = None) -> int:
     """Upstream ``train()``'s loop from ``model.train()`` to the final adapter save, with the hooks
     of the module doc. Returns the last iteration reached (0 before the first batch)."""
     world_size = world.size()
@@ -172,6 +174,8 @@ def train_loop(model: Any, optimizer: Any, train_dataset: Any, val_dataset: Any,
                             "tokens_per_second": tokens_sec,
                             "trained_tokens": trained_tokens,
                             "peak_memory": peak_mem,
+                            # memguard: the guard's per-step figures (extra keys; None: upstream's dict)
+                            **(report_figures() if report_figures is not None else {}),
                         }
                     )
                 losses = 0

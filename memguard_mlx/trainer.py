@@ -218,11 +218,14 @@ class MlxGuard(GuardAttributes):
                  monitor_interval_s: float = 0.5, clear_cache_on_warning: bool = True,
                  chunk_weight: Optional[Callable] = None,
                  on_event: Optional[Callable[[MemoryEvent], None]] = None,
-                 grow: Optional[GrowPolicy] = GrowPolicy(), split: Optional[int] = None):
+                 grow: Optional[GrowPolicy] = GrowPolicy(), split: Optional[int] = None,
+                 budget_gib: Optional[float] = None, log_dir: Optional[str] = None):
+        # leak_detector=False: MLX's own detector (memory.LeakDetector, on active memory) runs instead
         options = GuardOptions.from_kwargs(
             budget_bytes=budget_bytes, safety_ratio=safety_ratio, thresholds=thresholds, seq_length=seq_length,
             apply=apply, fail_fast=fail_fast, micro_batches=micro_batches, monitor_interval_s=monitor_interval_s,
-            device="mlx", preflight=preflight, grow=grow, split=split)
+            device="mlx", preflight=preflight, grow=grow, split=split, budget_gib=budget_gib, log_dir=log_dir,
+            leak_detector=False)
         if not isinstance(clear_cache_on_warning, bool):
             raise ConfigError("clear_cache_on_warning", "True or False", clear_cache_on_warning)
         if memory_controls is True:
@@ -337,7 +340,7 @@ class MlxGuard(GuardAttributes):
             mx.clear_cache()
         mon = self.guard.monitor
         # chunks run no collective under mx.distributed: no agreement over ranks needed
-        k = self.guard.micro_batches_for_step(it, agree=False) if mon is not None else 1
+        k = self.guard.micro_batches_for_step(it, agree=False, completed=it - 1) if mon is not None else 1
         k = max(1, min(k, rows))
         if not self.split_history or self.split_history[-1][1] != k:
             self.split_history.append((it, k))
@@ -491,7 +494,7 @@ def train(
         train_loop(model, optimizer, train_dataset, val_dataset, args, loss, iterate_batches, training_callback,
                    state=state, run_batch=run_batch, world=world,
                    on_update=lambda it: guard.after_update(it, optimizer), peak_memory=guard.peak_so_far,
-                   report_extra=report_extra)
+                   report_extra=report_extra, report_figures=lambda: guard.guard.figures)
     finally:
         guard.stop(guard._it)
     return guard

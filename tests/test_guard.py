@@ -21,7 +21,7 @@ from memguard_core.spec import TrainSpec, model_spec_from_hf_config
 SMOL = os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")
 GiB = 2**30
 SUMMARY_KEYS = {"split", "max_usage", "budget_bytes", "measured_peak_bytes", "estimated_peak_bytes",
-                "requested_peak_bytes", "optimizer_steps", "samples_per_step", "oom_retries", "events"}
+                "requested_peak_bytes", "optimizer_steps", "samples_per_step", "oom_retries", "events", "event_log"}
 
 
 @pytest.fixture(autouse=True)
@@ -211,3 +211,28 @@ def test_trainspec_ranks_is_a_deprecated_alias_of_world_size():
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError) as e:
         TrainSpec(world_size=2, ranks=4)
     assert e.value.field == "ranks"
+
+
+def test_budget_as_float_bytes_or_gib_and_record_options(tmp_path):
+    """``budget_bytes`` takes an int or a float of bytes (``8.5e9``), ``budget_gib`` GiB; non-finite
+    or non-positive values and both at once are errors naming the field; folders for the records
+    must not be files."""
+    from memguard_core.options import GuardOptions
+
+    assert GuardOptions.from_kwargs(budget_bytes=8.5e9).budget_bytes == 8_500_000_000
+    assert GuardOptions.from_kwargs(budget_gib=1.5).budget_bytes == 3 * 2**29
+    for bad in (float("nan"), float("inf"), 0, -1.0, "8GB", True):
+        with pytest.raises(ConfigError, match="budget_bytes"):
+            GuardOptions.from_kwargs(budget_bytes=bad)
+    with pytest.raises(ConfigError, match="budget_gib"):
+        GuardOptions.from_kwargs(budget_gib=float("nan"))
+    with pytest.raises(ConfigError, match="budget_gib"):
+        GuardOptions.from_kwargs(budget_gib=1, budget_bytes=2**30)
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(ConfigError, match="log_dir"):
+        GuardOptions.from_kwargs(log_dir=str(f))
+    with pytest.raises(ConfigError, match="snapshot_steps"):
+        GuardOptions.from_kwargs(snapshot_steps=(0,))
+    o = GuardOptions.from_kwargs(log_dir=tmp_path / "logs", cuda_snapshots=str(tmp_path / "snaps"), snapshot_steps=3)
+    assert o.log_dir == str(tmp_path / "logs") and o.snapshot_steps == (3,)

@@ -1,0 +1,168 @@
+"""What a guarded run leaves to look at, on real training runs: the JSONL event log (a record per
+optimizer step and per decision), the per-step figures in each framework's own channel (HF ``logs``
+and ``log_history`` -> trainer_state.json, Lightning's CSV logger, mlx_lm's report dicts), one
+WARNING line per decision, and ``memguard report``'s picture of it."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from memguard_core.events import read_events
+from memguard_core.observe import FIGURE_NAMES
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BIG_BUDGET = 64 << 30
+
+
+def _log_file(folder):
+    files = [f for f in os.listdir(folder) if f.endswith(".jsonl")]
+    assert len(files) == 1, files
+    return os.path.join(folder, files[0])
+
+
+def test_hf_run_leaves_event_log_log_history_and_warnings(tmp_path, caplog):
+    from hf_tiny import SwitchSplit, make_trainer
+
+    from memguard_hf import MemGuardCallback
+
+    guard = MemGuardCallback(preflight=False, budget_bytes=BIG_BUDGET, monitor_interval_s=0,
+                             log_dir=str(tmp_path / "log"))
+    trainer = make_trainer(str(tmp_path / "run"), guard=guard, max_steps=4)
+
+    class AskSplit(SwitchSplit):  # a real request through the monitor, as pressure would make it
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == 2:
+                self.guard.monitor.request_split(2, "asked by the test", state.global_step)
+
+    trainer.add_callback(AskSplit(guard))
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    recs = read_events(_log_file(tmp_path / "log"))
+    steps = [r for r in recs if r["type"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    # the budget in each record is the effective one (the option, capped by what the machine offers)
+    assert all(r["peak_bytes"] > 0 and 0 < r["budget_bytes"] <= BIG_BUDGET and r["current_bytes"] > 0 for r in steps)
+    assert [r["micro_batches"] for r in steps] == [1, 1, 2, 2]
+    splits = [r for r in recs if r["type"] == "decision" and r["kind"] == "split"]
+    assert len(splits) == 1 and splits[0]["step"] == 2 and "asked by the test" in splits[0]["message"]
+    assert recs[0]["type"] == "start" and recs[-1]["type"] == "end" and recs[-1]["optimizer_steps"] == 4
+    # the decision's one WARNING line
+    assert sum("asked by the test" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) == 1
+    # the figures in the log lines and in log_history, so trainer_state.json keeps them
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 4
+    for h in logged[1:]:
+        assert {"memguard_peak_gib", "memguard_current_gib", "memguard_budget_gib", "memguard_usage",
+                "memguard_micro_batches", "memguard_max_usage"} <= set(h)
+        assert set(h) & set(FIGURE_NAMES)
+    assert logged[-1]["memguard_micro_batches"] == 2
+    trainer.state.save_to_json(str(tmp_path / "trainer_state.json"))
+    saved = json.load(open(tmp_path / "trainer_state.json"))["log_history"]
+    assert saved[-2]["memguard_micro_batches"] == 2 and saved[-2]["memguard_peak_gib"] > 0
+    assert guard.summary["event_log"] == _log_file(tmp_path / "log")
+
+
+def test_hf_preflight_change_is_one_warning_and_a_decision(tmp_path, caplog):
+    from hf_tiny import make_trainer
+
+    from memguard_hf import MemGuardCallback
+
+    guard = MemGuardCallback(budget_bytes=BIG_BUDGET, monitor_interval_s=0,
+                             log_dir=str(tmp_path / "log"))
+    trainer = make_trainer(str(tmp_path / "run"), guard=guard, max_steps=2)
+    # a budget between what the requested micro-batch and half of it need (the planner's own
+    # figures: estimate + what the process already holds, against 85 % of the budget), so the real
+    # preflight must halve the micro-batch
+    def squeeze(read_specs, *a, **k):
+        from memguard_core.estimate import estimate
+
+        ms, ts = read_specs()
+        extra = orig(read_specs, *a, **k).resident_extra_bytes
+        need = estimate(ms, ts).peak_bytes + extra
+        half = estimate(ms, ts.replace(batch_size=ts.batch_size // 2, grad_accum=ts.grad_accum * 2)).peak_bytes + extra
+        assert half < need
+        object.__setattr__(guard.guard.options, "budget_bytes", int((need + half) / 2 / 0.85))
+        return orig(read_specs, *a, **k)
+
+    orig = guard.guard.plan
+    guard.guard.plan = squeeze
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    warns = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "preflight changed" in r.getMessage()]
+    assert len(warns) == 1
+    recs = read_events(_log_file(tmp_path / "log"))
+    pre = [r for r in recs if r["type"] == "decision" and r["kind"] == "preflight"]
+    assert len(pre) == 1 and pre[0]["step"] == 0 and pre[0]["message"] == warns[0].split("memguard: ", 1)[1]
+
+
+def test_lightning_csv_logger_carries_the_figures(tmp_path):
+    pytest.importorskip("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning_tiny import fit
+
+    from memguard_lightning import MemGuardCallback
+
+    guard = MemGuardCallback(preflight=False, budget_bytes=BIG_BUDGET, monitor_interval_s=0,
+                             log_dir=str(tmp_path / "log"))
+    fit(guard=guard, logger=CSVLogger(str(tmp_path), name="run"), log_every_n_steps=1)
+    path = next(p for p in tmp_path.rglob("metrics.csv"))
+    rows = [r for r in csv.DictReader(open(path)) if r.get("memguard/peak_gib")]
+    assert rows and all(float(r["memguard/peak_gib"]) > 0 and 0 < float(r["memguard/budget_gib"]) <= 64
+                        for r in rows)
+    recs = read_events(_log_file(tmp_path / "log"))
+    assert sum(r["type"] == "step" for r in recs) >= 2
+
+
+def test_mlx_report_dicts_carry_the_figures(tmp_path):
+    pytest.importorskip("mlx.core")
+    import numpy as np
+    from mlx_lm.tuner.callbacks import TrainingCallback
+    from mlx_lm.tuner.trainer import TrainingArgs
+    from mlx_tiny import TokenRows, build_model, schedule_optimizer
+
+    import memguard_mlx
+
+    class Rec(TrainingCallback):
+        def __init__(self):
+            self.train = []
+
+        def on_train_loss_report(self, info):
+            self.train.append(dict(info))
+
+    np.random.seed(0)
+    rec = Rec()
+    args = TrainingArgs(batch_size=8, iters=6, steps_per_report=2, steps_per_eval=100, val_batches=1,
+                        steps_per_save=100, max_seq_length=64, adapter_file=str(tmp_path / "a.safetensors"))
+    memguard_mlx.train(build_model("llama"), schedule_optimizer(), TokenRows(), None, args=args, training_callback=rec,
+                       budget_bytes=BIG_BUDGET, preflight=False, monitor_interval_s=0, log_dir=str(tmp_path / "log"))
+    assert [d["iteration"] for d in rec.train] == [2, 4, 6]
+    for d in rec.train:
+        assert {"train_loss", "learning_rate", "peak_memory"} <= set(d)       # mlx_lm's own keys
+        assert d["memguard_micro_batches"] == 1 and 0 < d["memguard_budget_gib"] <= 64 and d["memguard_peak_gib"] > 0
+    recs = read_events(_log_file(tmp_path / "log"))
+    assert [r["step"] for r in recs if r["type"] == "step"][:3] == [1, 2, 3]
+
+
+def test_report_draws_a_real_run(tmp_path):
+    from hf_tiny import make_trainer
+
+    from memguard_hf import MemGuardCallback
+
+    guard = MemGuardCallback(preflight=False, budget_bytes=BIG_BUDGET, monitor_interval_s=0,
+                             log_dir=str(tmp_path / "log"))
+    make_trainer(str(tmp_path / "run"), guard=guard, max_steps=3).train()
+    log = _log_file(tmp_path / "log")
+    p = subprocess.run([sys.executable, "-m", "memguard_core.cli", "report", log], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stderr
+    assert "3 optimizer step records" in p.stdout
+    png = log[: -len(".jsonl")] + ".png"
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

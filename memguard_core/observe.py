@@ -1,0 +1,190 @@
+"""What a guarded run leaves to look at: the event log, the one-line WARNING of every decision, the
+per-step figures under standard names, the leak check and the CUDA snapshots.
+
+:class:`RunRecorder` is owned by :class:`memguard_core.guard.Guard`, which calls it at each moment;
+nothing here raises into the training loop (every failure is logged once and the recorder goes on
+without the part that failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Dict, Optional
+
+from .events import LOG_DIR_ENV, EventLog
+from .leak import LeakDetector
+
+__all__ = ["RunRecorder", "step_figures", "FIGURE_NAMES", "SNAPSHOTS_ENV"]
+
+SNAPSHOTS_ENV = "MEMGUARD_CUDA_SNAPSHOTS"
+GiB = float(1 << 30)
+
+#: The per-step figures every adapter reports, under these names (GiB as the names say; the HF
+#: ``logs`` / ``log_history``, Lightning's ``log_dict`` with a ``memguard/`` prefix, mlx_lm's report
+#: dicts). Names follow what torchtitan and Composer users read (``memory/peak_*``, reserved on CUDA,
+#: ``num_alloc_retries`` / ``num_ooms``).
+FIGURE_NAMES = ("memguard_peak_gib", "memguard_current_gib", "memguard_budget_gib", "memguard_usage",
+                "memguard_micro_batches", "memguard_reserved_gib", "memguard_num_alloc_retries",
+                "memguard_num_ooms")
+
+
+def step_figures(peak: Optional[int], current: Optional[int], budget: Optional[int], micro_batches: int,
+                 cuda_stats: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The per-step figures as a dict of :data:`FIGURE_NAMES` (GiB rounded to 3 decimals; usage a
+    fraction of the budget); the CUDA ones only when ``cuda_stats`` (``torch.cuda.memory_stats()``)
+    is given."""
+    out: Dict[str, Any] = {"memguard_micro_batches": int(micro_batches)}
+    if peak is not None:
+        out["memguard_peak_gib"] = round(peak / GiB, 3)
+    if current is not None:
+        out["memguard_current_gib"] = round(current / GiB, 3)
+    if budget:
+        out["memguard_budget_gib"] = round(budget / GiB, 3)
+        if peak is not None:
+            out["memguard_usage"] = round(peak / budget, 4)
+    if cuda_stats:
+        out["memguard_reserved_gib"] = round(cuda_stats.get("reserved_bytes.all.current", 0) / GiB, 3)
+        out["memguard_num_alloc_retries"] = int(cuda_stats.get("num_alloc_retries", 0))
+        out["memguard_num_ooms"] = int(cuda_stats.get("num_ooms", 0))
+    return out
+
+
+def _rank() -> int:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:
+        pass
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+class RunRecorder:
+    """The run's event log, leak check and CUDA snapshots, driven by the guard.
+
+    Args:
+        options: the run's ``GuardOptions`` (``log_dir``, ``cuda_snapshots``, ``snapshot_steps``,
+            ``leak_detector``).
+        log: the adapter's logger: every decision gets one WARNING line there.
+    """
+
+    def __init__(self, options: Any, log: logging.Logger):
+        self.options = options
+        self.log = log
+        self.events: Optional[EventLog] = None
+        self.leak: Optional[LeakDetector] = None
+        self.snapshots: Any = None
+        self.cuda_stats: Any = None
+        self.last_figures: Dict[str, Any] = {}
+        self._seen_step: Optional[int] = None
+        self._window_peak = 0
+        self._last_k: Optional[int] = None
+
+    def start(self, device: str, budget_bytes: int) -> None:
+        """Open the event log, arm the leak check and start recording CUDA history (as configured)."""
+        o = self.options
+        rank = _rank()
+        try:
+            log_dir = o.log_dir or os.environ.get(LOG_DIR_ENV)
+            if log_dir:
+                self.events = EventLog(log_dir, rank=rank, device=device, budget_bytes=budget_bytes)
+                if self.events.enabled:
+                    self.log.info("memguard: event log %s (draw it: memguard report %s)", self.events.path,
+                                  self.events.path)
+        except Exception:
+            self.log.warning("memguard: event log off", exc_info=True)
+            self.events = None
+        if o.leak_detector:
+            what = "CUDA memory at step start" if str(device).startswith("cuda") else "process memory at step start"
+            self.leak = LeakDetector(what=what, on_leak=lambda r: self.decision("leak", r.message, r.step))
+        if str(device).startswith("cuda"):
+            self._start_cuda(rank)
+
+    def _start_cuda(self, rank: int) -> None:
+        try:
+            import torch
+
+            self.cuda_stats = torch.cuda.memory_stats
+        except Exception:
+            self.cuda_stats = None
+        folder = self.options.cuda_snapshots or os.environ.get(SNAPSHOTS_ENV)
+        if folder:
+            from .cuda_snapshots import CudaSnapshots
+
+            self.snapshots = CudaSnapshots(folder, rank=rank, at_steps=self.options.snapshot_steps)
+            if not self.snapshots.start():
+                self.snapshots = None
+
+    def decision(self, kind: str, message: str, step: Optional[int] = None, *, warn: bool = True,
+                 **fields: Any) -> None:
+        """One decision: a WARNING line on the adapter's logger (unless the monitor already logged
+        it) and a record in the event log."""
+        if warn:
+            self.log.warning("memguard: %s", message)
+        if self.events is not None:
+            self.events.decision(kind, message, step=step, **fields)
+
+    def event(self, event: Any) -> None:
+        """A monitor decision (``MemoryEvent``): the monitor logs it; this records it."""
+        if self.events is not None:
+            d = event.to_dict()
+            kind = {"split": "split", "grow": "grow", "clean": "clean"}.get(d.get("action"), "pressure")
+            if "out of memory" in str(d.get("message", "")):
+                kind = "oom_retry"
+            self.events.decision(kind, d.get("message", ""), step=d.get("step"), level=d.get("level"),
+                                 usage=d.get("usage"), micro_batches=d.get("split"), source=d.get("source"))
+
+    def oom(self, step: Optional[int]) -> None:
+        """An out-of-memory error was caught (the monitor's split event records and logs the
+        re-split): the CUDA snapshot of that moment."""
+        if self.snapshots is not None:
+            self.snapshots.oom(step)
+
+    def step(self, step: Optional[int], figures: Optional[Dict[str, int]], micro_batches: int, level: str) -> None:
+        """A batch boundary's sample (``MemoryMonitor.last_step_figures``: the peak of the batch
+        just done, the process figure now, the budget; bytes), ``step`` = optimizer steps completed.
+        With gradient accumulation several boundaries share one ``step``: the first one that shows a
+        new ``step`` closes that optimizer step (its last batch), so a record is written then, with
+        the largest peak of the step's batches: event log record, leak check, snapshots."""
+        if not figures:
+            return
+        if figures.get("peak") is not None:
+            self._window_peak = max(self._window_peak, int(figures["peak"]))
+        # the batch just done ran with the k of the previous boundary; ``micro_batches`` is the next one's
+        k_done, self._last_k = (self._last_k or micro_batches), micro_batches
+        if step is None or step == self._seen_step:
+            return
+        micro_batches = k_done
+        self._seen_step = step
+        figures = dict(figures, peak=self._window_peak or figures.get("peak"))
+        self._window_peak = 0
+        if step < 1:
+            return
+        try:
+            stats = self.cuda_stats() if self.cuda_stats is not None else None
+        except Exception:
+            stats = None
+        self.last_figures = step_figures(figures.get("peak"), figures.get("current"), figures.get("budget"),
+                                         micro_batches, stats)
+        if self.events is not None:
+            self.events.step(step, peak_bytes=figures.get("peak"), current_bytes=figures.get("current"),
+                             budget_bytes=figures.get("budget"), micro_batches=micro_batches, pressure=level,
+                             reserved_bytes=None if not stats else stats.get("reserved_bytes.all.current"),
+                             num_alloc_retries=None if not stats else stats.get("num_alloc_retries"))
+        if self.leak is not None and figures.get("current") is not None:
+            self.leak.sample(step, figures["current"])
+        if self.snapshots is not None:
+            self.snapshots.step_end(step, level)
+
+    def finish(self, summary: Optional[Dict[str, Any]]) -> None:
+        """Close the event log (with the summary) and stop the CUDA history."""
+        if self.snapshots is not None:
+            self.snapshots.stop()
+        if self.events is not None:
+            self.events.close(**{k: v for k, v in (summary or {}).items() if isinstance(v, (int, float, str, list))})
+            self.log.info("memguard: event log written: %s (memguard report %s)", self.events.path, self.events.path)

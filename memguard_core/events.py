@@ -19,7 +19,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 from . import __version__
 
-__all__ = ["EventLog", "LOG_DIR_ENV", "RUN_ID_ENV", "DECISION_KINDS", "read_events", "event_log_path"]
+__all__ = ["EventLog", "LOG_DIR_ENV", "RUN_ID_ENV", "DECISION_KINDS", "read_events", "event_log_path",
+           "append_record", "new_run_id"]
 
 LOG_DIR_ENV = "MEMGUARD_LOG_DIR"
 RUN_ID_ENV = "MEMGUARD_RUN_ID"
@@ -130,6 +131,20 @@ class EventLog:
                 fh.close()
             except Exception:
                 pass
+
+
+def append_record(path: str, record: Dict[str, Any], *, rank: int = 0) -> bool:
+    """Append one record to an event log from outside the run (``memguard run``'s restarts): one
+    line, in append mode, so it lands after what the killed run wrote. False (logged) on failure."""
+    rec = {"t": round(time.time(), 3), "rank": int(rank), **record}
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(rec, separators=(",", ":"), default=str) + "\n")
+        return True
+    except OSError as exc:
+        _log.warning("memguard: cannot append to the event log %s (%s)", path, exc)
+        return False
 
 
 def _int(v: Any) -> Optional[int]:

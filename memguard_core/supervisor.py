@@ -65,6 +65,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from .errors import ConfigError, require_positive_int
+from .events import LOG_DIR_ENV, RUN_ID_ENV, append_record, event_log_path, new_run_id
 from .options import MICRO_BATCHES_ENV, OLD_MICRO_BATCHES_ENV, micro_batches_from_env
 
 logger = logging.getLogger("memguard.supervisor")
@@ -374,6 +375,11 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None,
 
     result = SupervisorResult(returncode=0)
     resume: Optional[str] = base_env.get(RESUME_ENV) or None
+    # with an event log, every attempt writes to the same file (one run id), and the restarts are
+    # recorded in it between the killed attempt's records and the next one's
+    log_dir = base_env.get(LOG_DIR_ENV)
+    if log_dir:
+        base_env.setdefault(RUN_ID_ENV, new_run_id())
     while True:
         attempt = Attempt(number=len(result.attempts) + 1, split=split, resume_from=resume)
         child_env = dict(base_env)
@@ -407,8 +413,20 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None,
         where = (f"resuming from {resume}" if resume else
                  "no checkpoint found" + (f" in {out_dir}" if out_dir else " (no --output-dir given or detected)")
                  + ": restarting from step 0")
-        say(f"memguard run: attempt {attempt.number} killed for memory after {attempt.wall_s:.1f} s "
-            f"({attempt.reason}); restart {result.restarts + 1}/{max_restarts} with {SPLIT_ENV}={split}, {where}")
+        message = (f"memguard run: attempt {attempt.number} killed for memory after {attempt.wall_s:.1f} s "
+                   f"({attempt.reason}); restart {result.restarts + 1}/{max_restarts} with {SPLIT_ENV}={split}, {where}")
+        say(message)
+        if log_dir:
+            append_record(event_log_path(log_dir, base_env[RUN_ID_ENV], 0),
+                          {"type": "decision", "kind": "restart", "step": _checkpoint_step(resume),
+                           "message": message.split(": ", 1)[1], "attempt": attempt.number + 1,
+                           "micro_batches": split})
+
+
+def _checkpoint_step(path: Optional[str]) -> Optional[int]:
+    """The step of a ``checkpoint-N`` folder (None when there is none)."""
+    m = re.search(r"checkpoint-(\d+)$", str(path or "").rstrip("/"))
+    return int(m.group(1)) if m else None
 
 
 # ------------------------------------------------------------------------------------------- CLI

@@ -191,3 +191,31 @@ def test_cuda_snapshot_failures_are_logged_not_raised(tmp_path, caplog):
     assert "not written" in caplog.text
     with pytest.raises(ConfigError, match="snapshot_max_entries"):
         CudaSnapshots(str(tmp_path), max_entries=0)
+
+
+def test_recorder_writes_one_record_per_optimizer_step_and_flags_a_leak(tmp_path):
+    """Batch boundaries with gradient accumulation (two per optimizer step) make one record per
+    step with the larger peak of its batches and the k its batches ran with; a process figure
+    rising at every step is reported as a ``leak`` decision."""
+    import logging
+
+    from memguard_core.observe import RunRecorder
+    from memguard_core.options import GuardOptions
+
+    rec = RunRecorder(GuardOptions.from_kwargs(log_dir=str(tmp_path), leak_detector=True), logging.getLogger("t"))
+    rec.start("cpu", 8 * GiB)
+    rec.leak.window, rec.leak.warmup = 3, 0
+    boundaries = [(0, 1, 1), (0, 5, 1)]  # (completed steps, peak GiB/8 of the batch just done, next k)
+    for s in range(1, 7):
+        boundaries += [(s, 2 + s % 2, 1 if s < 3 else 2), (s, 6, 1 if s < 3 else 2)]
+    for i, (s, p, k) in enumerate(boundaries):
+        rec.step(s, {"peak": p * GiB // 8, "current": GiB + i * (4 << 20), "budget": 8 * GiB}, k, "ok")
+    rec.finish({"optimizer_steps": 6})
+    recs = read_events(rec.events.path)
+    steps = [r for r in recs if r["type"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    # the larger batch of each step: its first batch is sampled at the boundary before
+    assert [r["peak_bytes"] for r in steps] == [5 * GiB // 8] + [6 * GiB // 8] * 5
+    assert [r["micro_batches"] for r in steps] == [1, 1, 1, 2, 2, 2]  # k asked at step 3 runs in step 4
+    leaks = [r for r in recs if r.get("kind") == "leak"]
+    assert leaks and "grew at every step" in leaks[0]["message"]

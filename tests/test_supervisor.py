@@ -20,6 +20,8 @@ from memguard_core.errors import ConfigError
 from memguard_core.supervisor import (OomCounters, classify_exit, detect_output_dir, latest_checkpoint,
                                       main, supervise)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 C0 = OomCounters(cgroup=3, host=7)
 
 
@@ -145,3 +147,34 @@ def test_supervise_validates():
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError) as e:
         supervise(["true"], env={"MEMGUARD_SPLIT": "two"})  # the deprecated name still read
     assert e.value.field == "MEMGUARD_SPLIT"
+
+
+# a child that writes to the run's event log as a guarded run does (same run id in every attempt)
+LOGGING_CHILD = r"""
+import os, sys
+from memguard_core.events import EventLog
+log = EventLog(os.environ["MEMGUARD_LOG_DIR"])
+attempt = int(os.environ["MEMGUARD_ATTEMPT"])
+log.step(3 * attempt, peak_bytes=attempt << 30, budget_bytes=4 << 30, micro_batches=attempt)
+if attempt < 2:
+    os.makedirs(os.path.join(sys.argv[1], "checkpoint-3"), exist_ok=True)
+    raise MemoryError("simulated allocation failure")
+log.close()
+"""
+
+
+def test_restarts_are_appended_to_the_runs_event_log(tmp_path):
+    from memguard_core.events import read_events
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMGUARD_")}
+    env.update(MEMGUARD_LOG_DIR=str(tmp_path / "log"), PYTHONPATH=ROOT)
+    res = supervise([sys.executable, "-c", LOGGING_CHILD, str(tmp_path)], output_dir=str(tmp_path), env=env,
+                    report=lambda line: None)
+    assert res.returncode == 0 and res.restarts == 1
+    files = os.listdir(tmp_path / "log")
+    assert len(files) == 1  # both attempts and the supervisor wrote one file
+    recs = read_events(str(tmp_path / "log" / files[0]))
+    assert [(r["type"], r.get("kind")) for r in recs] == [
+        ("start", None), ("step", None), ("decision", "restart"), ("start", None), ("step", None), ("end", None)]
+    restart = recs[2]
+    assert restart["step"] == 3 and restart["micro_batches"] == 2 and "killed for memory" in restart["message"]

@@ -82,6 +82,12 @@ MiB = 1 << 20
 #: (figures in docs/distributed.md).
 DIST_CPU_RUNTIME_BYTES = 26 * MiB
 
+#: cpu, DeepSpeed: a rank's fixed cost beyond ``DIST_CPU_RUNTIME_BYTES`` (bytes): ``import deepspeed``
+#: (its accelerator, ops and config machinery) and the shared-memory comm op its CPU accelerator
+#: builds and loads. Calibrated, like the constant above, on the ``tiny`` case (DeepSpeed 0.19.8,
+#: ``DS_ACCELERATOR=cpu``); not fitted on the scored rows.
+DEEPSPEED_CPU_RUNTIME_BYTES = 68 * MiB
+
 #: cpu, FSDP: glibc heap slack beyond the single-process rule, as a multiple of the activation
 #: traffic (``estimate._activation_traffic``), at the end of the backward and the optimizer step.
 #: Why: FSDP2 pushes every block's all-gather output, unsharded parameters, unsharded gradients and
@@ -95,7 +101,11 @@ DIST_CPU_RUNTIME_BYTES = 26 * MiB
 #: counter); no-shard (one-rank shards: the gradients are whole again and refill part of the
 #: holes) 1.5, the median of its 30M rows. Hybrid takes the sharded value (not measured); FSDP1 is
 #: not measured either.
-FSDP_CPU_HEAP_SLACK = {"fsdp-full": 3.2, "fsdp-grad-op": 3.2, "fsdp-hybrid": 3.2, "fsdp-no-shard": 1.5}
+#: ZeRO-3 gathers and releases every module's parameters and reduce-scatters its gradients through
+#: the heap the same way, so it takes the sharded FSDP value: a transfer by mechanism, not a fit on
+#: ZeRO rows (its rows were seen to be under before it was applied: docs/distributed.md).
+FSDP_CPU_HEAP_SLACK = {"fsdp-full": 3.2, "fsdp-grad-op": 3.2, "fsdp-hybrid": 3.2, "fsdp-no-shard": 1.5,
+                       "zero3": 3.2}
 
 #: DDP's first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), bytes.
 DDP_FIRST_BUCKET_BYTES = 1 * MiB
@@ -289,11 +299,11 @@ def apply_sharding(ms, ts, phases: Dict[str, Dict[str, int]], totals: Dict[str, 
         _fsdp(ms, ts, phases, notes)
     else:
         _zero(ms, ts, phases, notes)
-    traffic = _activation_traffic(ms, ts) if ts.device == "cpu" and s.startswith("fsdp") else 0
+    traffic = _activation_traffic(ms, ts) if ts.device == "cpu" and s in FSDP_CPU_HEAP_SLACK else 0
     fsdp_slack = FSDP_CPU_HEAP_SLACK.get(s, 0.0)
     for k, v in phases.items():
         if ts.device == "cpu":
-            v["runtime_overhead"] += DIST_CPU_RUNTIME_BYTES
+            v["runtime_overhead"] += DIST_CPU_RUNTIME_BYTES + (DEEPSPEED_CPU_RUNTIME_BYTES if s.startswith("zero") else 0)
             extra = int(fsdp_slack * traffic) if k != "loss" else 0
             v["allocator_slack"] = slack[k] + extra
         elif ts.device == "cuda":
@@ -388,7 +398,10 @@ def _zero(ms, ts, phases, notes) -> None:
     grads32 = 4 * trainable
     b = zero_buckets(ms.hidden_size, ts.framework)
     overlap = b["overlap_comm"] or stage == 3
-    reduce_buf = b["reduce"] * (4 if stage == 1 else grad_b) * (2 if overlap and stage < 3 else 1)
+    # on the cpu counter only the pages DeepSpeed writes are resident (torch.empty maps them lazily),
+    # and it writes at most the gradients it holds; a device allocator reserves the whole bucket
+    elems = b["reduce"] if ts.device != "cpu" else min(b["reduce"], trainable)
+    reduce_buf = elems * (4 if stage == 1 else grad_b) * (2 if overlap and stage < 3 else 1)
     if stage == 3:
         largest = _largest_module_params(ms)
         live = min(b["max_live"], ms.params.total, largest + b["prefetch"])

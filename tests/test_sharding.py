@@ -12,7 +12,7 @@ import pytest
 from memguard_core.cli import main
 from memguard_core.errors import ConfigError
 from memguard_core.estimate import CUDA_FRAGMENTATION, _activation_traffic, estimate
-from memguard_core.sharding import (DIST_CPU_RUNTIME_BYTES, FSDP_CPU_HEAP_SLACK, deepspeed_zero2_model_states, deepspeed_zero3_model_states, shard_group,
+from memguard_core.sharding import (DEEPSPEED_CPU_RUNTIME_BYTES, DIST_CPU_RUNTIME_BYTES, FSDP_CPU_HEAP_SLACK, deepspeed_zero2_model_states, deepspeed_zero3_model_states, shard_group,
                                     zero1_model_states, zero_buckets)
 from memguard_core.spec import TrainSpec, model_spec_from_hf_config, weights_for_training
 
@@ -68,7 +68,7 @@ def test_allocator_slack_per_rank(smol):
     t = ts()
     one = estimate(smol, t)
     traffic = _activation_traffic(weights_for_training(smol, t), t)
-    for mode in ("fsdp-full", "fsdp-no-shard"):
+    for mode in ("fsdp-full", "fsdp-no-shard", "zero3"):
         e = estimate(smol, ts(world_size=2, sharding=mode))
         for k in ("backward", "optimizer"):
             assert e.phase_breakdowns[k]["allocator_slack"] == \
@@ -162,6 +162,19 @@ def test_zero_estimates_follow_deepspeeds_model_states(smol):
         assert abs(sum(z3[t] for t in STATE) - int(18 * P / n)) <= 4
         z1 = estimate(smol, ts(world_size=n, sharding="zero1", dtype="bf16")).phase_breakdowns["optimizer"]
         assert abs(sum(z1[t] for t in STATE) - zero1_model_states(P, n)) <= 4
+
+
+def test_zero_reduce_bucket_resident_pages_on_cpu(smol):
+    # DeepSpeed's defaults (plain loop): a 5e8-element bucket; on cpu only the written pages count
+    P = smol.params.total
+    one = estimate(smol, ts(dtype="bf16"))
+    for dev, elems in (("cpu", min(P, 500_000_000)), ("cuda", 500_000_000)):
+        z2 = estimate(smol, ts(world_size=2, sharding="zero2", dtype="bf16", device=dev)).phase_breakdowns["backward"]
+        base = estimate(smol, ts(dtype="bf16", device=dev)).phase_breakdowns["backward"]["backward_transients"]
+        assert z2["backward_transients"] - base == elems * 2  # bf16 gradients, one buffer (no overlap_comm)
+    z = estimate(smol, ts(world_size=2, sharding="zero2", dtype="bf16"))
+    assert z.phase_breakdowns["loss"]["runtime_overhead"] == \
+        one.phase_breakdowns["loss"]["runtime_overhead"] + DIST_CPU_RUNTIME_BYTES + DEEPSPEED_CPU_RUNTIME_BYTES
 
 
 def test_zero_buckets_by_framework():

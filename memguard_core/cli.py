@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from typing import List, Optional
 
@@ -216,30 +217,49 @@ def resolve_dtype(dtype, mixed_precision: bool, model_spec) -> str:
     return "fp32" if model_spec.dense_bits >= 32 else "bf16"
 
 
-def default_device(framework: str = "hf", torch_cuda=None) -> str:
+def default_device(framework: str = "hf", torch_cuda=None, *, nvidia_gpus: Optional[int] = None) -> str:
     """The counter ``memguard estimate`` predicts when ``--device`` is not given: the device this
     machine would train on. ``mlx`` for ``--framework mlx`` (mlx_lm has only MLX's counter);
-    ``cuda`` when torch is installed and ``torch.cuda.is_available()`` (``CUDA_VISIBLE_DEVICES``
-    applies); else ``cpu``. ``torch_cuda`` replaces ``torch.cuda`` (tests).
+    ``cuda`` when an NVIDIA GPU is visible to this process, else ``cpu``.
 
-    torch is imported only to answer this (the estimate itself imports no framework)."""
+    Visible: ``torch.cuda.is_available()`` when torch is already imported (or ``torch_cuda`` is
+    given: tests); otherwise without importing torch (the analytic path stays framework-free):
+    ``CUDA_VISIBLE_DEVICES`` not set to an empty list / -1, and NVML's device count (nvidia-ml-py,
+    the ``[cuda]`` extra) or, without it, the GPUs the NVIDIA driver lists in
+    ``/proc/driver/nvidia/gpus``; ``nvidia_gpus`` replaces that count (tests)."""
     if str(framework).strip().lower() == "mlx":
         return "mlx"
-    if torch_cuda is None:
-        import importlib.util
-
-        if importlib.util.find_spec("torch") is None:
-            return "cpu"
+    if torch_cuda is None and "torch" in sys.modules:
+        torch_cuda = getattr(sys.modules["torch"], "cuda", None)
+    if torch_cuda is not None:
         try:
-            import torch
-
-            torch_cuda = torch.cuda
-        except Exception:  # a broken torch install: the host counter
+            return "cuda" if torch_cuda.is_available() else "cpu"
+        except Exception:
             return "cpu"
-    try:
-        return "cuda" if torch_cuda.is_available() else "cpu"
-    except Exception:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
         return "cpu"
+    if nvidia_gpus is None:
+        nvidia_gpus = _nvidia_gpu_count()
+    return "cuda" if nvidia_gpus > 0 else "cpu"
+
+
+def _nvidia_gpu_count() -> int:
+    """NVIDIA GPUs on this machine without torch: NVML if installed, else the driver's /proc list."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        pass
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
 
 
 def _train_spec(args, model_spec):

@@ -199,6 +199,15 @@ def test_device_default_follows_what_this_machine_would_train_on():
     assert default_device("hf", torch_cuda=_FakeTorchCuda(True)) == "cuda"
     assert default_device("lightning", torch_cuda=_FakeTorchCuda(False)) == "cpu"
     assert default_device("mlx", torch_cuda=_FakeTorchCuda(True)) == "mlx"
+    # without torch imported: the driver's GPU count, and CUDA_VISIBLE_DEVICES hiding them
+    code = ("import sys; from memguard_core.cli import default_device as d; "
+            "print(d('hf', nvidia_gpus=2), d('hf', nvidia_gpus=0), 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="0"))
+    assert r.stdout.split() == ["cuda", "cpu", "False"], r.stderr
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="-1"))
+    assert r.stdout.split() == ["cpu", "cpu", "False"], r.stderr
     import torch
 
     assert default_device("hf") == ("cuda" if torch.cuda.is_available() else "cpu")

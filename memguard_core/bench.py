@@ -18,18 +18,18 @@ are kept in the record too). When the seed product (``ml-memguard``, import ``me
 installed, its ``estimate_training_memory`` is scored on the same measured cases (``--seed``).
 
 Case sets (``--set``): ``matrix`` — the small / truncated matrix (2-8 blocks, 64-512 tokens) some
-constants were measured on; ``held-out`` — architectures nothing was fitted on; ``all`` (default) —
+constants were fitted on (docs/estimator.md, "Where the constants come from"); ``held-out`` — architectures nothing was fitted on; ``all`` (default) —
 those two; ``full-depth`` — every block of published configs (GPT-2, SmolLM2-135M / 360M,
 Qwen2.5-0.5B, TinyLlama-1.1B, Llama-3.2-1B, and the MoEs Granite-3 1B-A400M and TinyMixtral-4x248M)
 at 512-2048 tokens per micro-batch on HF and 64-128 on mlx_lm, pure bf16 / fp32 / autocast, LoRA
 and full, checkpointing on and off, AdamW / SGD / Adafactor; 2-3 optimizer steps for dense models,
-6-8 for MoE, the peak of every step recorded (``step_peak_bytes``), a timeout per case; about an hour
-on 2 cores, so ``all`` (and ``--quick``, CI's) leave it out. No constant was fitted on it; its
+6-8 for MoE, the peak of every step recorded (``step_peak_bytes``), a timeout per case; by far the
+longest set (per-case times in its report), so ``all`` (and ``--quick``, CI's) leave it out. No constant was fitted on it; its
 report states that, with its summaries and the small matrix's beside them, dated.
 
-    python -m memguard_core.bench                 # matrix + held out (~20 min on 2 cores)
-    python -m memguard_core.bench --quick         # a ~1-2 minute subset (CI)
-    python -m memguard_core.bench --set full-depth --json fd.json --markdown fd.md  # ~1 hour
+    python -m memguard_core.bench                 # matrix + held out
+    python -m memguard_core.bench --quick         # a small subset (CI)
+    python -m memguard_core.bench --set full-depth --json fd.json --markdown fd.md
     python -m memguard_core.bench --only smollm2  # cases whose name contains the text
     python -m memguard_core.bench --json out.json --markdown out.md
     python -m memguard_core.bench --reuse bench/results/bench_cpu.json   # re-estimate only
@@ -89,8 +89,9 @@ HF_ARCHS: Dict[str, dict] = {
                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
                        max_position_embeddings=4096),
-    # formerly held out: their errors (+17 %, +19 %) led to the OPT and GPT-NeoX block models,
-    # so they are part of what the estimator was fitted on now
+    # not held out: the OPT and GPT-NeoX block models were built while looking at these cases, so
+    # they are part of what the estimator was fitted on (docs/estimator.md, "Attention and dropout
+    # rules")
     # EleutherAI/pythia-160m config.json (GPT-NeoX: fused query_key_value, parallel residual), 6 of 12
     "pythia-160m-6l": dict(model_type="gpt_neox", vocab_size=50304, hidden_size=768, intermediate_size=3072,
                            num_hidden_layers=6, num_attention_heads=12, rotary_pct=0.25,
@@ -105,8 +106,9 @@ HF_ARCHS: Dict[str, dict] = {
                  tie_word_embeddings=True, max_position_embeddings=512),
 }
 
-#: mlx_lm ``models.<model_type>.ModelArgs(**numbers)``. MLX's CPU backend runs matmuls at ~3
-#: GFLOP/s here (vs ~40 for torch), so the MLX cases keep 1-2 blocks and short rows.
+#: mlx_lm ``models.<model_type>.ModelArgs(**numbers)``. MLX's CPU backend is an order of magnitude
+#: slower at matmuls than torch's (docs/estimator.md, "Bench and trace run times"), so the MLX cases
+#: keep 1-2 blocks and short rows.
 MLX_ARCHS: Dict[str, dict] = {
     "smollm2-135m-2l": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                             num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
@@ -121,7 +123,7 @@ MLX_ARCHS: Dict[str, dict] = {
     "mixtral-2l": dict(model_type="mixtral", vocab_size=32000, hidden_size=256, intermediate_size=512,
                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
                        num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5),
-    # formerly held out (its block model was fixed while looking at it)
+    # not held out: its block model was built while looking at it
     # EleutherAI/pythia-160m, 2 of 12 layers
     "pythia-160m-2l": dict(model_type="gpt_neox", vocab_size=50304, hidden_size=768, intermediate_size=3072,
                            num_hidden_layers=2, num_attention_heads=12, rotary_pct=0.25,
@@ -133,7 +135,7 @@ MLX_ARCHS: Dict[str, dict] = {
 }
 
 #: Held-out architectures: never used to fit a constant of the estimator (no constant was
-#: measured on them or tuned while looking at them); their cases are scored separately.
+#: fitted on them or tuned while looking at them); their cases are scored separately.
 HF_HELD_OUT_ARCHS: Dict[str, dict] = {
     # microsoft/Phi-3-mini-4k-instruct config.json (fused qkv_proj and gate_up_proj), 2 of 32 layers
     "phi3-mini-2l": dict(model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
@@ -211,7 +213,7 @@ MLX_HELD_OUT_ARCHS: Dict[str, dict] = {
 #: Full-depth architectures (``--set full-depth``): every block of the published config, no
 #: truncation (``FULL_DEPTH_LAYERS`` states the published count, and a test checks it). Their cases
 #: run at 512-2048 tokens per micro-batch, as users' runs do. No constant of the estimator was
-#: measured on them or tuned while looking at them (held out by scale; granitemoe also by
+#: fitted on them or tuned while looking at them (held out by scale; granitemoe also by
 #: architecture).
 HF_FULL_DEPTH_ARCHS: Dict[str, dict] = {
     # openai-community/gpt2 config.json (n_layer 12, n_positions 1024: rows of at most 1024 tokens)
@@ -257,7 +259,7 @@ HF_FULL_DEPTH_ARCHS: Dict[str, dict] = {
                                   router_aux_loss_coef=0.0, output_router_logits=False),
     # MoE, Mixtral format: Isotonic/TinyMixtral-4x248M-MoE (a mergekit MoE of four
     # Locutusque/TinyMistral-248M models: model_type mixtral, 4 experts, top-2). Its own config.json
-    # was not found in the searchable corpus; the shape is TinyMistral-248M-v2's config.json (12
+    # is not the source; the shape is TinyMistral-248M-v2's config.json (12
     # layers, hidden 1024, inter 4096, GQA 32/8, vocab 32005, sliding_window 32, untied), as quoted
     # in a public adapter, with the 4 experts / top-2 the model name and card state. ~0.7 B
     # parameters, ~0.33 B active.
@@ -269,7 +271,8 @@ HF_FULL_DEPTH_ARCHS: Dict[str, dict] = {
 }
 
 #: Full-depth mlx_lm architectures (``mlx_lm.models.<model_type>.ModelArgs``), same sources as
-#: ``HF_FULL_DEPTH_ARCHS``. MLX's CPU backend runs matmuls at ~3 GFLOP/s here: short rows only.
+#: ``HF_FULL_DEPTH_ARCHS``. MLX's CPU backend is slow at matmuls (docs/estimator.md, "Bench and
+#: trace run times"): short rows only.
 MLX_FULL_DEPTH_ARCHS: Dict[str, dict] = {
     # HuggingFaceTB/SmolLM2-135M (30 layers)
     "smollm2-135m-30l": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -433,7 +436,7 @@ def full_depth_cases() -> List[dict]:
     mlx = lambda arch, steps=2, t=600, **kw: c.append(_case("mlx", arch, full_depth=True, steps=steps,  # noqa: E731
                                                              timeout_s=t, **kw))
     # --- HF Trainer, torch CPU (b x s = tokens per micro-batch). t = the case's timeout (s), about
-    # 2.5x its time in the sizing runs (2026-11-25, 1-3 steps each).
+    # 2.5x its run time in sizing runs (per-case times in bench/results/full_depth_cpu.md).
     hf("gpt2-12l", t=300, batch_size=2, seq_length=1024, lora_rank=16, lora_targets=["c_attn"])
     hf("gpt2-12l", t=240, method="full", batch_size=1, seq_length=1024)
     # the dense per-step check: 3 steps (the peak is reached by step 2)
@@ -1152,7 +1155,7 @@ def _cuda_available() -> bool:
 
 
 #: ``--set`` choices: ``matrix`` (the fitted small / truncated matrix), ``held-out`` (architectures
-#: no constant was fitted on), ``all`` (those two: the full-depth set, ~1 hour, is not in it),
+#: no constant was fitted on), ``all`` (those two: the long full-depth set is not in it),
 #: ``full-depth`` (every block of published configs at 512-2048 tokens, HF and mlx_lm).
 CASE_SETS = ("all", "matrix", "held-out", "full-depth")
 

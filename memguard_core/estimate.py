@@ -62,11 +62,10 @@ NF4_BITS = 4.5
 NF4_DOUBLE_QUANT_BITS = 4.127
 
 #: Runtime overhead per counter, bytes.
-#: cpu: VmHWM of a HF ``Trainer`` run (torch 2.13.0+cpu, transformers 5.23.0, peft 0.21.2,
-#:   accelerate 1.15.0, Python 3.11, Linux x86-64) on a negligible model (2-layer Llama, hidden 64,
-#:   vocab 256): 368-370 MiB, measured on this machine with the real-run bench (``memguard bench``, first runs in
-#:   ``bench/results/hf_cpu.json``; cases
-#:   ``tiny-*``). It is the interpreter + torch/transformers/peft/accelerate imports + Trainer setup.
+#: cpu: VmHWM of a HF ``Trainer`` run on a negligible model (2-layer Llama, hidden 64, vocab 256):
+#:   the interpreter + torch/transformers/peft/accelerate imports + Trainer setup, i.e. everything
+#:   that does not scale with the model. Fitted on the ``tiny-*`` cases of ``memguard bench``; the
+#:   figures and software versions are in docs/estimator.md, "Runtime overhead".
 #: cuda: the CUDA context of a PyTorch process (cuBLAS/cuDNN handles and kernels loaded lazily),
 #:   which ``torch.cuda.memory_reserved`` does not count; PyTorch's CUDA semantics notes put it at
 #:   hundreds of MiB per device ("CUDA context ... typically ~300-500MB", docs.pytorch.org
@@ -78,19 +77,19 @@ NF4_DOUBLE_QUANT_BITS = 4.127
 RUNTIME_OVERHEAD_BYTES = {"cpu": 368 * MiB, "cuda": 500 * MiB + 2 * (8 * MiB + 128 * 1024), "mlx": 0}
 
 #: cpu, HF ``Trainer``: ``transformers/trainer.py`` imports ``datasets`` at module level when it is
-#: installed (``if is_datasets_available(): import datasets``), which pulls pyarrow and pandas in:
-#: +98 MiB of VmHWM, measured on this machine (the ``tiny`` bench cases: 467.7 vs 370.1 MiB with
-#: and without ``datasets`` 5.2 / pyarrow 26 / pandas 3.1 installed).
+#: installed (``if is_datasets_available(): import datasets``), which pulls pyarrow and pandas in,
+#: adding their libraries to VmHWM. Fitted as the difference of the ``tiny`` bench cases with and
+#: without ``datasets`` installed; docs/estimator.md, "Runtime overhead".
 HF_DATASETS_IMPORT_BYTES = 98 * MiB
 
 _DATASETS_INSTALLED: Optional[bool] = None
 
 #: cpu, HF ``Trainer``: the file-backed resident pages (``RssFile``: the mapped torch, transformers,
 #: pyarrow ... libraries) inside the runtime overhead above, as read when ``trainer.train()`` starts
-#: on the ``tiny`` bench case (128 MiB; 139 MiB by the end of the run, kept in the overhead). The
-#: figure depends on the page cache, not on the model: a fresh copy of the same venv read 227 MiB
-#: (its libraries freshly written, cached in large folios and mapped whole). When a TrainSpec
-#: carries the measured ``resident_file_bytes``, it replaces this typical figure.
+#: on the ``tiny`` bench case. The figure depends on the page cache, not on the model (a freshly
+#: written copy of a venv is cached in large folios and mapped whole, so it reads higher), which is
+#: why a TrainSpec's measured ``resident_file_bytes`` replaces this typical figure when given.
+#: docs/estimator.md, "Runtime overhead".
 CPU_FILE_PAGES_AT_START_BYTES = 128 * MiB
 
 
@@ -99,8 +98,8 @@ def runtime_overhead_bytes(ts: TrainSpec) -> int:
     ``HF_DATASETS_IMPORT_BYTES`` for an HF ``Trainer`` on CPU when ``datasets`` is importable here
     (checked once with ``importlib.util.find_spec``, nothing is imported), with the measured
     ``ts.resident_file_bytes`` in place of ``CPU_FILE_PAGES_AT_START_BYTES`` when given on CPU (the
-    HF and Lightning adapters pass it; a Lightning run of a transformers model read 129 MiB at
-    ``on_train_start`` here, the HF figure)."""
+    HF and Lightning adapters pass it; a Lightning run of a transformers model reads about the HF
+    figure at ``on_train_start``: docs/estimator.md, "Runtime overhead")."""
     global _DATASETS_INSTALLED
     b = RUNTIME_OVERHEAD_BYTES[ts.device]
     if ts.device == "cpu" and ts.framework == "hf":
@@ -121,7 +120,8 @@ def runtime_overhead_bytes(ts: TrainSpec) -> int:
 #: cuda: the CUDA context (driver state, kernel images, cuDNN/cuBLAS handles), outside every torch
 #: counter (``memory_allocated`` / ``memory_reserved`` do not see it, ``nvidia-smi`` does). Bytes.
 #: Source: PyTorch docs, notes/cuda.html "Memory management" (the context takes hundreds of MiB per
-#: device, depending on the CUDA version and the kernels loaded); an assumption, not measured here.
+#: device, depending on the CUDA version and the kernels loaded); an assumption from that source,
+#: not fitted on GPU runs (docs/estimator.md, "CUDA").
 CUDA_CONTEXT_BYTES = 500 * MiB
 #: cuda: the cuBLAS workspaces of a training step, bytes. torch allocates one workspace per
 #: (cuBLAS handle, stream) through the caching allocator (``aten/src/ATen/cuda/CublasHandlePool.cpp``
@@ -169,8 +169,8 @@ def cuda_segment_bytes(nbytes: int) -> int:
 
 #: Reserved-but-unallocated slack of PyTorch's CUDA caching allocator (blocks rounded to 512 B /
 #: 2 MiB segments, ``c10/cuda/CUDACachingAllocator.cpp``); 5% of the allocated peak is the usual
-#: range of ``memory_reserved / max_memory_allocated`` on training loops. Assumption, not measured
-#: here (no GPU on this machine).
+#: range of ``memory_reserved / max_memory_allocated`` on training loops. An assumption, not fitted
+#: on GPU runs (docs/estimator.md, "CUDA").
 CUDA_FRAGMENTATION = 0.05
 
 #: glibc heap slack on CPU (device="cpu": the counter is VmHWM, resident pages, not live tensors).
@@ -189,7 +189,8 @@ CUDA_FRAGMENTATION = 0.05
 #: those the backward leaves. Under PEFT LoRA each LoRA'd linear adds out-sized temporaries
 #: (``LORA_FORWARD_TEMPORARIES``); their holes are refilled by the next blocks' equal requests, so
 #: only ``LORA_TEMP_BLOCKS`` blocks' worth counts, at ``LORA_TEMP_SLACK``. The factors are fitted on
-#: models cut to 2-16 blocks only and scored on full-depth models apart (docs/estimator.md).
+#: models cut to 2-16 blocks only and scored on full-depth models apart (fitted on the small matrix
+#: and depth sweeps; docs/estimator.md, "CPU heap slack").
 #: ``MALLOC_MMAP_THRESHOLD_=131072`` in the training process's environment removes most of the slack.
 CPU_HEAP_SLACK_FORWARD = {"full": 0.25, "lora": 0.45}
 CPU_HEAP_SLACK_BACKWARD = {"full": 1.0, "lora": 0.9}
@@ -201,17 +202,15 @@ MMAP_THRESHOLD_MAX = 32 * MiB
 #:   so the head's V x h gradient waits in the node's input buffer the whole backward; at the end
 #:   ``embedding_dense_backward`` makes a dense V x h gradient and the buffer sums the two
 #:   (``torch/csrc/autograd/input_buffer.cpp``): 2 tensors beyond the one ``.grad`` counts.
-#:   Measured: the held-out Qwen3-0.6B (tied, V x h fp32 = 594 MiB) peaks 2.1 x V x h above
-#:   weights + gradients + states + overhead at the end of the backward.
 #: * untied, not accumulating: ``AccumulateGrad`` steals the fresh head gradient and the fresh
 #:   embedding gradient into ``.grad`` (``torch/csrc/autograd/functions/accumulate_grad.h``: the
-#:   new gradient becomes ``.grad`` when none exists): nothing beyond ``.grad``. Measured: Pythia
-#:   (GPT-NeoX, untied) ends its backward within 1 % of weights + gradients + states + overhead +
-#:   slack, where 2 copies over-estimated it by 12 % (bench ``hf-pythia-160m-6l-full-b2-s256-fp32``).
+#:   new gradient becomes ``.grad`` when none exists): nothing beyond ``.grad``.
 #: * untied, accumulating (``grad_accum > 1``, from the 2nd micro-batch on): each new V x h
 #:   gradient is added into the existing ``.grad`` (``variable_grad += new_grad``) -- one copy, at
 #:   the end of the backward (the embedding) and at its start (the head, while the activations and
 #:   the logits' gradients are still alive: counted at the ``loss`` moment).
+#: Checked against bench cases (a tied and an untied model); docs/estimator.md, "Embedding-gradient
+#: copies".
 EMBEDDING_GRAD_COPIES = {(True, False): 2, (True, True): 2, (False, False): 0, (False, True): 1}
 
 #: Breakdown keys in report order.
@@ -550,8 +549,8 @@ def _optimizer_states(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
       ``_init_group``; mlx ``optimizers.Adam.init_single``): 2 x param bytes per trainable element.
     * sgd: HF ``optim="sgd"`` builds ``torch.optim.SGD`` without momentum: no state. MLX's
       ``optimizers.SGD.init_single`` creates ``v = zeros_like(parameter)`` whatever the momentum,
-      and the compiled step keeps it: one buffer per parameter (measured: the held memory between
-      mlx_lm steps is weights + 1 x the trainable bytes with SGD, + 2 x with AdamW).
+      and the compiled step keeps it: one buffer per parameter (checked on the memory held between
+      mlx_lm steps; docs/estimator.md, "MLX constants").
     * sgd-momentum: one momentum buffer per parameter.
     * adafactor: factored second moments, see ``_adafactor_state_elems``.
     * adamw-8bit: bitsandbytes block-wise 8-bit states (Dettmers et al. 2022, "8-bit Optimizers
@@ -779,8 +778,7 @@ def _block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tr
         return _plain_mlp_block_act(ms, ts, a, lora_names, trainable_block, e, r, amp)
     if gpt2:
         # transformers 5.x ``modeling_gpt2.py``; saved tensors per ``derivatives.yaml`` (checked with
-        # ``saved_tensors_hooks`` on GPT-2 blocks: full 128.1 KB/token modelled vs 128.3 measured,
-        # LoRA ``c_attn`` 110.6 vs 110.6, fp32, 2 x 256 tokens)
+        # ``saved_tensors_hooks`` on GPT-2 blocks; docs/estimator.md, "Attention and dropout rules")
         n_res = 2 if ms.residual_dropout > 0 else 0  # after the attention's c_proj and the MLP
         a.hidden += r * h                       # ln_1 input (native_layer_norm: input, mean, rstd)
         if saves("c_attn"):
@@ -979,12 +977,10 @@ def _plain_mlp_block_act(ms: ModelSpec, ts: TrainSpec, a: _Act, lora_names: set,
     * dropout on CPU is ``input * noise`` with a ``noise`` tensor in the input's dtype
       (``aten/src/ATen/native/Dropout.cpp`` ``_dropout_impl``; the fused ``native_dropout`` with
       its 1-byte mask is taken on CUDA only): e x h per dropout on CPU, 1 x h on CUDA.
-    Measured with ``torch.autograd.graph.saved_tensors_hooks`` (unique storages saved inside one
-    block, parameters excluded) on transformers 5.23 blocks, fp32: OPT-125m LoRA q/v, 4 x 256
-    tokens: 40064 B/token (this model: 40048); Pythia-160m full fine-tune, 2 x 256: 49280 B/token
-    (49200). The GPT-2 modelling applied to OPT before gave 90.7 KB/token (``gelu_new``'s four
-    saved tensors and the attention-dropout math path, neither of which OPT has), which put the
-    held-out ``hf-opt-125m-lora-r8-b4-s256-fp32-gc`` 18-21 % over."""
+    Checked with ``torch.autograd.graph.saved_tensors_hooks`` (unique storages saved inside one
+    block, parameters excluded) on OPT and Pythia blocks; GPT-2's modelling does not fit them
+    (``gelu_new``'s four saved tensors and the attention-dropout math path, neither of which OPT
+    has). docs/estimator.md, "Attention and dropout rules"."""
     act, attn_drop, n_drop, parallel = _PLAIN_MLP_ARCHS[ms.model_type]
     h, s, nh = ms.hidden_size, ts.seq_length, ms.num_heads
     i = ms.intermediate_size
@@ -1071,10 +1067,10 @@ def _activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
 #: units of compute-dtype elements: ``MLX_ONE_TIME_H`` x hidden + ``MLX_ONE_TIME_I`` x intermediate
 #: (the top block's backward temporaries -- each LoRA'd / trained linear produces its base and
 #: adapter input-gradients before they are summed -- plus the final norm, the head's input and its
-#: gradient). Measured on this machine (mlx 0.32.4 CPU, mlx-lm 0.32.2): ``mx.get_peak_memory()`` of
-#: real ``mlx_lm.tuner.trainer.train`` runs is linear in the number of blocks with the slope the
-#: saved-array count below predicts (within 6%); the intercept at 0 blocks, regressed over hidden
-#: 64/256 and intermediate 128/512 (Llama layout, LoRA all-linear), gives 16 x h + 6 x i.
+#: gradient). ``mx.get_peak_memory()`` of real ``mlx_lm.tuner.trainer.train`` runs is linear in
+#: the number of blocks with the slope the saved-array count below predicts; these two terms are
+#: the intercept at 0 blocks, regressed over tiny Llama-layout LoRA runs (fitted on real mlx_lm
+#: runs; docs/estimator.md, "MLX constants").
 MLX_ONE_TIME_H = 16
 MLX_ONE_TIME_I = 6
 #: Why a one-time working set at all, and why it differs between LoRA and full fine-tuning: MLX's
@@ -1085,11 +1081,10 @@ MLX_ONE_TIME_I = 6
 #: (10, ``mlx/backend/cpu/encoder.h`` of the installed wheel) dispatches -- so up to ~100 dispatches
 #: (about 50 ops, kernel + buffer release each) are encoded, their outputs allocated, while the
 #: worker still holds the inputs of the ops it has not run. The peak is the live set at the loss
-#: plus the outputs of the first ~50 backward ops. Measured (mlx 0.32.4 CPU, tiny Llama h 64 /
-#: i 128, 256 tokens): with ``mx.set_memory_limit(1)`` (the eval loop then waits for every task,
-#: i.e. synchronous execution) the step's peak above the held weights and states is 3.5-3.7 MiB,
-#: deterministic; asynchronous, 5.3-6.1 MiB, varying between runs by whole arrays (64 KiB steps).
-#: The ``MLX_ONE_TIME_*`` terms are that window. Its content depends on the backward's op mix:
+#: plus the outputs of the first ~50 backward ops: asynchronous steps peak higher than the same
+#: steps run synchronously (``mx.set_memory_limit(1)`` makes the eval loop wait for every task),
+#: and vary between runs by whole arrays. The ``MLX_ONE_TIME_*`` terms are that window.
+#: Its content depends on the backward's op mix:
 #: under LoRA each adapted linear's backward is ~6 ops (base and adapter input-gradients, scaled,
 #: summed; ``x @ A`` and ``g @ B^T`` products), so the window ends inside the top block's MLP, with
 #: ~3 extra intermediate-sized arrays from ``down_proj``; a full fine-tune's linear backward is 2
@@ -1098,24 +1093,19 @@ MLX_ONE_TIME_I = 6
 #: v``) allocates two score-sized arrays (the probabilities' cotangent ``g v^T`` and the softmax
 #: VJP), heads x seq per token each. Full fine-tune window: ``MLX_FULL_ONE_TIME_H`` x h +
 #: ``MLX_FULL_ONE_TIME_I`` x i per token plus ``MLX_FULL_BWD_SCORES`` score arrays, regressed over
-#: 16 real mlx_lm full fine-tunes (tiny Llama; blocks 1-3, batch 2-16 x seq 16-128, hidden 64/128,
-#: intermediate 128/256, heads 2/4/8, vocab 256/1024): the score slope was 2.0-2.2 arrays at 1, 2
-#: and 3 blocks, and with these terms every run's peak is predicted within -0.3 .. +1.6 % (the
-#: bench's ``mlx-tiny-full`` case: -9 % before). The LoRA runs of the same sweep keep a score slope
-#: of 0 at 2 blocks. Not covered: bf16 tiny models, where the same window is relatively larger
-#: (tiny LoRA and full bf16 runs measured 5-9 % above the estimate at 2 blocks; the bench's bf16
-#: MLX cases, logits-dominated, are within 1.5 %).
+#: real mlx_lm full fine-tunes of tiny Llama shapes (LoRA runs of the same sweep show no score
+#: term). Not covered: bf16 tiny models, where the same window is relatively larger. Fitted on real
+#: mlx_lm runs; docs/estimator.md, "MLX constants".
 MLX_FULL_ONE_TIME_H = 20
 MLX_FULL_ONE_TIME_I = 3
 MLX_FULL_BWD_SCORES = 2
 #: mlx_lm ``default_loss``: logits (B, L, V) in the model dtype, ``nn.losses.cross_entropy``'s
 #: ``logsumexp`` and the gathered-target difference, the logits' gradient and the ``astype``: 4 x
-#: e x V per token, measured as the vocabulary slope (16.0 B/token/vocab fp32, 8.1 bf16).
+#: e x V per token, matching the vocabulary slope of real runs (docs/estimator.md, "MLX constants").
 MLX_LOGITS_COPIES = 4
 #: mlx_lm ``grad_checkpoint`` (``mx.checkpoint`` around each block's ``__call__``): per block, 4
 #: hidden-sized arrays per token stay (the checkpoint's input and output and their cotangent
-#: buffers), measured as the per-block slope with checkpointing (0.25 MiB per block at 256 tokens,
-#: hidden 64, fp32).
+#: buffers), matching the per-block slope of checkpointed runs (docs/estimator.md, "MLX constants").
 MLX_CKPT_H = 4
 
 
@@ -1127,14 +1117,10 @@ MLX_CKPT_H = 4
 #: in flight, in the parameter's bytes: Adam/AdamW 4 (the gradient, the new m, the new v and the new
 #: parameter; ``mlx/optimizers/optimizers.py`` ``Adam.apply_single``); SGD without momentum 1.25
 #: (the gradient; ``parameter - lr * gradient`` mostly reuses the gradient's buffer, MLX donating an
-#: elementwise op's sole-reference input; measured 1.16-1.41 x with 1-2 blocks including the
-#: backward's window); others: the gradient, one new array per state and the new parameter.
-#: The window holds the updates of about ``MLX_UPDATE_WINDOW_BLOCKS`` blocks. Measured on this
-#: machine (mlx 0.32.4 CPU, 16 tokens so the parameters dominate, Llama layout with hidden/intermediate
-#: 256/512, 512/1024, 256/1536): AdamW steps peak 4.06-4.19 x the trainable bytes above the held
-#: weights and states with 1-2 trained blocks, and 8.4-9.0 x one block's trainable bytes with 3, 4
-#: and 6 blocks (2.1-2.25 blocks x 4 arrays); the same steps evaluated synchronously
-#: (``mx.set_memory_limit(1)``) rise by only 0.7-1.8 x.
+#: elementwise op's sole-reference input); others: the gradient, one new array per state and the
+#: new parameter. The window holds the updates of about ``MLX_UPDATE_WINDOW_BLOCKS`` blocks (the
+#: same steps evaluated synchronously, ``mx.set_memory_limit(1)``, rise far less). Fitted on
+#: parameter-dominated mlx_lm full fine-tunes; docs/estimator.md, "MLX constants".
 MLX_UPDATE_ARRAYS = {"adam": 4, "adamw": 4, "sgd": 1.25, "sgd-momentum": 3}
 MLX_UPDATE_WINDOW_BLOCKS = 2.25
 
@@ -1151,9 +1137,7 @@ def _mlx_full_optimizer_moment(ms: ModelSpec, ts: TrainSpec, trainable: int) -> 
     * the backward still running below it: the saved arrays of the trained blocks beyond the window
       (the backward has not reached them yet), plus the backward's one-time window
       (``MLX_FULL_ONE_TIME_*`` and the attention backward's ``MLX_FULL_BWD_SCORES``).
-    Measured: see ``MLX_UPDATE_ARRAYS`` (parameter-dominated steps) -- and with 256 tokens on hidden
-    256 / intermediate 512, 1-6 blocks: the peak rose with the blocks beyond ~2.25 by about their
-    saved arrays (within -5 % .. +5 %)."""
+    Fitted on real mlx_lm steps: see ``MLX_UPDATE_ARRAYS`` and docs/estimator.md, "MLX constants"."""
     e = DTYPE_BYTES[ts.dtype]
     tokens = ts.batch_size * ts.seq_length
     per_block_params = ms.params.blocks / max(ms.num_layers, 1)
@@ -1190,10 +1174,10 @@ def _mlx_activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
     them). With checkpointing each block keeps ``MLX_CKPT_H`` hidden-sized arrays and one block's
     saved set is recomputed at a time. A full fine-tune (mlx_lm unfreezes whole blocks, norms
     included) also keeps each trained RMSNorm's normalised input for its weight's gradient (2 x e x
-    h per token per block: with synchronous evaluation, freezing the norms of the tiny bench model's
-    full fine-tune removed exactly the full-vs-LoRA difference of the live set), and its one-time
-    window is ``MLX_FULL_ONE_TIME_*`` plus ``MLX_FULL_BWD_SCORES`` score-sized arrays (returned in
-    the probs term). Constants ``MLX_*`` above: measured, see their comments.
+    h per token per block: freezing the norms removes the full-vs-LoRA difference of the live set),
+    and its one-time window is ``MLX_FULL_ONE_TIME_*`` plus ``MLX_FULL_BWD_SCORES`` score-sized
+    arrays (returned in the probs term). Constants ``MLX_*`` above: fitted on real mlx_lm runs, see
+    their comments and docs/estimator.md, "MLX constants".
     """
     e = DTYPE_BYTES[ts.dtype]
     tokens = ts.batch_size * ts.seq_length
@@ -1239,18 +1223,12 @@ def _activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
     heap slack (see ``CPU_HEAP_SLACK_FORWARD``), also under checkpointing.
 
     Under checkpointing nothing inside a block is saved, yet the heap's resident slack still grows
-    with the number of checkpointed blocks, not with one block's working set. Measured on this
-    machine (HF ``Trainer``, LoRA q/v, 4 x 256 tokens, fp32; VmHWM per phase by resetting it with
-    ``/proc/self/clear_refs`` = 5, glibc ``mallinfo2`` at the phase ends, and the same runs with
-    ``MALLOC_MMAP_THRESHOLD_=131072``, which gives the live peak without heap slack): OPT-125m
-    with 1/4/8/12 checkpointed blocks peaked 75/145/241/258 MiB above the live set this module
-    predicts (the pinned 12-block run matched the live estimate to 1 MiB; the bench run of the
-    same case left 336 MiB), and glibc's arena grew by 303 MiB during the first checkpointed
-    forward while only 36 MiB of it was in use; SmolLM2-135M with 10/30 blocks: 171/357 MiB (its
-    pinned run again matched the live estimate to 3 MiB); Qwen2.5-0.5B 4 blocks (bench): 139 MiB.
-    That is about 0.4-0.7 x this traffic for 4-30 blocks (a slope of 0.3-0.5 x one block's
-    traffic per block plus 55-80 MiB), so the forward's 0.6 is kept: it over-estimates the
-    30-block SmolLM2 by 8-10 % and is within -3 .. +2 % on the others."""
+    with the number of checkpointed blocks, not with one block's working set (glibc's arena grows
+    during the first checkpointed forward far beyond what is in use; with
+    ``MALLOC_MMAP_THRESHOLD_=131072`` the peak is the live set). The slack observed under
+    checkpointing is of the order of the forward's factor times this un-checkpointed traffic, so
+    that factor is reused rather than a separate one fitted (checked on checkpointed depth sweeps;
+    docs/estimator.md, "CPU heap slack")."""
     h, sc, lo, _ = _activations(ms, ts.replace(grad_checkpoint=False))
     return h + sc + lo
 
@@ -1264,20 +1242,17 @@ def _activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
 #: back is a fourth, in the base dtype. None is saved for the backward (``mul`` by a Python scalar and
 #: ``add`` save nothing: ``derivatives.yaml``), so they are not activations, but on CPU they pass
 #: through glibc's heap and leave resident pages behind. All four are distinct chunks (checked with
-#: ``data_ptr()`` on this machine: torch's CPU allocator asks ``posix_memalign`` for 64-byte
-#: alignment, whose padded request an exactly-sized freed chunk cannot serve, so the sum does not
-#: land in the freed ``lora_B`` output nor the cast in the freed base output).
+#: ``data_ptr()``: torch's CPU allocator asks ``posix_memalign`` for 64-byte alignment
+#: (``c10/core/impl/alloc_cpu.cpp``), whose padded request an exactly-sized freed chunk cannot
+#: serve, so the sum does not land in the freed ``lora_B`` output nor the cast in the freed base
+#: output).
 LORA_FORWARD_TEMPORARIES = 3
 #: Resident slack per byte of those temporaries at the loss moment, for at most
 #: ``LORA_TEMP_BLOCKS`` blocks: the temporaries' holes are refilled by the following blocks' equal
-#: requests (on models of 2-32 blocks the slack grew with depth by the saved activations' factor
-#: only). Measured on this machine with an A/B of the bench's HF ``Trainer`` cases
-#: against a forward with no out-sized temporary at all (the same LoRA math in place:
-#: ``result.view(-1, out).addmm_(lora_A(x), lora_B.weight.t(), alpha=scaling)``): VmHWM dropped by
-#: 44 MiB for GPT-2 ``c_attn`` fp32 (0.41 x the 108 MiB of temporaries), 189 MiB for TinyLlama
-#: all-linear fp32 (0.45 x 420), 128 MiB for Qwen2.5 bf16 all-linear (0.37 x 346; mean of 7 stock
-#: runs that ranged 2008-2123 MiB, against 1949 MiB twice) and 23 MiB for Gemma-2 bf16 all-linear
-#: (0.12 x 186, 256 tokens). With the 0.6 factor the bf16 Qwen2.5 case was over-estimated by ~10 %.
+#: requests (deeper models' slack grows with depth by the saved activations' factor only). Fitted
+#: by an A/B of the bench's HF ``Trainer`` LoRA cases against a forward with no out-sized temporary
+#: (the same LoRA math in place: ``result.view(-1, out).addmm_(lora_A(x), lora_B.weight.t(),
+#: alpha=scaling)``); docs/estimator.md, "LoRA temporaries".
 LORA_TEMP_SLACK = 0.4
 LORA_TEMP_BLOCKS = 2
 
@@ -1295,7 +1270,7 @@ def _lora_forward_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
     each block's temporaries are freed into a heap that no saved tensor pins and the next block
     reuses the same chunks; the recompute in the backward holds one block at a time. (The
     loss-moment slack there is already ``CPU_HEAP_SLACK_FORWARD`` x the un-checkpointed traffic,
-    which over-estimates the bench's checkpointed LoRA cases by 3-7 %.)"""
+    which errs on the high side for checkpointed LoRA: docs/estimator.md, "CPU heap slack".)"""
     if ts.method == "full" or ts.framework == "mlx" or ts.grad_checkpoint:
         return 0
     e = DTYPE_BYTES[ts.dtype]
@@ -1442,13 +1417,12 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
 
     # moment 1: loss (grads resident only while accumulating)
     grads_at_loss = grads if ts.grad_accum > 1 else 0
-    # mlx_lm full fine-tune: the update's arrays are not live at the loss (measured with synchronous
-    # evaluation: the loss-moment live set of AdamW and SGD steps is the same); the step's update
-    # window is the optimizer moment below (``_mlx_full_optimizer_moment``). (SGD's extra copy of
-    # the trainable parameters, once modelled here, is MLX SGD's ``v`` buffer: a state.)
-    mlx_update = 0
+    # mlx_lm full fine-tune: the update's arrays are not live at the loss (with synchronous
+    # evaluation the loss-moment live set of AdamW and SGD steps is the same); the step's update
+    # window is the optimizer moment below (``_mlx_full_optimizer_moment``). SGD's extra copy of
+    # the trainable parameters is MLX SGD's ``v`` buffer, counted as a state.
     loss = dict(weights=weights, weight_copies=copies + dequant, gradients=grads_at_loss,
-                optimizer_states=states, master_weights=master, optimizer_temporaries=mlx_update,
+                optimizer_states=states, master_weights=master, optimizer_temporaries=0,
                 backward_transients=0, activations=hidden + lora_act + head_in + recompute,
                 attention_scores=scores + mask, logits=logits_peak, runtime_overhead=overhead)
     # moment 2: end of backward: all grads + embedding-grad transient (dense V x h beyond .grad,

@@ -79,13 +79,14 @@ MiB = 1 << 20
 #: with a gloo process group (its threads and pair buffers) and the DDP / FSDP / DTensor modules.
 #: Calibrated on a negligible model (the ``tiny`` case of ``bench/distributed.py``, 2 blocks,
 #: hidden 64, vocab 256), where nothing else is left to explain; not fitted on the scored rows
-#: (figures in docs/distributed.md).
+#: (figures: docs/distributed.md, "cpu fixed cost and heap slack").
 DIST_CPU_RUNTIME_BYTES = 26 * MiB
 
 #: cpu, DeepSpeed: a rank's fixed cost beyond ``DIST_CPU_RUNTIME_BYTES`` (bytes): ``import deepspeed``
 #: (its accelerator, ops and config machinery) and the shared-memory comm op its CPU accelerator
 #: builds and loads. Calibrated, like the constant above, on the ``tiny`` case (DeepSpeed 0.19.8,
-#: ``DS_ACCELERATOR=cpu``); not fitted on the scored rows.
+#: ``DS_ACCELERATOR=cpu``); not fitted on the scored rows (docs/distributed.md, "cpu fixed cost and
+#: heap slack").
 DEEPSPEED_CPU_RUNTIME_BYTES = 68 * MiB
 
 #: cpu, FSDP: glibc heap slack beyond the single-process rule, as a multiple of the activation
@@ -96,14 +97,14 @@ DEEPSPEED_CPU_RUNTIME_BYTES = 68 * MiB
 #: gradient shard, so the holes the freed activations leave are not refilled by gradients as in
 #: one process. The live set alone is the module's rule above (checked with
 #: ``MALLOC_MMAP_THRESHOLD_=131072``, which removes the slack). FITTED on the 30M-parameter rows of
-#: ``bench/distributed.py`` (2 and 4 ranks) and scored on the 135M rows only (docs/distributed.md):
-#: 3.2 = the median over the 30M full-shard, grad-op and CPU-offload rows (one layout on the cpu
-#: counter); no-shard (one-rank shards: the gradients are whole again and refill part of the
-#: holes) 1.5, the median of its 30M rows. Hybrid takes the sharded value (not measured); FSDP1 is
-#: not measured either.
-#: ZeRO-3 gathers and releases every module's parameters and reduce-scatters its gradients through
-#: the heap the same way, so it takes the sharded FSDP value: a transfer by mechanism, not a fit on
-#: ZeRO rows (its rows were seen to be under before it was applied: docs/distributed.md).
+#: ``bench/distributed.py`` (2 and 4 ranks) and scored on the 135M rows only: 3.2 = the median over
+#: the 30M full-shard, grad-op and CPU-offload rows (one layout on the cpu counter); no-shard
+#: (one-rank shards: the gradients are whole again and refill part of the holes) 1.5, the median of
+#: its 30M rows. Hybrid takes the sharded value and FSDP1 the same rule, neither fitted on rows of
+#: its own. ZeRO-3 gathers and releases every module's parameters and reduce-scatters its gradients
+#: through the heap the same way, so it takes the sharded FSDP value: a transfer by mechanism, not a
+#: fit on ZeRO rows. Fit and scores: docs/distributed.md, "cpu fixed cost and heap slack" and
+#: "Measured".
 FSDP_CPU_HEAP_SLACK = {"fsdp-full": 3.2, "fsdp-grad-op": 3.2, "fsdp-hybrid": 3.2, "fsdp-no-shard": 1.5,
                        "zero3": 3.2}
 

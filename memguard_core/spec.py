@@ -4,7 +4,7 @@
 ``TrainSpec`` the training settings. Build a ``ModelSpec`` by introspection, never by hand:
 ``model_spec_from_hf_config`` (a config.json path, a dict or an ``AutoConfig``, counted exactly on
 the meta device), ``model_spec_from_module`` (a live ``torch.nn.Module``, PEFT and bitsandbytes
-aware) or ``model_spec_from_numbers`` (the seed's ``preflight(...)`` fields).
+aware) or ``model_spec_from_numbers`` (the fields of ``ml-memguard``'s ``preflight(...)``).
 
 This module imports no framework at import time.
 """
@@ -234,8 +234,8 @@ class TrainSpec:
         resident_file_bytes: this process's file-backed resident pages (``RssFile``: mapped
             libraries) when training starts, bytes, as the adapters read it on Linux; ``None`` =
             the typical figure of :data:`memguard_core.estimate.CPU_FILE_PAGES_AT_START_BYTES`. It
-            is part of VmHWM and depends on the page cache, not on the model: the same run read
-            128 MiB in one venv and 227 MiB in a fresh copy of it here.
+            is part of VmHWM and depends on the page cache, not on the model (a freshly written
+            copy of a venv reads higher): docs/estimator.md, "Runtime overhead".
         image_tokens: image tokens per row of a vision-language model, on top of ``seq_length``
             (the text tokens): the language model's sequence is ``seq_length + image_tokens``
             (images per row x :attr:`ModelSpec.image_tokens`); 0 for text-only rows.
@@ -1460,7 +1460,7 @@ _QUANT_MODEL_BITS = (2, 3, 4, 5, 6, 8)
 
 
 def _bits_from_model_bits(model_bits: Any) -> tuple:
-    """``(weight_bits, dense_bits)`` for the seed's ``model_bits``.
+    """``(weight_bits, dense_bits)`` for ``ml-memguard``'s ``model_bits``.
 
     16 / 32: unquantized, everything in that width. 2, 3, 4, 5, 6, 8: quantized block linears at
     ``b + 0.5`` bits (group-64 constants: MLX affine quantization stores an fp16 scale and bias
@@ -1486,7 +1486,7 @@ def model_spec_from_numbers(model_params: int, hidden_dim: int, num_layers: int,
                             vocab_size: int = 32000, intermediate_size: Optional[int] = None,
                             num_experts: int = 0, num_experts_per_tok: int = 0,
                             tie_word_embeddings: bool = False, name: str = "custom") -> ModelSpec:
-    """A llama-like ``ModelSpec`` from the seed's ``preflight(...)`` numbers.
+    """A llama-like ``ModelSpec`` from ``ml-memguard``'s ``preflight(...)`` numbers.
 
     Shapes follow Llama (transformers ``LlamaForCausalLM``): per block q/k/v/o projections
     (``head_dim = hidden_dim / num_heads``, k/v ``num_kv_heads * head_dim`` wide, no bias), a SwiGLU

@@ -41,8 +41,8 @@ works around where MemTracker (torch 2.13) falls short:
 
 * it hooks the gradient of every parameter, which raises on a frozen one ("cannot register a hook
   on a tensor that doesn't require gradient": LoRA's base) -- only trainable parameters are hooked;
-* it updates every module's peak at every op (O(modules) per op: 15 s instead of ~3 s for a
-  30-block model) -- only the modules running are visited, with the same result;
+* it updates every module's peak at every op (O(modules) per op, which dominates the trace time
+  of a deep model) -- only the modules running are visited, with the same result;
 * fake ``aten._grouped_mm`` (transformers' default MoE experts) accepts only bf16 inputs (its meta
   function follows the CUDA kernel) while the CPU kernel takes fp32 -- the output is shaped by the
   meta function on bf16 views, in the inputs' dtype.

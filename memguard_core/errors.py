@@ -99,3 +99,30 @@ def require_fraction(field: str, value: Any, *, lo: float = 0.0, hi: float = 1.0
     if not (lo < float(value) <= hi):
         raise ConfigError(field, f"a number in ({lo}, {hi}]", value)
     return float(value)
+
+
+class WindowOOMError(MemGuardError, RuntimeError):
+    """An out-of-memory error that redoing the accumulation window cannot get past: the failing
+    forward already ran one row (sequence) at a time, or the window failed ``redos`` times in a row.
+
+    The message names where it failed, the micro-batches tried and the plan that would fit (the
+    preflight's, when one ran; else the changes to try). Contains "out of memory" so tools that
+    match on it (``memguard run``, accelerate's ``should_reduce_batch_size``) still see an OOM.
+
+    Attributes:
+        phase: where the last failure was raised (``forward``, ``backward``, ``optimizer step``).
+        micro_batches: micro-batches per batch of the last attempt.
+        rows: rows (packed: sequences) of the batch.
+        redos: window redos done before giving up.
+        plan: lines of the plan that would fit (may be empty).
+    """
+
+    def __init__(self, phase: str, micro_batches: int, rows: int, redos: int, reason: str,
+                 plan: Sequence[str] = ()):
+        self.phase, self.micro_batches, self.rows, self.redos = phase, int(micro_batches), int(rows), int(redos)
+        self.plan = list(plan)
+        lines = [f"memguard: out of memory in the {phase} that redoing the accumulation window cannot get past: "
+                 f"{reason} ({micro_batches} micro-batches of a {rows}-row batch, {redos} window redo(s))."]
+        if self.plan:
+            lines += ["A plan that would fit:"] + [f"  - {p}" for p in self.plan]
+        super().__init__("\n".join(lines))

@@ -301,3 +301,25 @@ def split_after_oom(monitor: Any, exc: BaseException, k: int, units_left: int, s
     free()
     return max(new_k, monitor.split)
 
+
+
+def free_after_oom() -> None:
+    """Hand back what a failed step left once its references are dropped (never raises):
+    ``gc.collect()`` (autograd graphs sit in reference cycles through the traceback's frames), the
+    C heap's free pages (``malloc_trim`` on Linux: the CPU allocator's freed activations stay mapped
+    and still count against an address-space limit), and the CUDA / MPS caching allocators' blocks."""
+    empty_torch_cache()
+    try:
+        from .probes import trim_heap
+
+        trim_heap()
+    except Exception:  # pragma: no cover - trim_heap never raises; the import may
+        pass
+    try:
+        import torch
+
+        mps = getattr(torch, "mps", None)
+        if mps is not None and torch.backends.mps.is_available():
+            mps.empty_cache()
+    except Exception:  # pragma: no cover - depends on the device
+        pass

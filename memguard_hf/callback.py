@@ -22,7 +22,11 @@ What it does:
   ``accelerate.utils.memory.should_reduce_batch_size`` recognises them) frees memory, doubles k and
   redoes the rows not yet processed (``Guard.after_oom``); earlier chunks' gradients are already correctly weighted for
   the whole batch, so nothing is counted twice and the run never restarts. An OOM raised during
-  *backward* has already added part of a chunk's gradient and cannot be undone: it is re-raised.
+  *backward* has already added part of the window's gradient: the gradients are zeroed, memory is
+  freed and the whole accumulation window is redone at a doubled k from the batches kept by the
+  wrapped ``get_batch_samples`` (``Guard.after_window_oom``; docs/lifecycle.md, "Redoing the
+  accumulation window"). AdamW's states are allocated before the first forward, and an OOM inside
+  the optimizer step raises ``WindowOOMError`` with the plan (a step is never redone).
 * **Ranks agree**: under ``torch.distributed`` the k of each micro-batch is all-reduced (MAX) so
   every rank cuts alike (FSDP / ZeRO-3 gathers would hang otherwise).
 
@@ -39,6 +43,7 @@ Transformers-private names are in ``memguard_hf._compat``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 from typing import Optional, Sequence
@@ -51,6 +56,7 @@ from memguard_core import torch_train as tt
 from memguard_core._deprecation import renamed_attribute
 from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.monitor import GrowPolicy, MemoryEvent, Thresholds
+from memguard_core.optim_state import preallocate_optimizer_state
 from memguard_core.options import APPLY_CHOICES, GuardOptions
 
 from . import _compat
@@ -73,6 +79,15 @@ def is_oom_error(exc: BaseException) -> bool:
         return bool(should_reduce_batch_size(exc))
     except Exception:  # pragma: no cover - accelerate missing
         return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """``exc`` with its traceback (and chained errors) dropped: the traceback's frames hold the
+    failed step's outputs, loss and autograd graph, and a free while they live hands nothing back.
+    The error's type and message, all a retry or a final error needs, stay."""
+    exc.__traceback__ = None
+    exc.__context__ = exc.__cause__ = None
+    return exc
 
 
 class MemGuardCallback(GuardAttributes, TrainerCallback):
@@ -133,6 +148,11 @@ class MemGuardCallback(GuardAttributes, TrainerCallback):
         self._rows_this_step = 0
         self._rows_resolved = 0
         self._oom_in_forward = False
+        self._orig_get_batch_samples = None
+        self._window = None            # the batches of the current accumulation window (HF's get_batch_samples)
+        self._window_pos = 0           # training_step calls made in it
+        self._window_redos = 0
+        self._states_ready = False
 
     # deprecated names
     forward_rows = renamed_attribute("forward_rows", "guard.micro_batch_rows")
@@ -163,6 +183,9 @@ class MemGuardCallback(GuardAttributes, TrainerCallback):
         self._orig_compute_loss = trainer.compute_loss
         trainer.training_step = self._guarded_training_step
         trainer.compute_loss = self._weighted_compute_loss
+        if callable(getattr(trainer, "get_batch_samples", None)):
+            self._orig_get_batch_samples = trainer.get_batch_samples
+            trainer.get_batch_samples = self._recording_get_batch_samples
         if "DEEPSPEED" in self._distributed_type():
             self.guard.split_disabled_reason = (
                 "DeepSpeed counts micro-steps inside its engine; extra backward calls would break its "
@@ -170,6 +193,19 @@ class MemGuardCallback(GuardAttributes, TrainerCallback):
                 "gradient_accumulation_steps) instead.")
             logger.warning("memguard: in-place micro-batching disabled under DeepSpeed: %s",
                            self.guard.split_disabled_reason)
+
+    def _recording_get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
+        """``Trainer.get_batch_samples``, keeping references to the window's batches (already in
+        memory: the Trainer prefetches them) so a window can be redone without drawing from the
+        dataloader again."""
+        out = self._orig_get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
+        try:
+            self._window = list(out[0])
+        except Exception:
+            self._window = None
+        self._window_pos = 0
+        self._window_redos = 0
+        return out
 
     def _distributed_type(self) -> str:
         return str(getattr(getattr(self.trainer, "accelerator", None), "distributed_type", ""))
@@ -288,38 +324,122 @@ class MemGuardCallback(GuardAttributes, TrainerCallback):
     def _guarded_training_step_inner(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         if self.guard.monitor is None or self.guard.split_disabled_reason is not None:
             return self._orig_training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+        if not self._states_ready:
+            self._states_ready = True
+            self._prepare_optimizer()
+        pos = self._window_pos
+        self._window_pos += 1
+        window = self._window
+        # the Trainer passes the window's batches in order; a subclass that calls training_step
+        # another way gets the forward-only retry (a backward OOM is then re-raised)
+        in_window = window is not None and pos < len(window) and window[pos] is inputs
         k = self.guard.micro_batches_for_step(self.trainer.state.global_step)
-        token_norm = self._loss_is_token_normalised(num_items_in_batch)
-        if k <= 1:
+        redo = False
+        while True:
+            failure = None
+            loss = None
             try:
-                return self._run_chunk(model, inputs, num_items_in_batch, 1.0, True, args, kwargs)
+                if redo:
+                    self._rows_this_step = 0
+                    for earlier in window[:pos]:
+                        self._step_batch(model, earlier, num_items_in_batch, k, False, args, kwargs)
+                loss = self._step_batch(model, inputs, num_items_in_batch, k, True, args, kwargs)
+            except Exception as exc:
+                if not (is_oom_error(exc) and in_window) or "FSDP" in self._distributed_type():
+                    raise
+                failure = _without_frames(exc)
+            if not self.guard.agree_redo(failure is not None):
+                return loss
+            loss = None
+            k = self._redo_window(model, failure, k, self._units_of(inputs))
+            redo = True
+
+    def _prepare_optimizer(self) -> None:
+        """Before the first forward: allocate the optimizer's lazy states (docs/lifecycle.md,
+        "optimizer step") and wrap its ``step`` so an OOM there names itself. Never raises."""
+        try:
+            opt = getattr(self.trainer, "optimizer", None)
+            if opt is None:
+                return
+            preallocate_optimizer_state(opt)
+            orig_step = opt.step
+            guard = self.guard
+
+            # functools.wraps keeps the LR scheduler's marker on the step (it warns otherwise)
+            @functools.wraps(orig_step)
+            def guarded_step(*args, **kwargs):
+                try:
+                    return orig_step(*args, **kwargs)
+                except Exception as exc:
+                    if not is_oom_error(exc):
+                        raise
+                    mon = guard.monitor
+                    raise guard.optimizer_step_oom(exc, mon.split if mon is not None else 1,
+                                                   self.trainer.args.per_device_train_batch_size) from exc
+
+            opt.step = guarded_step
+        except Exception:
+            logger.warning("memguard: could not prepare the optimizer; it allocates its states lazily",
+                           exc_info=True)
+
+    def _redo_window(self, model, failure, k: int, rows: int) -> int:
+        """Zero the window's partly summed gradients, free memory and return the k to redo the
+        window with (``Guard.after_window_oom``)."""
+        phase = "forward" if failure is not None and self._oom_in_forward else "backward"
+        model.zero_grad(set_to_none=True)
+        trainer_model = getattr(self.trainer, "model", None)
+        if trainer_model is not None and trainer_model is not model:
+            trainer_model.zero_grad(set_to_none=True)
+        self._window_redos += 1
+        return self.guard.after_window_oom(failure, k, rows, self.trainer.state.global_step,
+                                           redos=self._window_redos - 1, phase=phase)
+
+    def _step_batch(self, model, inputs, num_items_in_batch, k: int, final: bool, args, kwargs):
+        """Forward and backward of one of the window's batches in ``k`` micro-batches; ``final``:
+        the batch the Trainer is calling training_step for (its last micro-batch runs in the
+        Trainer's own sync context), else an earlier batch redone (all of it under ``no_sync``).
+        An OOM in a forward redoes the rows not yet processed at a doubled k (``Guard.after_oom``);
+        any other error, an OOM in a backward included, propagates."""
+        token_norm = self._loss_is_token_normalised(num_items_in_batch)
+        k = max(k, self.guard.monitor.split)   # a forward OOM in an earlier batch may have raised it
+        if k <= 1:
+            failure = None
+            try:
+                return self._run_chunk(model, inputs, num_items_in_batch, 1.0, final, args, kwargs)
             except Exception as exc:
                 if not (is_oom_error(exc) and self._oom_in_forward):
                     raise
-                k = self._after_oom(exc, 1, microbatch.batch_rows(inputs))
+                failure = _without_frames(exc)
+            # freed outside the except block: its traceback's frames hold the failed forward's activations
+            k = self._after_oom(failure, 1, microbatch.batch_rows(inputs))
         weighting = "rows" if self.options.loss_weighting == "rows" else "tokens"
         shift = _compat.loss_shifts_labels(self.trainer)
         try:
             splitter = microbatch.BatchSplitter(inputs, weighting=weighting, shift_labels=shift)
         except ValueError:
-            return self._run_chunk(model, inputs, num_items_in_batch, 1.0, True, args, kwargs)
+            return self._run_chunk(model, inputs, num_items_in_batch, 1.0, final, args, kwargs)
         total_loss = None
         start = 0
         while start < splitter.units:
             ranges = splitter.ranges(k, start)
+            failure = None
             try:
                 for u0, u1 in ranges:
                     chunk = splitter.chunk(u0, u1)
                     w = 1.0 if token_norm else chunk.weight
                     loss = self._run_chunk(model, chunk.inputs, num_items_in_batch, w,
-                                           u1 == splitter.units, args, kwargs)
+                                           final and u1 == splitter.units, args, kwargs)
                     total_loss = loss if total_loss is None else total_loss + loss
                     start = u1
+                    chunk = loss = None
             except Exception as exc:
                 if not (is_oom_error(exc) and self._oom_in_forward):
                     raise
+                failure = _without_frames(exc)
+            if failure is not None:
+                chunk = loss = None
                 # units before `start` already added their weighted gradient: re-cut only the rest
-                k = self._after_oom(exc, k, splitter.units - start)
+                k = self._after_oom(failure, k, splitter.units - start)
         return total_loss
 
     def _after_oom(self, exc: BaseException, k: int, units_left: int) -> int:
@@ -332,6 +452,7 @@ class MemGuardCallback(GuardAttributes, TrainerCallback):
         return self.guard.after_oom(exc, k, units_left, self.trainer.state.global_step)
 
     def _run_chunk(self, model, inputs, num_items_in_batch, weight, last, args, kwargs):
+        """One micro-batch's forward and backward; ``last`` False runs it under ``no_sync``."""
         rows = self._rows_of(inputs)
         self.guard.micro_batch_rows.append(rows)
         self._loss_scale = weight
@@ -352,6 +473,15 @@ class MemGuardCallback(GuardAttributes, TrainerCallback):
         if accel is None or "FSDP" in self._distributed_type():
             return contextlib.nullcontext()  # no_sync keeps unsharded grads under FSDP
         return accel.no_sync(model)
+
+    @staticmethod
+    def _units_of(inputs) -> int:
+        """Units a batch can be cut into: rows, or packed sequences (1 when it cannot be cut)."""
+        try:
+            seqs = microbatch.sequence_starts(inputs)
+            return len(seqs) if seqs is not None else microbatch.batch_rows(inputs)
+        except Exception:
+            return 1
 
     @staticmethod
     def _rows_of(inputs) -> int:

@@ -2,7 +2,7 @@
 of their child processes, the model and data of a run, a timed ``Trainer`` run, and how the
 results are written and shown.
 
-The model is ``integration_tests/hf_tiny.llama`` (a Llama-architecture decoder from config numbers,
+The model is ``memguard_testing.hf_tiny.llama`` (a Llama-architecture decoder from config numbers,
 random weights seeded with 0: 4 query / 2 KV heads, MLP 2 x hidden, untied head, SDPA); the rows
 are random token ids (``torch.Generator`` seeded with 1), labels = inputs.
 """
@@ -10,7 +10,6 @@ are random token ids (``torch.Generator`` seeded with 1), labels = inputs.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -34,10 +33,7 @@ def child_env() -> Dict[str, str]:
 
 def llama(vocab: int, hidden: int, layers: int, seq: int):
     """``hf_tiny.llama(vocab, hidden, layers, max_positions=seq)``, weights seeded with 0."""
-    here = os.path.join(ROOT, "integration_tests")
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    from hf_tiny import llama as build
+    from memguard_testing.hf_tiny import llama as build
 
     return build(vocab, hidden, layers, max_positions=seq)
 

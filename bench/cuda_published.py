@@ -32,8 +32,6 @@ import sys
 from typing import Any, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 DATA = os.path.join(ROOT, "bench", "cuda_published.json")
 RESULT_MD = os.path.join(ROOT, "bench", "results", "cuda_published.md")

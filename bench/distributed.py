@@ -42,8 +42,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 #: Llama shapes (``LlamaConfig`` fields). ``135m`` is SmolLM2-135M's config.json
 #: (tests/configs/smollm2-135m.json); ``30m`` the same family cut to hidden 384 / 8 blocks

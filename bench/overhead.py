@@ -36,9 +36,6 @@ import time
 
 from _common import ROOT, child_env, hf_run, llama, markdown_table, print_table, token_rows, write_result
 
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "integration_tests"))
-
 #: (hidden, blocks, vocab, tokens per row) of the Llama-shape model per ``--shape``: ``toy`` has
 #: 30 ms steps (the hardest case for a fixed per-step cost), ``medium`` (6.6M parameters, 8 x 128
 #: tokens) about 0.2 s steps, still far shorter than a real fine-tune's. mlx_lm runs ``toy`` only
@@ -87,7 +84,7 @@ def child_mlx(guarded: bool, steps: int, cache: dict):
     import mlx.optimizers as optim
     from mlx_lm.tuner.callbacks import TrainingCallback
     from mlx_lm.tuner.trainer import TrainingArgs
-    from mlx_tiny import TokenRows, build_model
+    from memguard_testing.mlx_tiny import TokenRows, build_model
     # MLX's CPU backend runs matmuls at a few GFLOP/s here: a smaller shape keeps steps near 0.1 s
     if "m" not in cache:
         cache["m"] = build_model("llama", lora_rank=8, lora_layers=LAYERS, hidden_size=64, num_hidden_layers=LAYERS,

@@ -2,9 +2,9 @@
 
     python bench/reaction.py              # ~3-5 min on 2 cores; needs writable memory cgroups (root)
 
-A guarded HF ``Trainer`` run (integration_tests/grow_train.py: Llama architecture, 16 x 128-token
+A guarded HF ``Trainer`` run (memguard_testing/scripts/grow_train.py: Llama architecture, 16 x 128-token
 micro-batches, peak ~1.1-1.2 GiB unsplit) runs inside a real memory cgroup of 2000 MiB (no swap,
-integration_tests/cgroup_harness.py). A co-tenant process started in the SAME cgroup takes memory
+memguard_testing/cgroup_harness.py). A co-tenant process started in the SAME cgroup takes memory
 (every page touched) and holds it; the moment it has touched its last page is the crossing (the
 guard's effective budget, min(budget, (process + available) x 0.8), drops under the step's peak).
 Each model forward is time-stamped by a forward pre-hook (``forwards.log``). Measured:
@@ -35,12 +35,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "integration_tests"))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from _common import child_env, markdown_table, print_table, write_result  # noqa: E402
-TRAIN = os.path.join(ROOT, "integration_tests", "grow_train.py")
+from _common import child_env, markdown_table, print_table, write_result
+from memguard_testing import script
+
+TRAIN = script("grow_train.py")
 MiB = 1 << 20
 LIMIT = 2000 * MiB
 HOLD = """
@@ -66,7 +64,7 @@ def _wait(path, proc, timeout=300):
 
 
 def scenario(name: str, take_mib: int, mid_step: bool) -> dict:
-    from cgroup_harness import MemoryCgroup
+    from memguard_testing.cgroup_harness import MemoryCgroup
     out = tempfile.mkdtemp(prefix=f"reaction-{name}-")
     steps, at = 6, 2
     env = child_env()
@@ -122,7 +120,7 @@ def scenario(name: str, take_mib: int, mid_step: bool) -> dict:
 
 
 def main() -> int:
-    from cgroup_harness import cgroups_writable
+    from memguard_testing.cgroup_harness import cgroups_writable
     ok, why = cgroups_writable()
     lines = ["# Reaction time", ""]
     rows = []

@@ -1,4 +1,4 @@
-"""Tests of the real-memory-limit harness (integration_tests/cgroup_harness.py).
+"""Tests of the real-memory-limit harness (memguard_testing/cgroup_harness.py).
 
 Everything that needs a cgroup runs against the kernel's real memory controller: a child cgroup
 is created, a Python child allocates real pages in it, and the kernel's OOM killer really fires.
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from cgroup_harness import (
+from memguard_testing.cgroup_harness import (
     CgroupError,
     CgroupLimitBusyError,
     MemoryCgroup,

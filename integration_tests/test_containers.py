@@ -22,11 +22,11 @@ import os
 import sys
 import time
 
-from train_scripts import child_env, read_result, start_cotenant, start_trainer, wait_for
+from memguard_testing import script
+from memguard_testing.train_scripts import child_env, read_result, start_cotenant, start_trainer, wait_for
 
 MiB = 1 << 20
-HERE = os.path.dirname(os.path.abspath(__file__))
-TRAIN = os.path.join(HERE, "container_train.py")
+TRAIN = script("container_train.py")
 
 RT = ["--batch-size", "16", "--grad-accum", "1", "--seq-len", "256", "--layers", "2"]
 PREFLIGHT_LIMIT = 1100 * MiB    # 16 x 256: k=1 is killed below ~1.3 GiB; k=2 needs ~0.87 GiB

@@ -9,17 +9,16 @@ counted as fp32) would halve the micro-batch here for nothing; the preflight mus
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from memguard_testing import script, script_env
 
 
 def _run(budget: int, out: str) -> dict:
-    p = subprocess.run([sys.executable, os.path.join(HERE, "full_depth_run.py"), str(budget), out],
+    p = subprocess.run([sys.executable, script("full_depth_run.py"), str(budget), out],
                        capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1", MEMGUARD_CALIBRATION="0"))
+                       env=script_env(PYTHONUNBUFFERED="1", MEMGUARD_CALIBRATION="0"))
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
 

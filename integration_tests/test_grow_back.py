@@ -20,14 +20,14 @@ import sys
 
 from transformers import TrainerCallback
 
-from hf_tiny import make_trainer
 from memguard_core.monitor import GrowPolicy
 from memguard_hf import MemGuardCallback
-from train_scripts import read_result, start_cotenant, start_trainer, wait_for
+from memguard_testing import script
+from memguard_testing.hf_tiny import make_trainer
+from memguard_testing.train_scripts import read_result, start_cotenant, start_trainer, wait_for
 
 MiB = 1 << 20
-HERE = os.path.dirname(os.path.abspath(__file__))
-TRAIN = os.path.join(HERE, "grow_train.py")
+TRAIN = script("grow_train.py")
 
 
 def _rows_by_step(out):

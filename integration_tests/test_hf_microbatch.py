@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from hf_tiny import SwitchSplit, loss_sequence, lr_sequence, make_trainer, packed_collate, params
+import memguard_testing
 from memguard_hf import MemGuardCallback
+from memguard_testing.hf_tiny import SwitchSplit, loss_sequence, lr_sequence, make_trainer, packed_collate, params
 
 BIG_BUDGET = 64 * 2**30  # the switches here are requested by the test, not by memory pressure
 
@@ -115,11 +116,11 @@ def test_oom_in_forward_is_retried_with_a_finer_split(tmp_path):
 def test_ddp_gloo_two_ranks_agree(tmp_path):
     """2-process DDP (gloo): rank 0 alone asks for k=2 then k=4; rank 1 follows through the
     all-reduce; parameters equal the unsplit DDP run."""
-    script = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
+    script = memguard_testing.script("ddp_worker.py")
     outs = {}
     for mode in ("base", "split"):
         out = tmp_path / mode
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = memguard_testing.script_env(OMP_NUM_THREADS="1")
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                                "--master_port", str(29500 + (os.getpid() % 1000) + (mode == "split")),
                                script, mode, str(out)], env=env, capture_output=True, text=True, timeout=600)

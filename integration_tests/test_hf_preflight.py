@@ -4,7 +4,7 @@ and step count, and its measured peak (VmHWM per step) stays under the budget.""
 
 from __future__ import annotations
 
-from train_scripts import check_tight_budget_run
+from memguard_testing.train_scripts import check_tight_budget_run
 
 
 def test_tight_budget_picks_a_split_and_stays_under_it(tmp_path):

@@ -18,9 +18,10 @@ pytest.importorskip("lightning")  # the [lightning] extra
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_tiny import TinyLM, fit, max_param_diff  # noqa: E402
+import memguard_testing  # noqa: E402
 from memguard_core.estimate import estimate  # noqa: E402
 from memguard_lightning import MemGuardCallback  # noqa: E402
+from memguard_testing.lightning_tiny import TinyLM, fit, max_param_diff  # noqa: E402
 
 BIG_BUDGET = 64 * 2**30  # the switches here are requested by the test, not by memory pressure
 
@@ -92,7 +93,7 @@ def test_preflight_under_a_tight_budget_splits_in_place(base_runs, monkeypatch):
     """The budget lies between the estimates of micro-batch 4 and 8 with checkpointing: the plan turns
     checkpointing on and halves the micro-batch (accumulation doubled), both applied in place before
     the first forward; the run keeps the unsplit run's steps, LR, samples per step and parameters."""
-    from hf_tiny import tiny_llama
+    from memguard_testing.hf_tiny import tiny_llama
     from memguard_core.spec import TrainSpec, model_spec_from_module
 
     ms = model_spec_from_module(tiny_llama(0))
@@ -209,8 +210,8 @@ def test_manual_optimization_warns_and_offers_chunks(caplog):
 def test_lightning_ddp_gloo_two_ranks_agree(tmp_path):
     """2-process DDP (gloo): rank 0 alone asks for k=2 (mid window) then k=4; rank 1 follows through
     the all-reduce; no hang; parameters, steps, LR and losses equal the unsplit DDP run on each rank."""
-    script = os.path.join(os.path.dirname(__file__), "lightning_ddp_worker.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = memguard_testing.script("lightning_ddp_worker.py")
+    env = memguard_testing.script_env(OMP_NUM_THREADS="1")
     port = 29500 + (os.getpid() % 1000) + 7
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                            "--master_port", str(port), script, str(tmp_path)],

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from train_scripts import check_tight_budget_run  # noqa: E402
+from memguard_testing.train_scripts import check_tight_budget_run  # noqa: E402
 
 
 def test_lightning_tight_budget_picks_a_split_and_stays_under_it(tmp_path):

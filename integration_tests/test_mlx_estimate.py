@@ -16,7 +16,7 @@ from mlx_lm.tuner.trainer import TrainingArgs  # noqa: E402
 import memguard_mlx  # noqa: E402
 from memguard_mlx import MlxGuard  # noqa: E402
 
-from mlx_tiny import TokenRows, build_model  # noqa: E402
+from memguard_testing.mlx_tiny import TokenRows, build_model  # noqa: E402
 
 CASES = [  # arch, batch, max row length, LoRA rank (0: full fine-tune of the blocks), hidden
     ("llama", 2, 31, 4, 64),

@@ -1,7 +1,7 @@
 """Real mlx_lm LoRA fine-tunes on MLX's CPU backend: ``memguard_mlx.train`` against
 ``mlx_lm.tuner.trainer.train`` itself.
 
-Tiny Llama / Qwen2 shapes with random weights (integration_tests/mlx_tiny.py); each run takes a few
+Tiny Llama / Qwen2 shapes with random weights (memguard_testing/mlx_tiny.py); each run takes a few
 seconds on 2 cores.
 """
 
@@ -24,7 +24,7 @@ from mlx_lm.tuner.trainer import train as mlx_lm_train  # noqa: E402
 import memguard_mlx  # noqa: E402
 from memguard_mlx import LeakDetector, MlxGuard  # noqa: E402
 
-from mlx_tiny import TokenRows, build_model, schedule_optimizer  # noqa: E402
+from memguard_testing.mlx_tiny import TokenRows, build_model, schedule_optimizer  # noqa: E402
 
 
 class Recorder(TrainingCallback):

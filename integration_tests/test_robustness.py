@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from hf_tiny import make_trainer
+from memguard_testing.hf_tiny import make_trainer
 from memguard_hf import MemGuardCallback
 
 

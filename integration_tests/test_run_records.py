@@ -29,7 +29,7 @@ def _log_file(folder):
 
 
 def test_hf_run_leaves_event_log_log_history_and_warnings(tmp_path, caplog):
-    from hf_tiny import SwitchSplit, make_trainer
+    from memguard_testing.hf_tiny import SwitchSplit, make_trainer
 
     from memguard_hf import MemGuardCallback
 
@@ -71,7 +71,7 @@ def test_hf_run_leaves_event_log_log_history_and_warnings(tmp_path, caplog):
 
 
 def test_hf_preflight_change_is_one_warning_and_a_decision(tmp_path, caplog):
-    from hf_tiny import make_trainer
+    from memguard_testing.hf_tiny import make_trainer
 
     from memguard_hf import MemGuardCallback
 
@@ -106,7 +106,7 @@ def test_hf_preflight_change_is_one_warning_and_a_decision(tmp_path, caplog):
 def test_lightning_csv_logger_carries_the_figures(tmp_path):
     pytest.importorskip("lightning")
     from lightning.pytorch.loggers import CSVLogger
-    from lightning_tiny import fit
+    from memguard_testing.lightning_tiny import fit
 
     from memguard_lightning import MemGuardCallback
 
@@ -126,7 +126,7 @@ def test_mlx_report_dicts_carry_the_figures(tmp_path):
     import numpy as np
     from mlx_lm.tuner.callbacks import TrainingCallback
     from mlx_lm.tuner.trainer import TrainingArgs
-    from mlx_tiny import TokenRows, build_model, schedule_optimizer
+    from memguard_testing.mlx_tiny import TokenRows, build_model, schedule_optimizer
 
     import memguard_mlx
 
@@ -152,7 +152,7 @@ def test_mlx_report_dicts_carry_the_figures(tmp_path):
 
 
 def test_report_draws_a_real_run(tmp_path):
-    from hf_tiny import make_trainer
+    from memguard_testing.hf_tiny import make_trainer
 
     from memguard_hf import MemGuardCallback
 

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from hf_tiny import SwitchSplit, loss_sequence, lr_sequence, params, tiny_llama  # noqa: E402
+from memguard_testing.hf_tiny import SwitchSplit, loss_sequence, lr_sequence, params, tiny_llama  # noqa: E402
 from memguard_hf import MemGuardCallback  # noqa: E402
 
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(90)]

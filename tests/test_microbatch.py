@@ -1,4 +1,4 @@
-"""Batch cutting and chunk weights (memguard_hf.microbatch) on hand-made tensors."""
+"""Batch cutting and chunk weights (memguard_core.microbatch) on hand-made tensors."""
 
 from __future__ import annotations
 

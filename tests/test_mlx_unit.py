@@ -3,9 +3,6 @@ leak rule, utilities. No training loop here (integration_tests/test_mlx_*.py run
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 mx = pytest.importorskip("mlx.core")
@@ -24,8 +21,7 @@ from memguard_mlx import (LeakDetector, MemoryControls, MemoryTimeline, find_max
 from memguard_mlx.spec import seq_length_of  # noqa: E402
 from memguard_mlx.trainer import row_token_counts  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration_tests"))
-from mlx_tiny import TokenRows, build_model  # noqa: E402
+from memguard_testing.mlx_tiny import TokenRows, build_model  # noqa: E402
 
 
 def _total(model):

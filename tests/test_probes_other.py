@@ -23,6 +23,7 @@ import pytest
 from memguard_core.errors import ConfigError
 from memguard_core.probes import (MemorySnapshot, _reset_warned, cuda, darwin, probe,
                                   resolve_device, windows)
+from memguard_testing.fakes import FakeTorchCuda
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -144,35 +145,6 @@ def test_windows_inconsistent_fields_clamped(caplog):
 
 
 # ---------------------------------------------------------------- cuda (fake torch.cuda)
-
-class FakeTorchCuda:
-    """Thin fake of the torch.cuda counter functions: this machine has no CUDA device.
-    Only what memguard calls; values are what a real allocator reports."""
-
-    def __init__(self, allocated, reserved, peak_alloc, peak_res, free, total):
-        self.allocated, self.reserved = allocated, reserved
-        self.peak_alloc, self.peak_res = peak_alloc, peak_res
-        self.free, self.total = free, total
-        self.mem_get_info_calls = 0
-        self.resets = []
-
-    def is_available(self): return True
-    def is_initialized(self): return True
-    def current_device(self): return 0
-    def memory_allocated(self, i): return self.allocated
-    def memory_reserved(self, i): return self.reserved
-    def max_memory_allocated(self, i): return self.peak_alloc
-    def max_memory_reserved(self, i): return self.peak_res
-    def reset_peak_memory_stats(self, i): self.resets.append(i)
-
-    def mem_get_info(self, i):
-        self.mem_get_info_calls += 1
-        return self.free, self.total
-
-    def get_device_properties(self, i):
-        return types.SimpleNamespace(uuid="0b1c2d3e-aaaa-bbbb-cccc-1234567890ab",
-                                     total_memory=self.total)
-
 
 class FakeNvml:
     """Thin fake of pynvml's per-process query (no NVIDIA driver here)."""

@@ -5,7 +5,6 @@ mlx[cpu] if installed; cuda through a thin fake of torch.cuda (no CUDA device he
 """
 
 import re
-import types
 
 import pytest
 
@@ -80,30 +79,9 @@ def test_cpu_reset_peak_software_baseline(tmp_path):
     assert s2["peak_bytes"] >= high + 50 * MiB
 
 
-class FakeTorchCuda:
-    """Thin fake of torch.cuda's counters: this machine has no CUDA device."""
-
-    def __init__(self):
-        self.peak_alloc = 15 * GiB
-        self.resets = []
-
-    def is_available(self): return True
-    def is_initialized(self): return True
-    def current_device(self): return 0
-    def memory_allocated(self, i): return 12 * GiB
-    def memory_reserved(self, i): return 16 * GiB
-    def max_memory_allocated(self, i): return self.peak_alloc
-    def max_memory_reserved(self, i): return 17 * GiB
-    def mem_get_info(self, i): return 60 * GiB, 80 * GiB
-    def get_device_properties(self, i): return types.SimpleNamespace(uuid=None)
-
-    def reset_peak_memory_stats(self, i):
-        self.resets.append(i)
-        self.peak_alloc = 12 * GiB
-
-
-def test_cuda_stats_and_format(monkeypatch):
-    tc = FakeTorchCuda()
+def test_cuda_stats_and_format(monkeypatch, fake_torch_cuda):
+    tc = fake_torch_cuda(allocated=12 * GiB, reserved=16 * GiB, peak_alloc=15 * GiB, peak_res=17 * GiB,
+                         free=60 * GiB, total=80 * GiB, uuid=None)
     monkeypatch.setattr(cuda, "torch_cuda_module", lambda: tc)
     s = stats.memory_stats("cuda:0")
     assert (s["allocated_bytes"], s["reserved_bytes"], s["peak_bytes"]) == (12 * GiB, 16 * GiB,

@@ -8,15 +8,12 @@ usage: python preflight_run.py BUDGET_BYTES OUT_DIR [--estimate-only]
 """
 
 import json
-import os
 import sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from memguard_hf import MemGuardCallback  # noqa: E402
+from memguard_hf import MemGuardCallback
 
 ROWS, SEQ, BATCH, STEPS = 96, 256, 16, 3
 

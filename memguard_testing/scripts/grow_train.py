@@ -6,7 +6,7 @@ weights, vocab 16384, hidden 256, ``--layers`` blocks; rows of ``--seq-len`` tok
 ``--batch-size``): the fp32 logits of the micro-batch dominate the peak, so halving the rows of a
 forward roughly halves the per-step part of the peak.
 
-    python integration_tests/grow_train.py --output-dir OUT [--steps 12] [--pause-at 2,5]
+    python memguard_testing/scripts/grow_train.py --output-dir OUT [--steps 12] [--pause-at 2,5]
         [--grow-steps 2] [--grow-seconds 0] [--no-guard] [--interval 0.5]
 
 ``--pause-at 2,5``: after optimizer step N the trainer waits (up to 300 s) until ``OUT/go-N``
@@ -28,12 +28,8 @@ import os
 import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from train_scripts import model_of, script_parser, training_args, vm_hwm_bytes, wait_for_go, write_result  # noqa: E402
+from memguard_testing.train_scripts import (model_of, script_parser, training_args, vm_hwm_bytes, wait_for_go,
+                                            write_result)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -23,8 +23,8 @@ import sys
 import time
 from typing import Any, Dict, Sequence, Tuple
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from memguard_testing import script, script_env, with_root_on_pythonpath
+
 MiB = 1 << 20
 
 # ----------------------------------------------------------------------------------- script side
@@ -48,7 +48,7 @@ def script_parser(description: str, *, steps: int, layers: int) -> argparse.Argu
 
 def model_of(a: argparse.Namespace, max_positions: int):
     """``hf_tiny.llama`` of the scripts' ``--vocab`` / ``--hidden`` / ``--layers`` (weights seeded 0)."""
-    from hf_tiny import llama
+    from memguard_testing.hf_tiny import llama
 
     return llama(a.vocab, a.hidden, a.layers, max_positions=max_positions)
 
@@ -127,7 +127,7 @@ def child_env(**extra: str) -> Dict[str, str]:
     env.pop("MEMGUARD_SPLIT", None)
     env.pop("MEMGUARD_MICRO_BATCHES", None)
     env.pop("MEMGUARD_RESUME_FROM", None)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = with_root_on_pythonpath(env)
     env.update(extra)
     return env
 
@@ -169,11 +169,11 @@ PREFLIGHT_CONFIG = dict(model_type="llama", vocab_size=16384, hidden_size=256, i
                         max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="float32")
 
 
-def check_tight_budget_run(script: str, out_dir: str, **train_spec: Any) -> Dict[str, Any]:
+def check_tight_budget_run(script_name: str, out_dir: str, **train_spec: Any) -> Dict[str, Any]:
     """The tight-budget preflight scenario: micro-batch 16 x 256 tokens, full fine-tune, AdamW,
     fp32 (``train_spec`` adds e.g. ``framework``), under a budget where micro-batch 4 with
     checkpointing fits below the guard's warning level (85 %, which the preflight plans against)
-    and 16 does not fit at all. Runs ``script BUDGET OUT_DIR`` in a fresh process and checks: a
+    and 16 does not fit at all. Runs ``memguard_testing/scripts/<script_name> BUDGET OUT_DIR`` in a fresh process and checks: a
     split was planned and applied (with or without checkpointing, whichever the planner predicts
     faster; deeper when the memory the fresh process already holds is counted), the run did its
     3 steps of 16 samples, and its measured peak stayed under the budget. Returns the script's
@@ -187,8 +187,8 @@ def check_tight_budget_run(script: str, out_dir: str, **train_spec: Any) -> Dict
     lo = estimate(ms, requested.replace(batch_size=4, grad_accum=4, grad_checkpoint=True)).peak_bytes
     budget = int(lo / 0.85 * 1.03)
     assert estimate(ms, requested).peak_bytes > budget, (estimate(ms, requested).peak_bytes, budget)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, script), str(budget), str(out_dir)],
-                          capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.run([sys.executable, script(script_name), str(budget), str(out_dir)],
+                          capture_output=True, text=True, timeout=900, env=script_env(PYTHONUNBUFFERED="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
     r = json.loads(line[len("RESULT "):])

@@ -1,37 +1,34 @@
-"""Shared fixtures of the integration tests (real runs on this machine).
+"""The one conftest of the test suites (``tests/``, ``integration_tests/``): the data-dir setup
+and the fixtures both share. The helpers themselves live in :mod:`memguard_testing`.
 
 Cgroup fixtures: tests that need a real memory limit take ``memory_cgroup`` (a factory) or
-``cgroup_support``; where the machine cannot create child memory cgroups they are skipped with
-the reason from :func:`cgroup_harness.cgroups_writable` (never passed silently).
+``require_cgroups``; where the machine cannot create child memory cgroups they are skipped with
+the reason from :func:`memguard_testing.cgroup_harness.cgroups_writable` (never passed silently).
+
+Fakes: ``fake_torch_cuda`` builds a :class:`memguard_testing.fakes.FakeTorchCuda` from its counters.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 # Guarded runs in the tests record into the calibration store: keep that out of the user's data dir,
 # or after 3 repeated runs a correction factor would start changing the tests' own plans.
 os.environ.setdefault("MEMGUARD_DATA_DIR", tempfile.mkdtemp(prefix="memguard-test-data-"))
-from contextlib import ExitStack
-from typing import Callable, Iterator, Optional
 
-import pytest
+from contextlib import ExitStack  # noqa: E402
+from typing import Callable, Iterator, Optional  # noqa: E402
 
-# The repository root (for memguard_core when it is not installed) and this folder (for the
-# harness modules), whatever pytest's import mode.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _p in (os.path.dirname(_HERE), _HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import pytest  # noqa: E402
 
-from cgroup_harness import MemoryCgroup, cgroups_writable  # noqa: E402
+from memguard_testing.cgroup_harness import MemoryCgroup, cgroups_writable  # noqa: E402
+from memguard_testing.fakes import FakeTorchCuda  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def cgroup_support() -> tuple[bool, str]:
-    """(writable, reason) of :func:`cgroup_harness.cgroups_writable`, checked once a session."""
+    """(writable, reason) of :func:`cgroups_writable`, checked once a session."""
     return cgroups_writable()
 
 
@@ -53,3 +50,10 @@ def memory_cgroup(require_cgroups) -> Iterator[Callable[..., MemoryCgroup]]:
         def make(limit_bytes: int, name: Optional[str] = None) -> MemoryCgroup:
             return stack.enter_context(MemoryCgroup(limit_bytes, name=name))
         yield make
+
+
+@pytest.fixture
+def fake_torch_cuda() -> Callable[..., FakeTorchCuda]:
+    """Factory ``make(allocated, reserved, peak_alloc, peak_res, free, total, uuid=...)`` of a fake
+    ``torch.cuda`` (:class:`memguard_testing.fakes.FakeTorchCuda`)."""
+    return FakeTorchCuda

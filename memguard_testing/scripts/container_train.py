@@ -6,7 +6,7 @@ vocab ``--vocab`` (default 16384), hidden ``--hidden`` (256), ``--layers`` (4) b
 (~170 MiB together); with micro-batch 16 x 256 tokens the fp32 logits (16 x 256 x 16384 x 4 B =
 256 MiB) and their cross-entropy temporaries dominate the peak, as they do in real fine-tunes.
 
-    python integration_tests/container_train.py --output-dir OUT [--guard] [--batch-size 16]
+    python memguard_testing/scripts/container_train.py --output-dir OUT [--guard] [--batch-size 16]
         [--grad-accum 1] [--steps 6] [--seq-len 256] [--save-steps 0] [--resume]
         [--pause-at-step N --go-file PATH] [--long-seq-len S --long-from-step N]
         [--guard-seq-length S] [--no-preflight]
@@ -41,13 +41,8 @@ import os
 import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from train_scripts import (model_of, script_parser, training_args, vm_hwm_bytes, wait_for_go,  # noqa: E402
-                           write_result)
+from memguard_testing.train_scripts import (model_of, script_parser, training_args, vm_hwm_bytes, wait_for_go,
+                                            write_result)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

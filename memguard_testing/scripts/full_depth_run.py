@@ -14,10 +14,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from memguard_hf import MemGuardCallback  # noqa: E402
+from memguard_hf import MemGuardCallback
+from memguard_testing import ROOT
 
 ROWS, SEQ, BATCH, STEPS = 8, 512, 4, 2
 

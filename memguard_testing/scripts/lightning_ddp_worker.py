@@ -10,15 +10,12 @@ Runs the unsplit fit, then the split one (rank 0 alone asks for the switches), i
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
-
-from lightning_tiny import Recorder, SwitchSplit, TinyLM, make_loader, make_trainer, params  # noqa: E402
-from memguard_lightning import MemGuardCallback  # noqa: E402
+from memguard_lightning import MemGuardCallback
+from memguard_testing.lightning_tiny import Recorder, SwitchSplit, TinyLM, make_loader, make_trainer, params
 
 
 def run(mode: str, out: str) -> None:

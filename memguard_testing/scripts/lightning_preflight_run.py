@@ -7,18 +7,14 @@ usage: python lightning_preflight_run.py BUDGET_BYTES OUT_DIR
 
 import json
 import logging
-import os
 import sys
 
 import lightning.pytorch as pl
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from memguard_lightning import MemGuardCallback  # noqa: E402
-from preflight_run import BATCH, STEPS, Rows  # noqa: E402
+from memguard_lightning import MemGuardCallback
+from memguard_testing.scripts.preflight_run import BATCH, STEPS, Rows
 
 for _name in ("lightning", "lightning.pytorch", "lightning.fabric"):
     logging.getLogger(_name).setLevel(logging.ERROR)

@@ -6,13 +6,10 @@ usage: python -m torch.distributed.run --nproc_per_node=2 ddp_worker.py base|spl
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from hf_tiny import SwitchSplit, lr_sequence, make_trainer, params  # noqa: E402
-from memguard_hf import MemGuardCallback  # noqa: E402
+from memguard_hf import MemGuardCallback
+from memguard_testing.hf_tiny import SwitchSplit, lr_sequence, make_trainer, params
 
 
 def main() -> None:

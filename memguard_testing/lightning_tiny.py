@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
-from hf_tiny import RowsDataset, pad_collate, tiny_llama
+from memguard_testing.hf_tiny import RowsDataset, pad_collate, tiny_llama
 
 for _name in ("lightning", "lightning.pytorch", "lightning.fabric"):
     logging.getLogger(_name).setLevel(logging.ERROR)

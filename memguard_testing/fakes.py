@@ -1,0 +1,49 @@
+"""Fakes shared by several test files (the root conftest offers them as fixtures).
+
+Each is the thinnest stand-in for a platform the test machines lack: only what memguard calls,
+with the values a real one reports.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import List, Optional
+
+#: The device UUID :class:`FakeTorchCuda` reports unless told otherwise (NVML's form adds "GPU-").
+FAKE_GPU_UUID = "0b1c2d3e-aaaa-bbbb-cccc-1234567890ab"
+
+
+class FakeTorchCuda:
+    """Thin fake of the ``torch.cuda`` counter functions (the test machines have no CUDA device).
+
+    ``reset_peak_memory_stats`` records the device and lowers the allocated peak to what is
+    allocated now, as torch's does; ``mem_get_info`` counts its calls (the driver call the cheap
+    probe path must avoid)."""
+
+    def __init__(self, allocated: int, reserved: int, peak_alloc: int, peak_res: int, free: int, total: int,
+                 uuid: Optional[str] = FAKE_GPU_UUID):
+        self.allocated, self.reserved = allocated, reserved
+        self.peak_alloc, self.peak_res = peak_alloc, peak_res
+        self.free, self.total = free, total
+        self.uuid = uuid
+        self.mem_get_info_calls = 0
+        self.resets: List[int] = []
+
+    def is_available(self): return True
+    def is_initialized(self): return True
+    def current_device(self): return 0
+    def memory_allocated(self, i): return self.allocated
+    def memory_reserved(self, i): return self.reserved
+    def max_memory_allocated(self, i): return self.peak_alloc
+    def max_memory_reserved(self, i): return self.peak_res
+
+    def reset_peak_memory_stats(self, i):
+        self.resets.append(i)
+        self.peak_alloc = self.allocated
+
+    def mem_get_info(self, i):
+        self.mem_get_info_calls += 1
+        return self.free, self.total
+
+    def get_device_properties(self, i):
+        return types.SimpleNamespace(uuid=self.uuid, total_memory=self.total)

@@ -1,8 +1,8 @@
 """Planner: the least-degrading training settings that fit a memory budget.
 
 ``plan(model_spec, train_spec, budget_bytes)`` returns the requested settings unchanged when their
-estimate fits; otherwise it downgrades in the quality-preserving order of the seed product
-(memory-guard's auto-downgrade), with one refinement:
+estimate fits; otherwise it downgrades in a quality-preserving order (the cheapest loss of quality
+first), with one refinement:
 
 1. the two changes that cost no quality -- gradient checkpointing (one more forward of the blocks
    in the backward) and a smaller micro-batch with more gradient accumulation (the effective batch
@@ -21,8 +21,8 @@ steps). After a later step fits, the micro-batch is re-maximised for the new set
 sequence may let a larger micro-batch fit again). ``allow`` limits the steps (an adapter that can
 only split batches in place passes ``allow=("grad_checkpoint", "micro_batch")``). When nothing
 fits, ``DoesNotFitError`` carries the shortfall and the suggestions that were not already applied
-(seed 002's list: 4-bit / QLoRA, shorter sequences, smaller LoRA rank, fewer LoRA layers, a
-smaller model, an 8-bit optimizer, more memory).
+(4-bit / QLoRA, shorter sequences, smaller LoRA rank, fewer LoRA layers, a smaller model, an 8-bit
+optimizer, more memory).
 """
 
 from __future__ import annotations
@@ -40,14 +40,13 @@ __all__ = ["Change", "Plan", "plan", "budget_from_available", "relative_step_tim
 #: The downgrade steps in the order they are tried.
 STEPS = ("grad_checkpoint", "micro_batch", "seq_length", "lora_rank", "lora_layers")
 
-#: Fraction of the available memory the planner may use (the seed's ``safety_ratio=0.80``).
+#: Fraction of the available memory the planner may use (the rest stays free as headroom).
 DEFAULT_SAFETY_RATIO = 0.8
 
 #: Fixed cost of one micro-batch (its forward and backward launch, Python and framework work, the
 #: weights read once per micro-batch) in tokens' worth of compute: a micro-batch of M tokens runs at
-#: M / (M + MICRO_BATCH_OVERHEAD_TOKENS) of full efficiency. Measured on this machine's CPU
-#: (bench/fit_quality.py hand-picked table: HF Trainer full fine-tune, 2048 tokens per step, split
-#: into 2 and 4 micro-batches took 1.11x and 1.17-1.3x the unsplit step). GPUs lose more to small
+#: M / (M + MICRO_BATCH_OVERHEAD_TOKENS) of full efficiency. Fitted to CPU runs of an HF Trainer
+#: full fine-tune split into 2 and 4 micro-batches (bench/fit_quality.py). GPUs lose more to small
 #: micro-batches (kernel launches, occupancy); the value there is an assumption, not measured.
 MICRO_BATCH_OVERHEAD_TOKENS = 256
 
@@ -122,7 +121,7 @@ class Plan:
 
 
 def budget_from_available(available_bytes: int, safety_ratio: float = DEFAULT_SAFETY_RATIO) -> int:
-    """Budget = available x safety ratio (the seed's ``MemoryGuard.auto(safety_ratio=0.80)``).
+    """Budget = available x safety ratio (:data:`DEFAULT_SAFETY_RATIO` unless given).
 
     Args:
         available_bytes: memory the device offers now (bytes, >= 0).

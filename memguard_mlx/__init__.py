@@ -1,5 +1,5 @@
 """memguard for mlx_lm: ``memguard_mlx.train`` (a guarded drop-in for ``mlx_lm.tuner.trainer.train``),
-MLX memory controls, a leak detector and the seed's memory utilities.
+MLX memory controls, a leak detector and memory utilities (peak profile, timeline, batch-size search).
 
 Importing this package imports mlx and mlx_lm (install the ``[mlx]`` extra).
 """

@@ -1,10 +1,10 @@
-"""MLX memory controls and small utilities (seed 001, "MLX memory management"), guarded.
+"""MLX memory controls and small memory utilities, guarded.
 
 * :class:`MemoryControls` -- sets the allocator's memory, cache and wired limits from a budget and
   restores the previous values afterwards (every ``mx.set_*_limit`` returns the previous limit).
 * :class:`LeakDetector` -- flags monotonic growth of active memory across training steps.
-* :func:`profile_peak`, :class:`MemoryTimeline`, :func:`find_max_batch_size` -- the seed's
-  utilities, as public API.
+* :func:`profile_peak`, :class:`MemoryTimeline`, :func:`find_max_batch_size` -- memory utilities,
+  as public API.
 * :func:`is_allocation_error` -- recognises MLX's allocation failures.
 
 What the MLX API does (``help(mx.set_memory_limit)`` etc. in mlx 0.32, and ``mlx/allocator.cpp``):
@@ -13,8 +13,8 @@ What the MLX API does (``help(mx.set_memory_limit)`` etc. in mlx 0.32, and ``mlx
   evaluation. If the memory limit is exceeded and there is no more RAM (including swap when
   available) allocations will result in an exception." On Metal the default is 1.5 x the
   device's ``max_recommended_working_set_size``; over the limit the Metal allocator first waits for
-  running command buffers and frees its cache. It is NOT a hard cap: on this Linux CPU backend an
-  allocation far above the limit succeeds (measured: a 200 MiB array under a 50 MiB limit).
+  running command buffers and frees its cache. It is NOT a hard cap: on the Linux CPU backend an
+  allocation far above the limit succeeds.
 * ``set_cache_limit(limit)``: freed buffers kept for reuse beyond ``limit`` are released at the next
   allocation; ``0`` disables the cache. Default: the memory limit.
 * ``set_wired_limit(limit)``: bytes kept resident (not paged out) on macOS 15+ with Metal; "should
@@ -25,10 +25,10 @@ What the MLX API does (``help(mx.set_memory_limit)`` etc. in mlx 0.32, and ``mlx
   left alone there.
 * An allocation the allocator cannot satisfy raises ``RuntimeError("[malloc] Unable to allocate N
   bytes.")`` (``mlx/allocator.cpp``) -- on Metal also ``"[metal::malloc] ..."`` (buffer larger than
-  the device's maximum, or "Resource limit (499000) exceeded": mlx-lm issue #1185). Measured on
-  this machine (mlx 0.32.4, Linux CPU backend): a failed ``malloc`` (64 GiB on a 24 GiB host
-  without swap) kills the process with SIGSEGV instead of raising -- so on CPU the runtime guard
-  must act before the limit (the monitor's split), and the catch-and-retry path serves Metal.
+  the device's maximum, or "Resource limit (499000) exceeded", upstream ml-explore/mlx-lm#1185). On the Linux CPU backend
+  (mlx 0.32) a failed ``malloc`` on a host without swap kills the process with SIGSEGV instead of
+  raising -- so on CPU the runtime guard must act before the limit (the monitor's split), and the
+  catch-and-retry path serves Metal.
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ class MemoryControls:
       running work before it grows past the budget, instead of past 1.5 x the working set.
     * ``cache_limit=True`` -> ``max(budget - planned_peak, budget // 8)``: the cache may hold what the
       budget leaves above the planned peak (at least 1/8 of the budget, so small allocations keep
-      being reused); seed 001 caps it at a fixed 4 GB, which is too much for small machines and too
-      little for large ones.
+      being reused); a fixed cap (say 4 GB) would be too much for small machines and too little for
+      large ones.
     * ``wired_limit=True`` -> on Metal ``min(max_recommended_working_set_size, budget)`` (mlx_lm
       sets the full recommended size; wiring more than the budget would pin memory the guard
       promised to leave free); not touched on CPU.
@@ -199,7 +199,7 @@ class LeakDetector(_CoreLeakDetector):
 
 
 # ---------------------------------------------------------------------------------------------
-# utilities of seed 001
+# utilities: peak profile, timeline, batch-size search
 
 
 @dataclass(frozen=True)
@@ -232,9 +232,8 @@ class PeakProfile:
 def profile_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> PeakProfile:
     """Run ``fn(*args, **kwargs)``, evaluate its result, and measure MLX memory around it.
 
-    Seed 001's ``profile_memory``: reset the peak, record active, run and ``mx.eval`` the result,
-    read the peak and active. The peak counter is reset by this call (``mx.reset_peak_memory``), as
-    the seed does.
+    Resets the peak, records active, runs and ``mx.eval``-s the result, reads the peak and active.
+    The peak counter is reset by this call (``mx.reset_peak_memory``).
 
     Returns:
         PeakProfile (bytes).
@@ -255,7 +254,7 @@ def profile_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> PeakProfi
 
 
 class MemoryTimeline:
-    """Memory timeline tracker (seed 001's ``MemoryTracker``): ``mark(label)`` records active, peak
+    """Memory timeline tracker: ``mark(label)`` records active, peak
     (since the previous mark when ``reset_peak=True``) and cache memory in bytes; ``report()``
     returns readable lines.
 

@@ -6,7 +6,7 @@ so a CLI user or a config file author can fix it without reading the source.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 
 class MemGuardError(Exception):
@@ -71,6 +71,20 @@ def require_positive_int(field: str, value: Any, *, allow_zero: bool = False) ->
     lo = 0 if allow_zero else 1
     if value < lo:
         raise ConfigError(field, f"an integer >= {lo}", value)
+    return value
+
+
+def require_int(field: str, value: Any, expected: str, *, lo: int = 1, allow_none: bool = False) -> Optional[int]:
+    """Validate a strict integer >= ``lo`` (``None`` too with ``allow_none``). Unlike
+    :func:`require_positive_int`, a float such as ``3.0`` is rejected; the error says ``expected``.
+
+    Raises:
+        ConfigError: ``value`` is a bool, not an int, or < ``lo``.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(field, expected, value)
     return value
 
 

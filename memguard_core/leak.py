@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
-from .errors import ConfigError, require_positive_int
+from .errors import require_int, require_positive_int
 
 __all__ = ["LeakDetector", "LeakReport"]
 
@@ -64,8 +64,7 @@ class LeakDetector:
                  warmup: int = 2, on_leak: Optional[Callable[[LeakReport], None]] = None, *,
                  what: str = "memory", hint: str = "look for tensors kept across steps (losses not "
                                                    ".item()-ed, outputs stored by a callback)"):
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise ConfigError("leak_window", "an integer >= 2", window)
+        require_int("leak_window", window, "an integer >= 2", lo=2)
         self.window = window
         self.min_growth_bytes = require_positive_int("leak_min_growth_bytes", min_growth_bytes, allow_zero=True)
         self.min_step_bytes = require_positive_int("leak_min_step_bytes", min_step_bytes, allow_zero=True)

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Callable, List, Optional
 
-from .errors import ConfigError, require_fraction
+from .errors import ConfigError, require_fraction, require_int
 from .monitor_policy import (Action, GrowPolicy, Level, MemoryEvent, MemorystatusEpisodes,
                              MemorystatusPolicy, PressureEpisodes, PsiPolicy, SplitPolicy, Thresholds)
 from .monitor_sampler import SamplerThread, StepSampler
@@ -117,15 +117,11 @@ class MemoryMonitor:
                  psi: Optional[PsiPolicy] = PsiPolicy(),
                  grow: Optional[GrowPolicy] = GrowPolicy(), planned_split: Optional[int] = None,
                  memorystatus: Optional[MemorystatusPolicy] = MemorystatusPolicy()):
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-            raise ConfigError("budget_bytes", "a positive integer number of bytes", budget_bytes)
+        require_int("budget_bytes", budget_bytes, "a positive integer number of bytes")
         if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or interval_s < 0:
             raise ConfigError("interval_s", "a number of seconds >= 0", interval_s)
-        if isinstance(split, bool) or not isinstance(split, int) or split < 1:
-            raise ConfigError("split", "an integer >= 1", split)
-        if max_split is not None and (isinstance(max_split, bool) or not isinstance(max_split, int)
-                                      or max_split < 1):
-            raise ConfigError("max_split", "an integer >= 1, or None", max_split)
+        require_int("split", split, "an integer >= 1")
+        require_int("max_split", max_split, "an integer >= 1, or None", allow_none=True)
         if thresholds is not None and not isinstance(thresholds, Thresholds):
             raise ConfigError("thresholds", "a memguard_core.monitor.Thresholds", thresholds)
         if psi is not None and not isinstance(psi, PsiPolicy):
@@ -135,9 +131,7 @@ class MemoryMonitor:
                               memorystatus)
         if grow is not None and not isinstance(grow, GrowPolicy):
             raise ConfigError("grow", "a memguard_core.monitor.GrowPolicy, or None", grow)
-        if planned_split is not None and (isinstance(planned_split, bool) or not isinstance(planned_split, int)
-                                          or planned_split < 1):
-            raise ConfigError("planned_split", "an integer >= 1, or None", planned_split)
+        require_int("planned_split", planned_split, "an integer >= 1, or None", allow_none=True)
         from .probes import _DEVICE_CHOICES, _DEVICE_RE
         if not isinstance(device, str) or _DEVICE_RE.match(device) is None:
             raise ConfigError("device", _DEVICE_CHOICES, device)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .errors import ConfigError, require_fraction
+from .errors import ConfigError, require_fraction, require_int
 
 __all__ = ["Level", "Action", "Thresholds", "PsiPolicy", "GrowPolicy", "MemoryEvent",
            "PressureEpisodes", "SplitPolicy", "MemorystatusPolicy", "MemorystatusEpisodes"]
@@ -113,8 +113,7 @@ class PsiPolicy:
         if isinstance(self.sustain_s, bool) or not isinstance(self.sustain_s, (int, float)) \
                 or not self.sustain_s >= 0:
             raise ConfigError("psi.sustain_s", "a number of seconds >= 0", self.sustain_s)
-        if isinstance(self.min_samples, bool) or not isinstance(self.min_samples, int) or self.min_samples < 1:
-            raise ConfigError("psi.min_samples", "an integer >= 1", self.min_samples)
+        require_int("psi.min_samples", self.min_samples, "an integer >= 1")
         require_fraction("psi.release", self.release)
 
 
@@ -172,8 +171,7 @@ class MemorystatusPolicy:
             raise ConfigError("memorystatus.swap_bytes_per_s", "a rate > 0 (bytes/s)", self.swap_bytes_per_s)
         if self.sustain_s < 0:
             raise ConfigError("memorystatus.sustain_s", "a number of seconds >= 0", self.sustain_s)
-        if isinstance(self.min_samples, bool) or not isinstance(self.min_samples, int) or self.min_samples < 1:
-            raise ConfigError("memorystatus.min_samples", "an integer >= 1", self.min_samples)
+        require_int("memorystatus.min_samples", self.min_samples, "an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -206,8 +204,7 @@ class GrowPolicy:
 
     def __post_init__(self) -> None:
         require_fraction("grow.below", self.below)
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-            raise ConfigError("grow.steps", "an integer >= 1", self.steps)
+        require_int("grow.steps", self.steps, "an integer >= 1")
         for name, lo, strict in (("seconds", 0.0, False), ("backoff", 1.0, True), ("max_backoff", 1.0, False)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \

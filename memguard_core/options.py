@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple
 
 from ._deprecation import warn_renamed
-from .errors import ConfigError, require_fraction
+from .errors import ConfigError, require_fraction, require_int
 from .monitor import GrowPolicy, Thresholds
 
 #: What a preflight may change in place.
@@ -130,8 +130,7 @@ class GuardOptions:
             warn_renamed("split", "micro_batches", stacklevel=4)
             if micro_batches is not None:
                 raise ConfigError("split", "not given together with micro_batches (its new name)", split)
-            if not _positive_int(split):
-                raise ConfigError("split", "an integer >= 1", split)
+            require_int("split", split, "an integer >= 1")
             micro_batches = split
         if budget_gib is not None:
             if budget_bytes is not None:
@@ -146,8 +145,7 @@ class GuardOptions:
         ratio = require_fraction("safety_ratio", safety_ratio)
         if thresholds is not None and not isinstance(thresholds, Thresholds):
             raise ConfigError("thresholds", "a memguard_core.monitor.Thresholds", thresholds)
-        if seq_length is not None and not _positive_int(seq_length):
-            raise ConfigError("seq_length", "an integer >= 1", seq_length)
+        require_int("seq_length", seq_length, "an integer >= 1", allow_none=True)
         if isinstance(apply, str):
             apply = (apply,)
         if not all(a in APPLY_CHOICES for a in apply):
@@ -156,8 +154,8 @@ class GuardOptions:
             raise ConfigError("loss_weighting", "'auto', 'tokens' or 'rows'", loss_weighting)
         if micro_batches is None:
             micro_batches = micro_batches_from_env()
-        elif not _positive_int(micro_batches):
-            raise ConfigError("micro_batches", "an integer >= 1", micro_batches)
+        else:
+            require_int("micro_batches", micro_batches, "an integer >= 1")
         if isinstance(monitor_interval_s, bool) or not isinstance(monitor_interval_s, (int, float)) \
                 or monitor_interval_s < 0:
             raise ConfigError("monitor_interval_s", "a number of seconds >= 0", monitor_interval_s)

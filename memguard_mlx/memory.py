@@ -25,10 +25,10 @@ What the MLX API does (``help(mx.set_memory_limit)`` etc. in mlx 0.32, and ``mlx
   left alone there.
 * An allocation the allocator cannot satisfy raises ``RuntimeError("[malloc] Unable to allocate N
   bytes.")`` (``mlx/allocator.cpp``) -- on Metal also ``"[metal::malloc] ..."`` (buffer larger than
-  the device's maximum, or "Resource limit (499000) exceeded", upstream ml-explore/mlx-lm#1185). On the Linux CPU backend
-  (mlx 0.32) a failed ``malloc`` on a host without swap kills the process with SIGSEGV instead of
-  raising -- so on CPU the runtime guard must act before the limit (the monitor's split), and the
-  catch-and-retry path serves Metal.
+  the device's maximum, or "Resource limit (499000) exceeded", upstream ml-explore/mlx-lm#1185).
+  On the Linux CPU backend (mlx 0.32) a failed ``malloc`` on a host without swap kills the process
+  with SIGSEGV instead of raising -- so on CPU the runtime guard must act before the limit (the
+  monitor's split), and the catch-and-retry path serves Metal.
 """
 
 from __future__ import annotations

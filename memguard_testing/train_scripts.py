@@ -173,11 +173,11 @@ def check_tight_budget_run(script_name: str, out_dir: str, **train_spec: Any) ->
     """The tight-budget preflight scenario: micro-batch 16 x 256 tokens, full fine-tune, AdamW,
     fp32 (``train_spec`` adds e.g. ``framework``), under a budget where micro-batch 4 with
     checkpointing fits below the guard's warning level (85 %, which the preflight plans against)
-    and 16 does not fit at all. Runs ``memguard_testing/scripts/<script_name> BUDGET OUT_DIR`` in a fresh process and checks: a
-    split was planned and applied (with or without checkpointing, whichever the planner predicts
-    faster; deeper when the memory the fresh process already holds is counted), the run did its
-    3 steps of 16 samples, and its measured peak stayed under the budget. Returns the script's
-    result."""
+    and 16 does not fit at all. Runs ``memguard_testing/scripts/<script_name> BUDGET OUT_DIR`` in
+    a fresh process and checks: a split was planned and applied (with or without checkpointing,
+    whichever the planner predicts faster; deeper when the memory the fresh process already holds
+    is counted), the run did its 3 steps of 16 samples, and its measured peak stayed under the
+    budget. Returns the script's result."""
     from memguard_core.estimate import estimate
     from memguard_core.spec import TrainSpec, model_spec_from_hf_config
 

@@ -40,9 +40,9 @@ from memguard_core.errors import ConfigError  # noqa: E402
 from memguard_core.estimate import estimate  # noqa: E402
 from memguard_core.spec import TrainSpec, model_spec_from_hf_config  # noqa: E402
 from memguard_hf.trace import STAGES, compare, trace_step  # noqa: E402
+from memguard_testing import script_env  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 
 def _config(name: str, **changes) -> dict:
@@ -275,8 +275,7 @@ def test_1b_config_allocates_nothing_of_its_size():
     """TinyLlama-1.1B, every block, fp32 full fine-tune: 4.1 GiB of (fake) weights, and the fresh
     process that traces it -- interpreter, torch, transformers, peft included -- peaks far below."""
     code = f"""
-import json, sys
-sys.path.insert(0, {ROOT!r})
+import json
 from memguard_core.spec import TrainSpec
 from memguard_hf.trace import trace_step
 d = json.load(open({os.path.join(HERE, "configs", "tinyllama-1.1b.json")!r})); d.pop("_comment", None)
@@ -284,7 +283,7 @@ tr = trace_step(d, TrainSpec(method="full", dtype="fp32", batch_size=1, seq_leng
 print(json.dumps(dict(weights=tr.terms["weights"], peak=tr.peak_bytes, layers=tr.settings["layers"],
                       rss=tr.process_peak_rss_bytes, seconds=tr.seconds)))
 """
-    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error")
+    env = script_env(TRANSFORMERS_VERBOSITY="error")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -349,12 +348,12 @@ def test_cli_trace_needs_a_config(capsys):
 
 
 def test_analytic_path_does_not_load_the_tracer():
-    code = ("import sys; sys.path.insert(0, %r); import memguard_core.cli as c; "
+    code = ("import sys; import memguard_core.cli as c; "
             "assert 'torch' not in sys.modules; "
             "c.main(['estimate', '--model-params', '1e8', '--hidden-dim', '512', '--num-layers', '4', "
             "'--num-heads', '8', '--json']); "
-            "assert 'torch' not in sys.modules and 'memguard_hf.trace' not in sys.modules" % ROOT)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            "assert 'torch' not in sys.modules and 'memguard_hf.trace' not in sys.modules")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=script_env())
     assert res.returncode == 0, res.stderr[-2000:]
 
 

@@ -302,7 +302,6 @@ def split_after_oom(monitor: Any, exc: BaseException, k: int, units_left: int, s
     return max(new_k, monitor.split)
 
 
-
 def free_after_oom() -> None:
     """Hand back what a failed step left once its references are dropped (never raises):
     ``gc.collect()`` (autograd graphs sit in reference cycles through the traceback's frames), the

@@ -1,0 +1,78 @@
+"""Optimizer states allocated before the first step (memguard_core.optim_state): the run is the
+same as with the optimizer's lazy states, bit for bit, and a failed allocation leaves the optimizer
+as it was."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from memguard_core import optim_state
+from memguard_core.optim_state import preallocate_optimizer_state, unwrap_optimizer
+
+
+def _train(model, opt, steps=3):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(4, 6, generator=g)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+    lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
+    lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+], ids=["adamw", "adam-amsgrad", "adamw-single-tensor", "adamw-fused"])
+def test_preallocated_states_give_the_same_run(make):
+    torch.manual_seed(0)
+    lazy = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    early = copy.deepcopy(lazy)
+    opt_lazy, opt_early = make(lazy.parameters()), make(early.parameters())
+    n_params = sum(p.numel() for p in early.parameters())
+    per_param = 3 if opt_early.defaults.get("amsgrad") else 2
+    assert preallocate_optimizer_state(opt_early) == per_param * n_params * 4
+    _train(lazy, opt_lazy)
+    _train(early, opt_early)
+    for a, b in zip(lazy.parameters(), early.parameters()):
+        assert torch.equal(a, b)
+    assert preallocate_optimizer_state(opt_early) == 0   # states exist: left alone
+
+
+def test_other_optimizers_keep_their_lazy_states():
+    m = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    assert preallocate_optimizer_state(opt) == 0 and len(opt.state) == 0
+
+
+def test_wrappers_are_unwrapped():
+    opt = torch.optim.AdamW(torch.nn.Linear(3, 3).parameters())
+
+    class Wrapper:
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    assert unwrap_optimizer(Wrapper(Wrapper(opt))) is opt
+    assert preallocate_optimizer_state(Wrapper(opt)) > 0
+
+
+def test_a_failed_allocation_leaves_the_optimizer_lazy(monkeypatch):
+    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    opt = torch.optim.AdamW(m.parameters())
+    real, calls = optim_state._adam_state, []
+
+    def failing(p, group):
+        calls.append(p)
+        if len(calls) == 3:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real(p, group)
+
+    monkeypatch.setattr(optim_state, "_adam_state", failing)
+    assert preallocate_optimizer_state(opt) == 0
+    assert len(opt.state) == 0
+    _train(m, opt, steps=1)   # the optimizer still creates its states at its first step
+    assert len(opt.state) == 4

@@ -19,19 +19,15 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .distributed import agree_max
-from .errors import ConfigError, DoesNotFitError, WindowOOMError
-from .microbatch import empty_torch_cache, free_after_oom, split_after_oom
+from .errors import ConfigError, DoesNotFitError
+from .microbatch import empty_torch_cache, split_after_oom
 from .monitor import MemoryEvent, MemoryMonitor
 from .observe import RunRecorder
 from .options import GuardOptions
 from .preflight import Preflight, default_budget, plan_in_place, resident_bytes_for
+from .window import MAX_WINDOW_REDOS, WindowRedo  # noqa: F401  (MAX_WINDOW_REDOS: public here too)
 
 __all__ = ["Guard", "GuardAttributes", "RunSummary", "SpecReader", "MAX_WINDOW_REDOS"]
-
-#: Redos of one accumulation window after which a further OOM raises ``WindowOOMError``: each
-#: redo doubles the micro-batches, so a window that keeps failing at this many doublings fails
-#: for a reason splitting does not reach (a leak, memory taken by another process).
-MAX_WINDOW_REDOS = 4
 
 #: ``read_specs() -> (ModelSpec, TrainSpec)``: the adapter's reading of the run it guards.
 SpecReader = Callable[[], Tuple[Any, Any]]
@@ -60,7 +56,7 @@ class RunSummary(dict):
             return default
 
 
-class Guard:
+class Guard(WindowRedo):
     """The lifecycle of one guarded run (see the module doc and docs/lifecycle.md).
 
     Args:
@@ -326,101 +322,6 @@ class Guard:
         except Exception:
             self.log.debug("memguard: OOM snapshot failed", exc_info=True)
         return k_new
-
-    def agree_redo(self, failed: bool) -> bool:
-        """Whether any ``torch.distributed`` rank must redo its accumulation window (the MAX of the
-        flag over ranks), so no rank redoes alone: every rank calls it once per micro step.
-        ``failed`` itself outside a process group, or with a warning when the all-reduce fails.
-        Never raises."""
-        try:
-            return bool(agree_max(int(bool(failed))))
-        except Exception:
-            self.log.warning("memguard: redo-flag all-reduce failed; using the local flag", exc_info=True)
-            return bool(failed)
-
-    def after_window_oom(self, exc: Optional[BaseException], k: int, rows: int, step: Optional[int], *,
-                         redos: int, phase: str = "backward",
-                         free: Callable[[], None] = free_after_oom) -> int:
-        """After an out-of-memory error in a backward (or a forward, or the optimizer step) that left
-        the accumulation window's gradients partly summed, once the adapter has zeroed them and
-        dropped the failed step's references: double the micro-batches (at most ``rows``), free
-        memory with ``free`` (gc, ``malloc_trim``, CUDA / MPS caches) and return the k to redo the
-        whole window with; counts ``oom_retries``. ``exc`` None: another rank failed (this one
-        redoes with it).
-
-        Args:
-            exc: the error caught on this rank (None: another rank's).
-            k: micro-batches per batch of the failed attempt.
-            rows: rows (packed: sequences) of the failing batch.
-            step: optimizer steps completed (for the records).
-            redos: redos of this window already done.
-            phase: where it failed, for the log and the error.
-
-        Raises:
-            WindowOOMError: the failed attempt already ran one row per forward, or ``redos`` reached
-                :data:`MAX_WINDOW_REDOS`; it names the plan that would fit.
-        """
-        rows = max(1, int(rows))
-        mon = self.monitor
-        k = max(int(k), mon.split if mon is not None else 1)
-        if redos == 0:
-            self._floor_redone = False
-        at_floor = k >= rows
-        # the first failure at one row per forward gets one redo after the free: what the previous
-        # optimizer step left in the heap (its temporaries) may be all that was short
-        if exc is not None and ((at_floor and self._floor_redone) or redos >= MAX_WINDOW_REDOS):
-            reason = ("it failed at one row per forward, also after freeing memory" if at_floor
-                      else f"it failed {redos + 1} times in a row")
-            self.log.error("memguard: out of memory in the %s; %s: %s", phase, reason, exc)
-            raise WindowOOMError(phase, k, rows, redos, f"{reason}; last error: {exc}", self.fit_plan()) from exc
-        self._floor_redone = self._floor_redone or at_floor
-        new_k = min(max(2, 2 * k), rows)
-        if mon is not None:
-            why = (f"out of memory in the {phase} ({type(exc).__name__}); redoing the accumulation window"
-                   if exc is not None else "another rank ran out of memory; redoing the accumulation window")
-            new_k = max(new_k, mon.request_split(new_k, why, step))
-        new_k = self.agreed(new_k)
-        if mon is not None and new_k > mon.split:
-            mon.request_split(new_k, "another rank asked for it", step)
-        try:
-            free()
-        except Exception:
-            self.log.debug("memguard: free after OOM failed", exc_info=True)
-        self.oom_retries += 1
-        self.log.warning("memguard: out of memory in the %s; gradients zeroed, redoing the accumulation window "
-                         "with %d micro-batches per batch", phase, new_k)
-        try:
-            self.recorder.oom(step)
-        except Exception:
-            self.log.debug("memguard: OOM snapshot failed", exc_info=True)
-        return new_k
-
-    def optimizer_step_oom(self, exc: BaseException, k: int, rows: int) -> WindowOOMError:
-        """The error for an out-of-memory error raised inside the optimizer step, to raise from
-        ``exc``: a step that failed part-way may already have updated some parameters or states in
-        place, so it is never retried or redone (docs/lifecycle.md, "optimizer step"); the lazily
-        allocated states, the one allocation a step makes that is redoable, are allocated before the
-        first forward instead (:func:`memguard_core.optim_state.preallocate_optimizer_state`).
-        Logged; never raises itself."""
-        self.log.error("memguard: out of memory in the optimizer step; a step that failed part-way cannot be "
-                       "redone: %s", exc)
-        plan = ["a step that allocates less: an optimizer without per-step temporaries of every parameter "
-                "(torch.optim.AdamW(foreach=False) allocates one parameter's at a time; 8-bit or "
-                "factored states: bitsandbytes AdamW8bit, Adafactor)"] + self.fit_plan()
-        return WindowOOMError("optimizer step", k, rows, 0, f"{exc}", plan)
-
-    def fit_plan(self) -> List[str]:
-        """The plan that would fit, as lines for an error: the preflight's report when one ran, else
-        the changes that lower the peak of one row's forward and backward. Never raises."""
-        try:
-            pf = self.preflight
-            if pf is not None:
-                return [line.strip() for line in pf.report_lines() if line.strip()]
-        except Exception:
-            self.log.debug("memguard: no preflight plan for the error", exc_info=True)
-        return ["turn activation checkpointing on (gradient_checkpointing=True)",
-                "shorten the sequences (max_length / max_seq_length) or use LoRA instead of a full fine-tune",
-                "give the run more memory; `memguard estimate` on this run's config prints the peak it needs"]
 
     # ------------------------------------------------------------------ end
     def finish(self, optimizer_steps: int, *, measured_bytes: Optional[Callable[[], Optional[int]]] = None,

@@ -1,0 +1,266 @@
+"""The guarded training step of the HF adapter: each batch cut into micro-batches inside
+``Trainer.training_step``, the forward OOM retry and the accumulation-window redo
+(docs/lifecycle.md, "Redoing the accumulation window"). A mixin of
+:class:`memguard_hf.callback.MemGuardCallback`, which binds these methods onto the trainer's instance;
+kept apart so the callback holds only the hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+from memguard_core import microbatch
+from memguard_core.optim_state import preallocate_optimizer_state
+
+from . import _compat
+
+__all__ = ["GuardedStep", "is_oom_error"]
+
+logger = logging.getLogger("memguard.hf")
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """True for an out-of-memory error of torch (CUDA, MPS, XPU or the CPU allocator).
+
+    Uses ``accelerate.utils.memory.should_reduce_batch_size`` (the message list accelerate's
+    ``find_executable_batch_size`` relies on) plus ``torch.OutOfMemoryError``.
+    """
+    oom_type = getattr(torch, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    try:
+        from accelerate.utils.memory import should_reduce_batch_size
+        return bool(should_reduce_batch_size(exc))
+    except Exception:  # pragma: no cover - accelerate missing
+        return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """``exc`` with its traceback (and chained errors) dropped: the traceback's frames hold the
+    failed step's outputs, loss and autograd graph, and a free while they live hands nothing back.
+    The error's type and message, all a retry or a final error needs, stay."""
+    exc.__traceback__ = None
+    exc.__context__ = exc.__cause__ = None
+    return exc
+
+
+class GuardedStep:
+    """The micro-batch split, the OOM retry and the window redo of one HF ``Trainer`` step.
+
+    Uses the callback's ``guard``, ``trainer``, ``_orig_training_step``, ``_orig_compute_loss``,
+    ``_loss_scale``, ``_rows_this_step`` and ``_oom_in_forward``.
+    """
+
+    # ------------------------------------------------------------------ the guarded step
+    def _weighted_compute_loss(self, model, inputs, *args, **kwargs):
+        try:
+            out = self._orig_compute_loss(model, inputs, *args, **kwargs)
+        except BaseException:
+            self._oom_in_forward = True  # the error passed through the forward (compute_loss)
+            raise
+        scale = self._loss_scale
+        if scale == 1.0:
+            return out
+        if isinstance(out, tuple):
+            return (out[0] * scale,) + tuple(out[1:])
+        return out * scale
+
+    def _loss_is_token_normalised(self, num_items_in_batch) -> bool:
+        t = self.trainer
+        scaled = getattr(t, "loss_is_scaled_for_ga", None)
+        if scaled is not None:
+            return bool(scaled) and num_items_in_batch is not None
+        return bool((getattr(t, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None)
+                    or getattr(t, "compute_loss_func", None) is not None)
+
+    def _guarded_training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
+        try:
+            return self._guarded_training_step_inner(model, inputs, num_items_in_batch, *args, **kwargs)
+        except BaseException:
+            # the run is leaving train() without on_train_end: stop the monitor thread with it
+            self.guard.stop()
+            raise
+
+    def _guarded_training_step_inner(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
+        if self.guard.monitor is None or self.guard.split_disabled_reason is not None:
+            return self._orig_training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+        if not self._states_ready:
+            self._states_ready = True
+            self._prepare_optimizer()
+        pos = self._window_pos
+        self._window_pos += 1
+        window = self._window
+        # the Trainer passes the window's batches in order; a subclass that calls training_step
+        # another way gets the forward-only retry (a backward OOM is then re-raised)
+        in_window = window is not None and pos < len(window) and window[pos] is inputs
+        k = self.guard.micro_batches_for_step(self.trainer.state.global_step)
+        redo = False
+        while True:
+            failure = None
+            loss = None
+            try:
+                if redo:
+                    self._rows_this_step = 0
+                    for earlier in window[:pos]:
+                        self._step_batch(model, earlier, num_items_in_batch, k, False, args, kwargs)
+                loss = self._step_batch(model, inputs, num_items_in_batch, k, True, args, kwargs)
+            except Exception as exc:
+                if not (is_oom_error(exc) and in_window) or "FSDP" in self._distributed_type():
+                    raise
+                failure = _without_frames(exc)
+            if not self.guard.agree_redo(failure is not None):
+                return loss
+            loss = None
+            k = self._redo_window(model, failure, k, self._units_of(inputs))
+            redo = True
+
+    def _prepare_optimizer(self) -> None:
+        """Before the first forward: allocate the optimizer's lazy states (docs/lifecycle.md,
+        "optimizer step") and wrap its ``step`` so an OOM there names itself. Never raises."""
+        try:
+            opt = getattr(self.trainer, "optimizer", None)
+            if opt is None:
+                return
+            preallocate_optimizer_state(opt)
+            orig_step = opt.step
+            guard = self.guard
+
+            # functools.wraps keeps the LR scheduler's marker on the step (it warns otherwise)
+            @functools.wraps(orig_step)
+            def guarded_step(*args, **kwargs):
+                try:
+                    return orig_step(*args, **kwargs)
+                except Exception as exc:
+                    if not is_oom_error(exc):
+                        raise
+                    mon = guard.monitor
+                    raise guard.optimizer_step_oom(exc, mon.split if mon is not None else 1,
+                                                   self.trainer.args.per_device_train_batch_size) from exc
+
+            opt.step = guarded_step
+        except Exception:
+            logger.warning("memguard: could not prepare the optimizer; it allocates its states lazily",
+                           exc_info=True)
+
+    def _redo_window(self, model, failure, k: int, rows: int) -> int:
+        """Zero the window's partly summed gradients, free memory and return the k to redo the
+        window with (``Guard.after_window_oom``)."""
+        phase = "forward" if failure is not None and self._oom_in_forward else "backward"
+        model.zero_grad(set_to_none=True)
+        trainer_model = getattr(self.trainer, "model", None)
+        if trainer_model is not None and trainer_model is not model:
+            trainer_model.zero_grad(set_to_none=True)
+        self._window_redos += 1
+        return self.guard.after_window_oom(failure, k, rows, self.trainer.state.global_step,
+                                           redos=self._window_redos - 1, phase=phase)
+
+    def _step_batch(self, model, inputs, num_items_in_batch, k: int, final: bool, args, kwargs):
+        """Forward and backward of one of the window's batches in ``k`` micro-batches; ``final``:
+        the batch the Trainer is calling training_step for (its last micro-batch runs in the
+        Trainer's own sync context), else an earlier batch redone (all of it under ``no_sync``).
+        An OOM in a forward redoes the rows not yet processed at a doubled k (``Guard.after_oom``);
+        any other error, an OOM in a backward included, propagates."""
+        token_norm = self._loss_is_token_normalised(num_items_in_batch)
+        k = max(k, self.guard.monitor.split)   # a forward OOM in an earlier batch may have raised it
+        if k <= 1:
+            failure = None
+            try:
+                return self._run_chunk(model, inputs, num_items_in_batch, 1.0, final, args, kwargs)
+            except Exception as exc:
+                if not (is_oom_error(exc) and self._oom_in_forward):
+                    raise
+                failure = _without_frames(exc)
+            # freed outside the except block: its traceback's frames hold the failed forward's activations
+            k = self._after_oom(failure, 1, microbatch.batch_rows(inputs))
+        weighting = "rows" if self.options.loss_weighting == "rows" else "tokens"
+        shift = _compat.loss_shifts_labels(self.trainer)
+        try:
+            splitter = microbatch.BatchSplitter(inputs, weighting=weighting, shift_labels=shift)
+        except ValueError:
+            return self._run_chunk(model, inputs, num_items_in_batch, 1.0, final, args, kwargs)
+        total_loss = None
+        start = 0
+        while start < splitter.units:
+            ranges = splitter.ranges(k, start)
+            failure = None
+            try:
+                for u0, u1 in ranges:
+                    chunk = splitter.chunk(u0, u1)
+                    w = 1.0 if token_norm else chunk.weight
+                    loss = self._run_chunk(model, chunk.inputs, num_items_in_batch, w,
+                                           final and u1 == splitter.units, args, kwargs)
+                    total_loss = loss if total_loss is None else total_loss + loss
+                    start = u1
+                    chunk = loss = None
+            except Exception as exc:
+                if not (is_oom_error(exc) and self._oom_in_forward):
+                    raise
+                failure = _without_frames(exc)
+            if failure is not None:
+                chunk = loss = None
+                # units before `start` already added their weighted gradient: re-cut only the rest
+                k = self._after_oom(failure, k, splitter.units - start)
+        return total_loss
+
+    def _after_oom(self, exc: BaseException, k: int, units_left: int) -> int:
+        """Free memory after a forward OOM and return the doubled split; re-raise if none helps."""
+        if "FSDP" in self._distributed_type():
+            # every FSDP forward all-gathers parameters: a retry on one rank alone would hang the others
+            logger.error("memguard: out of memory under FSDP; an in-place retry on one rank would "
+                         "desynchronise the all-gathers, so it is re-raised (%s)", exc)
+            raise exc
+        return self.guard.after_oom(exc, k, units_left, self.trainer.state.global_step)
+
+    def _run_chunk(self, model, inputs, num_items_in_batch, weight, last, args, kwargs):
+        """One micro-batch's forward and backward; ``last`` False runs it under ``no_sync``."""
+        rows = self._rows_of(inputs)
+        self.guard.micro_batch_rows.append(rows)
+        self._loss_scale = weight
+        self._oom_in_forward = False
+        ctx = contextlib.nullcontext()
+        if not last:
+            ctx = self._no_sync(model)
+        try:
+            with ctx:
+                loss = self._orig_training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+            self._rows_this_step += rows
+            return loss
+        finally:
+            self._loss_scale = 1.0
+
+    def _no_sync(self, model):
+        accel = getattr(self.trainer, "accelerator", None)
+        if accel is None or "FSDP" in self._distributed_type():
+            return contextlib.nullcontext()  # no_sync keeps unsharded grads under FSDP
+        return accel.no_sync(model)
+
+    @staticmethod
+    def _units_of(inputs) -> int:
+        """Units a batch can be cut into: rows, or packed sequences (1 when it cannot be cut)."""
+        try:
+            seqs = microbatch.sequence_starts(inputs)
+            return len(seqs) if seqs is not None else microbatch.batch_rows(inputs)
+        except Exception:
+            return 1
+
+    @staticmethod
+    def _rows_of(inputs) -> int:
+        """Rows of a forward (packed: sequences). A packed batch on an accelerator is counted on
+        the device (a 0-dim tensor, resolved at ``on_step_end``): ``sequence_starts`` would copy
+        its ``position_ids`` to the host and synchronise the device at every micro-batch."""
+        try:
+            rows = microbatch.batch_rows(inputs)
+        except ValueError:
+            return 0
+        pos = inputs.get("position_ids")
+        if rows == 1 and torch.is_tensor(pos) and pos.dim() == 2 and pos.device.type != "cpu":
+            p = pos[0]
+            return ((p == 0).sum() + (p[0] != 0).long()).clamp(min=1)
+        seqs = microbatch.sequence_starts(inputs)
+        return rows if seqs is None else len(seqs)
+
+

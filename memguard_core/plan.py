@@ -344,7 +344,7 @@ def _describe(t: TrainSpec) -> str:
 
 
 def _suggestions(ms: ModelSpec, original: TrainSpec, cur: TrainSpec, allow) -> List[str]:
-    """Seed 002's list, minus what is already applied."""
+    """The changes that lower the peak further, in the planner's order, minus what is already applied."""
     out = []
     if cur.method != "qlora" and ms.weight_bits >= 8:
         out.append("quantize the base model to 4-bit and train QLoRA (load_in_4bit=True, "

@@ -2,19 +2,26 @@
 ``memguard_lightning``): the sequence length, the optimizer, activation checkpointing (reading and
 turning it on) and the weights' dtype and device.
 
-Imports torch at import time: only the torch adapters import this module (``memguard_core`` itself
-must not import torch; ``import memguard_core`` does not load this module).
+Imports torch only when a function runs (``memguard_core`` imports no framework at import time);
+the torch adapters are its only callers.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Iterable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Tuple
 
-import torch
+if TYPE_CHECKING:  # annotations only
+    import torch
 
 logger = logging.getLogger("memguard.preflight")
+
+def _torch():
+    import torch
+
+    return torch
+
 
 #: The sequence length the estimate uses when nothing tells it (a warning says so).
 FALLBACK_SEQ_LENGTH = 512
@@ -22,7 +29,7 @@ FALLBACK_SEQ_LENGTH = 512
 
 def unwrap(model: Any) -> Any:
     """The module inside DDP / DataParallel-style wrappers (``.module`` chains)."""
-    while hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):
+    while hasattr(model, "module") and isinstance(getattr(model, "module"), _torch().nn.Module):
         model = model.module
     return model
 
@@ -112,7 +119,7 @@ def attn_implementation(model: Any) -> Optional[str]:
 def weights_dtype_device(model: Any) -> Tuple[torch.dtype, str]:
     """The dtype and device type of the model's first parameter (fp32 / cpu without parameters)."""
     p = next((p for p in unwrap(model).parameters()), None)
-    return (p.dtype, p.device.type) if p is not None else (torch.float32, "cpu")
+    return (p.dtype, p.device.type) if p is not None else (_torch().float32, "cpu")
 
 
 def counter_device(device: str, weights_device: str) -> str:
@@ -142,19 +149,19 @@ def row_length(row: Any) -> int:
         ids = row[0]
     else:
         ids = row
-    if torch.is_tensor(ids):
+    if _torch().is_tensor(ids):
         return int(ids.shape[-1]) if ids.dim() > 0 else 0
     return len(ids) if isinstance(ids, (list, tuple)) else 0
 
 
 def batch_seq_length(batch: Any) -> int:
     """Dimension 1 of a batch's ``input_ids`` (dict batches) or first 2-D integer tensor; 0 if none."""
-    if isinstance(batch, Mapping) and torch.is_tensor(batch.get("input_ids")):
+    if isinstance(batch, Mapping) and _torch().is_tensor(batch.get("input_ids")):
         t = batch["input_ids"]
         return int(t.shape[1]) if t.dim() >= 2 else 0
     leaves = batch if isinstance(batch, (tuple, list)) else [batch]
     for t in leaves:
-        if torch.is_tensor(t) and t.dim() >= 2 and not t.is_floating_point():
+        if _torch().is_tensor(t) and t.dim() >= 2 and not t.is_floating_point():
             return int(t.shape[1])
     return 0
 

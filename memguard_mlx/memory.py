@@ -299,7 +299,7 @@ def find_max_batch_size(step_fn: Callable[[int], Any], *, budget_bytes: Optional
                         candidates: Optional[Sequence[int]] = None) -> Tuple[int, Dict[int, int]]:
     """Largest batch size whose measured peak stays within the budget -- guarded, not by crashing.
 
-    Seed 001's ``find_optimal_batch_size`` doubles the batch until an allocation fails. On unified
+    The usual batch-size search doubles the batch until an allocation fails. On unified
     memory a failure never comes (the Mac swaps and freezes) and on MLX's Linux CPU backend a
     failed allocation is a SIGSEGV (see the module doc). So this measures instead: run
     ``step_fn(b)`` (a forward + backward at batch ``b``, returning arrays to evaluate) for growing

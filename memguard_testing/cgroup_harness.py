@@ -33,8 +33,8 @@ Lowering the limit below the current usage (``MemoryCgroup.set_limit``) differs 
 - v1: the kernel reclaims (mm/memcontrol-v1.c ``mem_cgroup_resize_max``); anonymous memory
   cannot be reclaimed without swap, so after its retries the write fails with ``EBUSY``, the
   limit stays as it was and no process is killed. The harness raises
-  :class:`CgroupLimitBusyError`. (Measured on this machine: a child holding 150 MiB, limit 300 MiB
-  lowered to 100 MiB -> EBUSY in ~0.1 s, child alive, limit unchanged.)
+  :class:`CgroupLimitBusyError` (``integration_tests/test_cgroup_harness.py`` lowers a limit below a
+  child's resident memory and checks exactly that).
 - v2: the kernel reclaims and then invokes the OOM killer until usage fits
   (mm/memcontrol.c ``memory_max_write``): the write succeeds and processes are killed.
 

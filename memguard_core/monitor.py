@@ -245,12 +245,7 @@ class MemoryMonitor:
         except ValueError as exc:
             self._log_failure("pressure", exc)
             return Action.NONE
-        if event is None:
-            return Action.NONE
-        if event.action in (Action.CLEAN, Action.SPLIT):
-            self._safe(self._clean_fn, "clean")
-        self._emit(event)
-        return event.action
+        return self._act_on_pressure(event)
 
     def observe_memorystatus(self, used_percent: Optional[float], now: float, *,
                              kernel_level: Optional[str] = None, swap_used_bytes: Optional[int] = None,
@@ -268,6 +263,10 @@ class MemoryMonitor:
         except ValueError as exc:
             self._log_failure("pressure", exc)
             return Action.NONE
+        return self._act_on_pressure(event)
+
+    def _act_on_pressure(self, event: Optional[MemoryEvent]) -> Action:
+        """A pressure policy's decision: clean before a clean or a split, then record and log it."""
         if event is None:
             return Action.NONE
         if event.action in (Action.CLEAN, Action.SPLIT):

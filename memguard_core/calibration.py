@@ -373,6 +373,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main())

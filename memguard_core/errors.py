@@ -6,6 +6,7 @@ so a CLI user or a config file author can fix it without reading the source.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 
@@ -112,6 +113,32 @@ def require_fraction(field: str, value: Any, *, lo: float = 0.0, hi: float = 1.0
         raise ConfigError(field, f"a number in ({lo}, {hi}]", value)
     if not (lo < float(value) <= hi):
         raise ConfigError(field, f"a number in ({lo}, {hi}]", value)
+    return float(value)
+
+
+def require_number(field: str, value: Any, expected: str, *, lo: Optional[float] = None,
+                   lo_open: bool = False, hi: Optional[float] = None, allow_none: bool = False) -> Optional[float]:
+    """Validate a finite real number (``bool`` is not one) with optional bounds: ``value >= lo``
+    (``> lo`` with ``lo_open``) and ``value <= hi``.
+
+    Args:
+        field: the name the error gives.
+        expected: what the error says was expected (e.g. ``"a number of seconds >= 0"``).
+
+    Returns:
+        ``float(value)``, or None when ``value`` is None and ``allow_none``.
+
+    Raises:
+        ConfigError: not a finite number, or out of bounds.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(field, expected, value)
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise ConfigError(field, expected, value)
+    if hi is not None and value > hi:
+        raise ConfigError(field, expected, value)
     return float(value)
 
 

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from .errors import ConfigError
-from .spec import LinearShape, ModelSpec, TrainSpec, check_train_spec, weights_for_training
+from .spec import (NF4_BITS, NF4_DOUBLE_QUANT_BITS, LinearShape, ModelSpec, TrainSpec,  # noqa: F401  (public here too)
+                   check_train_spec, weights_for_training)
 
 __all__ = ["MemoryEstimate", "estimate", "trainable_param_count", "RUNTIME_OVERHEAD_BYTES",
            "BREAKDOWN_ORDER", "runtime_overhead_bytes", "cuda_sdpa_backend", "cuda_counter_bytes",
@@ -55,11 +56,6 @@ MiB = 1 << 20
 #: Bytes per element of the compute dtype.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-#: NF4 storage in bits per weight. 4 bits + one fp32 absmax per 64-weight block = 4.5;
-#: with double quantization the absmax is 8-bit per 64 + one fp32 per 256 blocks:
-#: 4 + 8/64 + 32/(64*256) = 4.127. Source: Dettmers et al. 2023, "QLoRA", sec. 3.
-NF4_BITS = 4.5
-NF4_DOUBLE_QUANT_BITS = 4.127
 
 #: Runtime overhead per counter, bytes.
 #: cpu: VmHWM of a HF ``Trainer`` run on a negligible model (2-layer Llama, hidden 64, vocab 256):
@@ -937,7 +933,7 @@ def _attention_core(ms: ModelSpec, ts: TrainSpec, e: int, *, views_of_one_buffer
     score (9 on CUDA, where the dropout mask is 1 byte). Eager (``eager_attention_forward``): q, k,
     v, the softmax output and, with dropout, the noise and the dropped probabilities, in e.
     """
-    h, s, nh = ms.hidden_size, ts.seq_length, ms.num_heads
+    s, nh = ts.seq_length, ms.num_heads
     qd, kvd = nh * ms.head_dim, ms.num_kv_heads * ms.head_dim
     drop = ms.attention_dropout > 0
     qkv = e * (qd + 2 * kvd) if views_of_one_buffer else 0.0

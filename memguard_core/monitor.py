@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Callable, List, Optional
 
-from .errors import ConfigError, require_fraction, require_int
+from .errors import ConfigError, require_fraction, require_int, require_number
 from .monitor_policy import (Action, GrowPolicy, Level, MemoryEvent, MemorystatusEpisodes,
                              MemorystatusPolicy, PressureEpisodes, PsiPolicy, SplitPolicy, Thresholds)
 from .monitor_sampler import SamplerThread, StepSampler
@@ -118,8 +118,7 @@ class MemoryMonitor:
                  grow: Optional[GrowPolicy] = GrowPolicy(), planned_split: Optional[int] = None,
                  memorystatus: Optional[MemorystatusPolicy] = MemorystatusPolicy()):
         require_int("budget_bytes", budget_bytes, "a positive integer number of bytes")
-        if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or interval_s < 0:
-            raise ConfigError("interval_s", "a number of seconds >= 0", interval_s)
+        require_number("interval_s", interval_s, "a number of seconds >= 0", lo=0.0)
         require_int("split", split, "an integer >= 1")
         require_int("max_split", max_split, "an integer >= 1, or None", allow_none=True)
         if thresholds is not None and not isinstance(thresholds, Thresholds):

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .errors import ConfigError, require_fraction, require_int
+from .errors import ConfigError, require_fraction, require_int, require_number
 
 __all__ = ["Level", "Action", "Thresholds", "PsiPolicy", "GrowPolicy", "MemoryEvent",
            "PressureEpisodes", "SplitPolicy", "MemorystatusPolicy", "MemorystatusEpisodes"]
@@ -107,12 +107,8 @@ class PsiPolicy:
     release: float = 0.5
 
     def __post_init__(self) -> None:
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
-                or not (0.0 < float(self.threshold) <= 100.0):
-            raise ConfigError("psi.threshold", "a percentage in (0, 100]", self.threshold)
-        if isinstance(self.sustain_s, bool) or not isinstance(self.sustain_s, (int, float)) \
-                or not self.sustain_s >= 0:
-            raise ConfigError("psi.sustain_s", "a number of seconds >= 0", self.sustain_s)
+        require_number("psi.threshold", self.threshold, "a percentage in (0, 100]", lo=0.0, lo_open=True, hi=100.0)
+        require_number("psi.sustain_s", self.sustain_s, "a number of seconds >= 0", lo=0.0)
         require_int("psi.min_samples", self.min_samples, "an integer >= 1")
         require_fraction("psi.release", self.release)
 
@@ -161,9 +157,7 @@ class MemorystatusPolicy:
 
     def __post_init__(self) -> None:
         for name in ("warn", "critical", "release", "swap_bytes_per_s", "sustain_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ConfigError(f"memorystatus.{name}", "a finite number", v)
+            require_number(f"memorystatus.{name}", getattr(self, name), "a finite number")
         if not (0.0 < self.release <= self.warn < self.critical <= 100.0):
             raise ConfigError("memorystatus", "0 < release <= warn < critical <= 100",
                               (self.release, self.warn, self.critical))
@@ -206,10 +200,8 @@ class GrowPolicy:
         require_fraction("grow.below", self.below)
         require_int("grow.steps", self.steps, "an integer >= 1")
         for name, lo, strict in (("seconds", 0.0, False), ("backoff", 1.0, True), ("max_backoff", 1.0, False)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or (v <= lo if strict else v < lo):
-                raise ConfigError(f"grow.{name}", f"a number {'>' if strict else '>='} {lo:g}", v)
+            require_number(f"grow.{name}", getattr(self, name), f"a number {'>' if strict else '>='} {lo:g}",
+                           lo=lo, lo_open=strict)
 
 
 @dataclass

@@ -5,14 +5,15 @@ the result to :class:`memguard_core.guard.Guard`; see docs/lifecycle.md.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from ._deprecation import warn_renamed
-from .errors import ConfigError, require_fraction, require_int
+from .errors import ConfigError, require_fraction, require_int, require_number
 from .monitor import GrowPolicy, Thresholds
 
 #: What a preflight may change in place.
@@ -109,7 +110,7 @@ class GuardOptions:
     leak_detector: bool = True
 
     @classmethod
-    def from_kwargs(cls, *, budget_bytes: Optional[int] = None, safety_ratio: float = 0.8,
+    def from_kwargs(cls, *, budget_bytes: Optional[float] = None, safety_ratio: float = 0.8,
                     thresholds: Optional[Thresholds] = None, seq_length: Optional[int] = None,
                     apply: Sequence[str] = APPLY_CHOICES, fail_fast: bool = False, loss_weighting: str = "auto",
                     micro_batches: Optional[int] = None, monitor_interval_s: float = 0.5, device: str = "auto",
@@ -156,9 +157,7 @@ class GuardOptions:
             micro_batches = micro_batches_from_env()
         else:
             require_int("micro_batches", micro_batches, "an integer >= 1")
-        if isinstance(monitor_interval_s, bool) or not isinstance(monitor_interval_s, (int, float)) \
-                or monitor_interval_s < 0:
-            raise ConfigError("monitor_interval_s", "a number of seconds >= 0", monitor_interval_s)
+        require_number("monitor_interval_s", monitor_interval_s, "a number of seconds >= 0", lo=0.0)
         if not isinstance(device, str) or _DEVICE.fullmatch(device) is None:
             raise ConfigError("device", '"auto", "cpu", "cuda", "cuda:<index>" or "mlx"', device)
         for name, flag in (("fail_fast", fail_fast), ("preflight", preflight)):
@@ -182,3 +181,39 @@ class GuardOptions:
                    preflight=preflight, grow=grow, log_dir=None if log_dir is None else os.fspath(log_dir),
                    cuda_snapshots=None if cuda_snapshots is None else os.fspath(cuda_snapshots),
                    snapshot_steps=tuple(int(s) for s in snapshot_steps), leak_detector=leak_detector)
+
+
+#: The keyword names every adapter takes for its :class:`GuardOptions` (those of
+#: :meth:`GuardOptions.from_kwargs`, deprecated ``split`` included).
+GUARD_OPTION_NAMES: Tuple[str, ...] = tuple(inspect.signature(GuardOptions.from_kwargs).parameters)
+
+
+def option_kwargs(options: Mapping[str, object], own: Sequence[str] = ()) -> Mapping[str, object]:
+    """Check that an adapter's ``**options`` are guard options; returns them unchanged for
+    ``GuardOptions.from_kwargs(**...)``.
+
+    Args:
+        options: the keywords the adapter got beside its own.
+        own: the adapter's own keyword names (listed in the error).
+
+    Raises:
+        ConfigError: naming the first unknown keyword and the names that are taken.
+    """
+    unknown = sorted(set(options) - set(GUARD_OPTION_NAMES))
+    if unknown:
+        names = ", ".join(list(own) + [n for n in GUARD_OPTION_NAMES if n != "split"])
+        raise ConfigError(unknown[0], f"a memguard option (one of: {names})", options[unknown[0]])
+    return options
+
+
+def with_guard_options(init: Callable) -> Callable:
+    """Decorate an adapter's ``__init__(self, *, <own keywords>, **options)``: its signature, as
+    ``help()``, ``inspect.signature`` and IDEs show it, lists the guard options by name, with
+    their defaults, after the adapter's own keywords. The options themselves are passed to
+    :func:`option_kwargs` and :meth:`GuardOptions.from_kwargs` in the body, in one place."""
+    sig = inspect.signature(init)
+    own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    shared = [p for p in inspect.signature(GuardOptions.from_kwargs).parameters.values()
+              if p.name not in sig.parameters]
+    init.__signature__ = sig.replace(parameters=own + shared)
+    return init

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import sys
 import html
-import io
 import os
 from typing import Any, Dict, List, Optional, Sequence
 

@@ -44,15 +44,15 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Optional, Sequence
+from typing import Any
 
 from transformers import TrainerCallback
 
 from memguard_core import torch_train as tt
 from memguard_core._deprecation import renamed_attribute
 from memguard_core.guard import Guard, GuardAttributes
-from memguard_core.monitor import GrowPolicy, MemoryEvent, Thresholds
-from memguard_core.options import APPLY_CHOICES, GuardOptions
+from memguard_core.monitor import MemoryEvent
+from memguard_core.options import GuardOptions, option_kwargs, with_guard_options
 
 from . import _compat
 from .preflight import read_specs
@@ -94,21 +94,9 @@ class MemGuardCallback(GuardAttributes, GuardedStep, TrainerCallback):
         ConfigError: invalid arguments.
     """
 
-    def __init__(self, *, budget_bytes: Optional[int] = None, safety_ratio: float = 0.8,
-                 thresholds: Optional[Thresholds] = None, seq_length: Optional[int] = None,
-                 apply: Sequence[str] = APPLY_CHOICES, fail_fast: bool = False,
-                 loss_weighting: str = "auto", micro_batches: Optional[int] = None,
-                 monitor_interval_s: float = 0.5, device: str = "auto", preflight: bool = True,
-                 grow: Optional[GrowPolicy] = GrowPolicy(), split: Optional[int] = None,
-                 budget_gib: Optional[float] = None, log_dir: Optional[str] = None,
-                 cuda_snapshots: Optional[str] = None, snapshot_steps: Sequence[int] = (),
-                 leak_detector: bool = True):
-        options = GuardOptions.from_kwargs(
-            budget_bytes=budget_bytes, safety_ratio=safety_ratio, thresholds=thresholds, seq_length=seq_length,
-            apply=apply, fail_fast=fail_fast, loss_weighting=loss_weighting, micro_batches=micro_batches,
-            monitor_interval_s=monitor_interval_s, device=device, preflight=preflight, grow=grow, split=split,
-            budget_gib=budget_gib, log_dir=log_dir, cuda_snapshots=cuda_snapshots, snapshot_steps=snapshot_steps,
-            leak_detector=leak_detector)
+    @with_guard_options
+    def __init__(self, **options: Any):
+        options = GuardOptions.from_kwargs(**option_kwargs(options))
         _compat.check_version()
         self.guard = Guard(options, log=logger, on_event=self.on_event_log)
         self.options = options

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Iterator, Optional, Sequence, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 from lightning.pytorch.callbacks import Callback
 
@@ -56,8 +56,7 @@ from memguard_core import torch_train as tt
 from memguard_core._deprecation import renamed_attribute
 from memguard_core.errors import ConfigError
 from memguard_core.guard import Guard, GuardAttributes
-from memguard_core.monitor import GrowPolicy, Thresholds
-from memguard_core.options import APPLY_CHOICES, GuardOptions
+from memguard_core.options import GuardOptions, option_kwargs, with_guard_options
 from memguard_core.preflight import Preflight
 
 from . import _compat
@@ -101,22 +100,9 @@ class MemGuardCallback(GuardAttributes, Callback):
         ConfigError: invalid arguments.
     """
 
-    def __init__(self, *, budget_bytes: Optional[int] = None, safety_ratio: float = 0.8,
-                 thresholds: Optional[Thresholds] = None, seq_length: Optional[int] = None,
-                 apply: Sequence[str] = APPLY_CHOICES, fail_fast: bool = False,
-                 loss_weighting: str = "auto", label_key: LabelKey = None,
-                 shift_labels: Optional[bool] = None, micro_batches: Optional[int] = None,
-                 monitor_interval_s: float = 0.5, device: str = "auto", preflight: bool = True,
-                 grow: Optional[GrowPolicy] = GrowPolicy(), split: Optional[int] = None,
-                 budget_gib: Optional[float] = None, log_dir: Optional[str] = None,
-                 cuda_snapshots: Optional[str] = None, snapshot_steps: Sequence[int] = (),
-                 leak_detector: bool = True):
-        options = GuardOptions.from_kwargs(
-            budget_bytes=budget_bytes, safety_ratio=safety_ratio, thresholds=thresholds, seq_length=seq_length,
-            apply=apply, fail_fast=fail_fast, loss_weighting=loss_weighting, micro_batches=micro_batches,
-            monitor_interval_s=monitor_interval_s, device=device, preflight=preflight, grow=grow, split=split,
-            budget_gib=budget_gib, log_dir=log_dir, cuda_snapshots=cuda_snapshots, snapshot_steps=snapshot_steps,
-            leak_detector=leak_detector)
+    @with_guard_options
+    def __init__(self, *, label_key: LabelKey = None, shift_labels: Optional[bool] = None, **options: Any):
+        options = GuardOptions.from_kwargs(**option_kwargs(options, own=("label_key", "shift_labels")))
         if label_key is not None and (isinstance(label_key, bool) or not isinstance(label_key, (str, int))):
             raise ConfigError("label_key", "a dict key (str), a tuple index (int) or None", label_key)
         if shift_labels is not None and not isinstance(shift_labels, bool):

@@ -124,6 +124,8 @@ CALLBACK_CASES = [
     (dict(monitor_interval_s=-1), "monitor_interval_s"),
     (dict(device="gpu"), "device"),
     (dict(preflight=None), "preflight"),
+    (dict(monitor_interval_s=float("nan")), "monitor_interval_s"),
+    (dict(budget_byts=2**30), "budget_byts"),  # a misspelt option is named, not a TypeError
 ]
 
 
@@ -137,6 +139,24 @@ def test_memguard_callback_kwargs_name_the_bad_field(kw, field, monkeypatch):
     with pytest.raises(ConfigError) as e:
         MemGuardCallback(**kw)
     assert e.value.field == field
+
+
+def test_adapters_take_the_same_guard_options():
+    """Both torch callbacks list every guard option in their signatures (help(), IDEs), so the
+    shared keywords live once, in GuardOptions.from_kwargs."""
+    import inspect
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    from memguard_core.options import GUARD_OPTION_NAMES
+    from memguard_hf import MemGuardCallback as HF
+    from memguard_lightning import MemGuardCallback as PL
+
+    hf = list(inspect.signature(HF).parameters)
+    pl = list(inspect.signature(PL).parameters)
+    assert hf == list(GUARD_OPTION_NAMES)
+    assert pl == ["label_key", "shift_labels"] + list(GUARD_OPTION_NAMES)
+    assert PL(label_key="y", budget_gib=1.0).options.budget_bytes == 2**30
 
 
 def test_memguard_callback_bad_split_environment(monkeypatch):

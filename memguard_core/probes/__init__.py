@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from memguard_core.errors import ConfigError
 
@@ -142,6 +142,23 @@ def _warn_once(key: str, msg: str, *args) -> None:
         log.warning(msg, *args)
     else:
         log.debug(msg, *args)
+
+
+def _torch_backend(name: str, available: Callable[[Any], bool]) -> Any:
+    """``torch.<name>`` (``cuda``, ``mps``; torch imported if it is not yet: the caller asked for
+    that device) when ``available(torch)``, else None. A failing availability check is logged once
+    and read as unavailable."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch  # noqa: F811  (an explicit device request: importing torch is expected)
+        except Exception:
+            return None
+    try:
+        return getattr(torch, name) if available(torch) else None
+    except Exception as exc:
+        _warn_once(f"torch.{name}.available", "memguard: torch %s availability check failed: %r", name, exc)
+        return None
 
 
 def _reset_warned() -> None:

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from memguard_core.probes import MemorySnapshot, StepReader, _warn_once, log
+from memguard_core.probes import MemorySnapshot, StepReader, _torch_backend, _warn_once, log
 
 __all__ = ["CudaCounters", "torch_cuda_module", "read_counters", "reset_peak", "nvml_process_bytes",
            "snapshot_from_counters", "probe", "step_reader"]
@@ -53,18 +53,7 @@ class CudaCounters:
 
 def torch_cuda_module():
     """``torch.cuda`` if CUDA is available (imports torch if not yet imported), else None."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        try:
-            import torch  # noqa: F811  (explicit CUDA request: importing torch is expected)
-        except Exception:
-            return None
-    try:
-        return torch.cuda if torch.cuda.is_available() else None
-    except Exception as exc:
-        _warn_once("torch.cuda.is_available", "memguard: torch.cuda.is_available() failed: %r",
-                   exc)
-        return None
+    return _torch_backend("cuda", lambda torch: torch.cuda.is_available())
 
 
 def read_counters(index: int, torch_cuda) -> CudaCounters:

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from memguard_core.probes import MemorySnapshot, StepReader, _warn_once
+from memguard_core.probes import MemorySnapshot, StepReader, _torch_backend, _warn_once
 
 __all__ = ["MpsCounters", "torch_mps_module", "mps_in_use", "read_counters", "empty_cache", "probe",
            "step_reader", "live_bytes"]
@@ -76,17 +76,7 @@ def mps_in_use() -> bool:
 
 def torch_mps_module():
     """``torch.mps`` (torch imported if needed), or None where torch or its MPS backend is absent."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        try:
-            import torch  # noqa: F811
-        except Exception:
-            return None
-    try:
-        return torch.mps if _available(torch) else None
-    except Exception as exc:
-        _warn_once("torch.backends.mps.is_available", "memguard: torch MPS check failed: %r", exc)
-        return None
+    return _torch_backend("mps", _available)
 
 
 def read_counters(mps) -> MpsCounters:

@@ -175,18 +175,10 @@ def deepspeed_zero3_model_states(total_params: int, largest_layer_params: int, n
     gpus_factor = 1 / num_nodes
     largest_layer_memory = 4 * largest_layer_params
     if cpu_offload:
-        if cpu_offload_params:
-            gpu_mem = largest_layer_memory
-            if zero_init:
-                cpu_mem = total_params * 18 * gpus_factor * additional_buffer_factor
-            else:
-                cpu_mem = total_params * max(4 * num_gpus_per_node, 18 * gpus_factor) * additional_buffer_factor
-        else:
-            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
-            if zero_init:
-                cpu_mem = total_params * 16 * gpus_factor * additional_buffer_factor
-            else:
-                cpu_mem = total_params * max(4 * num_gpus_per_node, 16 * gpus_factor) * additional_buffer_factor
+        per_param = 18 if cpu_offload_params else 16  # fp32 states + master (+ 16-bit params)
+        gpu_mem = largest_layer_memory + (0 if cpu_offload_params else int(2 * total_params / total_gpus))
+        factor = per_param * gpus_factor if zero_init else max(4 * num_gpus_per_node, per_param * gpus_factor)
+        cpu_mem = total_params * factor * additional_buffer_factor
     else:
         gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
         if zero_init:

@@ -7,9 +7,6 @@ seconds on 2 cores.
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import pytest
 
 mx = pytest.importorskip("mlx.core")
@@ -17,53 +14,12 @@ pytest.importorskip("mlx_lm")
 
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.tuner.callbacks import TrainingCallback  # noqa: E402
-from mlx_lm.tuner.trainer import TrainingArgs, default_loss, iterate_batches  # noqa: E402
-from mlx_lm.tuner.trainer import train as mlx_lm_train  # noqa: E402
+from mlx_lm.tuner.trainer import default_loss, iterate_batches  # noqa: E402
 
-import memguard_mlx  # noqa: E402
 from memguard_mlx import LeakDetector, MlxGuard  # noqa: E402
 
-from memguard_testing.mlx_tiny import TokenRows, build_model, schedule_optimizer  # noqa: E402
-
-
-class Recorder(TrainingCallback):
-    def __init__(self):
-        self.train, self.val = [], []
-
-    def on_train_loss_report(self, info):
-        self.train.append(dict(info))
-
-    def on_val_loss_report(self, info):
-        self.val.append(dict(info))
-
-
-def _args(tmp: Path, name: str, **kw) -> TrainingArgs:
-    base = dict(batch_size=8, iters=10, steps_per_report=1, steps_per_eval=5, val_batches=2,
-                steps_per_save=4, max_seq_length=64, grad_accumulation_steps=2,
-                adapter_file=str(tmp / name / "adapters.safetensors"))
-    base.update(kw)
-    (tmp / name).mkdir(parents=True, exist_ok=True)
-    return TrainingArgs(**base)
-
-
-def _run(tmp, name, *, guarded, arch="llama", guard=None, loss=default_loss, batches=iterate_batches, **kw):
-    np.random.seed(0)  # iterate_batches shuffles with numpy's global generator
-    model = build_model(arch)
-    init = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
-    opt = schedule_optimizer()
-    rec = Recorder()
-    args = _args(tmp, name, **kw)
-    t0 = time.perf_counter()
-    if guarded:
-        guard = memguard_mlx.train(model, opt, TokenRows(), TokenRows(16, seed=5), args=args, loss=loss,
-                                   iterate_batches=batches, training_callback=rec, guard=guard)
-    else:
-        mlx_lm_train(model, opt, TokenRows(), TokenRows(16, seed=5), args=args, loss=loss,
-                     iterate_batches=batches, training_callback=rec)
-    secs = time.perf_counter() - t0
-    final = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
-    return dict(model=model, opt=opt, rec=rec, guard=guard, init=init, final=final, args=args, secs=secs)
+from memguard_testing.mlx_tiny import (Recorder, TokenRows, assert_same_run, build_model,  # noqa: E402
+                                      run_tiny, schedule_optimizer, training_args)
 
 
 def _switching_batches(guard: MlxGuard, at: int, k: int):
@@ -79,44 +35,17 @@ def _switching_batches(guard: MlxGuard, at: int, k: int):
     return batches
 
 
-def _assert_same_run(ref, run, tmp, atol=1e-4):
-    # optimizer updates (mlx optimizers count them in state["step"]) and the LR sequence
-    assert int(run["opt"].state["step"]) == int(ref["opt"].state["step"]) == 5
-    assert [d["iteration"] for d in run["rec"].train] == [d["iteration"] for d in ref["rec"].train]
-    assert [d["learning_rate"] for d in run["rec"].train] == pytest.approx(
-        [d["learning_rate"] for d in ref["rec"].train], rel=1e-7, abs=1e-12)
-    assert [d["trained_tokens"] for d in run["rec"].train] == [d["trained_tokens"] for d in ref["rec"].train]
-    assert [d["train_loss"] for d in run["rec"].train] == pytest.approx(
-        [d["train_loss"] for d in ref["rec"].train], rel=1e-5)
-    assert [d["iteration"] for d in run["rec"].val] == [d["iteration"] for d in ref["rec"].val]
-    assert [d["val_loss"] for d in run["rec"].val] == pytest.approx([d["val_loss"] for d in ref["rec"].val],
-                                                                    rel=1e-5)
-    # the adapters moved far more than the tolerance, and end equal
-    moved = max(float(np.abs(ref["final"][k] - ref["init"][k]).max()) for k in ref["final"])
-    assert moved > 100 * atol
-    for k in ref["final"]:
-        np.testing.assert_allclose(run["final"][k], ref["final"][k], atol=atol, rtol=1e-3, err_msg=k)
-    # adapter-saving cadence: the same checkpoint files, and the final adapter file equal
-    names = lambda r: sorted(p.name for p in Path(r["args"].adapter_file).parent.iterdir())  # noqa: E731
-    assert names(run) == names(ref) == ["0000004_adapters.safetensors", "0000008_adapters.safetensors",
-                                        "adapters.safetensors"]
-    a, b = mx.load(run["args"].adapter_file), mx.load(ref["args"].adapter_file)
-    assert sorted(a) == sorted(b)
-    for k in a:
-        np.testing.assert_allclose(np.array(a[k]), np.array(b[k]), atol=atol, rtol=1e-3)
-
-
 def test_split_switch_mid_run_matches_unguarded_mlx_lm(tmp_path):
-    ref = _run(tmp_path, "ref", guarded=False)
+    ref = run_tiny(tmp_path, "ref", guarded=False)
     guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0)
     # iteration 6 (batch index 5) lies inside an accumulation window of 2: the switch happens
     # between the two batches of update 3
-    run = _run(tmp_path, "split", guarded=True, guard=guard, batches=_switching_batches(guard, 5, 4))
+    run = run_tiny(tmp_path, "split", guarded=True, guard=guard, batches=_switching_batches(guard, 5, 4))
     print(f"\nunguarded mlx_lm: {ref['secs']:.1f}s, guarded with k 1->4 at it 6: {run['secs']:.1f}s")
     assert guard.split_history == [(1, 1), (6, 4)]
     assert guard.optimizer_steps == 5
     assert max(guard.micro_batch_rows) == 8 and min(guard.micro_batch_rows) < 8
-    _assert_same_run(ref, run, tmp_path)
+    assert_same_run(ref, run)
     before = [p for it, k, p in guard.batch_peaks if k == 1]
     after = [p for it, k, p in guard.batch_peaks if k == 4]
     print("peak per batch (bytes) k=1:", before, " k=4:", after)
@@ -125,13 +54,13 @@ def test_split_switch_mid_run_matches_unguarded_mlx_lm(tmp_path):
 
 
 def test_qwen2_guarded_unsplit_and_split_from_start(tmp_path):
-    ref = _run(tmp_path, "ref", guarded=False, arch="qwen2")
-    same = _run(tmp_path, "k1", guarded=True, arch="qwen2", guard=MlxGuard(budget_bytes=2**30, monitor_interval_s=0))
-    _assert_same_run(ref, same, tmp_path, atol=1e-6)
-    k2 = _run(tmp_path, "k2", guarded=True, arch="qwen2",
+    ref = run_tiny(tmp_path, "ref", guarded=False, arch="qwen2")
+    same = run_tiny(tmp_path, "k1", guarded=True, arch="qwen2", guard=MlxGuard(budget_bytes=2**30, monitor_interval_s=0))
+    assert_same_run(ref, same, atol=1e-6)
+    k2 = run_tiny(tmp_path, "k2", guarded=True, arch="qwen2",
               guard=MlxGuard(budget_bytes=2**30, monitor_interval_s=0, micro_batches=2))
     assert k2["guard"].split_history == [(1, 2)]
-    _assert_same_run(ref, k2, tmp_path)
+    assert_same_run(ref, k2)
 
 
 def test_copied_loop_matches_upstream_train(tmp_path):
@@ -146,14 +75,14 @@ def test_copied_loop_matches_upstream_train(tmp_path):
 
     import importlib.metadata
     assert importlib.metadata.version("mlx-lm") == _compat.UPSTREAM_VERSION  # what the header says it copies
-    ref = _run(tmp_path, "ref", guarded=False)
+    ref = run_tiny(tmp_path, "ref", guarded=False)
 
     np.random.seed(0)
     model = build_model("llama")
     init = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
     opt = schedule_optimizer()
     rec = Recorder()
-    args = _args(tmp_path, "copied")
+    args = training_args(tmp_path, "copied")
     state, grad_step, update_step = compile_halves(model, opt, nn.value_and_grad(model, default_loss),
                                                    args.grad_accumulation_steps)
 
@@ -166,7 +95,7 @@ def test_copied_loop_matches_upstream_train(tmp_path):
     assert last == args.iters
     final = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
     run = dict(model=model, opt=opt, rec=rec, init=init, final=final, args=args)
-    _assert_same_run(ref, run, tmp_path, atol=1e-6)
+    assert_same_run(ref, run, atol=1e-6)
 
 
 def test_allocation_failure_doubles_k_and_redoes_the_batch(tmp_path, monkeypatch):
@@ -186,10 +115,10 @@ def test_allocation_failure_doubles_k_and_redoes_the_batch(tmp_path, monkeypatch
             raise RuntimeError(f"[malloc] Unable to allocate {rows * 1 << 20} bytes.")
         return real(rows, *arrays)
 
-    ref = _run(tmp_path, "ref", guarded=False)
+    ref = run_tiny(tmp_path, "ref", guarded=False)
     monkeypatch.setattr(tr, "_eval_gradient", tight_eval)
     guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0)
-    run = _run(tmp_path, "oom", guarded=True, guard=guard)
+    run = run_tiny(tmp_path, "oom", guarded=True, guard=guard)
     ks = [k for _, k in guard.split_history]
     print("split history:", guard.split_history)
     # k doubled at each failure (token-balanced chunks may still hold 3 of 8 rows at k=4)
@@ -197,7 +126,7 @@ def test_allocation_failure_doubles_k_and_redoes_the_batch(tmp_path, monkeypatch
     assert {it for it, _ in guard.split_history[1:]} == {3}  # all on the same batch, redone
     rows_after = guard.micro_batch_rows[2:]  # batches 1-2 ran unsplit (8 rows each)
     assert guard.micro_batch_rows[:2] == [8, 8] and max(rows_after) <= 2
-    _assert_same_run(ref, run, tmp_path)
+    assert_same_run(ref, run)
 
 
 def _leaky_batches(store):
@@ -216,7 +145,7 @@ def test_leak_detector(tmp_path, leaky):
     store = []
     det = LeakDetector(window=4, min_growth_bytes=1 << 20, min_step_bytes=64 << 10, warmup=2)
     guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0, leak_detector=det)
-    _run(tmp_path, "leak", guarded=True, guard=guard, iters=12, grad_accumulation_steps=1, steps_per_report=4,
+    run_tiny(tmp_path, "leak", guarded=True, guard=guard, iters=12, grad_accumulation_steps=1, steps_per_report=4,
          steps_per_save=100, batches=_leaky_batches(store) if leaky else iterate_batches)
     actives = [a for _, a in det.samples]
     print("active memory after each update:", actives)

@@ -45,11 +45,21 @@ return ``(value, weight)`` with ``value = sum_over_units / weight`` (as mlx_lm r
 Under ``mx.distributed`` no rank agreement on k is needed: chunks run no collective; gradients are
 averaged across ranks only in ``update_step``, which every rank reaches once per update as before.
 
-Allocation failures: an MLX allocation error (:func:`memguard_mlx.memory.is_allocation_error`) while
-a batch's gradient is computed frees the cache, doubles k (``Guard.after_oom``) and redoes the whole
-batch from the previous accumulated gradient (nothing of the failed attempt is kept). On MLX's Linux CPU backend a
-failed ``malloc`` is a SIGSEGV rather than an exception (see ``memory.py``), so there the guard's
-per-batch monitor (split at critical/emergency pressure) is what keeps the run inside the budget.
+Allocation failures (the window redo; docs/mlx.md): MLX is lazy, so an allocation failure surfaces
+where a micro-batch's loss and gradient are evaluated (``_eval_gradient``). On Metal it is a
+``RuntimeError`` (``[metal::malloc] ...``, ``[malloc] Unable to allocate ...``;
+:func:`memguard_mlx.memory.is_allocation_error`): the failed attempt's arrays are dropped (its
+partial gradient sum included), the cache is cleared, k is raised (``Guard.after_window_oom``:
+doubled; at one row per micro-batch one more try after the free, at most ``MAX_WINDOW_REDOS`` redos,
+then ``WindowOOMError`` with the plan) and the batch -- the one already drawn, so the iterator, ``it``,
+the LR schedule and the samples per update stay exact -- is recomputed from its first micro-batch.
+The gradient accumulated over the accumulation window's earlier batches (``grad_accumulation_steps``)
+is kept: it was evaluated at the end of its batch, and nothing of the failed batch reached it, the
+model or the optimizer. On MLX's Linux CPU backend a failed ``malloc`` is a SIGSEGV rather than an
+exception (see ``memory.py``), and a Metal command buffer that runs out of memory aborts the process
+from Metal's completion thread: there the guard's per-batch monitor (split at critical/emergency
+pressure) keeps the run inside the budget, and ``memguard run`` restarts a killed run, which resumes
+from mlx_lm's last numbered adapter save (:func:`resume_adapter_file`).
 """
 
 from __future__ import annotations
@@ -348,11 +358,26 @@ class MlxGuard(GuardAttributes):
         self._batch_k = k
         return k
 
-    def after_alloc_failure(self, exc: BaseException, k: int, rows: int, it: int) -> int:
-        """Free memory after an allocation failure and return the doubled k (the whole batch is
-        redone); re-raise when a batch of one row per micro-batch already failed."""
-        new_k = self.guard.after_oom(exc, k, rows, it, free=_free_mlx)
-        self.split_history.append((it, new_k))
+    def after_window_oom(self, exc: BaseException, k: int, rows: int, it: int, redos: int) -> int:
+        """After an MLX allocation failure while a batch's gradient was evaluated, once the failed
+        attempt's arrays are dropped: free MLX's cache, raise k (``Guard.after_window_oom``: doubled,
+        at most ``rows``) and return it; the whole batch is then recomputed from its first chunk.
+
+        Args:
+            exc: the allocation error (:func:`memguard_mlx.memory.is_allocation_error`).
+            k: micro-batches of the failed attempt.
+            rows: rows of the batch.
+            it: the iteration (mlx_lm's ``it``, 1-based) of the batch.
+            redos: redos of this batch already done.
+
+        Raises:
+            WindowOOMError: the failed attempt already ran one row per micro-batch (after one redo
+                there) or the batch failed ``MAX_WINDOW_REDOS`` times; it names the plan that fits.
+        """
+        new_k = self.guard.after_window_oom(exc, k, rows, it, redos=redos, phase="forward and backward",
+                                            free=_free_mlx)
+        if self.split_history[-1][1] != new_k:
+            self.split_history.append((it, new_k))
         self._batch_k = new_k
         return new_k
 
@@ -447,42 +472,52 @@ def train(
         lw = mx.where(ok, lvalue.astype(mx.float32) * w, mx.array(0.0, mx.float32))
         return lw, w, toks, grad
 
+    def attempt(batch, rows, k, counts):
+        # one try at the batch's gradient with k micro-batches: (loss, ntoks, grad, scale, rows of each
+        # micro-batch); every array of a failed try dies with this frame
+        if k <= 1:
+            lvalue, toks, g = grad_step(batch)
+            _eval_gradient(rows, lvalue, toks, g)
+            return lvalue, toks, g, None, [rows]
+        ranges = split_count(list(counts) if counts is not None else [1] * rows, k)
+        if counts is not None:
+            sums = [int(counts[a:b].sum()) for a, b in ranges]
+            ranges, _ = _merge_empty(ranges, sums)
+        acc = lsum = wsum = tsum = None
+        for a, b in ranges:
+            lw, w, t, acc = chunk_step(_slice(batch, a, b, rows), acc)
+            lsum = lw if lsum is None else lsum + lw
+            wsum = w if wsum is None else wsum + w
+            tsum = t if tsum is None else tsum + t
+            _eval_gradient(b - a, lsum, wsum, tsum, acc)  # one micro-batch's activations at a time
+        return lsum / wsum, tsum, acc, wsum, [b - a for a, b in ranges]
+
     def run_batch(batch, prev_grad, do_update, it):
         rows = _batch_rows(batch)
         k = guard.split_for_batch(it, rows)
-        if k <= 1:
-            try:
-                lvalue, toks, g = grad_step(batch)
-                _eval_gradient(rows, lvalue, toks, g)
-                guard.micro_batch_done(rows)
-                return lvalue, toks, update_step(g, None, prev_grad, do_update)
-            except Exception as exc:
-                if not is_allocation_error(exc):
-                    raise
-                k = guard.after_alloc_failure(exc, 1, rows, it)
         counts = row_token_counts(batch) if chunk_weight is None else None
+        redos = 0
         while True:
-            ranges = split_count(list(counts) if counts is not None else [1] * rows, k)
-            if counts is not None:
-                sums = [int(counts[a:b].sum()) for a, b in ranges]
-                ranges, _ = _merge_empty(ranges, sums)
-            acc = None
-            lsum = wsum = tsum = None
+            failed = None
             try:
-                for a, b in ranges:
-                    lw, w, t, acc = chunk_step(_slice(batch, a, b, rows), acc)
-                    lsum = lw if lsum is None else lsum + lw
-                    wsum = w if wsum is None else wsum + w
-                    tsum = t if tsum is None else tsum + t
-                    _eval_gradient(b - a, lsum, wsum, tsum, acc)  # one chunk's activations at a time
-                    guard.micro_batch_done(b - a)
-                break
+                lvalue, toks, grad, scale, done = attempt(batch, rows, k, counts)
             except Exception as exc:
                 if not is_allocation_error(exc):
                     raise
-                del acc
-                k = guard.after_alloc_failure(exc, k, rows, it)
-        return lsum / wsum, tsum, update_step(acc, wsum, prev_grad, do_update)
+                # the traceback holds the failed try's frame and with it its lazy arrays (the
+                # partial gradient sum, the activations): dropped before the cache is cleared
+                failed = exc.with_traceback(None)
+            if failed is None:
+                break
+            # window redo: prev_grad (the accumulation window's earlier batches) was evaluated at
+            # the end of its batch and update_step has not run, so model, optimizer and prev_grad
+            # are untouched; only this batch is recomputed, from its first micro-batch, and the
+            # batch is the one already drawn (the iterator is not advanced again)
+            k = guard.after_window_oom(failed, k, rows, it, redos)
+            redos += 1
+        for r in done:
+            guard.micro_batch_done(r)
+        return lvalue, toks, update_step(grad, scale, prev_grad, do_update)
 
     def report_extra(ui, it, rank):
         mon = guard.monitor

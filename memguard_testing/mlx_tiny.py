@@ -64,3 +64,102 @@ def schedule_optimizer(lr: float = 1e-2, steps: int = 20):
     warm = optim.linear_schedule(0.0, lr, 3)
     cos = optim.cosine_decay(lr, steps)
     return optim.AdamW(learning_rate=optim.join_schedules([warm, cos], [3]))
+
+
+# ---------------------------------------------------------------------------------------------
+# one tiny run, guarded or not, and its comparison with another
+
+
+class Recorder:
+    """An mlx_lm ``TrainingCallback`` keeping every train and validation report dict."""
+
+    def __init__(self):
+        self.train, self.val = [], []
+
+    def on_train_loss_report(self, info):
+        self.train.append(dict(info))
+
+    def on_val_loss_report(self, info):
+        self.val.append(dict(info))
+
+
+def training_args(tmp, name: str, **kw):
+    """mlx_lm ``TrainingArgs`` of the tiny runs (batch 8, 10 iterations, accumulation 2: 5 updates;
+    validation at 1, 5, 10 on 2 batches; saves at 4 and 8) with the adapters under ``tmp/name``;
+    ``kw`` overrides."""
+    from pathlib import Path
+
+    from mlx_lm.tuner.trainer import TrainingArgs
+
+    base = dict(batch_size=8, iters=10, steps_per_report=1, steps_per_eval=5, val_batches=2,
+                steps_per_save=4, max_seq_length=64, grad_accumulation_steps=2,
+                adapter_file=str(Path(tmp) / name / "adapters.safetensors"))
+    base.update(kw)
+    (Path(tmp) / name).mkdir(parents=True, exist_ok=True)
+    return TrainingArgs(**base)
+
+
+def run_tiny(tmp, name: str, *, guarded: bool, arch: str = "llama", guard=None, loss=None, batches=None,
+             resume_from=None, **kw) -> dict:
+    """One tiny LoRA run: ``memguard_mlx.train`` (``guarded``) or ``mlx_lm.tuner.trainer.train``, on
+    :class:`TokenRows` (48 rows train, 16 validation), numpy seeded 0 first (``iterate_batches``
+    shuffles with numpy's global generator, as ``mlx_lm.lora`` seeds it). Returns model, opt, rec
+    (:class:`Recorder`), guard, init / final trainable weights (numpy), args, secs."""
+    import time
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.trainer import default_loss, iterate_batches
+    from mlx_lm.tuner.trainer import train as mlx_lm_train
+
+    loss = default_loss if loss is None else loss
+    batches = iterate_batches if batches is None else batches
+    np.random.seed(0)
+    model = build_model(arch)
+    init = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+    opt = schedule_optimizer()
+    rec = Recorder()
+    args = training_args(tmp, name, **kw)
+    t0 = time.perf_counter()
+    if guarded:
+        import memguard_mlx
+
+        extra = {} if resume_from is None else {"resume_from": resume_from}
+        guard = memguard_mlx.train(model, opt, TokenRows(), TokenRows(16, seed=5), args=args, loss=loss,
+                                   iterate_batches=batches, training_callback=rec, guard=guard, **extra)
+    else:
+        mlx_lm_train(model, opt, TokenRows(), TokenRows(16, seed=5), args=args, loss=loss,
+                     iterate_batches=batches, training_callback=rec)
+    secs = time.perf_counter() - t0
+    final = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+    return dict(model=model, opt=opt, rec=rec, guard=guard, init=init, final=final, args=args, secs=secs)
+
+
+def assert_same_run(ref: dict, run: dict, atol: float = 1e-4) -> None:
+    """Two :func:`run_tiny` results trained alike: 5 optimizer updates, the same reported
+    iterations, learning rates, tokens, train and validation losses (rel 1e-5), checkpoint files and
+    final weights (``atol`` / rtol 1e-3), the weights having moved far more than ``atol``."""
+    from pathlib import Path
+
+    import pytest
+
+    assert int(run["opt"].state["step"]) == int(ref["opt"].state["step"]) == 5
+    assert [d["iteration"] for d in run["rec"].train] == [d["iteration"] for d in ref["rec"].train]
+    assert [d["learning_rate"] for d in run["rec"].train] == pytest.approx(
+        [d["learning_rate"] for d in ref["rec"].train], rel=1e-7, abs=1e-12)
+    assert [d["trained_tokens"] for d in run["rec"].train] == [d["trained_tokens"] for d in ref["rec"].train]
+    assert [d["train_loss"] for d in run["rec"].train] == pytest.approx(
+        [d["train_loss"] for d in ref["rec"].train], rel=1e-5)
+    assert [d["iteration"] for d in run["rec"].val] == [d["iteration"] for d in ref["rec"].val]
+    assert [d["val_loss"] for d in run["rec"].val] == pytest.approx([d["val_loss"] for d in ref["rec"].val],
+                                                                    rel=1e-5)
+    moved = max(float(np.abs(ref["final"][k] - ref["init"][k]).max()) for k in ref["final"])
+    assert moved > 100 * atol
+    for k in ref["final"]:
+        np.testing.assert_allclose(run["final"][k], ref["final"][k], atol=atol, rtol=1e-3, err_msg=k)
+    names = lambda r: sorted(p.name for p in Path(r["args"].adapter_file).parent.iterdir())  # noqa: E731
+    assert names(run) == names(ref) == ["0000004_adapters.safetensors", "0000008_adapters.safetensors",
+                                        "adapters.safetensors"]
+    a, b = mx.load(run["args"].adapter_file), mx.load(ref["args"].adapter_file)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(np.array(a[k]), np.array(b[k]), atol=atol, rtol=1e-3)

@@ -1,0 +1,111 @@
+"""A Metal allocation failure in a real mlx_lm LoRA run on MLX's CPU backend: the window redo.
+
+What is faked, and only this: MLX raises an allocation failure on Metal only (its Linux CPU backend
+dies with SIGSEGV on a failed malloc, which no test can catch), so the test wraps the single boundary
+where the guarded loop evaluates a micro-batch's loss and gradient (``memguard_mlx.trainer.
+_eval_gradient``, an ``mx.eval``) and raises Metal's own message there once, at a chosen micro-batch
+of a chosen iteration, before evaluating. Everything else -- the model, the data, ``iterate_batches``,
+the compiled steps, the optimizer, the adapter saves -- is real mlx / mlx_lm on the CPU backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from mlx_lm.tuner.trainer import iterate_batches  # noqa: E402
+
+import memguard_mlx.trainer as tr  # noqa: E402
+from memguard_core.errors import WindowOOMError  # noqa: E402
+from memguard_mlx import MlxGuard  # noqa: E402
+
+from memguard_testing.mlx_tiny import assert_same_run, run_tiny  # noqa: E402
+
+#: Metal's allocator, a buffer above the device's maximum (mlx/backend/metal/allocator.cpp; as quoted
+#: in public reports of mlx runs, e.g. "[metal::malloc] Attempting to allocate 13902151680 bytes ...").
+METAL_OOM = ("[metal::malloc] Attempting to allocate 13902151680 bytes which is greater than the maximum "
+             "allowed buffer size of 8589934592 bytes.")
+
+
+def _metal_oom_at(monkeypatch, guard: MlxGuard, *, iteration: int, chunk: int, times: int = 1):
+    """Make the ``chunk``-th (1-based) gradient evaluation of ``iteration`` raise Metal's allocation
+    error, ``times`` attempts in a row (every evaluation of that iteration with ``times=None``).
+    Returns the log of evaluations: ``(iteration, rows, raised)``."""
+    real = tr._eval_gradient
+    log, seen = [], {}
+
+    def eval_or_metal_oom(rows, *arrays):
+        it = guard._it
+        seen[it] = seen.get(it, 0) + 1
+        failures = sum(1 for i, _, r in log if i == it and r)
+        if it == iteration and (times is None or failures < times) and (times is None or seen[it] == chunk):
+            log.append((it, rows, True))
+            seen[it] = 0  # the batch is redone from its first micro-batch
+            raise RuntimeError(METAL_OOM)
+        log.append((it, rows, False))
+        return real(rows, *arrays)
+
+    monkeypatch.setattr(tr, "_eval_gradient", eval_or_metal_oom)
+    return log
+
+
+def _counting_batches(draws: list):
+    """mlx_lm's own iterate_batches; counts the training batches drawn (``loop=True``; validation
+    draws its own with ``loop=False``)."""
+
+    def batches(**kw):
+        for b in iterate_batches(**kw):
+            if kw.get("loop"):
+                draws.append(int(b[0].shape[0]))
+            yield b
+
+    return batches
+
+
+def test_metal_oom_in_a_micro_batch_redoes_the_batch_from_its_first_chunk(tmp_path, monkeypatch):
+    ref = run_tiny(tmp_path, "ref", guarded=False)
+    guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0, micro_batches=2)
+    # iteration 6 is the second batch of update 3 (accumulation 2): the window's first batch's
+    # gradient (iteration 5) is kept; the failure hits the second of the two micro-batches, after
+    # the first one's gradient went into the partial sum that is dropped
+    log = _metal_oom_at(monkeypatch, guard, iteration=6, chunk=2)
+    draws = []
+    run = run_tiny(tmp_path, "oom", guarded=True, guard=guard, batches=_counting_batches(draws))
+
+    at6 = [(rows, raised) for it, rows, raised in log if it == 6]
+    print("split history:", guard.split_history, " evaluations at iteration 6:", at6)
+    assert [r for _, r in at6] == [False, True] + [False] * (len(at6) - 2)  # redone from micro-batch 1
+    assert sum(rows for rows, _ in at6[2:]) == 8 and len(at6) - 2 >= 3  # the whole batch, in more pieces
+    # every iteration ran, nothing drawn twice, samples per update exact
+    assert len(draws) == 10 and guard.summary["iterations"] == 10
+    assert guard.optimizer_steps == 5 and guard.samples_per_step == [16] * 5
+    # k raised (2 -> 4) at iteration 6 and kept after; the event recorded
+    assert guard.split_history == [(1, 2), (6, 4)] and guard.oom_retries == 1
+    oom_events = [e for e in guard.events if "out of memory in the forward and backward" in str(e)]
+    assert len(oom_events) == 1, guard.events
+    # the same run as mlx_lm's unsplit one: updates, LR sequence, losses, tokens, saves, weights.
+    # Tolerance atol 1e-4 / rtol 1e-3 (weights move > 1e-2): a cut batch sums its micro-batches'
+    # token-weighted gradients in float32 in another order than one unsplit reduction, and Adam's
+    # division by sqrt(v) turns such rounding differences of small gradient entries into relative
+    # differences of the update, over 5 updates
+    assert_same_run(ref, run, atol=1e-4)
+    diff = max(float(abs(run["final"][k] - ref["final"][k]).max()) for k in ref["final"])
+    print(f"largest weight difference from the unsplit run: {diff:.2e}")
+
+
+def test_metal_oom_at_one_row_per_micro_batch_raises_window_oom_error_with_the_plan(tmp_path, monkeypatch):
+    guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0)
+    log = _metal_oom_at(monkeypatch, guard, iteration=3, chunk=1, times=None)
+    with pytest.raises(WindowOOMError) as ei:
+        run_tiny(tmp_path, "floor", guarded=True, guard=guard)
+    err = ei.value
+    print(err)
+    assert err.phase == "forward and backward" and err.rows == 8 and err.micro_batches == 8
+    assert "out of memory" in str(err) and err.plan and METAL_OOM in str(err)
+    # 1 -> 2 -> 4 -> 8 rows' worth, then one more try at one row per micro-batch after the free
+    assert [k for it, k in guard.split_history if it == 3] == [2, 4, 8]
+    failed_rows = [rows for it, rows, raised in log if it == 3 and raised]  # first micro-batch of each try
+    assert len(failed_rows) == 5 and failed_rows[0] == 8 and failed_rows[-2:] == [1, 1]  # token-balanced cuts
+    assert guard.summary is not None and guard.summary["iterations"] == 3  # the guard stopped cleanly

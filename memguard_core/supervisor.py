@@ -8,11 +8,20 @@ child and, when the child was killed *for memory*, starts it again with
   environment (``MEMGUARD_SPLIT`` is its deprecated name); every adapter reads it at construction
   (``memguard_core.options``) and cuts each batch into that many micro-batches from the start
   (effective batch, step count and LR schedule unchanged);
-* resume semantics: ``MEMGUARD_RESUME_FROM=<output dir>/checkpoint-<N>`` (largest N, the
-  ``transformers.trainer_utils.get_last_checkpoint`` rule). The training script passes it to
-  ``trainer.train(resume_from_checkpoint=memguard_hf.resume_checkpoint())``: a callback cannot,
-  because ``Trainer.train`` loads the checkpoint before the first callback event. Checkpoints
-  come from the script's own ``save_steps``; with none the restart begins at step 0 (reported).
+* resume semantics: ``MEMGUARD_RESUME_FROM=<the latest checkpoint>``, found by the rules of
+  :mod:`memguard_core.resume` for the run's framework (``--framework``, default ``auto``):
+
+  - hf: ``<output dir>/checkpoint-N`` (largest N, ``transformers.trainer_utils.get_last_checkpoint``);
+    the script passes it to ``trainer.train(resume_from_checkpoint=memguard_hf.resume_checkpoint())``
+    (a callback cannot: ``Trainer.train`` loads the checkpoint before the first callback event);
+  - lightning: a ModelCheckpoint ``.ckpt`` under ``--ckpt-dir`` / ``--default_root_dir``
+    (``last.ckpt`` by Lightning's ``ckpt_path="last"`` rule, else the largest ``step=N``); the
+    script passes it to ``trainer.fit(model, ckpt_path=memguard_lightning.resume_checkpoint())``;
+  - mlx: ``<--adapter-path>/NNNNNNN_adapters.safetensors`` (largest N), which ``memguard_mlx``
+    loads, skipping the N finished iterations.
+
+  Checkpoints come from the script's own saving (``save_steps``, ``ModelCheckpoint``,
+  ``--save-every``); with none the restart begins at step 0 (reported).
 
 It restarts at most ``--max-restarts`` times (default 3) and reports every restart on stderr
 (and, with ``--report PATH``, as JSON). Any other exit (success, an exception, a SIGKILL that was
@@ -41,7 +50,7 @@ last 64 KiB kept for the checks above); stdout and stdin are inherited.
 Python API::
 
     from memguard_core.supervisor import supervise
-    result = supervise(["python", "train.py", "--output-dir", "out"], max_restarts=3)
+    result = supervise(["python", "train.py", "--output-dir", "out"], max_restarts=3, framework="auto")
     result.returncode, [a.to_dict() for a in result.attempts]
 
 Exit status of ``main``: the last child's (a signal death as ``128 + signal``), ``2`` for bad
@@ -67,20 +76,19 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 from .errors import ConfigError, require_positive_int
 from .events import LOG_DIR_ENV, RUN_ID_ENV, append_record, event_log_path, new_run_id
 from .options import MICRO_BATCHES_ENV, OLD_MICRO_BATCHES_ENV, micro_batches_from_env
+from .resume import (AUTO, FRAMEWORKS, RESUME_ENV, _require_framework, checkpoint_step, detect_checkpoint_dir,
+                     find_resume_checkpoint, hf_latest_checkpoint)
 
 logger = logging.getLogger("memguard.supervisor")
 
 #: The environment variable the child reads its starting micro-batches from.
 SPLIT_ENV = MICRO_BATCHES_ENV
-RESUME_ENV = "MEMGUARD_RESUME_FROM"
 ATTEMPT_ENV = "MEMGUARD_ATTEMPT"
 DEFAULT_MAX_RESTARTS = 3
 STDERR_TAIL_BYTES = 64 * 1024
 
 #: NTSTATUS codes of a process that died for lack of memory (ntstatus.h).
 WINDOWS_OOM_STATUS = (0xC0000017, 0xC000012D)
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-_OUTPUT_DIR_FLAGS = ("--output-dir", "--output_dir")
 _METAL_OOM = ("Insufficient Memory", "kIOGPUCommandBufferCallbackErrorOutOfMemory")
 _PY_OOM = re.compile(r"^(torch\.OutOfMemoryError|torch\.cuda\.OutOfMemoryError|MemoryError|"
                      r"RuntimeError: .*(out of memory|DefaultCPUAllocator: (can't|not enough))).*$",
@@ -90,40 +98,24 @@ _PY_OOM = re.compile(r"^(torch\.OutOfMemoryError|torch\.cuda\.OutOfMemoryError|M
 # ------------------------------------------------------------------------------------------- helpers
 
 def latest_checkpoint(output_dir: Optional[str]) -> Optional[str]:
-    """``<output_dir>/checkpoint-N`` with the largest N (a directory), or None.
+    """``<output_dir>/checkpoint-N`` with the largest N (a directory), or None: the HF rule,
+    :func:`memguard_core.resume.hf_latest_checkpoint` (kept here for existing callers)."""
+    return hf_latest_checkpoint(output_dir)
 
-    The rule of ``transformers.trainer_utils.get_last_checkpoint`` (the number, not the mtime).
-    A missing or unreadable ``output_dir`` gives None.
+
+def detect_output_dir(cmd: Sequence[str], framework: str = "hf") -> Optional[str]:
+    """The directory ``cmd``'s flags name for ``framework``'s checkpoints, or None.
+
+    hf: ``--output-dir`` / ``--output_dir`` (``X`` or ``=X``), the spellings of HF
+    ``TrainingArguments`` through ``HfArgumentParser``. lightning: ``--ckpt-dir``,
+    ``--default_root_dir`` / ``--default-root-dir`` / ``--trainer.default_root_dir``, then
+    ``--output-dir``. mlx: ``--adapter-path``, then ``--output-dir`` (``adapters`` for an
+    ``mlx_lm.lora`` command without one). See :func:`memguard_core.resume.detect_checkpoint_dir`.
+
+    Raises:
+        ConfigError: ``framework`` is not one of hf, lightning, mlx.
     """
-    if not output_dir:
-        return None
-    try:
-        names = os.listdir(output_dir)
-    except OSError:
-        return None
-    best = None
-    for name in names:
-        m = _CHECKPOINT_RE.match(name)
-        if m and os.path.isdir(os.path.join(output_dir, name)):
-            n = int(m.group(1))
-            if best is None or n > best[0]:
-                best = (n, name)
-    return os.path.join(output_dir, best[1]) if best else None
-
-
-def detect_output_dir(cmd: Sequence[str]) -> Optional[str]:
-    """The value of ``--output-dir`` / ``--output_dir`` (``X`` or ``=X``) in ``cmd``, or None.
-
-    These are the spellings of HF ``TrainingArguments`` through ``HfArgumentParser`` (both are
-    accepted there) and of most training scripts.
-    """
-    for i, tok in enumerate(cmd):
-        for flag in _OUTPUT_DIR_FLAGS:
-            if tok == flag and i + 1 < len(cmd):
-                return cmd[i + 1]
-            if tok.startswith(flag + "="):
-                return tok[len(flag) + 1:]
-    return None
+    return detect_checkpoint_dir(cmd, framework)
 
 
 def _vmstat_oom_kills(proc_root: str = "/proc") -> Optional[int]:
@@ -226,6 +218,8 @@ class Attempt:
         returncode: its exit status (``-N``: killed by signal N).
         killed_for_memory: :func:`classify_exit`'s verdict; ``reason`` its evidence.
         wall_s: seconds it ran.
+        resume_framework: after a memory kill, the framework whose rule looked for the next
+            attempt's checkpoint (hf, lightning, mlx; None when nothing pointed to one).
     """
 
     number: int
@@ -235,6 +229,7 @@ class Attempt:
     killed_for_memory: bool = False
     reason: str = ""
     wall_s: float = 0.0
+    resume_framework: Optional[str] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -327,7 +322,7 @@ def _run_once(cmd: Sequence[str], env: Mapping[str, str]) -> tuple:
     return rc, bytes(tail).decode("utf-8", "replace")
 
 
-def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None,
+def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework: str = AUTO,
               max_restarts: int = DEFAULT_MAX_RESTARTS, split: Optional[int] = None,
               env: Optional[Mapping[str, str]] = None,
               report: Optional[Callable[[str], None]] = None,
@@ -337,7 +332,11 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None,
 
     Args:
         cmd: the training command (argument list, no shell).
-        output_dir: where the script writes ``checkpoint-N``; default :func:`detect_output_dir`.
+        output_dir: where the script writes its checkpoints; default: the command's flags for the
+            framework (:func:`memguard_core.resume.detect_checkpoint_dir`).
+        framework: whose checkpoint rule finds the resume point: ``auto`` (default: the framework
+            the command's flags point to, else the first of hf, lightning, mlx that finds one),
+            ``hf``, ``lightning`` or ``mlx`` (:mod:`memguard_core.resume`).
         max_restarts: restarts allowed after memory kills (>= 0).
         split: the first run's ``MEMGUARD_MICRO_BATCHES`` (>= 1); default: the environment's
             (``MEMGUARD_MICRO_BATCHES``, else the deprecated ``MEMGUARD_SPLIT``), else unset (the
@@ -353,7 +352,7 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None,
 
     Raises:
         ConfigError: empty ``cmd``, a command that is not an executable (on ``PATH`` or a path to
-            one), bad ``max_restarts`` or ``split``.
+            one), bad ``framework``, ``output_dir``, ``max_restarts`` or ``split``.
     """
     if isinstance(cmd, (str, bytes)) or not cmd or not all(isinstance(c, str) for c in cmd):
         raise ConfigError("command", "a non-empty list of arguments (memguard run -- python train.py ...)",
@@ -362,13 +361,20 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None,
         raise ConfigError("command", "an executable on PATH or a path to one (memguard run -- python train.py ...)",
                           cmd[0])
     max_restarts = require_positive_int("max_restarts", max_restarts, allow_zero=True)
+    framework = _require_framework(framework)
+    if output_dir is not None and (not isinstance(output_dir, (str, os.PathLike)) or not os.fspath(output_dir)):
+        raise ConfigError("output_dir", "a directory path (str) or None", output_dir)
+    if output_dir is not None:
+        output_dir = os.fspath(output_dir)
+        if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+            raise ConfigError("output_dir", "a directory (where the script writes its checkpoints), not a file",
+                              output_dir)
     base_env: Dict[str, str] = dict(os.environ if env is None else env)
     if split is None:
         split = micro_batches_from_env(base_env)
     base_env.pop(OLD_MICRO_BATCHES_ENV, None)  # the child reads the new name only
     if split is not None:
         split = require_positive_int("split", split)
-    out_dir = output_dir if output_dir is not None else detect_output_dir(cmd)
     say = report or (lambda line: logger.warning("%s", line))
     run = runner or _run_once
     read_counters = counters or OomCounters.read
@@ -409,50 +415,63 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None,
                 f"no restart left (--max-restarts {max_restarts}); giving up with status {result.returncode}")
             return result
         split = 2 * (split or 1)
-        resume = latest_checkpoint(out_dir) or None
-        where = (f"resuming from {resume}" if resume else
-                 "no checkpoint found" + (f" in {out_dir}" if out_dir else " (no --output-dir given or detected)")
+        resume, found_fw, searched = find_resume_checkpoint(cmd, framework, output_dir)
+        attempt.resume_framework = found_fw
+        where = (f"resuming from {resume} ({found_fw})" if resume else
+                 f"no {found_fw or framework} checkpoint found"
+                 + (f" in {searched}" if searched else
+                    " (no --output-dir / --default_root_dir / --ckpt-dir / --adapter-path given or detected)")
                  + ": restarting from step 0")
         message = (f"memguard run: attempt {attempt.number} killed for memory after {attempt.wall_s:.1f} s "
                    f"({attempt.reason}); restart {result.restarts + 1}/{max_restarts} with {SPLIT_ENV}={split}, {where}")
         say(message)
         if log_dir:
             append_record(event_log_path(log_dir, base_env[RUN_ID_ENV], 0),
-                          {"type": "decision", "kind": "restart", "step": _checkpoint_step(resume),
+                          {"type": "decision", "kind": "restart", "step": checkpoint_step(resume),
                            "message": message.split(": ", 1)[1], "attempt": attempt.number + 1,
                            "micro_batches": split})
-
-
-def _checkpoint_step(path: Optional[str]) -> Optional[int]:
-    """The step of a ``checkpoint-N`` folder (None when there is none)."""
-    m = re.search(r"checkpoint-(\d+)$", str(path or "").rstrip("/"))
-    return int(m.group(1)) if m else None
 
 
 # ------------------------------------------------------------------------------------------- CLI
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``memguard run`` argument parser (everything after ``--`` is the training command)."""
     p = argparse.ArgumentParser(
         prog="memguard run",
-        description="Run a training command; if it is killed for memory (the cgroup OOM killer, a "
-                    "Metal abort), restart it with twice the micro-batches per batch (MEMGUARD_MICRO_BATCHES) and "
-                    "from its latest checkpoint (MEMGUARD_RESUME_FROM).",
-        epilog="The script resumes with trainer.train(resume_from_checkpoint=memguard_hf.resume_checkpoint()).")
+        description="Run a training command; if it is killed for memory (the cgroup OOM killer, a\n"
+                    "Metal abort), restart it with twice the micro-batches per batch\n"
+                    "(MEMGUARD_MICRO_BATCHES) and from its latest checkpoint (MEMGUARD_RESUME_FROM).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="MEMGUARD_RESUME_FROM names, per framework, what the script resumes from:\n"
+               "  hf         <output dir>/checkpoint-N (largest N):\n"
+               "             trainer.train(resume_from_checkpoint=memguard_hf.resume_checkpoint())\n"
+               "  lightning  a ModelCheckpoint .ckpt (last.ckpt, else the largest step=N) under --ckpt-dir or\n"
+               "             --default_root_dir (also its checkpoints/ and */*/checkpoints/):\n"
+               "             trainer.fit(model, ckpt_path=memguard_lightning.resume_checkpoint())\n"
+               "  mlx        <--adapter-path>/NNNNNNN_adapters.safetensors (largest N): memguard_mlx loads it\n"
+               "             and skips the N finished iterations\n"
+               "With no checkpoint the restart begins at step 0 (reported).")
     p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
                    help=f"restarts after memory kills [{DEFAULT_MAX_RESTARTS}]")
+    p.add_argument("--framework", default=AUTO, metavar="{" + ",".join((AUTO,) + FRAMEWORKS) + "}",
+                   help="whose checkpoints to resume from [auto: the framework the command's flags point to "
+                        "(--adapter-path / mlx_lm.lora: mlx; --ckpt-dir / --default_root_dir: lightning; "
+                        "--output-dir: hf), else the first of hf, lightning, mlx that has a checkpoint]")
     p.add_argument("--output-dir", default=None,
-                   help="where the script writes checkpoint-N [detected from the command's --output-dir/--output_dir]")
+                   help="where the script writes its checkpoints [detected from the command: --output-dir/--output_dir "
+                        "(hf), --ckpt-dir/--default_root_dir (lightning), --adapter-path (mlx)]")
     p.add_argument("--split", type=int, default=None, help="first run's MEMGUARD_MICRO_BATCHES [environment's, else unset]")
     p.add_argument("--report", default=None, metavar="PATH", help="write the attempts as JSON to PATH")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     return p
 
 
-_FLAG_OF = {"max_restarts": "--max-restarts", "split": "--split", "command": "command"}
+_FLAG_OF = {"max_restarts": "--max-restarts", "split": "--split", "command": "command",
+            "framework": "--framework", "output_dir": "--output-dir"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``memguard run [--max-restarts N] [--output-dir D] [--split K] [--report PATH] -- CMD...``.
+    """``memguard run [--max-restarts N] [--framework F] [--output-dir D] [--split K] [--report PATH] -- CMD...``.
 
     Returns the exit status (see the module doc). Bad arguments: a message naming the flag on
     stderr and status 2.
@@ -464,7 +483,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        res = supervise(cmd, output_dir=args.output_dir, max_restarts=args.max_restarts, split=args.split,
+        res = supervise(cmd, output_dir=args.output_dir, framework=args.framework,
+                        max_restarts=args.max_restarts, split=args.split,
                         report=lambda line: print(line, file=sys.stderr, flush=True))
     except ConfigError as exc:
         flag = _FLAG_OF.get(exc.field, exc.field)

@@ -19,12 +19,13 @@ repeating a finished optimizer step (it skips the batches already consumed in th
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
+
+from memguard_core.resume import RESUME_ENV, resume_from_env
 
 logger = logging.getLogger("memguard.hf")
 
-RESUME_ENV = "MEMGUARD_RESUME_FROM"
+__all__ = ["RESUME_ENV", "resume_checkpoint"]
 
 
 def resume_checkpoint(default: Optional[str] = None) -> Optional[str]:
@@ -37,11 +38,6 @@ def resume_checkpoint(default: Optional[str] = None) -> Optional[str]:
     Returns:
         A directory path, or ``default``. A variable naming something that is not a directory
         is logged (``memguard.hf``) and ignored: the run starts as it would without it.
+        The rule is :func:`memguard_core.resume.resume_from_env` with ``framework="hf"``.
     """
-    path = os.environ.get(RESUME_ENV, "").strip()
-    if not path:
-        return default
-    if not os.path.isdir(path):
-        logger.warning("memguard: %s=%r is not a directory; not resuming from it", RESUME_ENV, path)
-        return default
-    return path
+    return resume_from_env("hf", default, log=logger)

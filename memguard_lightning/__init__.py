@@ -5,5 +5,6 @@ runs inside Lightning's automatic optimization.
 """
 
 from .callback import MemGuardCallback
+from .resume import resume_checkpoint
 
-__all__ = ["MemGuardCallback"]
+__all__ = ["MemGuardCallback", "resume_checkpoint"]

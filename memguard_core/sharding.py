@@ -28,7 +28,8 @@ Rules (N = the shard group: ``world_size``, or ``shard_group_size`` under ``fsdp
       resharded after forward (``_fsdp_state.py`` ``_lazy_init``: "For the root, do not reshard
       after forward"), so they are unsharded from its forward to the end of the backward;
     * with ``reshard_after_forward=False`` (``fsdp-grad-op``, FSDP1 ``SHARD_GRAD_OP``) every block
-      stays unsharded from its forward to its backward: all of them at the ``loss`` moment;
+      stays unsharded from its forward to its backward: all of them at the ``loss`` moment and at
+      the start of the backward (nothing is all-gathered in the backward then);
     * in the backward, the unit being processed and the next one, prefetched
       (``_fsdp_param_group.py`` ``_backward_prefetch``; FSDP1 ``BackwardPrefetch.BACKWARD_PRE``);
     * the root's unsharded gradients until its reduce-scatter at the end of the backward
@@ -359,7 +360,11 @@ def _fsdp(ms, ts, phases, notes) -> None:
             # the unit being run + the prefetched one (+ FSDP2's all-gather output) + the block's
             # unsharded gradients and their reduce-scatter input
             v["gradients"] = _div(g_full - root_g, n) + root_g
-            v["weight_copies"] = autocast + root_w + 2 * block_w + copyout
+            # full shard: the unit being run + the prefetched one; grad-op: every block is still
+            # unsharded from its forward when the backward starts (each is resharded after its
+            # own backward, _fsdp_param_group.py post_backward), so the first moment holds them all
+            gathered = ms.num_layers * block_w if grad_op else 2 * block_w + copyout
+            v["weight_copies"] = autocast + root_w + gathered
             v["backward_transients"] = max(v["backward_transients"], root_g, 2 * block_g)
         else:
             v["gradients"] = _div(v["gradients"], n)

@@ -109,3 +109,66 @@ def test_metal_oom_at_one_row_per_micro_batch_raises_window_oom_error_with_the_p
     failed_rows = [rows for it, rows, raised in log if it == 3 and raised]  # first micro-batch of each try
     assert len(failed_rows) == 5 and failed_rows[0] == 8 and failed_rows[-2:] == [1, 1]  # token-balanced cuts
     assert guard.summary is not None and guard.summary["iterations"] == 3  # the guard stopped cleanly
+
+
+# ---------------------------------------------------------------------------------------------
+# validation: cut into the guard's k, the unsplit loss
+
+
+def _observe(monkeypatch, module, name: str, guard: MlxGuard, *, fail_at=None):
+    """Wrap ``module.name`` (an eval boundary ``fn(rows, *arrays)``) to log ``(iteration, rows)``
+    of every evaluation; with ``fail_at=(iteration, n)`` the n-th evaluation (1-based) of that
+    iteration's pass raises Metal's allocation error once instead (the fake: see the module doc)."""
+    real = getattr(module, name)
+    log, state = [], {"n": 0, "done": False}
+
+    def wrapped(rows, *arrays):
+        it = guard.validation.iteration if guard.validation is not None else None
+        if fail_at is not None and not state["done"] and it == fail_at[0]:
+            state["n"] += 1
+            if state["n"] == fail_at[1]:
+                state["done"] = True
+                log.append((it, rows, True))
+                raise RuntimeError(METAL_OOM)
+        log.append((it, rows, False))
+        return real(rows, *arrays)
+
+    monkeypatch.setattr(module, name, wrapped)
+    return log
+
+
+def test_validation_is_cut_into_the_guards_k_and_reports_the_unsplit_loss(tmp_path, monkeypatch):
+    import memguard_mlx.validation as val
+
+    ref = run_tiny(tmp_path, "ref", guarded=False)
+    guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0, micro_batches=4)
+    log = _observe(monkeypatch, val, "_eval_validation", guard)
+    run = run_tiny(tmp_path, "k4", guarded=True, guard=guard)
+    print("validation evaluations (iteration, rows):", [(it, r) for it, r, _ in log])
+    # 3 validation passes (iterations 1, 5, 10) x 2 batches of 8 rows, each in >= 3 micro-batches
+    assert guard.validation.history == [(1, 4), (5, 4), (10, 4)]
+    for it in (1, 5, 10):
+        rows = [r for i, r, _ in log if i == it]
+        assert sum(rows) == 16 and len(rows) >= 6 and max(rows) <= 4, (it, rows)
+    # the reported validation losses equal mlx_lm's unsplit evaluate (rel 1e-5: float32 sums of
+    # the micro-batches' token-weighted losses in another order), as does everything else
+    assert [d["val_loss"] for d in run["rec"].val] == pytest.approx([d["val_loss"] for d in ref["rec"].val],
+                                                                    rel=1e-5)
+    assert_same_run(ref, run, atol=1e-4)
+
+
+def test_metal_oom_in_validation_raises_only_the_validation_k(tmp_path, monkeypatch):
+    import memguard_mlx.validation as val
+
+    ref = run_tiny(tmp_path, "ref", guarded=False)
+    guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0)
+    # the second batch of the validation pass at iteration 5, evaluated unsplit, fails
+    log = _observe(monkeypatch, val, "_eval_validation", guard, fail_at=(5, 2))
+    run = run_tiny(tmp_path, "valoom", guarded=True, guard=guard)
+    at5 = [(r, raised) for it, r, raised in log if it == 5]
+    print("validation at iteration 5 (rows, raised):", at5, " history:", guard.validation.history)
+    assert at5[:2] == [(8, False), (8, True)] and sum(r for r, _ in at5[2:]) == 8 and len(at5) >= 4
+    assert guard.validation.history == [(1, 1), (5, 1), (5, 2), (10, 2)]  # raised, and kept for later passes
+    assert guard.split_history == [(1, 1)]  # training never cut
+    assert guard.oom_retries == 1 and max(guard.micro_batch_rows) == 8
+    assert_same_run(ref, run, atol=1e-6)  # training unsplit: the same arithmetic as mlx_lm's

@@ -71,14 +71,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_map
 from mlx_lm.tuner.trainer import TrainingArgs, default_loss, iterate_batches
 
 from memguard_core._deprecation import renamed_attribute
 from memguard_core.errors import ConfigError
 from memguard_core.guard import Guard, GuardAttributes
-from memguard_core.microbatch import _merge_empty, split_count
 from memguard_core.monitor import Action, GrowPolicy, Level, MemoryEvent, Thresholds
 from memguard_core.options import APPLY_CHOICES, GuardOptions
 from memguard_core.preflight import Preflight
@@ -87,6 +85,7 @@ from memguard_core.preflight import default_budget as _core_default_budget
 from . import _compat
 from ._mlx_lm_loop import compile_halves, train_loop
 from .memory import LeakDetector, MemoryControls, is_allocation_error
+from .validation import SplitValidation, batch_rows, micro_batch_ranges, row_token_counts, slice_batch
 from .spec import model_spec_from_mlx_module, train_spec_from_args
 
 logger = logging.getLogger("memguard.mlx")
@@ -139,22 +138,6 @@ def run_preflight(model, optimizer, args, train_dataset=None, *, budget_bytes: O
 # batch cutting
 
 
-def row_token_counts(batch: Any) -> Optional[np.ndarray]:
-    """Loss tokens per row of an mlx_lm batch ``(tokens (B, L), lengths (B, 2))`` as
-    ``default_loss`` masks them: targets are positions ``1..L-1`` and a row counts positions ``s``
-    with ``offset <= s <= length``, i.e. ``max(0, min(length, L-1) - max(offset, 1) + 1)``.
-    None for another batch layout."""
-    try:
-        toks, lengths = batch
-        if toks.ndim != 2 or lengths.ndim != 2 or lengths.shape != (toks.shape[0], 2):
-            return None
-        lo = np.asarray(lengths)
-        T = int(toks.shape[1]) - 1
-        return np.maximum(0, np.minimum(lo[:, 1], T) - np.maximum(lo[:, 0], 1) + 1)
-    except Exception:
-        return None
-
-
 def _eval_gradient(rows: int, *arrays: Any) -> None:
     """Evaluate a batch's or a chunk's loss and gradient (``rows``: rows of that forward). MLX is
     lazy: this is where an allocation failure surfaces, before the model or optimizer state is
@@ -162,16 +145,8 @@ def _eval_gradient(rows: int, *arrays: Any) -> None:
     mx.eval(*arrays)
 
 
-def _batch_rows(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, (tuple, list)) else batch
-    return int(first.shape[0])
-
-
-def _slice(batch: Any, a: int, b: int, rows: int) -> Any:
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(x[a:b] if isinstance(x, mx.array) and x.ndim > 0 and x.shape[0] == rows else x
-                           for x in batch)
-    return batch[a:b]
+_batch_rows = batch_rows
+_slice = slice_batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +188,10 @@ class MlxGuard(GuardAttributes):
         (``[(iteration, k)]`` whenever k changed, from the first batch), batch_peaks
         (``[(iteration, k, peak_bytes)]``, the ``mx.get_peak_memory()`` of each batch: the peak is
         reset at every batch boundary), optimizer_steps, learning_rates (after each update), leak
-        (the detector), limits (what was set). Deprecated names: ``chunk_rows``
+        (the detector), limits (what was set), validation (the
+        :class:`memguard_mlx.validation.SplitValidation`: ``history`` ``[(iteration, k)]`` of the
+        validation passes and of every validation k raised after an allocation failure; those
+        failures count in ``oom_retries`` and never change the training k). Deprecated names: ``chunk_rows``
         (``micro_batch_rows``), ``alloc_retries`` (``oom_retries``), ``updates``
         (``optimizer_steps``).
 
@@ -273,6 +251,7 @@ class MlxGuard(GuardAttributes):
         self._it = 0
         self._batch_k = 1
         self._rows_this_update = 0
+        self.validation: Optional[SplitValidation] = None
 
     # deprecated names
     chunk_rows = renamed_attribute("chunk_rows", "guard.micro_batch_rows")
@@ -472,17 +451,14 @@ def train(
         lw = mx.where(ok, lvalue.astype(mx.float32) * w, mx.array(0.0, mx.float32))
         return lw, w, toks, grad
 
-    def attempt(batch, rows, k, counts):
+    def attempt(batch, rows, k):
         # one try at the batch's gradient with k micro-batches: (loss, ntoks, grad, scale, rows of each
         # micro-batch); every array of a failed try dies with this frame
         if k <= 1:
             lvalue, toks, g = grad_step(batch)
             _eval_gradient(rows, lvalue, toks, g)
             return lvalue, toks, g, None, [rows]
-        ranges = split_count(list(counts) if counts is not None else [1] * rows, k)
-        if counts is not None:
-            sums = [int(counts[a:b].sum()) for a, b in ranges]
-            ranges, _ = _merge_empty(ranges, sums)
+        ranges = micro_batch_ranges(batch, rows, k, chunk_weight is None)
         acc = lsum = wsum = tsum = None
         for a, b in ranges:
             lw, w, t, acc = chunk_step(_slice(batch, a, b, rows), acc)
@@ -495,12 +471,11 @@ def train(
     def run_batch(batch, prev_grad, do_update, it):
         rows = _batch_rows(batch)
         k = guard.split_for_batch(it, rows)
-        counts = row_token_counts(batch) if chunk_weight is None else None
         redos = 0
         while True:
             failed = None
             try:
-                lvalue, toks, grad, scale, done = attempt(batch, rows, k, counts)
+                lvalue, toks, grad, scale, done = attempt(batch, rows, k)
             except Exception as exc:
                 if not is_allocation_error(exc):
                     raise
@@ -519,6 +494,17 @@ def train(
             guard.micro_batch_done(r)
         return lvalue, toks, update_step(grad, scale, prev_grad, do_update)
 
+    validation = guard.validation = SplitValidation(
+        lambda: guard.monitor.split if guard.monitor is not None else 1, chunk_weight, guard.guard.fit_plan)
+
+    def evaluate(**kw):
+        validation.iteration = guard._it + 1  # validation runs before the iteration's batch
+        try:
+            return validation.evaluate(**kw)
+        finally:
+            guard.guard.oom_retries += validation.oom_retries
+            validation.oom_retries = 0
+
     def report_extra(ui, it, rank):
         mon = guard.monitor
         if mon is not None and mon.split > 1 and rank == 0:
@@ -527,7 +513,7 @@ def train(
 
     try:
         train_loop(model, optimizer, train_dataset, val_dataset, args, loss, iterate_batches, training_callback,
-                   state=state, run_batch=run_batch, world=world,
+                   state=state, run_batch=run_batch, world=world, evaluate=evaluate,
                    on_update=lambda it: guard.after_update(it, optimizer), peak_memory=guard.peak_so_far,
                    report_extra=report_extra, report_figures=lambda: guard.guard.figures)
     finally:

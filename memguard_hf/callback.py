@@ -27,6 +27,11 @@ What it does:
   wrapped ``get_batch_samples`` (``Guard.after_window_oom``; docs/lifecycle.md, "Redoing the
   accumulation window"). AdamW's states are allocated before the first forward, and an OOM inside
   the optimizer step raises ``WindowOOMError`` with the plan (a step is never redone).
+* **Evaluation split** (``memguard_hf.eval_split``, docs/evaluation.md): ``trainer.prediction_step``
+  is wrapped too. Each evaluation / prediction batch runs in ``eval_micro_batches`` chunks (1 until
+  an evaluation OOM doubles it), losses weighted as in training and logits / labels concatenated, so
+  ``evaluate()`` / ``predict()`` return what the unsplit evaluation returns; an OOM there redoes the
+  batch in smaller chunks. Its split is its own: it never changes the training micro-batches.
 * **Ranks agree**: under ``torch.distributed`` the k of each micro-batch is all-reduced (MAX) so
   every rank cuts alike (FSDP / ZeRO-3 gathers would hang otherwise).
 
@@ -56,12 +61,13 @@ from memguard_core.options import GuardOptions, option_kwargs, with_guard_option
 
 from . import _compat
 from .preflight import read_specs
+from .eval_split import GuardedEval
 from .split_step import GuardedStep, is_oom_error  # noqa: F401  (is_oom_error: public here too)
 
 logger = logging.getLogger("memguard.hf")
 
 
-class MemGuardCallback(GuardAttributes, GuardedStep, TrainerCallback):
+class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallback):
     """Memory guard for ``transformers.Trainer`` (and subclasses: TRL ``SFTTrainer``, Unsloth).
 
     Args:
@@ -88,7 +94,9 @@ class MemGuardCallback(GuardAttributes, GuardedStep, TrainerCallback):
 
     Attributes (the guard's, see ``memguard_core.guard.Guard``): ``guard``, ``monitor``,
     ``preflight``, ``events``, ``micro_batch_rows``, ``samples_per_step``, ``oom_retries``,
-    ``split_disabled_reason``, ``summary``, ``budget_bytes``.
+    ``split_disabled_reason``, ``summary``, ``budget_bytes``. The evaluation split's
+    (``memguard_hf.eval_split.GuardedEval``): ``eval_micro_batches`` (settable),
+    ``eval_oom_retries``, ``eval_micro_batch_rows``.
 
     Raises:
         ConfigError: invalid arguments.
@@ -112,6 +120,7 @@ class MemGuardCallback(GuardAttributes, GuardedStep, TrainerCallback):
         self._window_pos = 0           # training_step calls made in it
         self._window_redos = 0
         self._states_ready = False
+        self._init_eval()
 
     # deprecated names
     forward_rows = renamed_attribute("forward_rows", "guard.micro_batch_rows")
@@ -129,7 +138,8 @@ class MemGuardCallback(GuardAttributes, GuardedStep, TrainerCallback):
         return cb
 
     def bind(self, trainer) -> None:
-        """Bind to ``trainer``: wrap its ``training_step`` / ``compute_loss`` on the instance.
+        """Bind to ``trainer``: wrap its ``training_step`` / ``compute_loss`` / ``prediction_step``
+        on the instance.
 
         Idempotent. Moves this callback to the front of the handler so that the memory figures
         it adds in ``on_log`` reach the printer and the reporting integrations.
@@ -142,6 +152,7 @@ class MemGuardCallback(GuardAttributes, GuardedStep, TrainerCallback):
         self._orig_compute_loss = trainer.compute_loss
         trainer.training_step = self._guarded_training_step
         trainer.compute_loss = self._weighted_compute_loss
+        self._bind_eval(trainer)
         if callable(getattr(trainer, "get_batch_samples", None)):
             self._orig_get_batch_samples = trainer.get_batch_samples
             trainer.get_batch_samples = self._recording_get_batch_samples
@@ -244,7 +255,8 @@ class MemGuardCallback(GuardAttributes, GuardedStep, TrainerCallback):
                 "memguard_max_usage": round(mon.max_usage, 4)}
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.guard.finish(state.global_step)
+        self.guard.finish(state.global_step, eval_oom_retries=self.eval_oom_retries,
+                          eval_micro_batches=self.eval_micro_batches)
 
     def on_event_log(self, event: MemoryEvent) -> None:  # pragma: no cover - override hook
         """Called with every ``MemoryEvent`` (possibly on the monitor's thread); override to forward

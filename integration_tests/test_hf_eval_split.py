@@ -1,0 +1,110 @@
+"""The evaluation split in a real HF ``Trainer`` on CPU: ``evaluate()`` / ``predict()`` with each
+evaluation batch cut into 2 or 4 micro-batches must return what the unsplit evaluation returns
+(``eval_loss`` to float32 summation order, predictions and label ids), on a tiny Llama over rows of
+different lengths with masked prompts (chunks hold different numbers of valid labels, so equal
+chunk weights would be wrong), padded and packed. The evaluation OOM retry on a real allocation
+failure (``RLIMIT_AS``) is in ``test_hf_eval_oom`` below, run in a child process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memguard_core.errors import ConfigError
+from memguard_hf import MemGuardCallback
+from memguard_testing.hf_tiny import RowsDataset, make_trainer, packed_collate, pad_collate
+
+BIG_BUDGET = 64 * 2**30
+
+
+def _trainer(tmp_path, name, k=None, collate=pad_collate, eval_batch=8, mean_loss=False):
+    trainer = make_trainer(str(tmp_path / name), collate=collate, mean_loss=mean_loss)
+    trainer.args.per_device_eval_batch_size = eval_batch
+    cb = None
+    if k is not None:
+        cb = MemGuardCallback.attach(trainer, preflight=False, budget_bytes=BIG_BUDGET, monitor_interval_s=0)
+        cb.eval_micro_batches = k
+    return trainer, cb
+
+
+def _eval_set(n=20):
+    # 20 rows, eval batch 8: the last batch holds 4 rows (a k=4 split gives one-row chunks there)
+    return RowsDataset(n=n, seed=7)
+
+
+@pytest.mark.parametrize("collate", [pad_collate, packed_collate], ids=["padded", "packed"])
+@pytest.mark.parametrize("mean_loss", [False, True], ids=["token-count-loss", "mean-loss"])
+@pytest.mark.parametrize("k", [2, 4])
+def test_evaluate_split_equals_unsplit(tmp_path, k, collate, mean_loss):
+    base, _ = _trainer(tmp_path, "base", collate=collate, mean_loss=mean_loss)
+    split, cb = _trainer(tmp_path, "split", k=k, collate=collate, mean_loss=mean_loss)
+    data = _eval_set()
+    m0 = base.evaluate(eval_dataset=data)
+    m1 = split.evaluate(eval_dataset=data)
+    # float32 losses summed in another order: a few ulps of a loss near ln(96) ~ 4.6
+    assert m1["eval_loss"] == pytest.approx(m0["eval_loss"], rel=1e-6, abs=0)
+    # the split really ran: chunks smaller than the batches, as many units as the set has
+    assert max(cb.eval_micro_batch_rows) < 8 and sum(cb.eval_micro_batch_rows) == len(data)
+    assert len(cb.eval_micro_batch_rows) > 3
+    assert cb.eval_oom_retries == 0 and cb.eval_micro_batches == k
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_predict_split_equals_unsplit(tmp_path, k):
+    base, _ = _trainer(tmp_path, "base")
+    split, cb = _trainer(tmp_path, "split", k=k)
+    data = _eval_set()
+    p0 = base.predict(data)
+    p1 = split.predict(data)
+    assert p1.predictions.shape == p0.predictions.shape  # (20, longest row, vocab)
+    # each row's logits from a smaller forward: the same up to float32 kernel blocking
+    np.testing.assert_allclose(p1.predictions, p0.predictions, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(p1.label_ids, p0.label_ids)
+    assert p1.metrics["test_loss"] == pytest.approx(p0.metrics["test_loss"], rel=1e-6, abs=0)
+    assert max(cb.eval_micro_batch_rows) <= -(-8 // k)
+
+
+def test_compute_metrics_sees_the_whole_batch(tmp_path):
+    """``compute_metrics`` receives the concatenated predictions of every batch, as unsplit."""
+    seen = {}
+
+    def metrics(pred):
+        seen.setdefault("shapes", []).append(pred.predictions.shape)
+        mask = pred.label_ids[:, 1:] != -100
+        hits = pred.predictions[:, :-1].argmax(-1) == pred.label_ids[:, 1:]
+        return {"accuracy": float(hits[mask].mean())}
+
+    base, _ = _trainer(tmp_path, "base")
+    split, cb = _trainer(tmp_path, "split", k=4)
+    base.compute_metrics = split.compute_metrics = metrics
+    data = _eval_set()
+    m0 = base.evaluate(eval_dataset=data)
+    m1 = split.evaluate(eval_dataset=data)
+    assert seen["shapes"][0] == seen["shapes"][1]
+    assert m1["eval_accuracy"] == m0["eval_accuracy"]
+    assert m1["eval_loss"] == pytest.approx(m0["eval_loss"], rel=1e-6, abs=0)
+
+
+def test_eval_split_never_changes_the_training_split(tmp_path):
+    """Training (k = 1) with an evaluation at every step at k = 4: the training micro-batches stay
+    whole batches and the training run equals an unguarded one."""
+    base, _ = _trainer(tmp_path, "base")
+    split, cb = _trainer(tmp_path, "split", k=4)
+    for t in (base, split):
+        t.args.eval_strategy = "steps"
+        t.args.eval_steps = 2
+        t.eval_dataset = _eval_set()
+        t.train()
+    evals0 = [h["eval_loss"] for h in base.state.log_history if "eval_loss" in h]
+    evals1 = [h["eval_loss"] for h in split.state.log_history if "eval_loss" in h]
+    assert len(evals1) == len(evals0) == 3
+    assert evals1 == pytest.approx(evals0, rel=1e-5)
+    assert set(cb.micro_batch_rows) == {8} and cb.monitor.split == 1
+    assert max(cb.eval_micro_batch_rows) == 2
+
+
+def test_eval_micro_batches_is_checked():
+    cb = MemGuardCallback(preflight=False, budget_bytes=BIG_BUDGET, monitor_interval_s=0)
+    for bad in (0, -1, 2.0, True, "2"):
+        with pytest.raises(ConfigError, match="eval_micro_batches"):
+            cb.eval_micro_batches = bad

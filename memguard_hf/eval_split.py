@@ -1,0 +1,266 @@
+"""The guarded evaluation step of the HF adapter: each batch of ``Trainer.evaluate`` / ``predict``
+cut into micro-batches inside ``Trainer.prediction_step``, and an out-of-memory error there redone
+at a doubled split, so an evaluation OOM never ends a healthy training run (docs/evaluation.md).
+
+A mixin of :class:`memguard_hf.callback.MemGuardCallback`, which binds
+``_guarded_prediction_step`` onto the trainer's instance; kept apart so the callback holds only the
+hooks. The evaluation split has its own state (:attr:`GuardedEval.eval_micro_batches`): it never
+changes the training micro-batches, and the training split never changes it.
+
+Why evaluation starts unsplit (``eval_micro_batches = 1``) rather than at the training split: an
+evaluation forward runs under ``torch.no_grad``, so it keeps no activations for a backward, no
+gradients and no optimizer temporaries; per row it needs a fraction of a training micro-batch, and
+cutting it by the training k would slow every evaluation for nothing. Its failure is also cheap to
+recover from: nothing was accumulated, so the batch is simply run again in smaller pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, List, Optional
+
+import torch
+
+from memguard_core import microbatch
+from memguard_core.errors import ConfigError
+
+from . import _compat
+from .split_step import GuardedStep, _without_frames, is_oom_error
+
+__all__ = ["GuardedEval", "concat_outputs"]
+
+logger = logging.getLogger("memguard.hf")
+
+#: Where HF pads predictions and labels of unequal length (``EvalLoopContainer(padding_index=-100)``,
+#: ``accelerator.pad_across_processes(..., pad_index=-100)`` in ``Trainer.evaluation_loop``).
+PAD_INDEX = -100
+
+
+class _Uncombinable(TypeError):
+    """A chunk's output that cannot be put back together into the batch's (a cache object, a
+    string): the batch is then evaluated unsplit."""
+
+
+def _cat_tensors(pieces: List[torch.Tensor], axis: int, weights: List[float]) -> torch.Tensor:
+    if pieces[0].dim() == 0:
+        # a scalar per chunk (an auxiliary loss in the outputs): the chunks' weighted mean, the
+        # batch's value for a mean over rows or tokens
+        if not pieces[0].is_floating_point():
+            raise _Uncombinable("integer scalar output")
+        return sum(w * p for w, p in zip(weights, pieces))
+    if pieces[0].dim() <= axis:
+        raise _Uncombinable(f"output of {pieces[0].dim()} dims, cut along dim {axis}")
+    dims = pieces[0].dim()
+    if any(p.dim() != dims for p in pieces):
+        raise _Uncombinable("outputs of different ranks")
+    # chunks of one padded batch share its sequence length, so their outputs have equal shapes
+    # beyond the cut axis; generated tokens need not (generation stops per chunk): pad those as
+    # evaluation_loop pads batches of unequal length
+    shape = [max(p.shape[d] for p in pieces) for d in range(dims)]
+    padded = []
+    for p in pieces:
+        pad = []
+        for d in reversed(range(dims)):
+            pad += [0, 0 if d == axis else shape[d] - p.shape[d]]
+        if any(pad):
+            p = torch.nn.functional.pad(p, pad, value=PAD_INDEX)
+        padded.append(p)
+    return torch.cat(padded, dim=axis)
+
+
+def concat_outputs(pieces: List[Any], axis: int = 0, weights: Optional[List[float]] = None) -> Any:
+    """Put the chunks' ``logits`` / ``labels`` (as ``Trainer.prediction_step`` returns them: a
+    tensor, or tuples / lists / dicts of them, or None) back into the batch's.
+
+    Args:
+        pieces: one output per chunk, in batch order, all of the same structure.
+        axis: the axis the batch was cut along: 0 (rows), 1 (a packed ``(1, T, ...)`` batch cut at
+            sequence boundaries).
+        weights: the chunks' loss weights (summing to 1), for scalar outputs (their weighted mean).
+
+    Tensors are concatenated along ``axis``; where their other dimensions differ (generated
+    tokens) the shorter are right-padded with ``-100``, as ``Trainer.evaluation_loop`` pads
+    batches.
+
+    Raises:
+        TypeError: a piece that cannot be combined (not a tensor, tuple, list, dict or None).
+    """
+    weights = weights if weights is not None else [1.0 / len(pieces)] * len(pieces)
+    first = pieces[0]
+    if first is None:
+        if any(p is not None for p in pieces):
+            raise _Uncombinable("None in some chunks only")
+        return None
+    if torch.is_tensor(first):
+        if not all(torch.is_tensor(p) for p in pieces):
+            raise _Uncombinable("tensor in some chunks only")
+        return _cat_tensors(pieces, axis, weights)
+    if isinstance(first, (tuple, list)):
+        if any(not isinstance(p, type(first)) or len(p) != len(first) for p in pieces):
+            raise _Uncombinable("sequences of different lengths")
+        items = [concat_outputs([p[i] for p in pieces], axis, weights) for i in range(len(first))]
+        return type(first)(items) if not hasattr(first, "_fields") else type(first)(*items)
+    if isinstance(first, dict):
+        if any(not isinstance(p, dict) or p.keys() != first.keys() for p in pieces):
+            raise _Uncombinable("dicts with different keys")
+        out = type(first)() if type(first) is not dict else {}
+        for key in first:
+            out[key] = concat_outputs([p[key] for p in pieces], axis, weights)
+        return out
+    raise _Uncombinable(f"cannot combine outputs of type {type(first).__name__}")
+
+
+class GuardedEval:
+    """The evaluation split and its OOM retry, for one HF ``Trainer``.
+
+    Uses the callback's ``guard``, ``trainer``, ``options`` and ``_orig_prediction_step``.
+
+    Attributes:
+        eval_micro_batches: micro-batches each evaluation batch is cut into (>= 1; default 1). It
+            doubles after an out-of-memory error in an evaluation and stays there for later
+            evaluations of the run; settable before ``evaluate()`` / ``predict()``.
+        eval_oom_retries: out-of-memory errors in evaluation recovered by a re-split.
+        eval_micro_batch_rows: rows (packed batches: sequences) of every evaluation forward that ran.
+    """
+
+    _eval_k = 1
+    eval_oom_retries = 0
+    _eval_off_reason: Optional[str] = None
+
+    @property
+    def eval_micro_batches(self) -> int:
+        return self._eval_k
+
+    @eval_micro_batches.setter
+    def eval_micro_batches(self, k: Any) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError("eval_micro_batches", "an int >= 1", k)
+        self._eval_k = k
+
+    def _init_eval(self) -> None:
+        self._eval_k = 1
+        self.eval_oom_retries = 0
+        self.eval_micro_batch_rows: List[int] = []
+        self._orig_prediction_step = None
+        self._eval_off_reason = None
+
+    def _bind_eval(self, trainer) -> None:
+        """Wrap ``trainer.prediction_step`` on the instance (Seq2SeqTrainer's generation included)."""
+        self._orig_prediction_step = trainer.prediction_step
+        trainer.prediction_step = self._guarded_prediction_step
+
+    # ------------------------------------------------------------------ the guarded step
+    def _guarded_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **kwargs):
+        """``Trainer.prediction_step`` in ``eval_micro_batches`` chunks; on an out-of-memory error the
+        split doubles and the batch is redone from its start (nothing was accumulated). Returns
+        what ``prediction_step`` returns: ``(loss, logits, labels)``.
+
+        Raises:
+            the original out-of-memory error, with a note, when one row per chunk already failed;
+            every other error unchanged.
+        """
+        orig = self._orig_prediction_step
+        why_not = self._why_not_split(inputs)
+        if why_not is not None:
+            return orig(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+        units = GuardedStep._units_of(inputs)
+        while True:
+            k = min(self._eval_k, units)
+            failure = None
+            try:
+                return self._predict_in_chunks(model, inputs, prediction_loss_only, ignore_keys, k, kwargs)
+            except Exception as exc:
+                if not is_oom_error(exc):
+                    raise
+                if k >= units or self._eval_off_reason is not None:
+                    msg = (f"memguard: out of memory in an evaluation forward at {k} micro-batch(es) for a batch "
+                           f"of {units} rows; no further split can help: shorten the evaluation sequences, "
+                           "evaluate with prediction_loss_only=True (no logits kept), or give the run more memory")
+                    logger.error("%s (%s)", msg, exc)
+                    exc.add_note(msg)
+                    raise
+                failure = _without_frames(exc)
+            self._eval_after_oom(failure, k, units)
+            failure = None
+
+    def _why_not_split(self, inputs) -> Optional[str]:
+        """Why this batch is evaluated as it comes (None: it can be cut)."""
+        t = self.trainer
+        if self._eval_off_reason is not None:
+            return self._eval_off_reason
+        args = getattr(t, "args", None)
+        if int(getattr(args, "world_size", 1) or 1) > 1:
+            # prediction_step all-gathers the token count (average_tokens_across_devices) and FSDP /
+            # ZeRO-3 forwards all-gather parameters: ranks must make the same calls, which a retry on
+            # one rank alone would break
+            self._eval_off_reason = "evaluation is not split under torch.distributed (world size > 1)"
+            logger.info("memguard: %s", self._eval_off_reason)
+            return self._eval_off_reason
+        if not isinstance(inputs, Mapping):
+            return "batch is not a dict"
+        label_names = list(getattr(t, "label_names", None) or [])
+        if not label_names:
+            return_loss = inputs.get("return_loss")
+            if return_loss is None:
+                return_loss = getattr(t, "can_return_loss", False)
+            if return_loss:
+                # a loss without labels (CLIP-like): an in-batch contrastive loss, which a cut changes
+                return "loss without labels (in-batch)"
+        return None
+
+    def _predict_in_chunks(self, model, inputs, prediction_loss_only, ignore_keys, k: int, kwargs):
+        orig = self._orig_prediction_step
+        splitter = None
+        if k > 1:
+            weighting = "rows" if self.options.loss_weighting == "rows" else "tokens"
+            try:
+                splitter = microbatch.BatchSplitter(inputs, weighting=weighting,
+                                                    shift_labels=_compat.loss_shifts_labels(self.trainer))
+            except ValueError:
+                splitter = None
+        ranges = splitter.ranges(k) if splitter is not None else []
+        if len(ranges) <= 1:
+            self.eval_micro_batch_rows.append(GuardedStep._units_of(inputs))
+            return orig(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+        losses, logits, labels, weights = [], [], [], []
+        for u0, u1 in ranges:
+            chunk = splitter.chunk(u0, u1)
+            self.eval_micro_batch_rows.append(u1 - u0)
+            with torch.no_grad():
+                loss, lg, lb = orig(model, chunk.inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+            losses.append(loss)
+            logits.append(lg)
+            labels.append(lb)
+            weights.append(chunk.weight)
+            chunk = loss = lg = lb = None
+        axis = 1 if splitter.packed else 0
+        try:
+            if any(x is None for x in losses):
+                loss = concat_outputs(losses, axis, weights)  # all None, or raises
+            else:
+                # the chunks' mean losses weighted by their share of the batch's valid labels (rows
+                # with ``loss_weighting="rows"``): the batch's mean, as in the training split
+                loss = sum(w * x for w, x in zip(weights, losses))
+            return loss, concat_outputs(logits, axis, weights), concat_outputs(labels, axis, weights)
+        except _Uncombinable as exc:
+            self._eval_off_reason = f"prediction_step's outputs cannot be put back together ({exc})"
+            logger.warning("memguard: evaluation no longer split: %s", self._eval_off_reason)
+            losses = logits = labels = None
+            return orig(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+
+    def _eval_after_oom(self, exc: BaseException, k: int, units: int) -> None:
+        """Free what the failed chunk left and double the evaluation split (at most ``units``);
+        records an ``eval_split`` decision. The training split is left alone."""
+        new_k = min(max(2, 2 * k), units)
+        self._eval_k = max(self._eval_k, new_k)
+        self.eval_oom_retries += 1
+        microbatch.free_after_oom()
+        state = getattr(self.trainer, "state", None)
+        step = getattr(state, "global_step", None)
+        msg = (f"out of memory in an evaluation forward ({type(exc).__name__}); redoing the batch of {units} "
+               f"rows in {self._eval_k} micro-batches (training micro-batches unchanged)")
+        try:
+            self.guard.recorder.decision("eval_split", msg, step, micro_batches=self._eval_k, phase="evaluation")
+        except Exception:
+            logger.warning("memguard: %s", msg)

@@ -7,11 +7,18 @@ failure (``RLIMIT_AS``) is in ``test_hf_eval_oom`` below, run in a child process
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from memguard_core.errors import ConfigError
+from memguard_core.events import read_events
 from memguard_hf import MemGuardCallback
+from memguard_testing import script, with_root_on_pythonpath
 from memguard_testing.hf_tiny import RowsDataset, make_trainer, packed_collate, pad_collate
 
 BIG_BUDGET = 64 * 2**30
@@ -108,3 +115,47 @@ def test_eval_micro_batches_is_checked():
     for bad in (0, -1, 2.0, True, "2"):
         with pytest.raises(ConfigError, match="eval_micro_batches"):
             cb.eval_micro_batches = bad
+
+
+ALLOC_FAILED = "DefaultCPUAllocator: can't allocate memory"
+#: The child's VmPeak (memguard_testing/scripts/rlimit_hf_eval_run.py prints it per phase) is
+#: ~2.4 GB through its training steps and ~3.9 GB through an unsplit evaluation of its 16 x 256-token
+#: batch (logits and their log-softmax, 0.8 GB each); in 2 chunks ~3.1 GB, in 4 ~2.75 GB. The
+#: limit sits between: the first evaluation fails unsplit and in 2 chunks, fits in 4. The figures
+#: carry the baseline address space of torch's libraries and threads, which differs between machines.
+EVAL_LIMIT = 3_000_000_000
+
+
+def _run_child(tmp_path, limit: int, mode: str) -> dict:
+    out = tmp_path / f"{mode}-{limit}.json"
+    env = with_root_on_pythonpath(dict(os.environ, OMP_NUM_THREADS="2"))
+    proc = subprocess.run([sys.executable, script("rlimit_hf_eval_run.py"), str(limit), mode, str(out),
+                           str(tmp_path / "events")], capture_output=True, text=True, env=env, timeout=600)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux RLIMIT_AS")
+def test_real_eval_oom_never_ends_training(tmp_path):
+    """A real evaluation OOM under an address-space limit (``RLIMIT_AS``): unguarded, the first
+    evaluation (after optimizer step 1) kills the run with torch's allocator error; guarded, the
+    evaluation batch is redone in smaller chunks, both optimizer steps and both evaluations finish,
+    each ``eval_loss`` equals the unlimited unsplit run's, the training micro-batches stay whole
+    batches, and the run's event log shows the evaluation re-splits."""
+    ref = _run_child(tmp_path, 0, "none")
+    assert ref["steps"] == 2 and len(ref["eval_losses"]) == 2, ref.get("error")
+    bare = _run_child(tmp_path, EVAL_LIMIT, "none")
+    assert bare.get("failed") == "evaluation" and ALLOC_FAILED in bare["error"], bare.get("error")
+    assert bare["steps"] == 1  # training was healthy up to the evaluation
+    guarded = _run_child(tmp_path, EVAL_LIMIT, "oom")
+    assert "failed" not in guarded, guarded.get("error")
+    assert guarded["steps"] == 2
+    # float32 losses of the chunks summed in another order
+    assert guarded["eval_losses"] == pytest.approx(ref["eval_losses"], rel=1e-6, abs=0)
+    assert guarded["eval_oom_retries"] >= 1 and guarded["eval_micro_batches"] >= 2
+    # the training split never moved: every training forward ran the whole 2-row batch
+    assert guarded["rows"] == [2, 2] and guarded["split"] == 1 and guarded["oom_retries"] == 0
+    worst = max(max(abs(a - b) for a, b in zip(ref["params"][n], guarded["params"][n])) for n in ref["params"])
+    assert worst < 1e-6, f"parameters differ from the unlimited run by {worst}"
+    decisions = [r for r in read_events(guarded["event_log"]) if r.get("type") == "decision"]
+    assert [d["kind"] for d in decisions].count("eval_split") == guarded["eval_oom_retries"]

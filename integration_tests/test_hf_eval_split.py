@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from memguard_core.errors import ConfigError
 from memguard_core.events import read_events
@@ -159,3 +160,75 @@ def test_real_eval_oom_never_ends_training(tmp_path):
     assert worst < 1e-6, f"parameters differ from the unlimited run by {worst}"
     decisions = [r for r in read_events(guarded["event_log"]) if r.get("type") == "decision"]
     assert [d["kind"] for d in decisions].count("eval_split") == guarded["eval_oom_retries"]
+
+
+OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 805306368 bytes"
+
+
+class FailWide:
+    """A forward pre-hook on the model's first block that raises the CPU allocator's error for a
+    forward of more than ``rows`` rows (every forward when ``rows`` is 0): the retry's point of
+    failure chosen exactly (the real one under ``RLIMIT_AS`` is ``test_real_eval_oom_never_ends_training``)."""
+
+    def __init__(self, model, rows):
+        self.rows, self.calls = rows, 0
+        model.model.layers[0].register_forward_pre_hook(self.hook)
+
+    def hook(self, module, args):
+        self.calls += 1
+        if args[0].shape[0] > self.rows:
+            raise RuntimeError(OOM)
+
+
+def test_eval_oom_doubles_only_the_eval_split(tmp_path):
+    """Forwards of more than 2 rows fail: the 8-row batch is redone at k=2, then k=4, and later
+    batches (and evaluations) start at 4; eval_loss equals the unsplit one; training untouched."""
+    base, _ = _trainer(tmp_path, "base")
+    split, cb = _trainer(tmp_path, "split", k=1)
+    data = _eval_set()
+    m0 = base.evaluate(eval_dataset=data)
+    FailWide(split.model, rows=2)
+    m1 = split.evaluate(eval_dataset=data)
+    assert m1["eval_loss"] == pytest.approx(m0["eval_loss"], rel=1e-6, abs=0)
+    assert cb.eval_oom_retries == 2 and cb.eval_micro_batches == 4
+    # the first batch tried whole (8), in halves (4, failed) and in quarters; the rest in quarters
+    assert cb.eval_micro_batch_rows[:2] == [8, 4] and set(cb.eval_micro_batch_rows[2:]) == {2, 1}
+    assert cb.guard.oom_retries == 0 and cb.guard.micro_batch_rows == []
+    m2 = split.evaluate(eval_dataset=data)  # starts at the k that worked: no new failure
+    assert cb.eval_oom_retries == 2 and m2["eval_loss"] == pytest.approx(m0["eval_loss"], rel=1e-6, abs=0)
+
+
+def test_eval_oom_at_one_row_raises_the_original_error(tmp_path):
+    split, cb = _trainer(tmp_path, "split", k=1)
+    FailWide(split.model, rows=0)
+    with pytest.raises(RuntimeError, match="can't allocate memory") as info:
+        split.evaluate(eval_dataset=_eval_set())
+    assert any("no further split can help" in n for n in getattr(info.value, "__notes__", []))
+    assert cb.eval_micro_batches == 8  # 1 -> 2 -> 4 -> 8 rows of the first 8-row batch
+
+
+def test_seq2seq_predict_with_generate_split_equals_unsplit(tmp_path):
+    """``Seq2SeqTrainer`` with ``predict_with_generate``: each chunk generates for its own rows (a
+    tiny random T5); the generated tokens and the loss equal the unsplit prediction's."""
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, T5Config, T5ForConditionalGeneration
+
+    def run(name, k):
+        torch.manual_seed(0)
+        cfg = T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / name), per_device_eval_batch_size=8,
+                                        predict_with_generate=True, generation_max_length=10, report_to=[],
+                                        use_cpu=True, disable_tqdm=True)
+        trainer = Seq2SeqTrainer(model=T5ForConditionalGeneration(cfg), args=args, data_collator=pad_collate)
+        cb = None
+        if k:
+            cb = MemGuardCallback.attach(trainer, preflight=False, budget_bytes=BIG_BUDGET, monitor_interval_s=0)
+            cb.eval_micro_batches = k
+        return trainer.predict(_eval_set()), cb
+
+    p0, _ = run("base", None)
+    p1, cb = run("split", 4)
+    assert max(cb.eval_micro_batch_rows) == 2
+    np.testing.assert_array_equal(p1.predictions, p0.predictions)
+    np.testing.assert_array_equal(p1.label_ids, p0.label_ids)
+    assert p1.metrics["test_loss"] == pytest.approx(p0.metrics["test_loss"], rel=1e-6, abs=0)

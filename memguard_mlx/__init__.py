@@ -8,9 +8,10 @@ from .memory import (LeakDetector, LeakReport, MemoryControls, MemoryTimeline, P
                      find_max_batch_size, is_allocation_error, profile_peak)
 from .spec import model_spec_from_mlx_module, train_spec_from_args
 from .trainer import MlxGuard, MlxPreflight, default_budget, run_preflight, train
+from .resume import resume_adapter_file
 from .validation import SplitValidation, evaluate
 
 __all__ = ["train", "MlxGuard", "MlxPreflight", "run_preflight", "default_budget", "MemoryControls",
            "LeakDetector", "LeakReport", "profile_peak", "PeakProfile", "MemoryTimeline",
            "find_max_batch_size", "is_allocation_error", "model_spec_from_mlx_module",
-           "train_spec_from_args", "evaluate", "SplitValidation"]
+           "train_spec_from_args", "evaluate", "SplitValidation", "resume_adapter_file"]

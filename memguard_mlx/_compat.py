@@ -21,6 +21,7 @@ CHECKED = ("0.32", "0.32")
 UPSTREAM_VERSION = "0.32.2"
 #: The private names below (and the copied loop).
 NAMES = ("mlx_lm.tuner.trainer.TrainUI (and its _console)", "mlx_lm.tuner.trainer._clear_cache",
+         "mlx.optimizers.Optimizer._schedulers (mlx 0.32)",
          f"the train() loop copied from mlx-lm {UPSTREAM_VERSION} (memguard_mlx._mlx_lm_loop)")
 
 #: mlx_lm's console UI of ``train()`` (``mlx_lm.cli_ui.TrainUI``, as ``mlx_lm.tuner.trainer`` imports it).
@@ -57,3 +58,16 @@ def print_muted(ui: Any, text: str) -> None:
         console.print(f"  [ui.muted]{text}[/ui.muted]")
     else:
         print(f"  {text}")
+
+
+def optimizer_schedulers(optimizer: Any) -> dict:
+    """``{name: schedule}`` of an mlx optimizer's scheduled hyper-parameters (the private
+    ``Optimizer._schedulers`` of mlx 0.32, which ``apply_gradients`` evaluates at ``step`` before
+    every update); {} when the attribute is gone (logged: a resumed run then reports the initial
+    learning rate until its first update, which still uses the schedule at ``step``)."""
+    scheds = getattr(optimizer, "_schedulers", None)
+    if not isinstance(scheds, dict):
+        logger.warning("memguard: the optimizer's schedules are not readable (mlx changed "
+                       "Optimizer._schedulers); the reported learning rate is set at the first update")
+        return {}
+    return dict(scheds)

@@ -16,14 +16,16 @@ What differs from upstream, and only this:
   over ranks, divide by ``grad_accum_steps``, ``optimizer.update``), same operations in the same
   order, so an allocation failure in the gradient half surfaces before the model or optimizer
   state is touched.
-* :func:`train_loop`: upstream's loop with six hooks: ``run_batch`` replaces the call of
+* :func:`train_loop`: upstream's loop with seven hooks: ``run_batch`` replaces the call of
   ``step``, ``evaluate`` replaces ``evaluate`` (same keywords; the guard's cuts validation batches
   into micro-batches, ``memguard_mlx.validation``), ``on_update`` runs after each update
   iteration, ``peak_memory`` replaces ``mx.get_peak_memory()`` in the report (the guard resets the
   peak per batch), ``report_extra`` prints after each train report, ``report_figures`` adds the
   guard's per-step figures to the train report dict a ``TrainingCallback`` receives (extra keys;
   upstream's keys unchanged). The wired limit, ``grad_checkpoint`` and ``value_and_grad`` are set
-  up by the caller, in upstream's order.
+  up by the caller, in upstream's order. ``first_iteration`` (1 upstream) lets a resumed run
+  start its counter after the iterations done (``memguard_mlx.resume``; the caller's
+  ``iterate_batches`` skips their batches).
 
 ``memguard_mlx._compat`` names the private names used here and warns outside the checked
 versions; ``integration_tests/test_mlx_train.py`` compares this loop with upstream ``train()``.
@@ -87,7 +89,7 @@ def train_loop(model: Any, optimizer: Any, train_dataset: Any, val_dataset: Any,
                peak_memory: Callable[[], int] = mx.get_peak_memory,
                report_extra: Optional[Callable[[Any, int, int], None]] = None,
                report_figures: Optional[Callable[[], dict]] = None,
-               evaluate: Optional[Callable[..., float]] = None) -> int:
+               evaluate: Optional[Callable[..., float]] = None, first_iteration: int = 1) -> int:
     """Upstream ``train()``'s loop from ``model.train()`` to the final adapter save, with the hooks
     of the module doc. Returns the last iteration reached (0 before the first batch)."""
     world_size = world.size()
@@ -106,7 +108,7 @@ def train_loop(model: Any, optimizer: Any, train_dataset: Any, val_dataset: Any,
     ui = _compat.TrainUI(args.iters, rank=rank)
     with ui:
         for it, batch in zip(
-            range(1, args.iters + 1),
+            range(first_iteration, args.iters + 1),
             iterate_batches(
                 dataset=train_dataset,
                 batch_size=args.batch_size,

@@ -85,6 +85,8 @@ from memguard_core.preflight import default_budget as _core_default_budget
 from . import _compat
 from ._mlx_lm_loop import compile_halves, train_loop
 from .memory import LeakDetector, MemoryControls, is_allocation_error
+from .resume import (RESUME_ENV, load_adapter, resume_from_arg, resume_point, set_optimizer_step,
+                     skip_batches)
 from .validation import SplitValidation, batch_rows, micro_batch_ranges, row_token_counts, slice_batch
 from .spec import model_spec_from_mlx_module, train_spec_from_args
 
@@ -188,7 +190,8 @@ class MlxGuard(GuardAttributes):
         (``[(iteration, k)]`` whenever k changed, from the first batch), batch_peaks
         (``[(iteration, k, peak_bytes)]``, the ``mx.get_peak_memory()`` of each batch: the peak is
         reset at every batch boundary), optimizer_steps, learning_rates (after each update), leak
-        (the detector), limits (what was set), validation (the
+        (the detector), limits (what was set), resumed_from (the adapter file a resumed run
+        loaded, None otherwise), validation (the
         :class:`memguard_mlx.validation.SplitValidation`: ``history`` ``[(iteration, k)]`` of the
         validation passes and of every validation k raised after an allocation failure; those
         failures count in ``oom_retries`` and never change the training k). Deprecated names: ``chunk_rows``
@@ -249,9 +252,11 @@ class MlxGuard(GuardAttributes):
         self.max_peak_bytes = 0
         self._clean_pending = False
         self._it = 0
+        self._first_iteration = 1
         self._batch_k = 1
         self._rows_this_update = 0
         self.validation: Optional[SplitValidation] = None
+        self.resumed_from: Optional[str] = None
 
     # deprecated names
     chunk_rows = renamed_attribute("chunk_rows", "guard.micro_batch_rows")
@@ -277,7 +282,7 @@ class MlxGuard(GuardAttributes):
         p = int(mx.get_peak_memory())
         mx.reset_peak_memory()
         self.max_peak_bytes = max(self.max_peak_bytes, p)
-        if self._it > 0:
+        if self._it >= self._first_iteration:  # a batch of this process ran since the last reading
             self.batch_peaks.append((self._it, self._batch_k, p))
         return p
 
@@ -313,10 +318,12 @@ class MlxGuard(GuardAttributes):
 
     def stop(self, iterations: int) -> None:
         """End the run: the guard's summary (same keys as the torch adapters', plus ``iterations``,
-        ``split_history``, ``leaks`` and ``limits``) and calibration record; MLX limits restored."""
+        ``split_history``, ``leaks``, ``limits`` and ``resumed_from``, the adapter file a resumed run
+        started from or None) and calibration record; MLX limits restored."""
         self.guard.finish(self.optimizer_steps, measured_bytes=lambda: self.max_peak_bytes,
                           iterations=iterations, split_history=list(self.split_history),
-                          leaks=len(self.leak.reports) if self.leak else 0, limits=dict(self.limits))
+                          leaks=len(self.leak.reports) if self.leak else 0, limits=dict(self.limits),
+                          resumed_from=self.resumed_from)
         if self.controls is not None:
             self.controls.restore()
 
@@ -400,6 +407,7 @@ def train(
     training_callback=None,
     *,
     guard: Optional[MlxGuard] = None,
+    resume_from: Any = None,
     **guard_kwargs: Any,
 ) -> MlxGuard:
     """Train like ``mlx_lm.tuner.trainer.train`` (same arguments and behaviour), guarded.
@@ -408,6 +416,12 @@ def train(
         model, optimizer, train_dataset, val_dataset, args, loss, iterate_batches,
         training_callback: as ``mlx_lm.tuner.trainer.train`` (mlx-lm 0.32).
         guard: an :class:`MlxGuard` (settings; filled with the run's record).
+        resume_from: None (default): resume from the adapter file ``memguard run`` names in
+            ``MEMGUARD_RESUME_FROM`` after a restart (:func:`memguard_mlx.resume_adapter_file`;
+            unset: start from the beginning); a path: resume from that
+            ``<adapter_path>/NNNNNNN_adapters.safetensors``; False: never resume. A resume loads
+            the adapter weights, sets the optimizer's step and goes on at the iteration after the
+            last update saved, skipping the finished iterations' batches (``memguard_mlx.resume``).
         **guard_kwargs: :class:`MlxGuard` settings when ``guard`` is not given (``budget_bytes``,
             ``micro_batches``, ``memory_controls``, ``leak_detector``, ...).
 
@@ -417,7 +431,8 @@ def train(
     Raises:
         ValueError: ``grad_accumulation_steps < 1`` (as mlx_lm).
         DoesNotFitError: with ``fail_fast=True`` when the plan cannot be applied in place.
-        ConfigError: bad guard settings.
+        ConfigError: bad guard settings; a resume file that is not mlx_lm's numbered save of
+            this model's adapters (``resume_from`` or ``MEMGUARD_RESUME_FROM`` named).
     """
     if guard is None:
         guard = MlxGuard(**guard_kwargs)
@@ -429,6 +444,18 @@ def train(
     grad_accum_steps = args.grad_accumulation_steps
     if grad_accum_steps < 1:
         raise ValueError("grad_accumulation_steps must be at least 1")
+
+    resume = resume_from_arg(resume_from)
+    start = 0
+    if resume:
+        field = RESUME_ENV if resume_from is None else "resume_from"
+        start, updates = resume_point(resume, grad_accum_steps, field)
+        load_adapter(model, resume, field)
+        set_optimizer_step(optimizer, updates)
+        guard.resumed_from, guard._it, guard._first_iteration = resume, start, start + 1
+        logger.warning("memguard: resuming from %s: %d iterations (%d optimizer updates) done, going on at "
+                       "iteration %d; the optimizer's moments restart at zero (mlx_lm saves none)",
+                       resume, start, updates, start + 1)
 
     guard.start(model, optimizer, args, train_dataset)  # wired limit: here (mlx_lm sets it first)
     if args.grad_checkpoint:
@@ -512,8 +539,9 @@ def train(
             _compat.print_muted(ui, f"memguard: k={mon.split} chunks per batch, peak {peak_gb:.3f} GB")
 
     try:
-        train_loop(model, optimizer, train_dataset, val_dataset, args, loss, iterate_batches, training_callback,
-                   state=state, run_batch=run_batch, world=world, evaluate=evaluate,
+        batches = skip_batches(iterate_batches, start, val_dataset=val_dataset, args=args, world=world)
+        train_loop(model, optimizer, train_dataset, val_dataset, args, loss, batches, training_callback,
+                   state=state, run_batch=run_batch, world=world, evaluate=evaluate, first_iteration=start + 1,
                    on_update=lambda it: guard.after_update(it, optimizer), peak_memory=guard.peak_so_far,
                    report_extra=report_extra, report_figures=lambda: guard.guard.figures)
     finally:

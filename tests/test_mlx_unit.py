@@ -204,3 +204,113 @@ def test_find_max_batch_size_stays_inside_the_budget():
     assert best == 16
     assert max(peaks2.values()) <= budget  # never ran a batch that did not fit (32 was predicted)
     assert 32 not in peaks2
+
+
+# ---------------------------------------------------------------------------------------------
+# resume after a restart (memguard_mlx.resume)
+
+
+def test_resume_adapter_file_reads_the_env_and_ignores_a_missing_file(tmp_path, monkeypatch, caplog):
+    from memguard_mlx import resume_adapter_file
+
+    monkeypatch.delenv("MEMGUARD_RESUME_FROM", raising=False)
+    assert resume_adapter_file() is None
+    saved = tmp_path / "0000008_adapters.safetensors"
+    mx.save_safetensors(str(saved), {"a": mx.zeros((2,))})
+    monkeypatch.setenv("MEMGUARD_RESUME_FROM", str(saved))
+    assert resume_adapter_file() == str(saved)
+    monkeypatch.setenv("MEMGUARD_RESUME_FROM", str(tmp_path / "0000012_adapters.safetensors"))
+    with caplog.at_level("WARNING", logger="memguard.mlx"):
+        assert resume_adapter_file() is None
+    assert "not resuming" in caplog.text and "0000012_adapters" in caplog.text
+
+
+def test_resume_point_goes_back_to_the_last_update_saved():
+    from memguard_mlx.resume import resume_point
+
+    assert resume_point("a/0000008_adapters.safetensors", 2) == (8, 4)
+    assert resume_point("a/0000008_adapters.safetensors", 1) == (8, 8)
+    # saved inside an accumulation window: its batches were never applied, so they are redone
+    assert resume_point("a/0000009_adapters.safetensors", 4) == (8, 2)
+    assert resume_point("a/0000003_adapters.safetensors", 4) == (0, 0)
+    with pytest.raises(ConfigError) as ei:
+        resume_point("a/adapters.safetensors", 2)
+    assert ei.value.field == "MEMGUARD_RESUME_FROM"
+
+
+def test_load_adapter_loads_this_models_weights_and_refuses_others(tmp_path):
+    from memguard_mlx.resume import load_adapter
+
+    src, dst = build_model("llama", seed=3), build_model("llama", seed=0)
+    weights = dict(tree_flatten(src.trainable_parameters()))
+    path = tmp_path / "0000004_adapters.safetensors"
+    mx.save_safetensors(str(path), weights)
+    assert load_adapter(dst, str(path)) == len(weights)
+    got = dict(tree_flatten(dst.trainable_parameters()))
+    for k, v in weights.items():
+        assert np.array_equal(np.array(got[k]), np.array(v)), k
+    other = tmp_path / "0000005_adapters.safetensors"
+    mx.save_safetensors(str(other), {"model.layers.0.mlp.up_proj.lora_a": mx.zeros((3, 3)), "nope": mx.zeros((1,))})
+    with pytest.raises(ConfigError) as ei:
+        load_adapter(dst, str(other), field="resume_from")
+    assert ei.value.field == "resume_from" and "nope" in str(ei.value)
+
+
+def test_set_optimizer_step_puts_the_schedule_where_it_was():
+    from memguard_mlx.resume import set_optimizer_step
+
+    from memguard_testing.mlx_tiny import schedule_optimizer
+
+    model = build_model("llama")
+    ran, resumed = schedule_optimizer(), schedule_optimizer()
+    grads = {k: mx.ones_like(v) for k, v in tree_flatten(model.trainable_parameters())}
+    from mlx.utils import tree_unflatten
+
+    for _ in range(4):
+        ran.update(model, tree_unflatten(list(grads.items())))
+    mx.eval(ran.state)
+    set_optimizer_step(resumed, 4)
+    assert int(resumed.state["step"]) == 4
+    assert float(resumed.learning_rate) == pytest.approx(float(ran.learning_rate), rel=1e-7)
+    resumed.update(model, tree_unflatten(list(grads.items())))
+    ran.update(model, tree_unflatten(list(grads.items())))
+    assert int(resumed.state["step"]) == 5  # init on the first update keeps the step
+    assert float(resumed.learning_rate) == pytest.approx(float(ran.learning_rate), rel=1e-7)
+
+
+@pytest.mark.parametrize("bad", ["/no/such/0000004_adapters.safetensors", 3, True])
+def test_train_resume_from_bad_values_are_config_errors(bad):
+    from memguard_mlx.resume import resume_from_arg
+
+    with pytest.raises(ConfigError) as ei:
+        resume_from_arg(bad)
+    assert ei.value.field == "resume_from"
+
+
+# ---------------------------------------------------------------------------------------------
+# validation cut into micro-batches (memguard_mlx.validation)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_split_evaluate_equals_mlx_lm_evaluate(k):
+    from mlx_lm.tuner.trainer import evaluate as mlx_lm_evaluate
+
+    from memguard_mlx import evaluate
+
+    model = build_model("qwen2")
+    data = TokenRows(24, seed=7)
+    np.random.seed(4)
+    ref = mlx_lm_evaluate(model, data, batch_size=8, num_batches=-1, max_seq_length=64)
+    np.random.seed(4)
+    got = evaluate(model, data, batch_size=8, num_batches=-1, max_seq_length=64, micro_batches=k)
+    assert got == pytest.approx(ref, rel=1e-6)
+    if k == 1:
+        assert got == ref  # upstream's arithmetic, operation for operation
+
+
+def test_split_evaluate_rejects_bad_micro_batches():
+    from memguard_mlx import evaluate
+
+    with pytest.raises(ConfigError) as ei:
+        evaluate(build_model("llama"), TokenRows(8), batch_size=8, num_batches=1, micro_batches=0)
+    assert ei.value.field == "micro_batches"

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 logger = logging.getLogger("memguard.distributed")
 
-__all__ = ["agree_max"]
+__all__ = ["agree_max", "flag_group", "all_reduce_max"]
 
 _GROUPS: dict = {}
 
@@ -54,3 +54,39 @@ def agree_max(k: int) -> int:
     t = torch.tensor([int(k)], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_side_group())
     return int(t.item())
+
+
+_FLAG_GROUPS: dict = {}
+
+
+def flag_group() -> Optional[Any]:
+    """A gloo process group of its own for out-of-memory flags (``memguard_torch``'s sync points),
+    apart from the training's collectives and from :func:`agree_max`'s group, so a flag all-reduce
+    can never pair with a gradient or parameter collective of another rank. Created at the first
+    call, which every rank must make at the same point (``torch.distributed.new_group`` is
+    collective); None outside an initialised process group of more than one rank."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _FLAG_GROUPS:
+        _FLAG_GROUPS[key] = dist.new_group(backend="gloo")
+    return _FLAG_GROUPS[key]
+
+
+def all_reduce_max(values: list, group: Optional[Any] = None) -> list:
+    """The element-wise MAX of the integer list ``values`` over the ranks of ``group`` (a CPU int64
+    all-reduce; ``values`` itself outside a process group). A MIN rides along as the MAX of the
+    negated value.
+
+    Raises:
+        whatever ``torch.distributed`` raises (a dead peer, a timeout).
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return [int(v) for v in values]
+    import torch
+
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]

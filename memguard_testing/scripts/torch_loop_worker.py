@@ -1,0 +1,131 @@
+"""One rank of a 2-rank (or more) plain-loop training run on CPU with gloo, for
+integration_tests/test_torch_loop.py: a tiny Llama (hidden 64) under DDP or FSDP2
+(``fully_shard`` per decoder block and the root), AdamW, a few steps of each rank's own rows,
+either unguarded and unsplit (``--plain``: the reference) or through ``memguard_torch.TorchGuard``
+(``--k``: micro-batches from the start). Rank 0 writes the final full parameters, every rank a JSON
+of its figures (rows of each forward, OOM retries, VmSize before training, VmPeak after).
+
+``--rlimit-rank R --rlimit-headroom BYTES``: rank R sets ``RLIMIT_AS`` to its VmSize just before
+training plus BYTES, so torch's CPU allocator really fails there when a step needs more.
+
+Launched by path with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+
+
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("ddp", "fsdp"), required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=24)
+    ap.add_argument("--attn", default="sdpa")
+    ap.add_argument("--rlimit-rank", type=int, default=-1)
+    ap.add_argument("--rlimit-headroom", type=int, default=0)
+    ap.add_argument("--k-at-step", default="", help="rank:step:k[,...] raise k on one rank at a step")
+    a = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from memguard_testing.hf_tiny import RowsDataset, VOCAB, llama, pad_collate
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = llama(VOCAB, hidden=64, layers=4, max_positions=max(128, a.seq), seed=0)
+    model.config._attn_implementation = a.attn
+    if a.mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        train_model = DDP(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        train_model = model
+    model.train()
+    opt = torch.optim.AdamW(train_model.parameters(), lr=1e-3)
+    ds = RowsDataset(n=a.batch * world * a.steps, max_len=a.seq, seed=1)
+    rows = [ds[i] for i in range(len(ds))]
+    batches = [pad_collate(rows[(s * world + rank) * a.batch:(s * world + rank + 1) * a.batch])
+               for s in range(a.steps)]
+    k_at = {}
+    for item in filter(None, a.k_at_step.split(",")):
+        r, s, k = (int(x) for x in item.split(":"))
+        if r == rank:
+            k_at[s] = k
+
+    guard = None
+    if not a.plain:
+        from memguard_torch import TorchGuard
+
+        guard = TorchGuard(train_model, opt, micro_batches=a.k, budget_gib=16, monitor_interval_s=0,
+                           preflight=False, leak_detector=False)
+    base = _vm("VmSize")
+    if rank == a.rlimit_rank:
+        limit = base + a.rlimit_headroom
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    for step, batch in enumerate(batches):
+        if guard is None:
+            (train_model(**batch).loss).backward()
+        else:
+            if step in k_at and guard.monitor is not None:
+                guard.monitor.request_split(k_at[step], "test: this rank asks for it", step)
+
+            def fb(chunk, weight):
+                (train_model(**chunk).loss * weight).backward()
+
+            guard.run(batch, fb)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if guard is not None:
+            guard.step_end()
+    peak = _vm("VmPeak")
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    summary = guard.finish() if guard is not None else None
+    full = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        full[name] = t.clone()
+    os.makedirs(a.out, exist_ok=True)
+    if rank == 0:
+        torch.save(full, os.path.join(a.out, "params.pt"))
+    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "base_vmsize": base, "vmpeak": peak,
+                   "micro_batch_rows": [int(r) for r in guard.micro_batch_rows] if guard else [],
+                   "oom_retries": guard.oom_retries if guard else 0,
+                   "optimizer_steps": guard.optimizer_steps if guard else a.steps,
+                   "summary_split": summary.get("split") if summary else None}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""Memory guard for plain PyTorch and accelerate training loops: ``TorchGuard``.
+
+See :mod:`memguard_torch.guard` for the loop and docs/torch_loop.md for the design (chunks, DDP,
+FSDP2, the sync points that let every rank survive one rank's out-of-memory error).
+"""
+
+from .guard import TorchGuard, is_oom_error
+from .sync import PeerOutOfMemoryError
+
+__all__ = ["TorchGuard", "PeerOutOfMemoryError", "is_oom_error"]

@@ -1,0 +1,147 @@
+"""Every torch-private name (and private use of a public object) the plain-loop adapter touches, in
+one place, with the torch versions it was checked on (:data:`CHECKED`); :func:`check_version` warns
+once outside them. Each function says what it falls back to when the name is gone.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) is public since torch 2.6;
+``FSDPModule.reset_iter_state`` (the recovery after an exception aborted a forward or backward) is
+public in 2.13. What memguard still reads privately is listed in :data:`NAMES`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, List, Optional
+
+from memguard_core.versions import warn_outside
+
+logger = logging.getLogger("memguard.torch")
+
+#: torch versions (major.minor, inclusive) these names were checked on.
+CHECKED = ("2.13", "2.13")
+#: The private names below.
+NAMES = ("FSDPModule._get_fsdp_state()._fsdp_param_groups[].fsdp_params[].unsharded_param / "
+         "unsharded_accumulated_grad",
+         "FSDPState._is_root",
+         "torch.autograd.Variable._execution_engine.queue_callback")
+
+
+def check_version() -> bool:
+    """Warn once when the installed torch lies outside :data:`CHECKED`; True inside."""
+    return warn_outside("torch", CHECKED, NAMES, logger)
+
+
+def fsdp_module_type() -> Optional[type]:
+    """``torch.distributed.fsdp.FSDPModule`` (the class every ``fully_shard``-ed module becomes an
+    instance of); None on a torch without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        return FSDPModule
+    except Exception:
+        return None
+
+
+def fsdp_modules(model: Any) -> List[Any]:
+    """The ``fully_shard``-ed modules of ``model`` (itself included), in ``modules()`` order (the
+    root first when the root is sharded); [] without FSDP2."""
+    cls = fsdp_module_type()
+    if cls is None or model is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, cls)]
+
+
+def fsdp_root(model: Any) -> Optional[Any]:
+    """The root FSDP module (the one ``reset_iter_state`` must be called on): the first FSDP module
+    whose state says ``_is_root`` (set at FSDP's lazy init, the first forward), else the first in
+    ``modules()`` order; None without FSDP2 modules."""
+    mods = fsdp_modules(model)
+    for m in mods:
+        try:
+            if m._get_fsdp_state()._is_root:
+                return m
+        except Exception:
+            break
+    return mods[0] if mods else None
+
+
+def _fsdp_params(module: Any) -> Iterator[Any]:
+    try:
+        state = module._get_fsdp_state()
+        for group in state._fsdp_param_groups:
+            yield from group.fsdp_params
+    except Exception:
+        logger.debug("memguard: cannot read FSDP parameters", exc_info=True)
+
+
+def reset_fsdp_after_abort(model: Any) -> bool:
+    """After an exception aborted a forward or backward of an FSDP2 model: FSDP's own recovery
+    (``FSDPModule.reset_iter_state`` on the root: waits on in-flight collectives, reshards, clears
+    the iteration trackers, lets the next backward queue its final callback again), then the
+    unsharded gradients the aborted backward computed but did not reduce-scatter are dropped
+    (``FSDPParam.unsharded_param.grad``, ``unsharded_accumulated_grad``: FSDP's next post-backward
+    would otherwise reduce them together with the redone chunk's). Returns True when FSDP had a
+    ``reset_iter_state``; False without FSDP modules or on a torch without it (the run then may not
+    recover: logged). Never raises."""
+    root = fsdp_root(model)
+    if root is None:
+        return False
+    ok = False
+    try:
+        reset = getattr(root, "reset_iter_state", None)
+        if callable(reset):
+            reset()
+            ok = True
+        else:
+            logger.error("memguard: this torch's FSDP has no reset_iter_state; FSDP's state after the "
+                         "aborted step may be inconsistent")
+    except Exception:
+        logger.warning("memguard: FSDP reset_iter_state failed", exc_info=True)
+    for m in fsdp_modules(model):
+        for p in _fsdp_params(m):
+            try:
+                up = getattr(p, "_unsharded_param", None)
+                if up is not None:
+                    up.grad = None
+                if getattr(p, "unsharded_accumulated_grad", None) is not None:
+                    p.unsharded_accumulated_grad = None
+            except Exception:
+                logger.debug("memguard: cannot drop an unsharded gradient", exc_info=True)
+    return ok
+
+
+def queue_backward_callback(fn) -> bool:
+    """Queue ``fn`` to run when the running backward ends, before the callbacks queued after it
+    (``Variable._execution_engine.queue_callback``, what FSDP2 uses for its root post-backward).
+    Call only from inside a backward. False when the name is gone (no callback queued)."""
+    try:
+        from torch.autograd import Variable
+
+        Variable._execution_engine.queue_callback(fn)
+        return True
+    except Exception:
+        logger.debug("memguard: cannot queue a backward callback", exc_info=True)
+        return False
+
+
+def ddp_type() -> Optional[type]:
+    """``torch.nn.parallel.DistributedDataParallel`` (None when torch.distributed is unavailable)."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel
+    except Exception:
+        return None
+
+
+def find_ddp(model: Any) -> Optional[Any]:
+    """The ``DistributedDataParallel`` wrapper at or inside ``model`` (accelerate's prepared model
+    is the DDP object itself), None when there is none."""
+    cls = ddp_type()
+    if cls is None or model is None:
+        return None
+    if isinstance(model, cls):
+        return model
+    for m in model.modules() if hasattr(model, "modules") else ():
+        if isinstance(m, cls):
+            return m
+    return None

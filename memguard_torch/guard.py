@@ -1,0 +1,486 @@
+"""The memory guard of a plain PyTorch or accelerate training loop: ``TorchGuard``.
+
+::
+
+    guard = TorchGuard(model, optimizer, budget_gib=20)
+    for batch in loader:
+        for chunk, weight in guard.chunks(batch):    # k micro-batches, k agreed by all ranks
+            with guard.micro_step():                 # an OOM in here is caught and redone
+                loss = model(**chunk).loss * weight  # accelerator.backward(loss) works the same
+                loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+        guard.step_end()
+    summary = guard.finish()
+
+The lifecycle (preflight, budget, monitor, OOM re-split, window redo, run summary, event log) is
+``memguard_core.guard.Guard``'s (docs/lifecycle.md); this adapter gives it the loop's batches and
+runs the chunks. The design, what is guaranteed under DDP / FSDP2 / DeepSpeed and the limits are in
+docs/torch_loop.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from memguard_core import torch_train as tt
+from memguard_core.distributed import all_reduce_max, flag_group
+from memguard_core.errors import ConfigError
+from memguard_core.guard import Guard, GuardAttributes
+from memguard_core.microbatch import BatchSplitter, free_after_oom
+from memguard_core.optim_state import preallocate_optimizer_state
+from memguard_core.options import GuardOptions, option_kwargs, with_guard_options
+
+from . import _compat
+from .batch import LoopBatch as _Batch, batch_units
+from .preflight import read_specs, world_size
+from .sync import FsdpSyncHooks, OomSync, PeerOutOfMemoryError
+
+logger = logging.getLogger("memguard.torch")
+
+__all__ = ["TorchGuard", "is_oom_error"]
+
+#: Substrings of the out-of-memory messages of torch's allocators (CUDA, MPS, XPU, the CPU's
+#: ``DefaultCPUAllocator: can't allocate memory``) and of cuDNN's workspace failure, as accelerate's
+#: ``should_reduce_batch_size`` lists them; a :class:`PeerOutOfMemoryError` matches too.
+OOM_MESSAGES = ("out of memory", "can't allocate memory", "cudnn_status_not_supported",
+                "cuda error: out of memory")
+
+#: DDP gradient reduction bucket, bytes (DDP's own default ``bucket_cap_mb=25``).
+REDUCE_BUCKET_BYTES = 25 * 2**20
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """True for an out-of-memory error of torch (any device) or of another rank."""
+    oom_type = getattr(torch, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    if not isinstance(exc, (RuntimeError, MemoryError)):
+        return False
+    msg = str(exc).lower()
+    return isinstance(exc, MemoryError) or any(m in msg for m in OOM_MESSAGES)
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """``exc`` with its traceback and chained errors dropped: the frames hold the failed step's
+    activations and autograd graph, and a free while they live hands nothing back."""
+    exc.__traceback__ = None
+    exc.__context__ = exc.__cause__ = None
+    return exc
+
+
+class TorchGuard(GuardAttributes):
+    """Memory guard for a plain PyTorch or accelerate training loop (see the module doc).
+
+    Args:
+        model: the model the loop trains (bare, DDP-wrapped, FSDP2 ``fully_shard``-ed, or accelerate's
+            prepared model); None: no preflight, no in-place sync points, chunks still cut.
+        optimizer: its optimizer (plain or accelerate's ``AcceleratedOptimizer``); Adam / AdamW
+            states are allocated before the first forward (docs/lifecycle.md, "optimizer step").
+        accelerator: an ``accelerate.Accelerator``, when the loop uses one: its mixed precision and
+            ``gradient_accumulation_steps`` go to the preflight, its ``sync_gradients`` tells
+            :meth:`step_end` whether the optimizer really stepped.
+        grad_accum: batches per optimizer step when the loop accumulates itself (preflight only).
+        label_key: where a batch's labels are: a dict key (default ``labels``) or an index into a
+            tuple batch (default: the last element).
+        shift_labels: the loss shifts labels by one (causal LM) for the token weights; None = auto
+            (a dict batch with ``input_ids`` and ``labels`` of one shape and a HF ``*ForCausalLM``).
+        oom_sync: under ``torch.distributed`` with more than one rank, put sync points in each
+            micro-batch so an out-of-memory error on one rank is redone by all (default True there;
+            docs/torch_loop.md). False: no flag all-reduces; an OOM on one rank then ends the run.
+        **options: the guard options (``memguard_core.options.GuardOptions.from_kwargs``: budget,
+            micro_batches, monitor, preflight, log_dir, ...).
+
+    Attributes: ``guard`` (the ``Guard``), ``optimizer_steps``; the guard's state under the shared
+    names (``monitor``, ``preflight``, ``events``, ``micro_batch_rows``, ``samples_per_step``,
+    ``oom_retries``, ``split_disabled_reason``, ``summary``, ``budget_bytes``).
+
+    Raises:
+        ConfigError: invalid arguments (naming the field).
+    """
+
+    @with_guard_options
+    def __init__(self, model: Any = None, optimizer: Any = None, *, accelerator: Any = None,
+                 grad_accum: Optional[int] = None, label_key: Any = None, shift_labels: Optional[bool] = None,
+                 oom_sync: Optional[bool] = None, **options: Any):
+        own = ("model", "optimizer", "accelerator", "grad_accum", "label_key", "shift_labels", "oom_sync")
+        opts = GuardOptions.from_kwargs(**option_kwargs(options, own=own))
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise ConfigError("model", "a torch.nn.Module, or None", model)
+        if optimizer is not None and not callable(getattr(optimizer, "step", None)):
+            raise ConfigError("optimizer", "a torch optimizer (with a step method), or None", optimizer)
+        if grad_accum is not None and (isinstance(grad_accum, bool) or not isinstance(grad_accum, int)
+                                       or grad_accum < 1):
+            raise ConfigError("grad_accum", "an integer >= 1, or None", grad_accum)
+        if label_key is not None and (isinstance(label_key, bool) or not isinstance(label_key, (str, int))):
+            raise ConfigError("label_key", "a dict key (str), a tuple index (int) or None", label_key)
+        for name, flag in (("shift_labels", shift_labels), ("oom_sync", oom_sync)):
+            if flag is not None and not isinstance(flag, bool):
+                raise ConfigError(name, "True, False or None (auto)", flag)
+        _compat.check_version()
+        self.options = opts
+        self.model, self.optimizer, self.accelerator = model, optimizer, accelerator
+        self.grad_accum, self.label_key, self.shift_labels = grad_accum, label_key, shift_labels
+        self.oom_sync = oom_sync
+        self.guard = Guard(opts, log=logger)
+        self.optimizer_steps = 0
+        self.sync = OomSync(None)
+        self._started = False
+        self._window: List[Any] = []      # the batches since the last optimizer step (a redo reruns them)
+        self._rows_this_step = 0
+        self._in_chunk = False
+        self._failure: Optional[BaseException] = None
+        self._grads_added = False
+        self._handles: List[Any] = []
+        self._fsdp_hooks: Optional[FsdpSyncHooks] = None
+        self._ddp = _compat.find_ddp(model)
+        self._manual_reduce = False
+
+    # ------------------------------------------------------------------ start
+    def _start(self, batch: Any) -> None:
+        self._started = True
+        model, opts = self.model, self.options
+        self.guard.split_disabled_reason = self._why_no_split()
+        if self.guard.split_disabled_reason is not None:
+            logger.warning("memguard: in-place micro-batching is off: %s", self.guard.split_disabled_reason)
+        if world_size() > 1 and self.oom_sync is not False:
+            self.sync = OomSync(flag_group())   # collective: every rank's first chunks() call
+            if model is not None and _compat.fsdp_modules(model):
+                self._fsdp_hooks = FsdpSyncHooks(model, self.sync)
+        self._manual_reduce = self._ddp is not None and self.sync.group is not None
+        can_checkpoint = model is not None and tt.checkpoint_target(model) is not None
+        self.guard.start(
+            rows=batch_units(batch),
+            read_specs=(lambda: read_specs(model, self.optimizer, batch, seq_length=opts.seq_length,
+                                           grad_accum=self.grad_accum, accelerator=self.accelerator,
+                                           device=opts.device)) if model is not None else None,
+            enable_checkpointing=(lambda: tt.enable_activation_checkpointing(model)) if can_checkpoint else None,
+            plan_hint=": set the data loader's batch size and the accumulation steps to these numbers")
+        self._watch_gradients()
+        self._prepare_optimizer()
+
+    def _why_no_split(self) -> Optional[str]:
+        name = type(self.model).__name__ if self.model is not None else ""
+        if "DeepSpeed" in name:
+            return ("DeepSpeed counts micro-steps inside its engine (engine.backward / engine.step at "
+                    "gradient_accumulation_steps); extra backward calls would break its accumulation "
+                    "boundary. Apply memguard's plan instead: train_micro_batch_size_per_gpu / k and "
+                    "gradient_accumulation_steps x k (docs/torch_loop.md)")
+        if "FullyShardedDataParallel" in name:
+            return ("FSDP1 (FullyShardedDataParallel) is not validated with in-place chunks; use FSDP2 "
+                    "(torch.distributed.fsdp.fully_shard), or apply memguard's plan as batch size / k and "
+                    "accumulation x k")
+        return None
+
+    def _watch_gradients(self) -> None:
+        """A post-accumulate-grad hook on every trainable (non-FSDP) parameter: tells an OOM that
+        struck before any gradient was added (the rows not yet processed are redone) from one after
+        (the window is redone)."""
+        if self.model is None:
+            return
+
+        def added(_param):
+            self._grads_added = True
+
+        try:
+            for p in tt.unwrap(self.model).parameters():
+                if p.requires_grad and type(p).__name__ != "DTensor":
+                    self._handles.append(p.register_post_accumulate_grad_hook(added))
+        except Exception:
+            logger.warning("memguard: cannot watch the gradients; every OOM redoes the whole window",
+                           exc_info=True)
+            self._grads_added = True
+
+    def _prepare_optimizer(self) -> None:
+        """Allocate the optimizer's lazy states before the first forward and make an OOM inside its
+        step name itself (``Guard.optimizer_step_oom``). Never raises."""
+        opt = self.optimizer
+        if opt is None:
+            return
+        try:
+            preallocate_optimizer_state(opt)
+            orig_step = opt.step
+            guard = self.guard
+
+            @functools.wraps(orig_step)
+            def guarded_step(*args, **kwargs):
+                try:
+                    return orig_step(*args, **kwargs)
+                except Exception as exc:
+                    if not is_oom_error(exc):
+                        raise
+                    mon = guard.monitor
+                    raise guard.optimizer_step_oom(exc, mon.split if mon is not None else 1,
+                                                   self._last_rows) from exc
+
+            opt.step = guarded_step
+        except Exception:
+            logger.warning("memguard: could not prepare the optimizer; it allocates its states lazily",
+                           exc_info=True)
+
+    _last_rows = 1
+
+    # ------------------------------------------------------------------ the loop's calls
+    def chunks(self, batch: Any) -> Iterator[Tuple[Any, float]]:
+        """Yield ``(chunk, weight)`` for one batch: ``k`` micro-batches (``k`` from the guard, the
+        MAX over ranks), each a batch of the same structure with a contiguous part of the rows
+        (packed batches: of the sequences), and its loss weight. The weights sum to 1; with a mean
+        loss, ``sum(loss_of(chunk) * weight)`` is the batch's loss and the summed gradients the
+        batch's (``loss_weighting``: ``tokens`` = share of valid labels, for token-mean losses;
+        ``rows`` = share of rows). With k = 1 the batch itself comes back with weight 1.0.
+
+        Run each chunk's forward and backward inside :meth:`micro_step`: after an out-of-memory
+        error there the iteration goes on with smaller chunks (a forward OOM: the rows not yet
+        processed; a backward OOM: the gradients are zeroed and the batches since the last
+        optimizer step are yielded again at a doubled k). Under DDP every chunk runs under
+        ``no_sync`` and the gradients are averaged over the ranks once the batch's last chunk has
+        succeeded on every rank (the ambient ``no_sync`` / ``accelerator.accumulate`` is honoured);
+        under FSDP2 every chunk reduce-scatters (docs/torch_loop.md).
+
+        Raises:
+            WindowOOMError: the window failed at one row per forward, or too often (every rank).
+            the error itself: a non-OOM error inside the chunk, or an OOM outside ``micro_step``.
+        """
+        if not self._started:
+            self._start(batch)
+        g = self.guard
+        self._last_rows = batch_units(batch)
+        if g.monitor is None or g.split_disabled_reason is not None:
+            if g.monitor is not None:
+                g.monitor.step_sample(self.optimizer_steps)
+            g.micro_batch_rows.append(self._last_rows)
+            self._rows_this_step += self._last_rows
+            yield batch, 1.0
+            return
+        k = g.micro_batches_for_step(self.optimizer_steps)
+        self._window.append(batch)
+        reduce_after = self._manual_reduce and bool(getattr(self._ddp, "require_backward_grad_sync", True))
+        redos = 0
+        while True:
+            todo = self._window if redos else [batch]
+            failure = None
+            for i, b in enumerate(todo):
+                failure = yield from self._run_batch(b, max(k, g.monitor.split), final=i == len(todo) - 1)
+                if failure is not None:
+                    break
+            if failure is None:
+                break
+            k = self._redo_window(failure, k, redos)
+            redos += 1
+        if reduce_after:
+            self._reduce_ddp_gradients()
+
+    @contextlib.contextmanager
+    def micro_step(self) -> Iterator[None]:
+        """Run one chunk's forward and backward inside it: an out-of-memory error (or a peer rank's,
+        :class:`PeerOutOfMemoryError`) is caught, its frames dropped, and handled by
+        :meth:`chunks` when the loop asks for the next chunk. Other errors, and errors outside a
+        chunk, pass through."""
+        try:
+            yield
+        except Exception as exc:
+            if not (self._in_chunk and is_oom_error(exc)):
+                raise
+            self._failure = _without_frames(exc)
+
+    def run(self, batch: Any, fn: Callable[[Any, float], Any]) -> None:
+        """``for chunk, weight in chunks(batch): with micro_step(): fn(chunk, weight)``. ``fn`` runs
+        one chunk's forward and backward (``(fn(chunk) * weight).backward()``); its locals, the
+        failed chunk's graph among them, are gone when an OOM leaves it, so the redo runs on freed
+        memory (docs/torch_loop.md, "Loop form or run()")."""
+        for chunk, weight in self.chunks(batch):
+            with self.micro_step():
+                fn(chunk, weight)
+
+    def step_end(self, stepped: Optional[bool] = None) -> None:
+        """After the optimizer step: the window is closed (a later redo never reruns its batches).
+        ``stepped``: whether the optimizer really stepped; None: ``accelerator.sync_gradients``
+        with an accelerator, else True. A batch that did not step stays in the window."""
+        if stepped is None:
+            stepped = bool(getattr(self.accelerator, "sync_gradients", True)) if self.accelerator is not None else True
+        if not stepped:
+            return
+        self.guard.samples_per_step.append(self._rows_this_step)
+        self._rows_this_step = 0
+        self.optimizer_steps += 1
+        self._window = []
+
+    def finish(self, **extra: Any) -> Optional[Dict[str, Any]]:
+        """End the run: the run summary (``Guard.finish``: ``split``, ``max_usage``,
+        ``measured_peak_bytes``, ``oom_retries``, ...) and the calibration record; the hooks come
+        off. Never raises."""
+        self._remove_hooks()
+        return self.guard.finish(self.optimizer_steps, **extra)
+
+    def close(self) -> None:
+        """Stop the monitor and take the hooks off without a summary (the loop is leaving early)."""
+        self._remove_hooks()
+        self.guard.stop()
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._fsdp_hooks is not None:
+            self._fsdp_hooks.remove()
+            self._fsdp_hooks = None
+
+    # ------------------------------------------------------------------ one batch
+    def _splitter(self, flat: _Batch) -> BatchSplitter:
+        weighting = self.options.loss_weighting
+        sp = BatchSplitter(flat.mapping, weighting="rows" if weighting == "rows" else "tokens",
+                           shift_labels=self._shift(flat), label_key=flat.label_name)
+        if weighting == "auto" and not sp.has_labels:
+            sp = BatchSplitter(flat.mapping, weighting="rows", shift_labels=False, label_key=flat.label_name)
+        return sp
+
+    def _shift(self, flat: _Batch) -> bool:
+        if self.shift_labels is not None:
+            return self.shift_labels
+        if flat.kind != "map":
+            return False
+        ids, labels = flat.mapping.get("input_ids"), flat.mapping.get(flat.label_name)
+        if not (torch.is_tensor(ids) and torch.is_tensor(labels) and ids.shape == labels.shape):
+            return False
+        return type(tt.unwrap(self.model)).__name__.endswith("ForCausalLM") if self.model is not None else False
+
+    def _run_batch(self, batch: Any, k: int, final: bool):
+        """Yield the chunks of one batch at ``k``; re-cut the rows not yet processed after an OOM that
+        added no gradient on any rank. Returns None when the batch is done, else the error (this
+        rank's, or a ``PeerOutOfMemoryError``) that needs the window redone."""
+        try:
+            flat = _Batch(batch, self.label_key)
+            sp = self._splitter(flat)
+        except ValueError:
+            top, _low, exc = yield from self._one_chunk(batch, 1.0, self._last_rows, final)
+            return None if top == 0 else (exc or PeerOutOfMemoryError("at the end of the micro-batch"))
+        start = 0
+        while start < sp.units:
+            ranges = self._agreed_ranges(sp, k, start)
+            for u0, u1 in ranges:
+                c = sp.chunk(u0, u1)
+                inputs = flat.batch if (u0 == 0 and u1 == sp.units) else flat.rebuild(c.inputs)
+                top, low, exc = yield from self._one_chunk(inputs, c.weight if len(ranges) > 1 or start else 1.0,
+                                                           c.rows, final and u1 == sp.units)
+                c = inputs = None
+                if top == 0:
+                    start = u1
+                    continue
+                self._after_abort()
+                units_left = sp.units - start
+                exc = exc or PeerOutOfMemoryError("at the end of the micro-batch")
+                if low >= 1 and top == 1 and k < units_left:
+                    # no rank added a gradient in this chunk: every rank re-cuts the same rows
+                    k = self.guard.agreed(self.guard.after_oom(exc, k, units_left, self.optimizer_steps,
+                                                               free=free_after_oom))
+                    exc = None
+                    break
+                return exc
+        return None
+
+    def _one_chunk(self, inputs: Any, weight: float, rows: int, last: bool):
+        """Yield one chunk; returns ``(max_flag, min_flag, error)`` over the ranks (flags: 0 done,
+        1 stopped before adding a gradient, 2 after)."""
+        self.guard.micro_batch_rows.append(rows)
+        self._failure, self._grads_added = None, False
+        self.sync.grads_added = False
+        ctx = self._ddp.no_sync() if (self._ddp is not None and (not last or self._manual_reduce)) \
+            else contextlib.nullcontext()
+        self._in_chunk = True
+        self.sync.inside = self.sync.group is not None
+        try:
+            with ctx:
+                yield inputs, weight
+        finally:
+            self._in_chunk = False
+            self.sync.inside = False
+        exc, self._failure = self._failure, None
+        flag = 0 if exc is None else (2 if (self._grads_added or self.sync.grads_added) else 1)
+        top, low = self.sync.end(flag)
+        if top == 0:
+            self._rows_this_step += rows
+        return top, low, exc
+
+    def _agreed_ranges(self, sp: BatchSplitter, k: int, start: int) -> List[Tuple[int, int]]:
+        """``sp.ranges(k, start)``, with the same number of chunks on every rank (FSDP runs one
+        all-gather per unit per forward: a rank with one chunk fewer would hang the others). A rank
+        whose cut came out shorter (a short last batch, rows without labels merged) cuts finer."""
+        ranges = sp.ranges(k, start)
+        if self.sync.group is None and world_size() <= 1:
+            return ranges
+        group = self.sync.group
+        top, neg = all_reduce_max([len(ranges), -len(ranges)], group)
+        kk = k
+        while top != -neg:
+            if len(ranges) < top and kk < sp.units - start:
+                kk += 1
+                ranges = sp.ranges(kk, start)
+            top, neg = all_reduce_max([len(ranges), -len(ranges)], group)
+            if len(ranges) < top and kk >= sp.units - start and top != -neg:
+                raise ConfigError("batch", "the same number of rows on every rank (the ranks could not cut "
+                                  "their batches into the same number of micro-batches)",
+                                  f"{-neg} to {top} micro-batches")
+        return ranges
+
+    # ------------------------------------------------------------------ after a failure
+    def _after_abort(self) -> None:
+        """After a chunk that failed on some rank: FSDP's iteration state reset (every rank: a peer
+        stopped mid-forward or mid-backward too), memory freed."""
+        if self.model is not None and _compat.fsdp_modules(self.model):
+            _compat.reset_fsdp_after_abort(self.model)
+        free_after_oom()
+
+    def _redo_window(self, failure: BaseException, k: int, redos: int) -> int:
+        """Zero the window's gradients and return the k to redo it with (``Guard.after_window_oom``;
+        every rank passes an error, its own or a peer's, so all raise ``WindowOOMError`` alike)."""
+        phase = "backward" if (self._grads_added or self.sync.grads_added) else "forward"
+        if self.model is not None:
+            self.model.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            try:
+                self.optimizer.zero_grad(set_to_none=True)
+            except Exception:
+                logger.debug("memguard: optimizer.zero_grad failed", exc_info=True)
+        self._rows_this_step = 0
+        return self.guard.after_window_oom(failure, k, self._last_rows, self.optimizer_steps,
+                                           redos=redos, phase=phase)
+
+    def _reduce_ddp_gradients(self) -> None:
+        """Average the gradients over the DDP ranks (what DDP's reducer does in a synchronised
+        backward: each gradient divided by the world size, then summed), in buckets of at most
+        :data:`REDUCE_BUCKET_BYTES`, on DDP's process group. Runs once every rank's last chunk of the
+        batch has succeeded, so no rank waits for one that is redoing."""
+        import torch.distributed as dist
+
+        ddp = self._ddp
+        group = getattr(ddp, "process_group", None)
+        world = dist.get_world_size(group)
+        params = [p for p in ddp.module.parameters() if p.requires_grad]
+        bucket: List[torch.nn.Parameter] = []
+        size = 0
+
+        def flush(items):
+            if not items:
+                return
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in items])
+            flat.div_(world)
+            dist.all_reduce(flat, group=group)
+            off = 0
+            for p in items:
+                n = p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(flat[off:off + n].view_as(p.grad))
+                off += n
+
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if bucket and (size + nbytes > REDUCE_BUCKET_BYTES or p.dtype != bucket[0].dtype):
+                flush(bucket)
+                bucket, size = [], 0
+            bucket.append(p)
+            size += nbytes
+        flush(bucket)

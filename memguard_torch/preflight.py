@@ -1,0 +1,81 @@
+"""What the plain-loop adapter's preflight reads: ``read_specs`` maps the live model, optimizer and
+first batch of a plain PyTorch / accelerate loop to a ``ModelSpec`` / ``TrainSpec``;
+``memguard_core.guard.Guard`` estimates, plans and applies (docs/lifecycle.md).
+
+* model: the module given (through DDP / accelerate wrappers, ``memguard_core.torch_train.unwrap``),
+  its shapes from its HF ``config`` or its ``nn.Embedding`` and block ``ModuleList``
+  (``memguard_core.spec.model_spec_from_module``); under FSDP2 the parameters are ``DTensor``s whose
+  shapes are the full (unsharded) ones;
+* micro-batch = rows (packed: sequences) of the first batch; accumulation = ``grad_accum`` given,
+  else the accelerator's ``gradient_accumulation_steps``, else 1; ``world_size`` =
+  ``torch.distributed``'s; ``sharding`` = ``ddp`` for a ``DistributedDataParallel`` model,
+  ``fsdp-full`` for an FSDP2 model, else ``none``;
+* sequence length = ``seq_length`` given, else the first batch's dimension 1 (the loop's data
+  loader is never iterated);
+* optimizer from the optimizer object (``memguard_core.torch_train.optimizer_name``);
+* precision: the weights' dtype; ``mixed_precision`` from the accelerator (``fp16`` / ``bf16``
+  autocast over fp32 weights);
+* activation checkpointing and the attention implementation from the HF model when there is one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from memguard_core import torch_train as tt
+from memguard_core.preflight import attn_impl_from, method_and_lora
+from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
+
+from . import _compat
+from .batch import batch_units
+
+
+def world_size() -> int:
+    """``torch.distributed``'s world size (1 outside an initialised process group)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def sharding_of(model: Any) -> str:
+    """``TrainSpec.sharding`` of a live model: ``ddp``, ``fsdp-full`` or ``none``."""
+    if _compat.find_ddp(model) is not None:
+        return "ddp"
+    if _compat.fsdp_modules(model):
+        return "fsdp-full"
+    return "none"
+
+
+def read_specs(model: Any, optimizer: Any, batch: Any, *, seq_length: Optional[int] = None,
+               grad_accum: Optional[int] = None, accelerator: Any = None,
+               device: str = "auto") -> Tuple[ModelSpec, TrainSpec]:
+    """``(ModelSpec, TrainSpec)`` of a plain loop (see the module doc).
+
+    Raises:
+        ConfigError: the model's shapes cannot be read, or a setting the ``TrainSpec`` rejects.
+    """
+    inner = tt.unwrap(model)
+    ms = model_spec_from_module(inner)
+    weight_dtype, weights_device = tt.weights_dtype_device(inner)
+    method, kwargs = method_and_lora(inner, ms)
+    mixed = str(getattr(accelerator, "mixed_precision", "no") or "no")
+    import torch
+
+    if mixed in ("fp16", "bf16") and weight_dtype == torch.float32:
+        dtype, mixed_precision = mixed, True
+    else:
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weight_dtype, "fp32")
+        mixed_precision = False
+    accum = grad_accum or int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
+    target = tt.checkpoint_target(inner)
+    device = tt.counter_device(device, weights_device)
+    world = world_size()
+    sharding = sharding_of(model) if world > 1 else "none"
+    seq = tt.infer_seq_length(seq_length, [], None, batch)
+    return ms, TrainSpec(batch_size=max(1, batch_units(batch)), seq_length=seq, grad_accum=max(1, int(accum)),
+                         method=method, optimizer=tt.optimizer_name(optimizer) if optimizer is not None else "adamw",
+                         dtype=dtype, mixed_precision=mixed_precision,
+                         grad_checkpoint=target is not None and tt.checkpointing_on(target),
+                         attn_impl=attn_impl_from(tt.attn_implementation(inner)), framework="torch",
+                         device=device, world_size=world, sharding=sharding,
+                         **tt.file_pages_kwargs(device, kwargs))

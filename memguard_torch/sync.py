@@ -1,0 +1,227 @@
+"""The out-of-memory sync points of a sharded run: how every rank learns, at the same collective
+point, that one rank ran out of memory, so no rank waits forever in a collective the failed rank
+never joins (docs/torch_loop.md, "One rank runs out of memory").
+
+The protocol (after MosaicML Composer's ``sync_hook`` in ``composer/trainer/trainer.py``, in one
+all-reduce instead of two): every sync point is one all-reduce (MAX) of three integers on a gloo
+group of its own (``memguard_core.distributed.flag_group``):
+
+* a rank *inside* a micro-batch, at a sync point placed before each collective of its forward
+  and backward, sends ``[0, 0, 1]``; when the first element comes back > 0 some rank failed, and
+  it raises :class:`PeerOutOfMemoryError` before issuing its own collective;
+* a rank *at the end* of a micro-batch (done, failed or aborted by a peer) sends
+  ``[flag, -flag, 0]`` repeatedly until the third element comes back 0 (every rank is at the
+  end): each repetition pairs with one sync point of a rank still inside. The last answer gives the
+  MAX and the MIN of the ranks' flags (0 done, 1 stopped before any gradient was added, 2 stopped
+  after).
+
+Between two sync points every rank issues the same collectives, so a rank that fails anywhere
+between them is met at the next one by its peers. The sync points of an FSDP2 model
+(:class:`FsdpSyncHooks`): before each FSDP module's forward (its all-gather), before its backward
+(the pre-backward all-gather), after its backward compute (before its reduce-scatter), and at the
+end of the backward before FSDP's root post-backward callback (the root's reduce-scatter).
+
+torch is imported by the adapter, which is the only caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from memguard_core.distributed import all_reduce_max
+
+from . import _compat
+
+logger = logging.getLogger("memguard.torch")
+
+__all__ = ["PeerOutOfMemoryError", "OomSync", "FsdpSyncHooks"]
+
+
+class PeerOutOfMemoryError(RuntimeError):
+    """Raised on a rank at a sync point when another rank ran out of memory in the same micro-batch:
+    this rank stops before its next collective and redoes the micro-batch (or window) with the
+    others. Its message says "out of memory", so OOM checks treat it as one."""
+
+    def __init__(self, where: str = ""):
+        super().__init__(f"out of memory on another rank (noticed {where or 'at a sync point'})")
+
+
+class OomSync:
+    """The sync points of one run (see the module doc).
+
+    Args:
+        group: the gloo group of the flags (``memguard_core.distributed.flag_group``); None
+            outside a process group (then every call answers locally).
+
+    Attributes:
+        inside: True while a micro-batch runs (sync points outside one do nothing, so evaluation
+            forwards and the optimizer step issue no flag all-reduce).
+        grads_added: a sync point after a backward compute passed on this rank in this
+            micro-batch (the reduce-scatter that follows adds to the sharded gradients).
+        points: sync points passed, for tests and the log.
+    """
+
+    def __init__(self, group: Optional[Any]):
+        self.group = group
+        self.inside = False
+        self.grads_added = False
+        self.points = 0
+
+    def point(self, where: str) -> None:
+        """A sync point inside a micro-batch.
+
+        Raises:
+            PeerOutOfMemoryError: another rank failed in this micro-batch.
+        """
+        if not self.inside or self.group is None:
+            return
+        self.points += 1
+        if all_reduce_max([0, 0, 1], self.group)[0] > 0:
+            raise PeerOutOfMemoryError(where)
+
+    def end(self, flag: int) -> Tuple[int, int]:
+        """The end of a micro-batch on this rank with ``flag`` (0 done, 1 stopped without adding a
+        gradient, 2 stopped after adding some): waits, answering the sync points of ranks still
+        inside, until every rank is at the end. Returns ``(max_flag, min_flag)`` over the ranks."""
+        self.inside = False
+        if self.group is None:
+            return flag, flag
+        while True:
+            top, neg_low, inside = all_reduce_max([flag, -flag, 0], self.group)
+            if inside == 0:
+                return top, -neg_low
+
+
+class _SyncBackward(torch.autograd.Function):
+    """Identity in the forward; a sync point in the backward, before the gradient flows on to the
+    node that produced the inputs (an FSDP pre-backward hook, or an FSDP post-backward)."""
+
+    @staticmethod
+    def forward(ctx, hooks, where, *tensors):
+        ctx.hooks, ctx.where = hooks, where
+        out = tuple(t.view_as(t) for t in tensors)
+        return out if len(out) > 1 else out[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hooks.backward_point(ctx.where)
+        return (None, None) + grads
+
+
+def _map_tensors(obj: Any, fn) -> Any:
+    """``obj`` with ``fn`` applied to every tensor that requires grad, through tuples, lists and
+    mappings (HF ``ModelOutput`` keeps its class: items are set on a shallow copy)."""
+    if torch.is_tensor(obj):
+        return fn(obj) if obj.requires_grad else obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_map_tensors(v, fn) for v in obj)
+    if isinstance(obj, list):
+        return [_map_tensors(v, fn) for v in obj]
+    if hasattr(obj, "items") and hasattr(obj, "__setitem__"):
+        import copy
+
+        out = copy.copy(obj)
+        for key, value in list(obj.items()):
+            new = _map_tensors(value, fn)
+            if new is not value:
+                out[key] = new
+        return out
+    return obj
+
+
+def _collect(obj: Any, found: List[torch.Tensor]) -> None:
+    if torch.is_tensor(obj):
+        if obj.requires_grad:
+            found.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            _collect(v, found)
+    elif hasattr(obj, "items"):
+        for v in obj.values():
+            _collect(v, found)
+
+
+def _wrap(obj: Any, hooks: "FsdpSyncHooks", where: str) -> Any:
+    """``obj`` with its grad-requiring tensors passed through one :class:`_SyncBackward` (one sync
+    point for all of them: its backward runs once)."""
+    found: List[torch.Tensor] = []
+    _collect(obj, found)
+    if not found or not torch.is_grad_enabled():
+        return obj
+    out = _SyncBackward.apply(hooks, where, *found)
+    out = out if isinstance(out, tuple) else (out,)
+    replaced = {id(t): o for t, o in zip(found, out)}
+    return _map_tensors(obj, lambda t: replaced.get(id(t), t))
+
+
+class FsdpSyncHooks:
+    """Sync points on every FSDP2 module of a model (see the module doc for where and why).
+
+    Args:
+        model: the model (the root ``fully_shard``-ed module, or a module holding FSDP modules).
+        sync: the run's :class:`OomSync`.
+
+    Raises nothing at install; :meth:`remove` takes the hooks off.
+    """
+
+    def __init__(self, model: Any, sync: OomSync):
+        self.sync = sync
+        self.handles: List[Any] = []
+        self._callback_queued = False
+        mods = _compat.fsdp_modules(model)
+        self.root = _compat.fsdp_root(model)
+        for m in mods:
+            name = type(m).__name__
+            # before FSDP's pre-forward (registered with prepend=True at fully_shard): its all-gather
+            self.handles.append(m.register_forward_pre_hook(self._pre_forward(name), prepend=True))
+            # after FSDP's pre-forward, which wrapped the inputs for its post-backward: a sync point
+            # between this module's backward compute and its reduce-scatter
+            self.handles.append(m.register_forward_pre_hook(self._wrap_inputs(name), with_kwargs=True))
+            # after FSDP's post-forward, which hooked the outputs for its pre-backward all-gather
+            self.handles.append(m.register_forward_hook(self._wrap_outputs(name)))
+
+    def remove(self) -> None:
+        """Take every hook off."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _pre_forward(self, name: str):
+        def hook(module, args):
+            self.sync.point(f"before the forward all-gather of {name}")
+            return None
+        return hook
+
+    def _wrap_inputs(self, name: str):
+        def hook(module, args, kwargs):
+            if not self.sync.inside:
+                return None
+            return _wrap(args, self, f"after the backward of {name}"), _wrap(kwargs, self, f"after the backward of {name}")
+        return hook
+
+    def _wrap_outputs(self, name: str):
+        def hook(module, args, output):
+            if not self.sync.inside:
+                return None
+            return _wrap(output, self, f"before the backward of {name}")
+        return hook
+
+    def backward_point(self, where: str) -> None:
+        """A sync point inside the backward; the first of a backward also queues the end-of-backward
+        sync point, which then runs before FSDP's root post-backward callback (queued later, by
+        FSDP's first pre-backward hook)."""
+        if not self.sync.inside:
+            return
+        if not self._callback_queued:
+            self._callback_queued = _compat.queue_backward_callback(self._end_of_backward)
+        self.sync.point(where)
+        if where.startswith("after"):
+            self.sync.grads_added = True
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self.sync.point("before FSDP's root post-backward")
+        self.sync.grads_added = True

@@ -232,3 +232,12 @@ def test_seq2seq_predict_with_generate_split_equals_unsplit(tmp_path):
     np.testing.assert_array_equal(p1.predictions, p0.predictions)
     np.testing.assert_array_equal(p1.label_ids, p0.label_ids)
     assert p1.metrics["test_loss"] == pytest.approx(p0.metrics["test_loss"], rel=1e-6, abs=0)
+
+
+def test_split_evaluation_false_leaves_the_step_alone(tmp_path):
+    split, cb = _trainer(tmp_path, "split", k=4)
+    cb.split_evaluation = False
+    FailWide(split.model, rows=4)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        split.evaluate(eval_dataset=_eval_set())
+    assert cb.eval_micro_batch_rows == [] and cb.eval_oom_retries == 0

@@ -95,7 +95,7 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
     Attributes (the guard's, see ``memguard_core.guard.Guard``): ``guard``, ``monitor``,
     ``preflight``, ``events``, ``micro_batch_rows``, ``samples_per_step``, ``oom_retries``,
     ``split_disabled_reason``, ``summary``, ``budget_bytes``. The evaluation split's
-    (``memguard_hf.eval_split.GuardedEval``): ``eval_micro_batches`` (settable),
+    (``memguard_hf.eval_split.GuardedEval``): ``eval_micro_batches`` and ``split_evaluation`` (settable),
     ``eval_oom_retries``, ``eval_micro_batch_rows``.
 
     Raises:

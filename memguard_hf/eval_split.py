@@ -122,11 +122,14 @@ class GuardedEval:
             evaluations of the run; settable before ``evaluate()`` / ``predict()``.
         eval_oom_retries: out-of-memory errors in evaluation recovered by a re-split.
         eval_micro_batch_rows: rows (packed batches: sequences) of every evaluation forward that ran.
+        split_evaluation: False runs every evaluation batch as it comes, unguarded (for a
+            ``compute_loss`` / ``prediction_step`` that couples the rows of a batch); default True.
     """
 
     _eval_k = 1
     eval_oom_retries = 0
     _eval_off_reason: Optional[str] = None
+    split_evaluation = True
 
     @property
     def eval_micro_batches(self) -> int:
@@ -174,9 +177,11 @@ class GuardedEval:
                 if not is_oom_error(exc):
                     raise
                 if k >= units or self._eval_off_reason is not None:
+                    why = (f"the evaluation split is off ({self._eval_off_reason})" if k < units
+                           else "no further split can help")
                     msg = (f"memguard: out of memory in an evaluation forward at {k} micro-batch(es) for a batch "
-                           f"of {units} rows; no further split can help: shorten the evaluation sequences, "
-                           "evaluate with prediction_loss_only=True (no logits kept), or give the run more memory")
+                           f"of {units} rows; {why}: shorten the evaluation sequences, evaluate with "
+                           "prediction_loss_only=True (no logits kept), or give the run more memory")
                     logger.error("%s (%s)", msg, exc)
                     exc.add_note(msg)
                     raise
@@ -187,6 +192,8 @@ class GuardedEval:
     def _why_not_split(self, inputs) -> Optional[str]:
         """Why this batch is evaluated as it comes (None: it can be cut)."""
         t = self.trainer
+        if not self.split_evaluation:
+            return "split_evaluation is False"
         if self._eval_off_reason is not None:
             return self._eval_off_reason
         args = getattr(t, "args", None)

@@ -1,8 +1,9 @@
 """One HF ``Trainer`` full fine-tune of a narrow Llama with SmolLM2-135M's vocabulary (49152 tokens;
-2 blocks, hidden 64, random fp32 weights, AdamW) that evaluates after every optimizer step with a large evaluation batch, under a real
-address-space limit (``RLIMIT_AS``, what ``prlimit --as`` / ``ulimit -v`` set) that the child sets
-on itself once the model is built, so torch's CPU allocator really fails in the evaluation
-("DefaultCPUAllocator: can't allocate memory") while training steps fit.
+2 blocks, hidden 64, random fp32 weights, AdamW) that evaluates after every optimizer step with a
+large evaluation batch, under a real address-space limit (``RLIMIT_AS``, what ``prlimit --as`` /
+``ulimit -v`` set) that the child sets on itself once the model is built, so torch's CPU allocator
+really fails in the evaluation ("DefaultCPUAllocator: can't allocate memory") while training steps
+fit.
 
 Training: 2 optimizer steps of 2 rows x 128 tokens. Evaluation: 16 rows x 256 tokens in one batch;
 its forward holds the logits (16 x 256 x 49152 fp32, 0.8 GB) and the loss's log-softmax of the same

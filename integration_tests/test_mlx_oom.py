@@ -172,3 +172,21 @@ def test_metal_oom_in_validation_raises_only_the_validation_k(tmp_path, monkeypa
     assert guard.split_history == [(1, 1)]  # training never cut
     assert guard.oom_retries == 1 and max(guard.micro_batch_rows) == 8
     assert_same_run(ref, run, atol=1e-6)  # training unsplit: the same arithmetic as mlx_lm's
+
+
+def test_metal_oom_in_the_optimizer_update_is_not_redone(tmp_path, monkeypatch):
+    guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0)
+    real, updates = tr._eval_update, []
+
+    def update_or_metal_oom(*arrays):
+        updates.append(guard._it)
+        if len(updates) == 3:
+            raise RuntimeError(METAL_OOM)
+        return real(*arrays)
+
+    monkeypatch.setattr(tr, "_eval_update", update_or_metal_oom)
+    with pytest.raises(WindowOOMError) as ei:
+        run_tiny(tmp_path, "update", guarded=True, guard=guard)
+    assert ei.value.phase == "optimizer step" and ei.value.redos == 0 and METAL_OOM in str(ei.value)
+    assert updates == [2, 4, 6] and guard.optimizer_steps == 2  # stopped at the failed update, not redone
+    assert guard.oom_retries == 0 and guard.summary["iterations"] == 6

@@ -42,7 +42,7 @@ from memguard_core.resume import RESUME_ENV, checkpoint_step, resume_from_env
 
 logger = logging.getLogger("memguard.mlx")
 
-__all__ = ["resume_adapter_file", "resume_point", "load_adapter", "set_optimizer_step", "skip_batches",
+__all__ = ["resume_adapter_file", "resume_run", "resume_point", "load_adapter", "set_optimizer_step", "skip_batches",
            "RESUME_ENV"]
 
 
@@ -154,3 +154,25 @@ def resume_from_arg(resume_from: Any) -> Optional[str]:
     if isinstance(resume_from, (str, os.PathLike)) and os.path.isfile(resume_from):
         return os.fspath(resume_from)
     raise ConfigError("resume_from", "None (MEMGUARD_RESUME_FROM), False, or an existing adapter file", resume_from)
+
+
+def resume_run(model: Any, optimizer: Any, resume_from: Any, grad_accumulation_steps: int) -> Tuple[Optional[str], int]:
+    """Prepare a resumed run (``train``'s ``resume_from``, see :func:`resume_from_arg`): load the
+    adapter weights into ``model``, set ``optimizer``'s step; returns ``(path, start)``, the file
+    resumed from and the iterations already done (``(None, 0)``: not resuming).
+
+    Raises:
+        ConfigError: see :func:`resume_from_arg`, :func:`resume_point`, :func:`load_adapter` (the
+            field named is ``resume_from``, or ``MEMGUARD_RESUME_FROM`` for the variable's file).
+    """
+    path = resume_from_arg(resume_from)
+    if not path:
+        return None, 0
+    field = RESUME_ENV if resume_from is None else "resume_from"
+    start, updates = resume_point(path, grad_accumulation_steps, field)
+    load_adapter(model, path, field)
+    set_optimizer_step(optimizer, updates)
+    logger.warning("memguard: resuming from %s: %d iterations (%d optimizer updates) done, going on at "
+                   "iteration %d; the optimizer's moments restart at zero (mlx_lm saves none)",
+                   path, start, updates, start + 1)
+    return path, start

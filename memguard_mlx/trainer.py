@@ -55,9 +55,12 @@ then ``WindowOOMError`` with the plan) and the batch -- the one already drawn, s
 the LR schedule and the samples per update stay exact -- is recomputed from its first micro-batch.
 The gradient accumulated over the accumulation window's earlier batches (``grad_accumulation_steps``)
 is kept: it was evaluated at the end of its batch, and nothing of the failed batch reached it, the
-model or the optimizer. On MLX's Linux CPU backend a failed ``malloc`` is a SIGSEGV rather than an
-exception (see ``memory.py``), and a Metal command buffer that runs out of memory aborts the process
-from Metal's completion thread: there the guard's per-batch monitor (split at critical/emergency
+model or the optimizer. An allocation failure while the optimizer update is evaluated
+(``_eval_update``) is never redone (a part-done update may have replaced some state): it raises
+``WindowOOMError`` (phase ``optimizer step``). Validation batches are cut alike
+(``memguard_mlx.validation``). On MLX's Linux CPU backend a failed ``malloc`` is a SIGSEGV rather
+than an exception (see ``memory.py``), and a Metal command buffer that runs out of memory aborts the
+process from Metal's completion thread: there the guard's per-batch monitor (split at critical/emergency
 pressure) keeps the run inside the budget, and ``memguard run`` restarts a killed run, which resumes
 from mlx_lm's last numbered adapter save (:func:`resume_adapter_file`).
 """
@@ -75,7 +78,7 @@ from mlx.utils import tree_map
 from mlx_lm.tuner.trainer import TrainingArgs, default_loss, iterate_batches
 
 from memguard_core._deprecation import renamed_attribute
-from memguard_core.errors import ConfigError
+from memguard_core.errors import ConfigError, WindowOOMError
 from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.monitor import Action, GrowPolicy, Level, MemoryEvent, Thresholds
 from memguard_core.options import APPLY_CHOICES, GuardOptions
@@ -85,8 +88,7 @@ from memguard_core.preflight import default_budget as _core_default_budget
 from . import _compat
 from ._mlx_lm_loop import compile_halves, train_loop
 from .memory import LeakDetector, MemoryControls, is_allocation_error
-from .resume import (RESUME_ENV, load_adapter, resume_from_arg, resume_point, set_optimizer_step,
-                     skip_batches)
+from .resume import resume_run, skip_batches
 from .validation import SplitValidation, batch_rows, micro_batch_ranges, row_token_counts, slice_batch
 from .spec import model_spec_from_mlx_module, train_spec_from_args
 
@@ -145,6 +147,22 @@ def _eval_gradient(rows: int, *arrays: Any) -> None:
     lazy: this is where an allocation failure surfaces, before the model or optimizer state is
     touched. (A module-level function so a test can fake the allocator's exception here.)"""
     mx.eval(*arrays)
+
+
+def _eval_update(*arrays: Any) -> None:
+    """Evaluate an optimizer update (the model's and the optimizer's state): where an allocation
+    failure in the update surfaces. (A module-level function so a test can fake Metal's exception
+    here.)"""
+    mx.eval(*arrays)
+
+
+def _update_oom(guard: "MlxGuard", exc: BaseException, k: int, rows: int) -> WindowOOMError:
+    # an update that failed part-way may have replaced some parameters or moments already: never
+    # redone here; memguard run restarts the run and it resumes from its last adapter save
+    guard.guard.log.error("memguard: out of memory in the optimizer update; it is not redone: %s", exc)
+    plan = ["an optimizer with less state per parameter (mlx.optimizers.Adafactor, SGD) or fewer trainable "
+            "parameters (LoRA rank / layers)"] + guard.guard.fit_plan()
+    return WindowOOMError("optimizer step", k, rows, 0, str(exc), plan)
 
 
 _batch_rows = batch_rows
@@ -445,17 +463,9 @@ def train(
     if grad_accum_steps < 1:
         raise ValueError("grad_accumulation_steps must be at least 1")
 
-    resume = resume_from_arg(resume_from)
-    start = 0
-    if resume:
-        field = RESUME_ENV if resume_from is None else "resume_from"
-        start, updates = resume_point(resume, grad_accum_steps, field)
-        load_adapter(model, resume, field)
-        set_optimizer_step(optimizer, updates)
-        guard.resumed_from, guard._it, guard._first_iteration = resume, start, start + 1
-        logger.warning("memguard: resuming from %s: %d iterations (%d optimizer updates) done, going on at "
-                       "iteration %d; the optimizer's moments restart at zero (mlx_lm saves none)",
-                       resume, start, updates, start + 1)
+    resumed, start = resume_run(model, optimizer, resume_from, grad_accum_steps)
+    if resumed:
+        guard.resumed_from, guard._it, guard._first_iteration = resumed, start, start + 1
 
     guard.start(model, optimizer, args, train_dataset)  # wired limit: here (mlx_lm sets it first)
     if args.grad_checkpoint:
@@ -519,7 +529,15 @@ def train(
             redos += 1
         for r in done:
             guard.micro_batch_done(r)
-        return lvalue, toks, update_step(grad, scale, prev_grad, do_update)
+        grad_accum = update_step(grad, scale, prev_grad, do_update)
+        if do_update:
+            try:
+                _eval_update(state)
+            except Exception as exc:
+                if not is_allocation_error(exc):
+                    raise
+                raise _update_oom(guard, exc, k, rows) from exc
+        return lvalue, toks, grad_accum
 
     validation = guard.validation = SplitValidation(
         lambda: guard.monitor.split if guard.monitor is not None else 1, chunk_weight, guard.guard.fit_plan)

@@ -51,6 +51,18 @@ def _metal_oom_at(monkeypatch, guard: MlxGuard, *, iteration: int, chunk: int, t
     return log
 
 
+def _decisions(log_dir):
+    """The decision records of the run's JSONL event log(s) in ``log_dir`` (docs/events.md)."""
+    import glob
+    import json
+
+    out = []
+    for path in sorted(glob.glob(str(log_dir / "*.jsonl"))):
+        with open(path) as f:
+            out += [r for r in map(json.loads, f) if r.get("type") == "decision" and r.get("kind") != "preflight"]
+    return out
+
+
 def _counting_batches(draws: list):
     """mlx_lm's own iterate_batches; counts the training batches drawn (``loop=True``; validation
     draws its own with ``loop=False``)."""
@@ -66,7 +78,7 @@ def _counting_batches(draws: list):
 
 def test_metal_oom_in_a_micro_batch_redoes_the_batch_from_its_first_chunk(tmp_path, monkeypatch):
     ref = run_tiny(tmp_path, "ref", guarded=False)
-    guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0, micro_batches=2)
+    guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0, micro_batches=2, log_dir=str(tmp_path / "events"))
     # iteration 6 is the second batch of update 3 (accumulation 2): the window's first batch's
     # gradient (iteration 5) is kept; the failure hits the second of the two micro-batches, after
     # the first one's gradient went into the partial sum that is dropped
@@ -85,6 +97,7 @@ def test_metal_oom_in_a_micro_batch_redoes_the_batch_from_its_first_chunk(tmp_pa
     assert guard.split_history == [(1, 2), (6, 4)] and guard.oom_retries == 1
     oom_events = [e for e in guard.events if "out of memory in the forward and backward" in str(e)]
     assert len(oom_events) == 1, guard.events
+    assert [(r["kind"], r["micro_batches"]) for r in _decisions(tmp_path / "events")] == [("oom_retry", 4)]
     # the same run as mlx_lm's unsplit one: updates, LR sequence, losses, tokens, saves, weights.
     # Tolerance atol 1e-4 / rtol 1e-3 (weights move > 1e-2): a cut batch sums its micro-batches'
     # token-weighted gradients in float32 in another order than one unsplit reduction, and Adam's
@@ -161,7 +174,7 @@ def test_metal_oom_in_validation_raises_only_the_validation_k(tmp_path, monkeypa
     import memguard_mlx.validation as val
 
     ref = run_tiny(tmp_path, "ref", guarded=False)
-    guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0)
+    guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0, log_dir=str(tmp_path / "events"))
     # the second batch of the validation pass at iteration 5, evaluated unsplit, fails
     log = _observe(monkeypatch, val, "_eval_validation", guard, fail_at=(5, 2))
     run = run_tiny(tmp_path, "valoom", guarded=True, guard=guard)
@@ -171,6 +184,8 @@ def test_metal_oom_in_validation_raises_only_the_validation_k(tmp_path, monkeypa
     assert guard.validation.history == [(1, 1), (5, 1), (5, 2), (10, 2)]  # raised, and kept for later passes
     assert guard.split_history == [(1, 1)]  # training never cut
     assert guard.oom_retries == 1 and max(guard.micro_batch_rows) == 8
+    assert [(r["kind"], r["phase"], r["micro_batches"], r["step"]) for r in _decisions(tmp_path / "events")] == [
+        ("oom_retry", "validation", 2, 5)]
     assert_same_run(ref, run, atol=1e-6)  # training unsplit: the same arithmetic as mlx_lm's
 
 

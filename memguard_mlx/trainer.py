@@ -540,7 +540,9 @@ def train(
         return lvalue, toks, grad_accum
 
     validation = guard.validation = SplitValidation(
-        lambda: guard.monitor.split if guard.monitor is not None else 1, chunk_weight, guard.guard.fit_plan)
+        lambda: guard.monitor.split if guard.monitor is not None else 1, chunk_weight, guard.guard.fit_plan,
+        on_redo=lambda message, it, k: guard.guard.recorder.decision(
+            "oom_retry", message, it, warn=False, phase="validation", micro_batches=k))
 
     def evaluate(**kw):
         validation.iteration = guard._it + 1  # validation runs before the iteration's batch

@@ -100,6 +100,8 @@ class SplitValidation:
         chunk_weight: a micro-batch's loss weight ``fn(chunk, value, weight)`` for a custom loss
             (None: the loss's own second output, ``ntoks`` for ``default_loss``).
         plan: ``() -> [str]``: the plan that would fit, for ``WindowOOMError``.
+        on_redo: ``fn(message, iteration, k)`` after each allocation failure recovered here (the
+            guard records it in its event log); its own failure is logged, never raised.
 
     Attributes:
         k: the validation k after an allocation failure raised it (1 before).
@@ -109,8 +111,10 @@ class SplitValidation:
     """
 
     def __init__(self, training_k: Callable[[], int], chunk_weight: Optional[Callable] = None,
-                 plan: Callable[[], List[str]] = lambda: []):
+                 plan: Callable[[], List[str]] = lambda: [],
+                 on_redo: Optional[Callable[[str, Optional[int], int], None]] = None):
         self.training_k = training_k
+        self.on_redo = on_redo
         self.chunk_weight = chunk_weight
         self.plan = plan
         self.k = 1
@@ -152,8 +156,14 @@ class SplitValidation:
         self.k = max(self.k, new_k)
         self.oom_retries += 1
         self.history.append((self.iteration, new_k))
-        logger.warning("memguard: out of memory in the validation forward (%s); redoing the batch with %d "
-                       "micro-batches (the training micro-batches are unchanged)", type(exc).__name__, new_k)
+        message = (f"out of memory in the validation forward ({type(exc).__name__}); redoing the batch with "
+                   f"{new_k} micro-batches (the training micro-batches are unchanged)")
+        logger.warning("memguard: %s", message)
+        if self.on_redo is not None:
+            try:
+                self.on_redo(message, self.iteration, new_k)
+            except Exception:
+                logger.debug("memguard: validation redo not recorded", exc_info=True)
         return new_k, floor_redone or at_floor
 
     def evaluate(self, model, dataset, batch_size, num_batches, max_seq_length=2048,

@@ -3,8 +3,9 @@
 What is faked, and only this: MLX raises an allocation failure on Metal only (its Linux CPU backend
 dies with SIGSEGV on a failed malloc, which no test can catch), so the test wraps the single boundary
 where the guarded loop evaluates a micro-batch's loss and gradient (``memguard_mlx.trainer.
-_eval_gradient``, an ``mx.eval``) and raises Metal's own message there once, at a chosen micro-batch
-of a chosen iteration, before evaluating. Everything else -- the model, the data, ``iterate_batches``,
+_eval_gradient``, an ``mx.eval``; likewise the validation and the optimizer-update boundaries) and
+raises Metal's own message there, before evaluating: once at a chosen micro-batch of a chosen
+iteration, or at every evaluation of one iteration for the one-row floor. Everything else -- the model, the data, ``iterate_batches``,
 the compiled steps, the optimizer, the adapter saves -- is real mlx / mlx_lm on the CPU backend.
 """
 

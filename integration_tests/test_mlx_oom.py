@@ -5,8 +5,9 @@ dies with SIGSEGV on a failed malloc, which no test can catch), so the test wrap
 where the guarded loop evaluates a micro-batch's loss and gradient (``memguard_mlx.trainer.
 _eval_gradient``, an ``mx.eval``; likewise the validation and the optimizer-update boundaries) and
 raises Metal's own message there, before evaluating: once at a chosen micro-batch of a chosen
-iteration, or at every evaluation of one iteration for the one-row floor. Everything else -- the model, the data, ``iterate_batches``,
-the compiled steps, the optimizer, the adapter saves -- is real mlx / mlx_lm on the CPU backend.
+iteration, or at every evaluation of one iteration for the one-row floor. Everything else -- the
+model, the data, ``iterate_batches``, the compiled steps, the optimizer, the adapter saves -- is real
+mlx / mlx_lm on the CPU backend.
 """
 
 from __future__ import annotations

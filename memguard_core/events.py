@@ -26,7 +26,8 @@ LOG_DIR_ENV = "MEMGUARD_LOG_DIR"
 RUN_ID_ENV = "MEMGUARD_RUN_ID"
 
 #: What a ``decision`` record's ``kind`` can be.
-DECISION_KINDS = ("preflight", "clean", "split", "grow", "oom_retry", "restart", "leak", "snapshot", "pressure")
+DECISION_KINDS = ("preflight", "clean", "split", "grow", "oom_retry", "eval_split", "restart", "leak", "snapshot",
+                  "pressure")
 
 _log = logging.getLogger("memguard.events")
 

@@ -372,7 +372,8 @@ class Guard(WindowRedo):
                 last["peak"] = measured
             self.recorder.step(int(optimizer_steps), last, mon.split, mon.level.name.lower())
             self.recorder.finish(self.summary)
-            if not self.oom_retries:
+            # a recovered OOM (training or evaluation) makes the measured peak a failed attempt's
+            if not self.oom_retries and not extra.get("eval_oom_retries"):
                 from .calibration import record_preflight
 
                 record_preflight(pf, measured, split=mon.split)

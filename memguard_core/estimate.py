@@ -1224,9 +1224,32 @@ def _activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
     ``MALLOC_MMAP_THRESHOLD_=131072`` the peak is the live set). The slack observed under
     checkpointing is of the order of the forward's factor times this un-checkpointed traffic, so
     that factor is reused rather than a separate one fitted (checked on checkpointed depth sweeps;
-    docs/estimator.md, "CPU heap slack")."""
+    docs/estimator.md, "CPU heap slack").
+
+    Score-sized tensors (eager attention, SDPA's math path) are left out when each of them is at
+    least ``MMAP_THRESHOLD_MAX``: glibc serves such a request with its own ``mmap`` and unmaps it on
+    free (mallopt(3), ``M_MMAP_THRESHOLD``: the dynamic threshold never rises above 32 MiB on
+    64-bit), so it leaves no resident hole in the heap -- the rule the logits already follow at the
+    loss moment (``_score_tensors_mmapped``)."""
     h, sc, lo, _ = _activations(ms, ts.replace(grad_checkpoint=False))
+    if _score_tensors_mmapped(ms, ts):
+        sc = 0
     return h + sc + lo
+
+
+def _score_tensors_mmapped(ms: ModelSpec, ts: TrainSpec) -> bool:
+    """True when every score-sized tensor one block saves (batch x heads x s x s: eager attention's
+    probabilities and their casts / dropout noise in the compute dtype or fp32, SDPA's CPU math
+    path's fp32 probabilities, noise and dropped probabilities -- ``_attention_core``) is at least
+    ``MMAP_THRESHOLD_MAX`` bytes, so glibc mmaps each one (no heap slack). The smallest such tensor
+    is in the compute dtype for eager attention and fp32 on the math path. False for the fused
+    SDPA kernels, whose per-head logsumexp is small."""
+    e = DTYPE_BYTES[ts.dtype]
+    cpu_math = ms.attention_dropout > 0 and ts.attn_impl == "sdpa"
+    if ts.attn_impl != "eager" and not cpu_math:
+        return False
+    smallest = 4 if (cpu_math or ts.attn_impl != "eager") else min(e, 4)
+    return ts.batch_size * ms.num_heads * ts.seq_length ** 2 * smallest >= MMAP_THRESHOLD_MAX
 
 
 #: Out-sized tensors one LoRA'd linear allocates in its forward beyond the base layer's output,
@@ -1282,6 +1305,37 @@ def _lora_forward_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
             if t < MMAP_THRESHOLD_MAX:
                 total += ls.count * t
     return int(total * min(_num_lora_layers(ms, ts), LORA_TEMP_BLOCKS))
+
+
+def _heap_gradient_bytes(ms: ModelSpec, ts: TrainSpec, grads: int, pb: int) -> int:
+    """Bytes of the gradients that glibc serves from its heap: ``grads`` (all ``.grad`` tensors)
+    less those of tensors of at least ``MMAP_THRESHOLD_MAX`` bytes, which are mmapped (the input
+    embedding, an untied head, a block linear or fused expert tensor that large; ``pb`` bytes per
+    element). Only a full fine-tune has large gradients; LoRA's adapters are all small.
+
+    Why it matters under gradient checkpointing (``estimate``'s CPU slack at the backward and
+    optimizer moments): HF ``Trainer`` frees every gradient after the optimizer step
+    (``model.zero_grad()``, ``set_to_none=True`` by default in torch 2.x), and the next backward
+    requests the same sizes again while the recomputed blocks' tensors come and go; a 64-byte-aligned
+    request cannot reuse an exactly-sized freed chunk (``c10/core/impl/alloc_cpu.cpp`` asks
+    ``posix_memalign``), so the new gradients take fresh heap and the old ones stay resident holes.
+    Checked with glibc's ``mallinfo2`` on an HF ``Trainer`` run (docs/estimator.md, "Gradient
+    checkpointing on CPU"): the arena grew by the heap-resident gradient bytes in the 2nd step's
+    backward while nothing else was added to the live set."""
+    if ts.method != "full":
+        return int(grads)
+    big = 0
+    vh = ms.vocab_size * ms.hidden_size * pb
+    if vh >= MMAP_THRESHOLD_MAX:
+        big += vh * (1 if ms.tie_word_embeddings else 2)
+    for ls in _block_linears(ms):
+        one = ls.in_features * ls.out_features * pb
+        if getattr(ls, "is_param", False):
+            if one * ls.count >= MMAP_THRESHOLD_MAX:
+                big += one * ls.count * ms.num_layers
+        elif one >= MMAP_THRESHOLD_MAX:
+            big += one * ls.count * ms.num_layers
+    return int(max(grads - big, 0))
 
 
 def _embedding_grad_transients(ms: ModelSpec, ts: TrainSpec, pb: int) -> Tuple[int, int]:
@@ -1450,10 +1504,13 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
         if ts.device == "cuda":
             slack = int(CUDA_FRAGMENTATION * (totals[k] - overhead))
         elif ts.device == "cpu":
+            small_logits = logits_peak if logits_tensor < MMAP_THRESHOLD_MAX else 0
+            forward_slack = int(CPU_HEAP_SLACK_FORWARD[kind] * (traffic + small_logits)
+                                + LORA_TEMP_SLACK * lora_traffic)
             if k == "loss":
-                small_logits = logits_peak if logits_tensor < MMAP_THRESHOLD_MAX else 0
-                slack = int(CPU_HEAP_SLACK_FORWARD[kind] * (traffic + small_logits)
-                            + LORA_TEMP_SLACK * lora_traffic)
+                slack = forward_slack
+            elif ts.grad_checkpoint:
+                slack = forward_slack + _heap_gradient_bytes(ms, ts, grads, pb)
             else:
                 slack = int(CPU_HEAP_SLACK_BACKWARD[kind] * traffic)
         else:

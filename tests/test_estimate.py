@@ -383,3 +383,95 @@ def test_process_file_resident_bytes_reads_rssfile():
         assert got is not None and got > MiB   # the interpreter and its libraries are mapped
     else:  # pragma: no cover - other platforms
         assert got is None
+
+
+def _gpt2_like(**kw) -> ModelSpec:
+    """GPT-2's published config (openai-community/gpt2: 12 heads of 64, vocab 50257, tied; attention
+    dropout ``attn_pdrop`` 0.1, which sends SDPA on the CPU down its math path: score-sized fp32
+    tensors), read by the config reader."""
+    import dataclasses
+
+    from memguard_core.spec import model_spec_from_hf_config
+    cfg = dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024,
+               attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1, torch_dtype="float32")
+    return dataclasses.replace(model_spec_from_hf_config(cfg), **kw)
+
+
+def test_cpu_heap_slack_leaves_out_score_tensors_glibc_mmaps():
+    # glibc mmaps every request >= its mmap threshold (32 MiB at most) and unmaps it on free: such
+    # tensors leave no hole in the heap, so the heap-slack traffic counts score-sized tensors only
+    # while each of them is below MMAP_THRESHOLD_MAX (SDPA's CPU math path: fp32 per score)
+    from memguard_core.estimate import (MMAP_THRESHOLD_MAX, _activation_traffic, _activations,
+                                        _score_tensors_mmapped)
+    m = _gpt2_like()
+    for b, s in ((1, 256), (2, 512), (1, 1024), (2, 1024)):
+        t = ts(method="lora", lora_targets=("c_attn",), batch_size=b, seq_length=s)
+        h, sc, lo, _ = _activations(m, t)
+        assert sc > 0
+        big = b * 12 * s * s * 4 >= MMAP_THRESHOLD_MAX
+        assert _score_tensors_mmapped(m, t) is big
+        assert _activation_traffic(m, t) == (h + lo if big else h + sc + lo)
+    # 1 x 12 x 1024^2 x 4 B = 48 MiB per score tensor: above; 2 x 12 x 512^2 x 4 = 24 MiB: below
+    assert _score_tensors_mmapped(m, ts(batch_size=1, seq_length=1024))
+    assert not _score_tensors_mmapped(m, ts(batch_size=2, seq_length=512))
+    # the fused SDPA kernel (no attention dropout) saves a per-head logsumexp only: never mmapped
+    assert not _score_tensors_mmapped(_gpt2_like(attention_dropout=0.0), ts(batch_size=8, seq_length=1024))
+    # so the loss moment's slack stops growing with the score tensors once they are mmapped: from
+    # s = 1024 to 2 x 1024 only the hidden-sized traffic (linear in tokens) is added
+    t1 = ts(method="lora", lora_targets=("c_attn",), batch_size=1, seq_length=1024)
+    e1, e2 = estimate(m, t1), estimate(m, t1.replace(batch_size=2))
+    h1, _, lo1, _ = _activations(m, t1)
+    assert _activation_traffic(m, t1.replace(batch_size=2)) == 2 * (h1 + lo1)
+    assert e2.phase_breakdowns["loss"]["attention_scores"] == 2 * e1.phase_breakdowns["loss"]["attention_scores"]
+
+
+def test_checkpointed_backward_slack_is_the_forward_heap_plus_the_heap_gradients():
+    # Under activation checkpointing the backward never holds every block's activations at once
+    # (one block is recomputed at a time), so its heap slack is not the un-checkpointed traffic:
+    # it is what the forward left (the arena does not shrink) plus the gradients that glibc serves
+    # from the heap (freed by zero_grad(set_to_none=True) each step, requested again at the same
+    # sizes, which a 64-byte-aligned request cannot reuse)
+    from memguard_core.estimate import (CPU_HEAP_SLACK_BACKWARD, MMAP_THRESHOLD_MAX, _activation_traffic,
+                                        _heap_gradient_bytes)
+    m = tiny()
+    for method in ("full", "lora"):
+        t = ts(method=method, batch_size=4, seq_length=256, grad_checkpoint=True)
+        e = estimate(m, t)
+        pb = e.phase_breakdowns
+        heap_grads = _heap_gradient_bytes(e.model_spec, t, pb["backward"]["gradients"], 4)
+        assert pb["backward"]["allocator_slack"] == pb["loss"]["allocator_slack"] + heap_grads
+        assert pb["optimizer"]["allocator_slack"] == pb["backward"]["allocator_slack"]
+        # every tensor of the tiny model is small: all its gradients are on the heap
+        assert heap_grads == pb["backward"]["gradients"] > 0
+        # without checkpointing the backward keeps the fitted factor of the whole traffic
+        u = estimate(m, t.replace(grad_checkpoint=False))
+        kind = "full" if method == "full" else "lora"
+        assert u.phase_breakdowns["backward"]["allocator_slack"] == int(
+            CPU_HEAP_SLACK_BACKWARD[kind] * _activation_traffic(u.model_spec, u.train_spec))
+    # the checkpointed backward's slack does not grow with the saved activations of all blocks:
+    # 4x the tokens moves it by the forward's slack only, the heap gradients are the same
+    t = ts(method="full", batch_size=1, seq_length=256, grad_checkpoint=True)
+    a, b = estimate(m, t), estimate(m, t.replace(batch_size=4))
+    da = b.phase_breakdowns["backward"]["allocator_slack"] - a.phase_breakdowns["backward"]["allocator_slack"]
+    dl = b.phase_breakdowns["loss"]["allocator_slack"] - a.phase_breakdowns["loss"]["allocator_slack"]
+    assert da == dl
+
+
+def test_heap_gradient_bytes_leave_out_mmapped_tensors():
+    from memguard_core.estimate import MMAP_THRESHOLD_MAX, _heap_gradient_bytes
+    # a vocabulary large enough that V x h x 2 B >= 32 MiB: the embedding's gradient is mmapped
+    V, h = 50000, 512
+    assert V * h * 2 >= MMAP_THRESHOLD_MAX
+    for tied in (True, False):
+        m = tiny(vocab_size=V, hidden_size=h, num_heads=8, num_kv_heads=8, head_dim=64,
+                 tie_word_embeddings=tied, weight_bits=16.0, dense_bits=16.0)
+        t = ts(method="full", dtype="bf16")
+        grads = 10 * V * h * 2
+        assert _heap_gradient_bytes(m, t, grads, 2) == grads - (1 if tied else 2) * V * h * 2
+        # in fp32 the block linears stay small too; LoRA's adapters are all small
+        assert _heap_gradient_bytes(m, t.replace(method="lora"), 12345, 4) == 12345
+    # a block linear of 32 MiB or more (8192 x 2048 in bf16) is mmapped, in every block
+    big = tiny(intermediate_size=8192, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
+               vocab_size=1000, weight_bits=16.0, dense_bits=16.0)
+    g = _heap_gradient_bytes(big, ts(method="full", dtype="bf16"), 10 ** 10, 2)
+    assert g == 10 ** 10 - 3 * 2048 * 8192 * 2 * 2

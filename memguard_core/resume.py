@@ -73,6 +73,9 @@ DIR_FLAGS: Dict[str, Tuple[str, ...]] = {
                   "--trainer.default_root_dir", "--output-dir", "--output_dir"),
     "mlx": ("--adapter-path", "--adapter_path", "--output-dir", "--output_dir"),
 }
+# flags that only a Lightning script has (LightningCLI's are all --trainer.* / --model.* / --data.*)
+_LIGHTNING_ONLY_FLAGS = ("--ckpt-dir", "--ckpt_dir", "--default_root_dir", "--default-root-dir",
+                         "--trainer.default_root_dir")
 #: mlx_lm.lora's default ``adapter_path`` (lora.py ``CONFIG_DEFAULTS``), relative to the working dir.
 MLX_LM_DEFAULT_ADAPTER_PATH = "adapters"
 
@@ -295,7 +298,7 @@ def command_framework(cmd: Sequence[str]) -> Optional[str]:
     flags = {t.split("=", 1)[0] for t in cmd if t.startswith("--")}
     if _is_mlx_lm(cmd) or flags & {"--adapter-path", "--adapter_path"}:
         return "mlx"
-    if flags & set(DIR_FLAGS["lightning"][:5]) or any(f.startswith("--trainer.") for f in flags):
+    if flags & set(_LIGHTNING_ONLY_FLAGS) or any(f.startswith("--trainer.") for f in flags):
         return "lightning"
     if flags & set(DIR_FLAGS["hf"]):
         return "hf"

@@ -418,7 +418,7 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
         resume, found_fw, searched = find_resume_checkpoint(cmd, framework, output_dir)
         attempt.resume_framework = found_fw
         where = (f"resuming from {resume} ({found_fw})" if resume else
-                 f"no {found_fw or framework} checkpoint found"
+                 ("no checkpoint found" if found_fw is None else f"no {found_fw} checkpoint found")
                  + (f" in {searched}" if searched else
                     " (no --output-dir / --default_root_dir / --ckpt-dir / --adapter-path given or detected)")
                  + ": restarting from step 0")

@@ -429,6 +429,10 @@ def test_no_checkpoint_is_reported_with_the_directory_searched(tmp_path):
                     report=lines.append)
     assert res.returncode == 0 and res.attempts[1].resume_from is None
     assert f"no lightning checkpoint found in {tmp_path}: restarting from step 0" in lines[0]
+    lines.clear()
+    res = supervise([sys.executable, "-c", child], env=_clean_env(), report=lines.append)
+    assert res.returncode == 0 and res.attempts[1].resume_from is None
+    assert "no checkpoint found (no --output-dir / --default_root_dir / --ckpt-dir / --adapter-path given" in lines[0]
 
 
 @pytest.mark.parametrize("argv,flag", [

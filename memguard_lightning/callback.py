@@ -15,11 +15,15 @@ What it does (the HF adapter's features, the Lightning way):
   and ``global_step`` are never touched.
 * **Runtime guard**: a ``MemoryMonitor`` samples at every batch (cheap counters) and in a
   background thread, cleans caches and doubles k under pressure.
-* **OOM catch and retry**: an out-of-memory error (Lightning's own ``is_oom_error``: CUDA OOM,
-  cuDNN's not-supported snafu, the CPU allocator's "can't allocate memory") raised in a chunk's
-  *forward* frees memory, doubles k and redoes only the rows not yet processed (earlier chunks'
-  gradients are already weighted for the whole batch). An OOM in a backward has already added part
-  of a gradient and is re-raised; so is one in the final chunk's backward, which Lightning runs.
+* **OOM catch and retry**: an out-of-memory error (``split_step.is_oom``: CUDA OOM, cuDNN's
+  not-supported snafu, the CPU allocator's "can't allocate memory") raised in a chunk's *forward*
+  frees memory, doubles k and redoes only the rows not yet processed. One raised in a *backward*
+  (a chunk's, or Lightning's own of the batch) redoes the whole accumulation window at a doubled k
+  from the window's kept batches; AdamW's states are allocated before the first forward
+  (single process; see docs/lightning.md and ``memguard_lightning.split_step``).
+* **Evaluation split**: ``validation_step`` / ``test_step`` / ``predict_step`` run in
+  ``eval_micro_batches`` chunks, doubled on an evaluation OOM; the training k is never changed
+  (``memguard_lightning.eval_split``).
 * **Ranks agree**: the k of each batch is all-reduced (MAX) at the start of ``training_step``, so
   every rank cuts alike. (After an OOM retry one rank may use a larger k for the rest of that
   batch; under DDP the non-final chunks run no collective, and the next batch agrees again.)
@@ -54,13 +58,14 @@ from lightning.pytorch.callbacks import Callback
 
 from memguard_core import torch_train as tt
 from memguard_core._deprecation import renamed_attribute
-from memguard_core.errors import ConfigError
+from memguard_core.errors import ConfigError, require_int
 from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.options import GuardOptions, option_kwargs, with_guard_options
 from memguard_core.preflight import Preflight
 
 from . import _compat
 from .batch import LabelKey, batch_units
+from .eval_split import EvalSplit, eval_split_reason
 from .preflight import find_model, read_specs
 from .split_step import SplitStep
 
@@ -83,6 +88,8 @@ class MemGuardCallback(GuardAttributes, Callback):
         label_key: where the labels are in the batch: a key of a dict batch or an index into a
             tuple batch (default: ``labels``, or the last element of a tuple).
         shift_labels: the loss shifts labels by one (causal LM); ``None`` = auto.
+        eval_micro_batches: micro-batches each validation / test / predict batch is cut into at
+            the start (>= 1, default 1); doubled after an out-of-memory error in one.
         micro_batches: micro-batches each batch is cut into from the start (>= 1); default
             ``MEMGUARD_MICRO_BATCHES`` in the environment, else 1. ``split`` is its deprecated name.
         monitor_interval_s: background sampling period in seconds (0 disables the thread).
@@ -94,15 +101,19 @@ class MemGuardCallback(GuardAttributes, Callback):
     Attributes (the guard's, see ``memguard_core.guard.Guard``): ``guard``, ``monitor``,
     ``preflight``, ``events``, ``micro_batch_rows``, ``samples_per_step``, ``oom_retries``,
     ``split_disabled_reason``, ``summary``, ``budget_bytes``; ``step``: the in-step split
-    (``memguard_lightning.split_step.SplitStep``).
+    (``memguard_lightning.split_step.SplitStep``); ``evals``: the evaluation split
+    (``memguard_lightning.eval_split.EvalSplit``).
 
     Raises:
         ConfigError: invalid arguments.
     """
 
     @with_guard_options
-    def __init__(self, *, label_key: LabelKey = None, shift_labels: Optional[bool] = None, **options: Any):
-        options = GuardOptions.from_kwargs(**option_kwargs(options, own=("label_key", "shift_labels")))
+    def __init__(self, *, label_key: LabelKey = None, shift_labels: Optional[bool] = None,
+                 eval_micro_batches: int = 1, **options: Any):
+        options = GuardOptions.from_kwargs(**option_kwargs(
+            options, own=("label_key", "shift_labels", "eval_micro_batches")))
+        require_int("eval_micro_batches", eval_micro_batches, "an integer >= 1")
         if label_key is not None and (isinstance(label_key, bool) or not isinstance(label_key, (str, int))):
             raise ConfigError("label_key", "a dict key (str), a tuple index (int) or None", label_key)
         if shift_labels is not None and not isinstance(shift_labels, bool):
@@ -111,6 +122,7 @@ class MemGuardCallback(GuardAttributes, Callback):
         self.options = options
         self.guard = Guard(options, log=logger)
         self.step = SplitStep(self.guard, options, label_key=label_key, shift_labels=shift_labels)
+        self.evals = EvalSplit(self.step, eval_micro_batches)
         self.trainer = None
         self.pl_module = None
         self._started = False
@@ -120,10 +132,15 @@ class MemGuardCallback(GuardAttributes, Callback):
 
     # ------------------------------------------------------------------ setup / teardown
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self.step.trainer, self.step.pl_module = trainer, pl_module
+        why_not = eval_split_reason(trainer)
+        if why_not is None:
+            self.evals.install(pl_module)
+        else:
+            logger.warning("memguard: evaluation batches are not split: %s", why_not)
         if stage != "fit":
             return
         self.trainer, self.pl_module = trainer, pl_module
-        self.step.trainer, self.step.pl_module = trainer, pl_module
         self._started = False  # a new fit: preflight and monitor again at its first batch
         reason = self._why_no_split(trainer, pl_module)
         if reason is not None:
@@ -134,6 +151,7 @@ class MemGuardCallback(GuardAttributes, Callback):
         if step.orig_training_step is None:
             step.orig_training_step = pl_module.training_step
             step.orig_zero_grad = pl_module.optimizer_zero_grad
+            step.orig_backward = pl_module.backward
 
             def training_step(batch, *args, **kwargs):
                 return self._guarded_training_step(batch, *args, **kwargs)
@@ -145,14 +163,21 @@ class MemGuardCallback(GuardAttributes, Callback):
             pl_module.training_step = functools.update_wrapper(training_step, step.orig_training_step)
             pl_module.optimizer_zero_grad = functools.update_wrapper(optimizer_zero_grad, step.orig_zero_grad)
 
+            def backward(loss, *args, **kwargs):
+                return step.backward(loss, *args, **kwargs)
+
+            pl_module.backward = functools.update_wrapper(backward, step.orig_backward)
+
     def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.evals.uninstall(pl_module)
         if stage != "fit":
             return
         self.guard.stop()
         if self.step.orig_training_step is not None:
-            for name in ("training_step", "optimizer_zero_grad"):
+            for name in ("training_step", "optimizer_zero_grad", "backward"):
                 pl_module.__dict__.pop(name, None)  # back to the class's methods
-            self.step.orig_training_step = self.step.orig_zero_grad = None
+            self.step.orig_training_step = self.step.orig_zero_grad = self.step.orig_backward = None
+        self.step.release()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self.guard.stop()
@@ -188,6 +213,8 @@ class MemGuardCallback(GuardAttributes, Callback):
             plan_hint=": set the dataloader's batch_size and Trainer(accumulate_grad_batches=...) to these numbers")
         if self.guard.preflight is not None:
             self._log_preflight(trainer, self.guard.preflight)
+        if self.step.orig_training_step is not None:
+            self.step.prepare_optimizers()
 
     def _log_preflight(self, trainer, pf: Preflight) -> None:
         params = {"memguard/budget_bytes": int(pf.budget_bytes),

@@ -1,7 +1,8 @@
 """How one batch runs as k micro-batches inside Lightning's automatic optimization: the
-Lightning adapter's ``training_step`` / ``optimizer_zero_grad`` wrappers (installed by
+Lightning adapter's ``training_step`` / ``optimizer_zero_grad`` / ``backward`` wrappers (installed by
 ``memguard_lightning.callback.MemGuardCallback``), the per-chunk backward and the chunk-weighted
-``self.log`` values. The guard's decisions (k, OOM re-split) come from ``memguard_core.guard.Guard``.
+``self.log`` values, the forward OOM retry and the accumulation-window redo. The guard's decisions
+(k, OOM re-split, window redo) come from ``memguard_core.guard.Guard``.
 
 Design: the k-chunk step inside automatic optimization
 ------------------------------------------------------
@@ -36,28 +37,69 @@ an error and stops splitting (a changed Lightning would be noticed, not silently
 micro-batch for them); ``on_before_zero_grad`` still runs at Lightning's point, and on a split
 window-start batch it sees the non-final chunks' gradients instead of the previous step's.
 
+Out-of-memory errors (``is_oom``): one in a chunk's *forward* frees memory, doubles k and redoes
+only the rows not yet processed (the earlier chunks' gradients are already weighted for the whole
+batch). One in a *backward* has added part of a gradient that cannot be taken back, so the whole
+accumulation window is redone (the HF adapter's rule, docs/lifecycle.md "Redoing the accumulation
+window"; ``Guard.after_window_oom``: gradients set to None, memory freed, k doubled, floor and cap
+ending in ``WindowOOMError``):
+
+* the window's batches: ``training_step`` keeps a reference to each batch of the current window
+  (already in memory: Lightning fetched it and moved it to the device), the window starting where
+  Lightning's zero_grad rule says (``batch_idx % accumulate_grad_batches == 0``), so nothing is
+  drawn from the dataloader twice and ``global_step``, the LR schedule and the samples per
+  optimizer step stay exact. The earlier batches are redone with all their micro-batches' forwards
+  and backwards run by memguard, their ``self.log`` values discarded (they were logged when the
+  batch first ran; the redone ones are equal up to summation order).
+* a failure in a non-final chunk's backward (memguard's, inside ``training_step``): the earlier
+  batches are redone there, then this batch from its first row at the new k, its last chunk again
+  returned for Lightning's backward.
+* a failure in Lightning's own backward of the returned loss (the final chunk, or the whole batch
+  at k = 1): it cannot be caught in ``training_step``, which has returned. memguard wraps the
+  module's ``backward`` hook (``LightningModule.backward``, what the precision plugin calls inside
+  ``strategy.backward``) on the instance; on an OOM there it detaches the failed loss (so the
+  graph's saved tensors go; under a ``GradScaler`` Lightning's unscaled loss keeps them until the
+  batch ends), redoes the window's batches, this one included, all by memguard, and returns:
+  Lightning goes on with complete gradients (``on_after_backward``, the optimizer step). The loss
+  Lightning logs and returns is the first attempt's, whose forward completed.
+  Returning a detached loss and running every backward inside ``training_step`` instead was
+  rejected: under DDP ``training_step`` runs inside the DDP forward, before ``_post_forward``
+  prepares the reducer, so a backward there would never all-reduce.
+* only in a single process: under DDP the other ranks are inside the failing backward's gradient
+  all-reduce (or would run a different number of backwards), so the error is re-raised there
+  (``can_redo``), as it is when the window's batches were not all seen in order.
+
+The optimizer step: AdamW's states are allocated before the first forward
+(``memguard_core.optim_state.preallocate_optimizer_state``, see ``prepare_optimizers``), so the
+first step does not allocate them; an OOM inside the update itself is never redone (it may have
+changed parameters in place) and ends in ``WindowOOMError`` with the plan.
+
 Chunk loss weights (``loss_weighting``): ``tokens`` = each chunk's share of valid (!= -100) labels
 (right for token-mean losses such as HF causal LM / ``cross_entropy(ignore_index=-100)`` over
 tokens), ``rows`` = share of rows (right for per-sample-mean losses); ``auto`` = ``tokens`` when the
 batch has labels, else ``rows``. ``shift_labels`` (``None`` = auto: a dict batch with ``input_ids``
 and ``labels`` of one shape fed to a HF ``*ForCausalLM``) counts labels as the causal LM shifts them.
 Values the ``training_step`` logs with ``self.log`` / ``self.log_dict`` are combined over the
-chunks as the chunk-weighted mean (the batch value of a mean; a ``torchmetrics.Metric`` object is
-logged once, its state having been updated by every chunk), so logged metrics equal the unsplit
-run's. Other side effects of ``training_step`` (counters, prints) happen once per chunk.
+chunks by their ``reduce_fx``: the chunk-weighted mean (the batch value of a mean) by default, the
+sum / max / min for those (a ``torchmetrics.Metric`` object is logged once, its state having been
+updated by every chunk), so logged metrics equal the unsplit run's. Other side effects of
+``training_step`` (counters, prints) happen once per chunk, and again for a redone one.
 
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from lightning.pytorch.utilities.memory import is_oom_error
 
+from memguard_core.errors import MemGuardError
 from memguard_core.guard import Guard
+from memguard_core.optim_state import preallocate_optimizer_state
 from memguard_core.options import GuardOptions
 
 from . import _compat
@@ -69,7 +111,9 @@ logger = logging.getLogger("memguard.lightning")
 
 class _LogRecorder:
     """Stands in for ``LightningModule.log`` during a split step: records each chunk's calls and
-    replays them once, combined as the chunk-weighted mean."""
+    replays them once per name, combined over the chunks by the call's ``reduce_fx``: ``sum`` /
+    ``max`` / ``min`` over the chunks' values, anything else (``mean``, the default) as the
+    chunk-weighted mean; an explicit ``batch_size`` is replayed as the chunks' total."""
 
     def __init__(self, real_log):
         self.real_log = real_log
@@ -96,16 +140,42 @@ class _LogRecorder:
         for name in order:
             entries = by_name[name]
             _, last_value, args, kwargs = entries[-1]
+            value = last_value
             if all(_is_scalar(v) for _, v, _, _ in entries):
-                wsum = sum(w for w, _, _, _ in entries) or 1.0
-                total = None
-                for w, v, _, _ in entries:
-                    term = (v.detach() if torch.is_tensor(v) else torch.tensor(float(v))) * (w / wsum)
-                    total = term if total is None else total + term
-                value = total if torch.is_tensor(last_value) else float(total)
-            else:
-                value = last_value
+                value = _reduce(entries, _reduce_name(args, kwargs))
+                if not torch.is_tensor(last_value):
+                    value = float(value)
+            sizes = [e[3].get("batch_size") for e in entries]
+            if len(entries) > 1 and all(isinstance(b, int) for b in sizes):
+                kwargs = dict(kwargs, batch_size=sum(sizes))
             self.real_log(name, value, *args, **kwargs)
+
+
+def _reduce_name(args: tuple, kwargs: dict) -> str:
+    """The ``reduce_fx`` of a ``LightningModule.log`` call (its 7th parameter) as a name."""
+    fx = kwargs.get("reduce_fx", args[4] if len(args) > 4 else "mean")
+    for name in ("sum", "max", "min"):
+        if fx == name or fx is getattr(torch, name):
+            return name
+    return "mean"
+
+
+def _reduce(entries: List[tuple], how: str):
+    """The chunks' scalar values combined (see ``_LogRecorder``); a tensor."""
+    values = [(v.detach().float() if torch.is_tensor(v) else torch.tensor(float(v))).reshape(())
+              for _, v, _, _ in entries]
+    if how == "sum":
+        return torch.stack(values).sum()
+    if how == "max":
+        return torch.stack(values).max()
+    if how == "min":
+        return torch.stack(values).min()
+    wsum = sum(w for w, _, _, _ in entries) or 1.0
+    total = None
+    for (w, _, _, _), v in zip(entries, values):
+        term = v * (w / wsum)
+        total = term if total is None else total + term
+    return total
 
 
 def _is_scalar(v: Any) -> bool:
@@ -136,11 +206,50 @@ def _with_loss(out: Any, loss: torch.Tensor) -> Any:
     return new
 
 
+def is_oom(exc: BaseException) -> bool:
+    """True for an out-of-memory error of torch that a re-split may get past: Lightning's
+    ``is_oom_error`` (CUDA OOM, cuDNN's not-supported snafu, the CPU allocator's "can't allocate
+    memory") or ``torch.OutOfMemoryError``; never memguard's own errors (a ``WindowOOMError``
+    quotes the allocator's message but means that splitting has already failed)."""
+    if isinstance(exc, MemGuardError):
+        return False
+    oom_type = getattr(torch, "OutOfMemoryError", None)
+    return (oom_type is not None and isinstance(exc, oom_type)) or is_oom_error(exc)
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """``exc`` with its traceback and chained errors dropped: the traceback's frames hold the
+    failed step's outputs, loss and autograd graph, and a free while they live hands nothing back."""
+    exc.__traceback__ = None
+    exc.__context__ = exc.__cause__ = None
+    return exc
+
+
+def _release_graph(loss: Any) -> None:
+    """Drop the autograd graph a failed backward left behind ``loss`` (the tensor Lightning still
+    holds in its closure): ``detach_`` makes it a leaf, so the graph's unfreed saved tensors go
+    with the last reference. Under a ``GradScaler`` ``loss`` is the scaled copy and the graph stays
+    reachable from Lightning's unscaled loss until the batch ends."""
+    try:
+        if torch.is_tensor(loss) and loss.grad_fn is not None:
+            loss.detach_()
+    except Exception:
+        logger.debug("memguard: could not detach the failed loss", exc_info=True)
+
+
+class _Discard:
+    """``LightningModule.log`` during a redo: the values were already logged by the first attempt
+    (the redone values are the same up to summation order)."""
+
+    def __call__(self, *args, **kwargs):
+        return None
+
+
 class SplitStep:
-    """The in-step split of one Lightning fit (see the module doc).
+    """The in-step split and the window redo of one Lightning fit (see the module doc).
 
     Args:
-        guard: the run's ``Guard`` (monitor, OOM re-split, micro-batch rows).
+        guard: the run's ``Guard`` (monitor, OOM re-split, window redo, micro-batch rows).
         options: the guard's options (``loss_weighting``).
         label_key, shift_labels: where the labels are and whether the loss shifts them (see
             ``MemGuardCallback``).
@@ -156,11 +265,17 @@ class SplitStep:
         self.pl_module = None
         self.orig_training_step = None
         self.orig_zero_grad = None
+        self.orig_backward = None
         self.rows_this_step = 0
+        self.window_redos = 0          # redos of the current accumulation window
         self._phase = "forward"
         self._zero_armed_for: Optional[int] = None
         self._chunk_grads_for: Optional[int] = None
+        self._window: List[tuple] = []  # (batch, args, kwargs) of the window's batches so far
+        self._window_ok = False         # the window's batches are all kept, in Lightning's order
+        self._own_backward = False      # a backward memguard runs (its errors are handled where it runs)
 
+    # ------------------------------------------------------------------ bookkeeping
     def end_batch(self) -> None:
         """After a batch: check that Lightning's zero_grad came where its rule said it would."""
         if self._zero_armed_for is not None:
@@ -186,7 +301,7 @@ class SplitStep:
             self.guard.micro_batch_rows.append(batch_units(batch))
             yield batch, 1.0
             return
-        sp = self._splitter(batch)
+        sp = self.splitter(batch)
         for u0, u1 in sp.ranges(k):
             chunk, w, units = sp.chunk(u0, u1)
             self.guard.micro_batch_rows.append(units)
@@ -209,13 +324,17 @@ class SplitStep:
         base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
         return type(base).__name__.endswith("ForCausalLM")
 
-    def _splitter(self, batch) -> LightningBatchSplitter:
+    def splitter(self, batch) -> LightningBatchSplitter:
+        """The batch's splitter with the run's loss weighting (``auto``: tokens when the batch has
+        labels, else rows). Raises ``ValueError`` for a batch without a batch dimension."""
         weighting = self.options.loss_weighting
         sp = LightningBatchSplitter(batch, weighting="rows" if weighting == "rows" else "tokens",
                                     shift_labels=self._shift(batch), label_key=self.label_key)
         if weighting == "auto" and not sp.flat.labels_found:
             sp.core = type(sp.core)(sp.core.inputs, weighting="rows")
         return sp
+
+    _splitter = splitter
 
     def zero_grad_coming(self, batch_idx: int) -> bool:
         """Lightning's rule (``_AutomaticOptimization._make_zero_grad_fn``): it zeroes after the
@@ -225,6 +344,106 @@ class SplitStep:
             return False
         return batch_idx % self.trainer.accumulate_grad_batches == 0
 
+    def _accum(self) -> int:
+        return max(1, int(self.trainer.accumulate_grad_batches))
+
+    def _optimizer(self):
+        return self.trainer.optimizers[0] if self.trainer.optimizers else None
+
+    # ------------------------------------------------------------------ the window
+    def _remember(self, batch, args, kwargs, batch_idx: int) -> None:
+        """Keep a reference to this batch (already in memory: Lightning fetched and moved it) as
+        the next batch of the accumulation window, which starts where Lightning's zero_grad rule
+        says (``batch_idx % accumulate_grad_batches == 0``)."""
+        pos = batch_idx % self._accum()
+        if pos == 0:
+            self._window = []
+            self._window_ok = True
+            self.window_redos = 0
+        self._window_ok = self._window_ok and len(self._window) == pos
+        self._window.append((batch, args, kwargs))
+
+    def release(self) -> None:
+        """Drop the kept window's batches (the fit has ended)."""
+        self._window = []
+        self._window_ok = False
+
+    def can_redo(self) -> Optional[str]:
+        """Why the accumulation window cannot be redone now (None: it can)."""
+        trainer = self.trainer
+        if self.guard.monitor is None or trainer is None or not trainer.training:
+            return "not in a guarded training step"
+        if self.guard.split_disabled_reason is not None:
+            return "in-place micro-batching is off"
+        if int(getattr(trainer, "world_size", 1) or 1) > 1:
+            return ("several processes: the other ranks are inside the gradient all-reduce of this backward "
+                    "or would run a different number of backwards")
+        if not self._window_ok:
+            return "the accumulation window's batches were not all seen in order"
+        return None
+
+    def _redo_window(self, failure: BaseException, k: int, *, through_current: bool) -> int:
+        """After an out-of-memory error that left the window's gradients partly summed: zero them,
+        free memory, raise k (``Guard.after_window_oom``) and run the window's kept batches again,
+        all their micro-batches' forwards and backwards by memguard: the earlier batches, and the
+        current one too when ``through_current`` (a failure in Lightning's own backward of it).
+        Another OOM on the way redoes again at a larger k; ``WindowOOMError`` at the floor or cap.
+        Returns the k used."""
+        last = len(self._window) if through_current else len(self._window) - 1
+        rows = max([batch_units(b) for b, _, _ in self._window] + [1])
+        phase = self._phase
+        while True:
+            self.pl_module.zero_grad(set_to_none=True)
+            k = self.guard.after_window_oom(failure, k, rows, self.trainer.global_step,
+                                            redos=self.window_redos, phase=phase)
+            failure = None
+            self.window_redos += 1
+            self.rows_this_step = 0
+            try:
+                for batch, args, kwargs in self._window[:last]:
+                    self._run_whole(batch, args, kwargs, k)
+                return k
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                failure = _without_frames(exc)
+                phase = self._phase
+
+    def _run_whole(self, batch, args, kwargs, k: int) -> None:
+        """Forward and backward of every micro-batch of a kept window batch (its logs discarded:
+        they were logged when it first ran)."""
+        accum, optimizer, orig = self._accum(), self._optimizer(), self.orig_training_step
+        try:
+            sp = self.splitter(batch) if k > 1 else None
+        except ValueError:
+            sp = None
+        pieces = [(batch, 1.0, batch_units(batch))] if sp is None else \
+            (sp.chunk(u0, u1) for u0, u1 in sp.ranges(k))
+        self.pl_module.log = _Discard()
+        try:
+            for chunk, w, units in pieces:
+                self._phase = "forward"
+                self.guard.micro_batch_rows.append(units)
+                loss = _loss_of(orig(chunk, *args, **kwargs))
+                if loss is not None:
+                    self._backward(loss * (w / accum), optimizer)
+                loss = None
+                self.rows_this_step += units
+        finally:
+            self.pl_module.__dict__.pop("log", None)
+
+    def _backward(self, loss, optimizer) -> None:
+        """A backward memguard runs itself: through ``strategy.backward`` (the precision plugin's
+        loss scaling, the backward hooks), under ``no_sync``."""
+        self._phase = "backward"
+        self._own_backward = True
+        try:
+            with _no_sync(self.trainer.strategy):
+                self.trainer.strategy.backward(loss, optimizer)
+        finally:
+            self._own_backward = False
+
+    # ------------------------------------------------------------------ wrapped module methods
     def zero_grad(self, epoch, batch_idx, optimizer, *args, **kwargs):
         if self._zero_armed_for is not None and self._zero_armed_for == batch_idx:
             self._zero_armed_for = None  # memguard zeroed before this batch's first chunk
@@ -233,6 +452,26 @@ class SplitStep:
             self.disable_split("Lightning zeroed the gradients after training_step where its rule says "
                                 "it would not; this batch's non-final chunks lost their gradients")
         return self.orig_zero_grad(epoch, batch_idx, optimizer, *args, **kwargs)
+
+    def backward(self, loss, *args, **kwargs):
+        """``LightningModule.backward``: Lightning's own backward of the batch's (final micro-batch's)
+        loss. An out-of-memory error there redoes the window's batches, this one included, at a
+        larger k, all by memguard; Lightning then goes on with the gradients complete."""
+        if self._own_backward or self.can_redo() is not None:
+            return self.orig_backward(loss, *args, **kwargs)
+        self._phase = "backward"
+        failure = None
+        try:
+            return self.orig_backward(loss, *args, **kwargs)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            failure = _without_frames(exc)
+        _release_graph(loss)
+        loss = None
+        mon = self.guard.monitor
+        self._redo_window(failure, mon.split if mon is not None else 1, through_current=True)
+        return None
 
     def training_step(self, batch, *args, **kwargs):
         trainer = self.trainer
@@ -246,17 +485,21 @@ class SplitStep:
             return orig(batch, *args, **kwargs)
         k = self.guard.micro_batches_for_step(trainer.global_step)
         batch_idx = self._batch_idx(args, kwargs)
+        self._remember(batch, args, kwargs, batch_idx)
         if k <= 1:
             units = batch_units(batch)
             self.guard.micro_batch_rows.append(units)  # every forward tried, a failed one included
+            failure = None
             try:
+                self._phase = "forward"
                 out = orig(batch, *args, **kwargs)
                 self.rows_this_step += units
                 return out
             except Exception as exc:
-                if not is_oom_error(exc):
+                if not is_oom(exc):
                     raise
-                k = self._after_oom(exc, 1, units)
+                failure = _without_frames(exc)
+            k = self._after_oom(failure, 1, units)
         return self._split_step(batch, args, kwargs, k, batch_idx)
 
     @staticmethod
@@ -272,71 +515,125 @@ class SplitStep:
         self.rows_this_step += units
 
     def _split_step(self, batch, args, kwargs, k: int, batch_idx: int):
+        """The batch in k micro-batches: the non-final ones' forward and backward here, the final
+        one's forward returned for Lightning's backward. A forward OOM redoes the rows not yet
+        processed at a doubled k; a backward OOM redoes the window (the earlier batches by
+        memguard, this one from its first row)."""
         trainer, pl_module = self.trainer, self.pl_module
         orig = self.orig_training_step
         try:
-            sp = self._splitter(batch)
+            sp = self.splitter(batch)
         except ValueError:
             self._count(batch_units(batch))
             return orig(batch, *args, **kwargs)
-        accum = max(1, int(trainer.accumulate_grad_batches))
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        accum = self._accum()
+        optimizer = self._optimizer()
         if self.zero_grad_coming(batch_idx):
             # Lightning would zero after this training_step, wiping the chunks' gradients: zero now
             self.orig_zero_grad(trainer.current_epoch, batch_idx, optimizer)
             self._zero_armed_for = batch_idx
         recorder = _LogRecorder(pl_module.log)
-        pl_module.log = recorder
         earlier = None  # sum of the non-final chunks' weighted losses, detached
         start = 0
-        out = None
-        ok = False
         try:
-            while start < sp.units:
+            while True:
+                failure = None
+                pl_module.log = recorder
                 try:
                     for u0, u1 in sp.ranges(k, start):
                         chunk, w, units = sp.chunk(u0, u1)
-                        last = u1 == sp.units
                         self._phase = "forward"
                         self.guard.micro_batch_rows.append(units)
                         out = orig(chunk, *args, **kwargs)
                         loss = _loss_of(out)
-                        if last:
+                        if u1 == sp.units:
                             recorder.end_chunk(w, commit=True)
                             self.rows_this_step += units
-                            start = u1
-                            ok = True
+                            pl_module.__dict__.pop("log", None)
+                            recorder.flush()
                             if loss is None:
                                 return out
-                            total = loss * w
-                            if earlier is not None:
-                                total = total + earlier
+                            total = loss * w if earlier is None else loss * w + earlier
                             return _with_loss(out, total)
                         if loss is not None:
-                            self._phase = "backward"
                             self._chunk_grads_for = batch_idx
-                            with _no_sync(trainer.strategy):
-                                trainer.strategy.backward(loss * (w / accum), optimizer)
+                            self._backward(loss * (w / accum), optimizer)
                             part = loss.detach() * w
                             earlier = part if earlier is None else earlier + part
-                        del out, loss
-                        out = None
+                        out = loss = None
                         recorder.end_chunk(w, commit=True)
                         self.rows_this_step += units
                         start = u1
                 except Exception as exc:
                     recorder.end_chunk(0.0, commit=False)
-                    if not (is_oom_error(exc) and self._phase == "forward"):
+                    if not is_oom(exc):
                         raise
-                    out = None
-                    k = self._after_oom(exc, k, sp.units - start)
-            ok = True
-            return out
+                    failure = _without_frames(exc)
+                out = loss = chunk = None
+                pl_module.__dict__.pop("log", None)
+                if self._phase == "forward":
+                    # earlier chunks' gradients are weighted for the whole batch: re-cut only the rest
+                    k = self._after_oom(failure, k, sp.units - start)
+                    continue
+                why = self.can_redo()
+                if why is not None:
+                    logger.error("memguard: out of memory in a backward; the accumulation window cannot be "
+                                 "redone (%s)", why)
+                    raise failure
+                # the window's earlier batches again, then this one from its first row
+                k = self._redo_window(failure, k, through_current=False)
+                recorder = _LogRecorder(recorder.real_log)
+                earlier, start = None, 0
         finally:
             pl_module.__dict__.pop("log", None)
-            if ok:
-                recorder.flush()
 
     def _after_oom(self, exc: BaseException, k: int, units_left: int) -> int:
         """Free memory after a forward OOM and return the doubled split; re-raise if none helps."""
         return self.guard.after_oom(exc, k, units_left, self.trainer.global_step)
+
+    # ------------------------------------------------------------------ the optimizer
+    def prepare_optimizers(self) -> None:
+        """Before the first forward: allocate the optimizers' lazy states
+        (``memguard_core.optim_state.preallocate_optimizer_state``: Adam / AdamW, as their first
+        step would) and wrap each ``step`` so an out-of-memory error inside the update itself
+        ends in ``WindowOOMError`` with the plan (the closure Lightning passes, training_step and
+        backward, keeps its own handling). Never raises."""
+        for opt in list(getattr(self.trainer, "optimizers", None) or []):
+            try:
+                preallocate_optimizer_state(opt)
+                if not getattr(opt.step, "_memguard_step", False):
+                    opt.step = self._guarded_optimizer_step(opt.step)
+            except Exception:
+                logger.warning("memguard: could not prepare the optimizer; it allocates its states lazily",
+                               exc_info=True)
+
+    def _guarded_optimizer_step(self, orig_step):
+        guard = self.guard
+
+        # functools.wraps keeps the LR scheduler's marker on the step (it warns otherwise)
+        @functools.wraps(orig_step)
+        def step(*args, **kwargs):
+            in_closure = {"failed": False}
+            closure = kwargs.get("closure", args[0] if args else None)
+            if callable(closure):
+                def watched():
+                    try:
+                        return closure()
+                    except BaseException:
+                        in_closure["failed"] = True
+                        raise
+                if "closure" in kwargs:
+                    kwargs["closure"] = watched
+                else:
+                    args = (watched,) + tuple(args[1:])
+            try:
+                return orig_step(*args, **kwargs)
+            except Exception as exc:
+                if in_closure["failed"] or not is_oom(exc):
+                    raise
+                mon = guard.monitor
+                rows = max([batch_units(b) for b, _, _ in self._window] + [1])
+                raise guard.optimizer_step_oom(exc, mon.split if mon is not None else 1, rows) from exc
+
+        step._memguard_step = True
+        return step

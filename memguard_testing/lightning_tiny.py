@@ -67,6 +67,21 @@ class TinyLM(pl.LightningModule):
         self.log("train_loss", loss, on_step=True, on_epoch=True)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        loss = self.compute_loss(batch)
+        self.log("val_loss", loss)   # on_epoch: Lightning's batch-size-weighted mean over the epoch
+        self.log("val_rows", float(batch["input_ids"].shape[0]), reduce_fx="sum")
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        loss = self.compute_loss(batch)
+        self.log("test_loss", loss)
+        return {"loss": loss}
+
+    def predict_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return {"logits": out.logits, "loss": self.compute_loss(batch)}
+
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr, total_steps=self.total_steps + 1,
@@ -83,6 +98,7 @@ class Recorder(pl.Callback):
         self.samples_per_step: List[int] = []
         self.returned_losses: List[float] = []  # loss Lightning got back from training_step
         self.logged_losses: List[float] = []  # train_loss_step as logged
+        self.val_metrics: List[Dict[str, float]] = []  # val_loss and val_rows at each validation end
         self._rows = 0
         self._hooked = False
 
@@ -90,7 +106,7 @@ class Recorder(pl.Callback):
         if not self._hooked:
             def pre(module, args, kwargs):
                 ids = kwargs.get("input_ids", args[0] if args else None)
-                if self.batches:
+                if self.batches and torch.is_grad_enabled():  # training forwards, not evaluation's
                     self.batches[-1].append(int(ids.shape[0]))
             pl_module.model.register_forward_pre_hook(pre, with_kwargs=True)
             self._hooked = True
@@ -107,6 +123,10 @@ class Recorder(pl.Callback):
         v = trainer.callback_metrics.get("train_loss_step", trainer.callback_metrics.get("train_loss"))
         if v is not None:
             self.logged_losses.append(float(v))
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        m = trainer.callback_metrics
+        self.val_metrics.append({k: float(m[k]) for k in ("val_loss", "val_rows") if k in m})
 
     @property
     def forward_rows(self) -> List[int]:
@@ -142,6 +162,12 @@ def make_loader(batch_size: int = 8, n_rows: int = 96, seed: int = 0):
                                        collate_fn=pad_collate, num_workers=0)
 
 
+def make_val_loader(batch_size: int = 12, n_rows: int = 36, seed: int = 2):
+    """Validation rows (another seed than training's), in order."""
+    return torch.utils.data.DataLoader(RowsDataset(n_rows, seed=seed), batch_size=batch_size, shuffle=False,
+                                       collate_fn=pad_collate, num_workers=0)
+
+
 def make_trainer(*, callbacks=(), max_steps: int = 8, accumulate: int = 2, **kwargs) -> pl.Trainer:
     args = dict(accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=accumulate,
                 logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -153,7 +179,7 @@ def make_trainer(*, callbacks=(), max_steps: int = 8, accumulate: int = 2, **kwa
 
 def fit(*, guard=None, switch: Optional[Dict[int, int]] = None, loss: str = "tokens", max_steps: int = 8,
         accumulate: int = 2, batch_size: int = 8, manual: bool = False, module_hook=None,
-        extra_callbacks=(), **trainer_kwargs):
+        extra_callbacks=(), val_loader=None, **trainer_kwargs):
     """One seeded fit; returns ``(trainer, module, recorder)``. ``guard`` comes first among the
     callbacks so that its monitor exists when ``SwitchSplit`` runs."""
     pl.seed_everything(0, verbose=False)
@@ -169,7 +195,7 @@ def fit(*, guard=None, switch: Optional[Dict[int, int]] = None, loss: str = "tok
     if manual:
         trainer_kwargs.setdefault("gradient_clip_val", None)  # Lightning refuses it under manual optimization
     trainer = make_trainer(callbacks=cbs, max_steps=max_steps, accumulate=accumulate, **trainer_kwargs)
-    trainer.fit(module, make_loader(batch_size))
+    trainer.fit(module, make_loader(batch_size), val_loader)
     return trainer, module, rec
 
 

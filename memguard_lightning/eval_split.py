@@ -1,0 +1,187 @@
+"""Validation, test and prediction batches cut into micro-batches, and an evaluation out-of-memory
+error survived: the Lightning adapter's ``validation_step`` / ``test_step`` / ``predict_step``
+wrappers (installed on the module instance by ``memguard_lightning.callback.MemGuardCallback``).
+
+An evaluation step runs no backward, so a batch cut into k_eval row-chunks is exact whatever the
+cut: each chunk goes through the user's step, and the results are put back together as the
+unsplit step would have returned them:
+
+* a 0-dim tensor or a Python number (a loss, a metric of the batch) is the chunk-weighted sum
+  ``sum_i w_i * v_i``, with the weights of the training split (``loss_weighting``: ``tokens`` =
+  each chunk's share of valid (!= -100) labels, shifted as a causal LM shifts them; ``rows`` =
+  share of rows; ``auto`` = tokens when the batch has labels): the batch value of a token-mean or
+  a row-mean;
+* a tensor with a batch dimension (logits, predictions) is concatenated along dim 0;
+* dicts, tuples and lists are combined entry by entry; ``None`` stays ``None``; anything else is
+  the last chunk's.
+
+Values logged with ``self.log`` / ``self.log_dict`` inside the step are combined as the training
+split combines them (``memguard_lightning.split_step``: the chunk-weighted mean, replayed once
+after the last chunk, so Lightning weighs the batch by its full size in the epoch mean; a
+``torchmetrics.Metric`` object is logged once, its state updated by every chunk).
+
+On an out-of-memory error in an evaluation step (Lightning's ``is_oom_error`` or
+``torch.OutOfMemoryError``): the chunk's references are dropped, memory is freed
+(``memguard_core.microbatch.free_after_oom``), k_eval doubles (at most the batch's rows) and the
+whole batch is run again; its log values are recorded from the successful attempt only. k_eval
+stays at its new value for the following evaluation batches; the training k (the monitor's split)
+is never changed by an evaluation. A batch that fails at one row per forward re-raises the error.
+Other side effects of the step (counters, prints) happen once per chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from memguard_core.microbatch import free_after_oom
+
+from .batch import batch_units
+from .split_step import _LogRecorder, _without_frames, is_oom
+
+logger = logging.getLogger("memguard.lightning")
+
+#: The evaluation steps split (LightningModule method names).
+EVAL_STEPS = ("validation_step", "test_step", "predict_step")
+
+
+def combine(outputs: List[Any], weights: List[float]) -> Any:
+    """The unsplit step's output from the chunks' ``outputs`` (see the module doc).
+
+    Args:
+        outputs: what the step returned for each chunk, in row order.
+        weights: the chunks' loss weights (summing to 1).
+
+    Raises:
+        RuntimeError: tensors with a batch dimension whose other dimensions differ between chunks
+            (``torch.cat``'s error).
+    """
+    first = outputs[0]
+    if first is None:
+        return None
+    if torch.is_tensor(first):
+        if first.dim() == 0:
+            total = None
+            for v, w in zip(outputs, weights):
+                term = v * w
+                total = term if total is None else total + term
+            return total
+        return torch.cat(list(outputs), dim=0)
+    if isinstance(first, bool):
+        return outputs[-1]
+    if isinstance(first, (int, float)):
+        return sum(float(v) * w for v, w in zip(outputs, weights))
+    if isinstance(first, dict):
+        return type(first)((key, combine([o[key] for o in outputs], weights)) for key in first)
+    if isinstance(first, (tuple, list)):
+        items = [combine([o[i] for o in outputs], weights) for i in range(len(first))]
+        if isinstance(first, tuple) and hasattr(first, "_fields"):  # namedtuple
+            return type(first)(*items)
+        return type(first)(items)
+    return outputs[-1]
+
+
+class EvalSplit:
+    """The evaluation split of one Lightning module (see the module doc).
+
+    Args:
+        step: the fit's ``SplitStep`` (its ``splitter``: loss weighting, label key, shifted labels).
+        micro_batches: k_eval at the start (>= 1); doubled on each evaluation out-of-memory error.
+
+    Attributes:
+        micro_batches: the current k_eval.
+        rows: rows of each evaluation forward tried (a failed one included).
+        oom_retries: evaluation batches redone after an out-of-memory error.
+    """
+
+    def __init__(self, step, micro_batches: int = 1):
+        self.step = step
+        self.micro_batches = int(micro_batches)
+        self.rows: List[int] = []
+        self.oom_retries = 0
+        self.origs: Dict[str, Any] = {}
+
+    def install(self, pl_module) -> None:
+        """Wrap the evaluation steps the module overrides, on the instance (``functools`` keeps the
+        original's signature and code visible to Lightning's ``is_overridden``)."""
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        for name in EVAL_STEPS:
+            if name in self.origs or not is_overridden(name, pl_module):
+                continue
+            orig = getattr(pl_module, name)
+            self.origs[name] = orig
+
+            def wrapped(batch, *args, _name=name, **kwargs):
+                return self.run(_name, batch, args, kwargs)
+
+            setattr(pl_module, name, functools.update_wrapper(wrapped, orig))
+
+    def uninstall(self, pl_module) -> None:
+        """Back to the class's methods."""
+        for name in self.origs:
+            pl_module.__dict__.pop(name, None)
+        self.origs = {}
+
+    def run(self, name: str, batch, args, kwargs):
+        """One evaluation batch in k_eval micro-batches, redone at a doubled k_eval after an
+        out-of-memory error; re-raises one at one row per forward."""
+        units = batch_units(batch)
+        while True:
+            failure = None
+            try:
+                return self._run_once(name, batch, args, kwargs, min(self.micro_batches, max(units, 1)))
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                failure = _without_frames(exc)
+            k = min(self.micro_batches, max(units, 1))
+            if k >= units:
+                logger.error("memguard: out of memory in %s at one row per forward: %s", name, failure)
+                raise failure
+            free_after_oom()
+            self.micro_batches = min(2 * k, units)
+            self.oom_retries += 1
+            logger.warning("memguard: out of memory in %s (%s); redoing the batch in %d micro-batches "
+                           "(the training split is unchanged)", name, type(failure).__name__, self.micro_batches)
+
+    def _run_once(self, name: str, batch, args, kwargs, k: int):
+        orig = self.origs[name]
+        sp = None
+        if k > 1:
+            try:
+                sp = self.step.splitter(batch)
+            except ValueError:
+                sp = None
+        if sp is None:
+            self.rows.append(batch_units(batch))
+            return orig(batch, *args, **kwargs)
+        pl_module = self.step.pl_module
+        recorder = _LogRecorder(pl_module.log)
+        pl_module.log = recorder
+        outputs, weights = [], []
+        try:
+            for u0, u1 in sp.ranges(k):
+                chunk, w, units = sp.chunk(u0, u1)
+                self.rows.append(units)
+                outputs.append(orig(chunk, *args, **kwargs))
+                weights.append(w)
+                recorder.end_chunk(w, commit=True)
+        finally:
+            pl_module.__dict__.pop("log", None)
+        out = combine(outputs, weights)
+        recorder.flush()
+        return out
+
+
+def eval_split_reason(trainer) -> Optional[str]:
+    """Why evaluation batches are not split under this strategy (None: they are)."""
+    name = type(trainer.strategy).__name__
+    if getattr(trainer.strategy, "handles_gradient_accumulation", False) or "DeepSpeed" in name:
+        return "DeepSpeed runs the module inside its engine (not validated)"
+    if "FSDP" in name:
+        return "FSDP: chunks would run inside the root FSDP forward (not validated)"
+    return None

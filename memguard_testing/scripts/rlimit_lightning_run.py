@@ -1,0 +1,162 @@
+"""One Lightning full fine-tune of the SmolLM2-135M shape cut to a few blocks (random fp32 weights,
+AdamW, ``accumulate_grad_batches``), under a real address-space limit (``RLIMIT_AS``, what
+``prlimit --as`` / ``ulimit -v`` set) that the child sets on itself once the model is built, so
+torch's CPU allocator really fails ("DefaultCPUAllocator: can't allocate memory").
+
+usage: python rlimit_lightning_run.py LIMIT_BYTES MODE OUT_JSON [--steps N] [--accum A] [--batch B]
+       [--layers L] [--val-batch V] [--eval-micro-batches K]
+
+LIMIT_BYTES 0: no limit. MODE: ``none`` (unguarded), ``oom`` (guarded, only the OOM path acting:
+budget 1 TiB, no preflight, no background thread, the monitor's step sample switched off so its
+reading of the limit cannot split first). ``--val-batch V`` adds a validation set (batches of V
+rows) run before training's first step is taken? no: at the end of each training epoch of 2 steps x
+A batches and once more after the last step (``val_check_interval``), logging ``val_loss``.
+
+Writes OUT_JSON: the phase of the failure (``forward`` / ``backward`` / ``optimizer`` /
+``validation``) and its message, or the steps done, a fingerprint of the final parameters (every
+997th value of each), the logged validation losses, the guard's retries, micro-batch rows and
+samples per step, and VmPeak after each phase (bytes, for finding limits).
+"""
+
+import argparse
+import json
+import os
+import resource
+
+import lightning.pytorch as pl
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from memguard_testing import ROOT
+
+ROWS, SEQ = 64, 256
+PHASE = {"now": "setup"}
+PEAKS = []
+
+
+def vm_peak() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmPeak:"))
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, vocab, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, vocab, (ROWS, SEQ), generator=g)
+
+    def __len__(self):
+        return ROWS
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+class LM(pl.LightningModule):
+    """HF's causal-LM loss (token mean over the batch); phases recorded for the failure report."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.val_losses = []
+
+    def training_step(self, batch, batch_idx):
+        PHASE["now"] = "forward"
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, on_step=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        PHASE["now"] = "validation"
+        loss = self.model(**batch).loss
+        self.log("val_loss", loss, on_epoch=True)
+        return loss
+
+    def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+        PEAKS.append(("validation", vm_peak()))
+
+    def on_validation_epoch_end(self):
+        v = self.trainer.callback_metrics.get("val_loss")
+        if v is not None:
+            self.val_losses.append(float(v))
+
+    def on_before_backward(self, loss):
+        PEAKS.append(("forward", vm_peak()))
+        PHASE["now"] = "backward"
+
+    def on_after_backward(self):
+        PEAKS.append(("backward", vm_peak()))
+
+    def on_before_optimizer_step(self, optimizer):
+        PHASE["now"] = "optimizer"
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        PEAKS.append(("optimizer" if PHASE["now"] == "optimizer" else "batch", vm_peak()))
+        PHASE["now"] = "other"
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("limit", type=int)
+    ap.add_argument("mode", choices=("none", "oom"))
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--val-batch", type=int, default=0)
+    ap.add_argument("--eval-micro-batches", type=int, default=None)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    config = AutoConfig.from_pretrained(os.path.join(ROOT, "tests", "configs", "smollm2-135m.json"))
+    config.num_hidden_layers = a.layers
+    config.vocab_size = a.vocab
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    module = LM(model)
+    loader = torch.utils.data.DataLoader(Rows(config.vocab_size), batch_size=a.batch, shuffle=False)
+    val = None
+    if a.val_batch:
+        val_rows = torch.utils.data.Subset(Rows(config.vocab_size, seed=1), range(2 * a.val_batch))
+        val = torch.utils.data.DataLoader(val_rows, batch_size=a.val_batch, shuffle=False)
+    callbacks = []
+    guard = None
+    if a.mode == "oom":
+        from memguard_core.monitor import Action, MemoryMonitor
+        from memguard_lightning import MemGuardCallback
+
+        # only the OOM path acts: the step sample would read the limit and split before the failure
+        MemoryMonitor.step_sample = lambda self, step=None: Action.NONE
+        kw = {} if a.eval_micro_batches is None else {"eval_micro_batches": a.eval_micro_batches}
+        guard = MemGuardCallback(budget_bytes=2**40, preflight=False, monitor_interval_s=0, **kw)
+        callbacks.append(guard)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=a.steps, accumulate_grad_batches=a.accum,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
+                         limit_val_batches=2 if val is not None else 0,
+                         val_check_interval=a.accum if val is not None else None)
+    if a.limit:
+        resource.setrlimit(resource.RLIMIT_AS, (a.limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    r = {"mode": a.mode, "limit": a.limit}
+    try:
+        trainer.fit(module, loader, val)
+        r["steps"] = trainer.global_step
+        r["params"] = {n: p.detach().flatten()[::997].tolist() for n, p in module.named_parameters()}
+        r["val_losses"] = module.val_losses
+    except Exception as exc:
+        r.update(failed=PHASE["now"], error=f"{type(exc).__name__}: {exc}"[:2000])
+    r["peaks"] = PEAKS
+    if guard is not None:
+        r.update(oom_retries=guard.oom_retries, rows=[int(x) for x in guard.micro_batch_rows],
+                 samples_per_step=guard.samples_per_step,
+                 split=guard.monitor.split if guard.monitor is not None else None)
+        r.update(eval_rows=guard.evals.rows, eval_oom_retries=guard.evals.oom_retries, eval_k=guard.evals.micro_batches)
+    with open(a.out, "w") as f:
+        json.dump(r, f)
+
+
+if __name__ == "__main__":
+    main()

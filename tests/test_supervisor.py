@@ -451,3 +451,51 @@ def test_help_names_the_frameworks_and_the_env_contract(capsys):
     out = capsys.readouterr().out
     assert "--framework {auto,hf,lightning,mlx}" in out
     assert "memguard_lightning.resume_checkpoint()" in out and "NNNNNNN_adapters.safetensors" in out
+
+
+def test_lightning_rule_agrees_with_fit_ckpt_path_last(tmp_path):
+    """Real Lightning checkpoints of a tiny fit: the rule picks what ``trainer.fit(ckpt_path="last")``
+    resolves to (``trainer.ckpt_path``) where Lightning can see it, and still finds the checkpoint
+    where Lightning cannot: a restarted trainer whose logger gives it a new, empty version folder."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 2)), batch_size=2)
+
+    def trainer(root, logger):
+        return pl.Trainer(max_steps=3, default_root_dir=str(root), logger=logger, accelerator="cpu",
+                          callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=-1, save_last=True)],
+                          enable_progress_bar=False, enable_model_summary=False)
+
+    root = tmp_path / "nolog"
+    trainer(root, False).fit(Tiny(), data)
+    again = trainer(root, False)
+    again.fit(Tiny(), data, ckpt_path="last")  # restores step 3 = max_steps: nothing left to train
+    assert again.ckpt_path == R.lightning_latest_checkpoint(str(root)) == str(root / "checkpoints" / "last.ckpt")
+    assert R.checkpoint_step(R.lightning_latest_checkpoint(str(root / "checkpoints"))) is None  # last: no step
+    os.remove(root / "checkpoints" / "last.ckpt")  # save_last off: the largest step=N, where "last" finds none
+    assert R.lightning_latest_checkpoint(str(root)) == str(root / "checkpoints" / "epoch=0-step=3.ckpt")
+
+    root = tmp_path / "csv"
+    trainer(root, CSVLogger(str(root))).fit(Tiny(), data)
+    assert R.lightning_latest_checkpoint(str(root)) == str(
+        root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt")
+    restarted = trainer(root, CSVLogger(str(root)))
+    with pytest.warns(UserWarning, match="no last checkpoint"):
+        restarted.fit(Tiny(), data, ckpt_path="last")  # looks only in the new version_1/checkpoints
+    assert restarted.ckpt_path is None  # and so it trained steps 1-3 again
+    assert sorted(os.listdir(root / "lightning_logs" / "version_1" / "checkpoints")) == [
+        "epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"]

@@ -1313,15 +1313,16 @@ def _heap_gradient_bytes(ms: ModelSpec, ts: TrainSpec, grads: int, pb: int) -> i
     embedding, an untied head, a block linear or fused expert tensor that large; ``pb`` bytes per
     element). Only a full fine-tune has large gradients; LoRA's adapters are all small.
 
-    Why it matters under gradient checkpointing (``estimate``'s CPU slack at the backward and
-    optimizer moments): HF ``Trainer`` frees every gradient after the optimizer step
-    (``model.zero_grad()``, ``set_to_none=True`` by default in torch 2.x), and the next backward
-    requests the same sizes again while the recomputed blocks' tensors come and go; a 64-byte-aligned
-    request cannot reuse an exactly-sized freed chunk (``c10/core/impl/alloc_cpu.cpp`` asks
-    ``posix_memalign``), so the new gradients take fresh heap and the old ones stay resident holes.
-    Checked with glibc's ``mallinfo2`` on an HF ``Trainer`` run (docs/estimator.md, "Gradient
-    checkpointing on CPU"): the arena grew by the heap-resident gradient bytes in the 2nd step's
-    backward while nothing else was added to the live set."""
+    Why it matters under gradient checkpointing (``estimate``'s CPU slack): HF ``Trainer`` frees
+    every gradient after the optimizer step (``model.zero_grad()``, ``set_to_none=True`` by default
+    in torch 2.x); the next forward (which under checkpointing keeps only the blocks' inputs) runs
+    inside those holes, and the next backward requests the same sizes again while the recomputed
+    blocks' tensors come and go; a 64-byte-aligned request cannot reuse an exactly-sized freed chunk
+    (``c10/core/impl/alloc_cpu.cpp`` asks ``posix_memalign``), so the new gradients take fresh heap
+    and the old ones stay resident holes. Checked with glibc's ``mallinfo2`` on HF ``Trainer`` runs
+    (docs/estimator.md, "Gradient checkpointing on CPU"): in the 2nd step the forward did not grow
+    the arena (it ran in the freed gradients' holes) and the backward grew it by the heap-resident
+    gradient bytes."""
     if ts.method != "full":
         return int(grads)
     big = 0
@@ -1507,10 +1508,14 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
             small_logits = logits_peak if logits_tensor < MMAP_THRESHOLD_MAX else 0
             forward_slack = int(CPU_HEAP_SLACK_FORWARD[kind] * (traffic + small_logits)
                                 + LORA_TEMP_SLACK * lora_traffic)
-            if k == "loss":
+            if ts.grad_checkpoint:
+                # the blocks' activations never coexist (one block is recomputed at a time): the
+                # arena is what the forward left, or the holes of the last step's gradients when
+                # those are larger -- the next forward runs inside them and the new gradients
+                # take fresh heap (``_heap_gradient_bytes``); the same at every moment
+                slack = max(forward_slack, _heap_gradient_bytes(ms, ts, grads, pb))
+            elif k == "loss":
                 slack = forward_slack
-            elif ts.grad_checkpoint:
-                slack = forward_slack + _heap_gradient_bytes(ms, ts, grads, pb)
             else:
                 slack = int(CPU_HEAP_SLACK_BACKWARD[kind] * traffic)
         else:

@@ -425,36 +425,40 @@ def test_cpu_heap_slack_leaves_out_score_tensors_glibc_mmaps():
     assert e2.phase_breakdowns["loss"]["attention_scores"] == 2 * e1.phase_breakdowns["loss"]["attention_scores"]
 
 
-def test_checkpointed_backward_slack_is_the_forward_heap_plus_the_heap_gradients():
+def test_checkpointed_slack_is_the_forward_heap_or_the_last_steps_gradient_holes():
     # Under activation checkpointing the backward never holds every block's activations at once
-    # (one block is recomputed at a time), so its heap slack is not the un-checkpointed traffic:
-    # it is what the forward left (the arena does not shrink) plus the gradients that glibc serves
-    # from the heap (freed by zero_grad(set_to_none=True) each step, requested again at the same
-    # sizes, which a 64-byte-aligned request cannot reuse)
-    from memguard_core.estimate import (CPU_HEAP_SLACK_BACKWARD, MMAP_THRESHOLD_MAX, _activation_traffic,
+    # (one block is recomputed at a time), so no moment's heap slack is the un-checkpointed traffic
+    # of all blocks. The arena holds what the forward left or, when larger, the holes of the last
+    # step's gradients (freed by zero_grad(set_to_none=True); the next forward runs inside them and
+    # the new gradients, the same sizes, take fresh heap): the same slack at every moment
+    from memguard_core.estimate import (CPU_HEAP_SLACK_BACKWARD, CPU_HEAP_SLACK_FORWARD, _activation_traffic,
                                         _heap_gradient_bytes)
     m = tiny()
-    for method in ("full", "lora"):
-        t = ts(method=method, batch_size=4, seq_length=256, grad_checkpoint=True)
+    for method, tokens in (("full", (1, 16)), ("full", (4, 256)), ("lora", (4, 256))):
+        t = ts(method=method, batch_size=tokens[0], seq_length=tokens[1], grad_checkpoint=True)
         e = estimate(m, t)
         pb = e.phase_breakdowns
         heap_grads = _heap_gradient_bytes(e.model_spec, t, pb["backward"]["gradients"], 4)
-        assert pb["backward"]["allocator_slack"] == pb["loss"]["allocator_slack"] + heap_grads
-        assert pb["optimizer"]["allocator_slack"] == pb["backward"]["allocator_slack"]
         # every tensor of the tiny model is small: all its gradients are on the heap
         assert heap_grads == pb["backward"]["gradients"] > 0
-        # without checkpointing the backward keeps the fitted factor of the whole traffic
-        u = estimate(m, t.replace(grad_checkpoint=False))
         kind = "full" if method == "full" else "lora"
-        assert u.phase_breakdowns["backward"]["allocator_slack"] == int(
-            CPU_HEAP_SLACK_BACKWARD[kind] * _activation_traffic(u.model_spec, u.train_spec))
-    # the checkpointed backward's slack does not grow with the saved activations of all blocks:
-    # 4x the tokens moves it by the forward's slack only, the heap gradients are the same
-    t = ts(method="full", batch_size=1, seq_length=256, grad_checkpoint=True)
-    a, b = estimate(m, t), estimate(m, t.replace(batch_size=4))
-    da = b.phase_breakdowns["backward"]["allocator_slack"] - a.phase_breakdowns["backward"]["allocator_slack"]
-    dl = b.phase_breakdowns["loss"]["allocator_slack"] - a.phase_breakdowns["loss"]["allocator_slack"]
-    assert da == dl
+        # the forward's part: the fitted forward factor of the un-checkpointed traffic and the
+        # logits' working set (small here, so on the heap); no LoRA temporaries under checkpointing
+        forward = int(CPU_HEAP_SLACK_FORWARD[kind] * (_activation_traffic(m, t) + pb["loss"]["logits"]))
+        for k in ("loss", "backward", "optimizer"):
+            assert pb[k]["allocator_slack"] == max(forward, heap_grads), (method, tokens, k)
+    # a short row of a full fine-tune: the gradients' holes dominate; a long one: the forward's
+    short = estimate(m, ts(method="full", batch_size=1, seq_length=16, grad_checkpoint=True))
+    assert short.phase_breakdowns["backward"]["allocator_slack"] == short.phase_breakdowns["backward"]["gradients"]
+    long_ = estimate(m, ts(method="full", batch_size=8, seq_length=1024, grad_checkpoint=True))
+    assert long_.phase_breakdowns["backward"]["allocator_slack"] > long_.phase_breakdowns["backward"]["gradients"]
+    # without checkpointing the backward keeps the fitted factor of the whole traffic
+    t = ts(method="full", batch_size=4, seq_length=256)
+    u = estimate(m, t)
+    assert u.phase_breakdowns["backward"]["allocator_slack"] == int(
+        CPU_HEAP_SLACK_BACKWARD["full"] * _activation_traffic(m, t))
+    assert u.phase_breakdowns["backward"]["allocator_slack"] > estimate(
+        m, t.replace(grad_checkpoint=True)).phase_breakdowns["backward"]["allocator_slack"]
 
 
 def test_heap_gradient_bytes_leave_out_mmapped_tensors():

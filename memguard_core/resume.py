@@ -91,7 +91,12 @@ _LIGHTNING_SUBDIRS = ("", "checkpoints", os.path.join("*", "checkpoints"),
                       os.path.join("*", "*", "checkpoints"))
 
 
-def _require_framework(framework: str, field: str = "framework", allow_auto: bool = True) -> str:
+def require_framework(framework: str, field: str = "framework", allow_auto: bool = True) -> str:
+    """``framework`` lower-cased if it is one of :data:`FRAMEWORKS` (or ``auto`` when allowed).
+
+    Raises:
+        ConfigError: naming ``field`` otherwise.
+    """
     allowed = ((AUTO,) if allow_auto else ()) + FRAMEWORKS
     if not isinstance(framework, str) or framework.strip().lower() not in allowed:
         raise ConfigError(field, "one of " + ", ".join(allowed), framework)
@@ -281,7 +286,7 @@ def detect_checkpoint_dir(cmd: Sequence[str], framework: str) -> Optional[str]:
     Raises:
         ConfigError: ``framework`` is not one of hf, lightning, mlx.
     """
-    fw = _require_framework(framework, allow_auto=False)
+    fw = require_framework(framework, allow_auto=False)
     d = _flag_value(cmd, DIR_FLAGS[fw])
     if d is None and fw == "mlx" and _is_mlx_lm(cmd):
         d = MLX_LM_DEFAULT_ADAPTER_PATH
@@ -323,7 +328,7 @@ def find_resume_checkpoint(cmd: Sequence[str], framework: str = AUTO,
     Raises:
         ConfigError: ``framework`` is not one of auto, hf, lightning, mlx.
     """
-    fw = _require_framework(framework)
+    fw = require_framework(framework)
     hint = command_framework(cmd)
     order = [fw] if fw != AUTO else ([hint] if hint else []) + [f for f in FRAMEWORKS if f != hint]
     first_dir = None
@@ -356,7 +361,7 @@ def resume_from_env(framework: str, default: Optional[str] = None,
     Raises:
         ConfigError: ``framework`` is not one of hf, lightning, mlx.
     """
-    fw = _require_framework(framework, allow_auto=False)
+    fw = require_framework(framework, allow_auto=False)
     path = (os.environ if env is None else env).get(RESUME_ENV, "").strip()
     if not path:
         return default

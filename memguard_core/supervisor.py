@@ -76,7 +76,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 from .errors import ConfigError, require_positive_int
 from .events import LOG_DIR_ENV, RUN_ID_ENV, append_record, event_log_path, new_run_id
 from .options import MICRO_BATCHES_ENV, OLD_MICRO_BATCHES_ENV, micro_batches_from_env
-from .resume import (AUTO, FRAMEWORKS, RESUME_ENV, _require_framework, checkpoint_step, detect_checkpoint_dir,
+from .resume import (AUTO, FRAMEWORKS, RESUME_ENV, require_framework, checkpoint_step, detect_checkpoint_dir,
                      find_resume_checkpoint, hf_latest_checkpoint)
 
 logger = logging.getLogger("memguard.supervisor")
@@ -361,7 +361,7 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
         raise ConfigError("command", "an executable on PATH or a path to one (memguard run -- python train.py ...)",
                           cmd[0])
     max_restarts = require_positive_int("max_restarts", max_restarts, allow_zero=True)
-    framework = _require_framework(framework)
+    framework = require_framework(framework)
     if output_dir is not None and (not isinstance(output_dir, (str, os.PathLike)) or not os.fspath(output_dir)):
         raise ConfigError("output_dir", "a directory path (str) or None", output_dir)
     if output_dir is not None:

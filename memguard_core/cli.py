@@ -156,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "co-tenant would, to show the runtime guard (0: never) [2]")
     d.add_argument("--output-dir", default=None, help="trainer output dir [a temp dir]")
 
-    sub.add_parser("run", help="run a training command; after an out-of-memory kill, restart it with a doubled "
-                               "split from its latest checkpoint (memguard run -- python train.py ...)",
+    sub.add_parser("run", help="run a training command; after an out-of-memory kill, restart it with twice the "
+                               "micro-batches from its latest checkpoint (HF, Lightning, mlx_lm; memguard run -- "
+                               "python train.py ...)",
                    add_help=False)
     sub.add_parser("bench", help="run real training cases here and score the estimate against them "
                                  "(--quick: a 30-second subset; --submit: a markdown report)", add_help=False)

@@ -90,8 +90,12 @@ STDERR_TAIL_BYTES = 64 * 1024
 #: NTSTATUS codes of a process that died for lack of memory (ntstatus.h).
 WINDOWS_OOM_STATUS = (0xC0000017, 0xC000012D)
 _METAL_OOM = ("Insufficient Memory", "kIOGPUCommandBufferCallbackErrorOutOfMemory")
+#: The last line of a traceback of an allocation failure: torch's (CUDA, MPS, the CPU allocator),
+#: Python's, and MLX's (``[metal::malloc]`` on Metal, ``[malloc] Unable to allocate`` elsewhere:
+#: mlx/backend/metal/allocator.cpp, mlx/allocator.cpp).
 _PY_OOM = re.compile(r"^(torch\.OutOfMemoryError|torch\.cuda\.OutOfMemoryError|MemoryError|"
-                     r"RuntimeError: .*(out of memory|DefaultCPUAllocator: (can't|not enough))).*$",
+                     r"RuntimeError: .*(out of memory|DefaultCPUAllocator: (can't|not enough)|"
+                     r"\[metal::malloc\]|\[malloc\] Unable to allocate)).*$",
                      re.MULTILINE)
 
 

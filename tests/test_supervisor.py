@@ -43,6 +43,10 @@ C0 = OomCounters(cgroup=3, host=7)
      "linux", True, "escaped"),
     (1, C0, C0, "Traceback (most recent call last):\nRuntimeError: DefaultCPUAllocator: can't allocate memory",
      "linux", True, "escaped"),
+    (1, C0, C0, "Traceback (most recent call last):\nRuntimeError: [metal::malloc] Attempting to allocate "
+     "21474836480 bytes which is greater than the maximum allowed buffer size", "darwin", True, "escaped"),
+    (1, C0, C0, "Traceback (most recent call last):\nRuntimeError: [malloc] Unable to allocate 1024 bytes.",
+     "linux", True, "escaped"),
     (1, C0, C0, "Traceback (most recent call last):\nValueError: bad shape", "linux", False, "status 1"),
 ])
 def test_classify_exit(rc, before, after, tail, plat, expect, word):

@@ -164,7 +164,7 @@ def test_supervisor_restarts_a_killed_run_without_repeating_steps(memory_cgroup,
         rep = json.load(f)
     a1, a2 = rep["attempts"]
     assert a1["returncode"] == -9 and a1["killed_for_memory"] and "oom_kill" in a1["reason"]
-    assert a2["returncode"] == 0 and a2["split"] == 2
+    assert a2["returncode"] == 0 and a2["micro_batches"] == 2
     assert a2["resume_from"] == os.path.join(out, "checkpoint-2")
     assert res.oom_kills == 1
     assert "restart 1/2 with MEMGUARD_MICRO_BATCHES=2, resuming from" in res.stderr

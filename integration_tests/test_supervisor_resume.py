@@ -84,7 +84,7 @@ def test_supervisor_resumes_a_killed_lightning_run_from_its_latest_checkpoint(me
     # the resume point: Lightning's last.ckpt of the killed attempt's logger version, saved at step 2
     last = os.path.join(root, "lightning_logs", "version_0", "checkpoints", "last.ckpt")
     assert a1["resume_framework"] == "lightning"
-    assert a2["returncode"] == 0 and a2["split"] == 2 and a2["resume_from"] == last, a2
+    assert a2["returncode"] == 0 and a2["micro_batches"] == 2 and a2["resume_from"] == last, a2
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == LONG_FROM - 1
     assert f"restart 1/2 with MEMGUARD_MICRO_BATCHES=2, resuming from {last} (lightning)" in res.stderr
 

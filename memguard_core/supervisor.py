@@ -73,6 +73,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
+from ._deprecation import renamed_attribute, warn_renamed
 from .errors import ConfigError, require_positive_int
 from .events import LOG_DIR_ENV, RUN_ID_ENV, append_record, event_log_path, new_run_id
 from .options import MICRO_BATCHES_ENV, OLD_MICRO_BATCHES_ENV, micro_batches_from_env
@@ -217,7 +218,8 @@ class Attempt:
 
     Attributes:
         number: 1 for the first run, 2 for the first restart, ...
-        split: the ``MEMGUARD_MICRO_BATCHES`` it ran with (None: not set).
+        micro_batches: the ``MEMGUARD_MICRO_BATCHES`` it ran with (None: not set); ``split`` is
+            its deprecated name.
         resume_from: the ``MEMGUARD_RESUME_FROM`` it ran with (None: from scratch).
         returncode: its exit status (``-N``: killed by signal N).
         killed_for_memory: :func:`classify_exit`'s verdict; ``reason`` its evidence.
@@ -227,7 +229,7 @@ class Attempt:
     """
 
     number: int
-    split: Optional[int]
+    micro_batches: Optional[int]
     resume_from: Optional[str]
     returncode: Optional[int] = None
     killed_for_memory: bool = False
@@ -235,7 +237,10 @@ class Attempt:
     wall_s: float = 0.0
     resume_framework: Optional[str] = None
 
+    split = renamed_attribute("split", "micro_batches")
+
     def to_dict(self) -> dict:
+        """The fields as a dict (the ``--report`` JSON)."""
         return asdict(self)
 
 
@@ -327,12 +332,12 @@ def _run_once(cmd: Sequence[str], env: Mapping[str, str]) -> tuple:
 
 
 def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework: str = AUTO,
-              max_restarts: int = DEFAULT_MAX_RESTARTS, split: Optional[int] = None,
-              env: Optional[Mapping[str, str]] = None,
+              max_restarts: int = DEFAULT_MAX_RESTARTS, micro_batches: Optional[int] = None,
+              split: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
               report: Optional[Callable[[str], None]] = None,
               runner: Optional[Callable[[Sequence[str], Mapping[str, str]], tuple]] = None,
               counters: Optional[Callable[[], OomCounters]] = None) -> SupervisorResult:
-    """Run ``cmd``; restart it with a doubled split and resume after each memory kill.
+    """Run ``cmd``; restart it with twice the micro-batches and resume after each memory kill.
 
     Args:
         cmd: the training command (argument list, no shell).
@@ -342,9 +347,9 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
             the command's flags point to, else the first of hf, lightning, mlx that finds one),
             ``hf``, ``lightning`` or ``mlx`` (:mod:`memguard_core.resume`).
         max_restarts: restarts allowed after memory kills (>= 0).
-        split: the first run's ``MEMGUARD_MICRO_BATCHES`` (>= 1); default: the environment's
+        micro_batches: the first run's ``MEMGUARD_MICRO_BATCHES`` (>= 1); default: the environment's
             (``MEMGUARD_MICRO_BATCHES``, else the deprecated ``MEMGUARD_SPLIT``), else unset (the
-            restart after a kill then uses 2).
+            restart after a kill then uses 2). ``split`` is its deprecated name.
         env: base environment of the child (default ``os.environ``).
         report: receives one human line per event (default: ``logger.warning``).
         runner, counters: the child runner and the OOM-counter reader (defaults: a real
@@ -356,7 +361,7 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
 
     Raises:
         ConfigError: empty ``cmd``, a command that is not an executable (on ``PATH`` or a path to
-            one), bad ``framework``, ``output_dir``, ``max_restarts`` or ``split``.
+            one), bad ``framework``, ``output_dir``, ``max_restarts`` or ``micro_batches``.
     """
     if isinstance(cmd, (str, bytes)) or not cmd or not all(isinstance(c, str) for c in cmd):
         raise ConfigError("command", "a non-empty list of arguments (memguard run -- python train.py ...)",
@@ -373,12 +378,17 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
         if os.path.exists(output_dir) and not os.path.isdir(output_dir):
             raise ConfigError("output_dir", "a directory (where the script writes its checkpoints), not a file",
                               output_dir)
-    base_env: Dict[str, str] = dict(os.environ if env is None else env)
-    if split is None:
-        split = micro_batches_from_env(base_env)
-    base_env.pop(OLD_MICRO_BATCHES_ENV, None)  # the child reads the new name only
     if split is not None:
-        split = require_positive_int("split", split)
+        warn_renamed("split", "micro_batches")
+        if micro_batches is not None:
+            raise ConfigError("split", "not given together with micro_batches (its new name)", split)
+        micro_batches = split
+    base_env: Dict[str, str] = dict(os.environ if env is None else env)
+    if micro_batches is None:
+        micro_batches = micro_batches_from_env(base_env)
+    base_env.pop(OLD_MICRO_BATCHES_ENV, None)  # the child reads the new name only
+    if micro_batches is not None:
+        micro_batches = require_positive_int("micro_batches", micro_batches)
     say = report or (lambda line: logger.warning("%s", line))
     run = runner or _run_once
     read_counters = counters or OomCounters.read
@@ -391,11 +401,11 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
     if log_dir:
         base_env.setdefault(RUN_ID_ENV, new_run_id())
     while True:
-        attempt = Attempt(number=len(result.attempts) + 1, split=split, resume_from=resume)
+        attempt = Attempt(number=len(result.attempts) + 1, micro_batches=micro_batches, resume_from=resume)
         child_env = dict(base_env)
         child_env[ATTEMPT_ENV] = str(attempt.number)
-        if split is not None:
-            child_env[SPLIT_ENV] = str(split)
+        if micro_batches is not None:
+            child_env[SPLIT_ENV] = str(micro_batches)
         if resume:
             child_env[RESUME_ENV] = resume
         else:
@@ -418,7 +428,7 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
             say(f"memguard run: attempt {attempt.number} killed for memory ({attempt.reason}); "
                 f"no restart left (--max-restarts {max_restarts}); giving up with status {result.returncode}")
             return result
-        split = 2 * (split or 1)
+        micro_batches = 2 * (micro_batches or 1)
         resume, found_fw, searched = find_resume_checkpoint(cmd, framework, output_dir)
         attempt.resume_framework = found_fw
         where = (f"resuming from {resume} ({found_fw})" if resume else
@@ -427,13 +437,13 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
                     " (no --output-dir / --default_root_dir / --ckpt-dir / --adapter-path given or detected)")
                  + ": restarting from step 0")
         message = (f"memguard run: attempt {attempt.number} killed for memory after {attempt.wall_s:.1f} s "
-                   f"({attempt.reason}); restart {result.restarts + 1}/{max_restarts} with {SPLIT_ENV}={split}, {where}")
+                   f"({attempt.reason}); restart {result.restarts + 1}/{max_restarts} with {SPLIT_ENV}={micro_batches}, {where}")
         say(message)
         if log_dir:
             append_record(event_log_path(log_dir, base_env[RUN_ID_ENV], 0),
                           {"type": "decision", "kind": "restart", "step": checkpoint_step(resume),
                            "message": message.split(": ", 1)[1], "attempt": attempt.number + 1,
-                           "micro_batches": split})
+                           "micro_batches": micro_batches})
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -464,18 +474,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=None,
                    help="where the script writes its checkpoints [detected from the command: --output-dir/--output_dir "
                         "(hf), --ckpt-dir/--default_root_dir (lightning), --adapter-path (mlx)]")
-    p.add_argument("--split", type=int, default=None, help="first run's MEMGUARD_MICRO_BATCHES [environment's, else unset]")
+    p.add_argument("--micro-batches", "--split", dest="micro_batches", type=int, default=None, metavar="K",
+                   help="first run's MEMGUARD_MICRO_BATCHES (--split: its old name) [environment's, else unset]")
     p.add_argument("--report", default=None, metavar="PATH", help="write the attempts as JSON to PATH")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     return p
 
 
-_FLAG_OF = {"max_restarts": "--max-restarts", "split": "--split", "command": "command",
+_FLAG_OF = {"max_restarts": "--max-restarts", "micro_batches": "--micro-batches", "command": "command",
             "framework": "--framework", "output_dir": "--output-dir"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``memguard run [--max-restarts N] [--framework F] [--output-dir D] [--split K] [--report PATH] -- CMD...``.
+    """``memguard run [--max-restarts N] [--framework F] [--output-dir D] [--micro-batches K] [--report PATH] -- CMD...``.
 
     Returns the exit status (see the module doc). Bad arguments: a message naming the flag on
     stderr and status 2.
@@ -488,7 +499,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         res = supervise(cmd, output_dir=args.output_dir, framework=args.framework,
-                        max_restarts=args.max_restarts, split=args.split,
+                        max_restarts=args.max_restarts, micro_batches=args.micro_batches,
                         report=lambda line: print(line, file=sys.stderr, flush=True))
     except ConfigError as exc:
         flag = _FLAG_OF.get(exc.field, exc.field)

@@ -110,7 +110,7 @@ def test_restarts_with_doubled_split_and_latest_checkpoint(tmp_path):
 def test_bounded_retries_then_gives_up_with_the_childs_status(tmp_path):
     lines = []
     res = supervise([sys.executable, "-c", CHILD, str(tmp_path), "99"], output_dir=str(tmp_path),
-                    max_restarts=1, split=4, env=dict(os.environ), report=lines.append)
+                    max_restarts=1, micro_batches=4, env=dict(os.environ), report=lines.append)
     assert res.gave_up and res.restarts == 1 and res.returncode == 1
     assert [s["MEMGUARD_MICRO_BATCHES"] for s in _seen(tmp_path)] == ["4", "8"]
     assert "no restart left" in lines[-1]
@@ -132,7 +132,8 @@ def test_main_reports_json_and_returns_the_status(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,flag", [
     (["--max-restarts", "-1", "--", "true"], "--max-restarts"),
-    (["--split", "0", "--", "true"], "--split"),
+    (["--micro-batches", "0", "--", "true"], "--micro-batches"),
+    (["--split", "0", "--", "true"], "--micro-batches"),  # the old name of the flag
     (["--"], "command"),
     ([], "command"),
 ])

@@ -269,6 +269,11 @@ class MemGuardCallback(GuardAttributes, Callback):
             return False          # prog_bar=False: nothing would show these figures
         return _compat.should_update_logs(trainer)
 
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.evals.end_loop()
+
+    on_test_end = on_predict_end = on_validation_end
+
     def on_train_end(self, trainer, pl_module) -> None:
         self.guard.finish(trainer.global_step, split_disabled=self.guard.split_disabled_reason)
 

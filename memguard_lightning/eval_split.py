@@ -103,6 +103,18 @@ class EvalSplit:
         self.rows: List[int] = []
         self.oom_retries = 0
         self.origs: Dict[str, Any] = {}
+        self._oom_in_loop = False
+
+    def end_loop(self) -> None:
+        """After a validation / test / predict loop: when a batch of it ran out of memory, hand
+        the heap back once more (``free_after_oom``: the redone chunks' freed activations stay
+        mapped otherwise, and training resumes under the same limit). Never raises."""
+        if self._oom_in_loop:
+            self._oom_in_loop = False
+            try:
+                free_after_oom()
+            except Exception:
+                logger.debug("memguard: free after the evaluation failed", exc_info=True)
 
     def install(self, pl_module) -> None:
         """Wrap the evaluation steps the module overrides, on the instance (``functools`` keeps the
@@ -145,6 +157,7 @@ class EvalSplit:
             free_after_oom()
             self.micro_batches = min(2 * k, units)
             self.oom_retries += 1
+            self._oom_in_loop = True
             logger.warning("memguard: out of memory in %s (%s); redoing the batch in %d micro-batches "
                            "(the training split is unchanged)", name, type(failure).__name__, self.micro_batches)
 

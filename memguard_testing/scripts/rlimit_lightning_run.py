@@ -1,21 +1,22 @@
 """One Lightning full fine-tune of the SmolLM2-135M shape cut to a few blocks (random fp32 weights,
-AdamW, ``accumulate_grad_batches``), under a real address-space limit (``RLIMIT_AS``, what
-``prlimit --as`` / ``ulimit -v`` set) that the child sets on itself once the model is built, so
-torch's CPU allocator really fails ("DefaultCPUAllocator: can't allocate memory").
+a smaller vocabulary, AdamW, ``accumulate_grad_batches``), under a real address-space limit
+(``RLIMIT_AS``, what ``prlimit --as`` / ``ulimit -v`` set) that the child sets on itself once the
+model is built, so torch's CPU allocator really fails ("DefaultCPUAllocator: can't allocate memory").
 
 usage: python rlimit_lightning_run.py LIMIT_BYTES MODE OUT_JSON [--steps N] [--accum A] [--batch B]
-       [--layers L] [--val-batch V] [--eval-micro-batches K]
+       [--layers L] [--vocab V] [--val-batch R] [--val-every N] [--eval-micro-batches K]
 
 LIMIT_BYTES 0: no limit. MODE: ``none`` (unguarded), ``oom`` (guarded, only the OOM path acting:
 budget 1 TiB, no preflight, no background thread, the monitor's step sample switched off so its
-reading of the limit cannot split first). ``--val-batch V`` adds a validation set (batches of V
-rows) run before training's first step is taken? no: at the end of each training epoch of 2 steps x
-A batches and once more after the last step (``val_check_interval``), logging ``val_loss``.
+reading of the limit cannot split first). ``--val-batch R`` adds a validation set of two R-row
+batches, run every ``--val-every`` batches (``val_check_interval``; default A: after every
+optimizer step) and logging ``val_loss``.
 
 Writes OUT_JSON: the phase of the failure (``forward`` / ``backward`` / ``optimizer`` /
 ``validation``) and its message, or the steps done, a fingerprint of the final parameters (every
-997th value of each), the logged validation losses, the guard's retries, micro-batch rows and
-samples per step, and VmPeak after each phase (bytes, for finding limits).
+997th value of each) and the validation losses (the epoch value after each validation); the
+guard's retries, training micro-batch rows, samples per step and split, its evaluation rows,
+retries and k_eval; and VmPeak after each phase (bytes, the test places its limits from them).
 """
 
 import argparse
@@ -108,6 +109,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--val-batch", type=int, default=0)
+    ap.add_argument("--val-every", type=int, default=None)
     ap.add_argument("--eval-micro-batches", type=int, default=None)
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -137,7 +139,7 @@ def main() -> None:
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
                          limit_val_batches=2 if val is not None else 0,
-                         val_check_interval=a.accum if val is not None else None)
+                         val_check_interval=(a.val_every or a.accum) if val is not None else None)
     if a.limit:
         resource.setrlimit(resource.RLIMIT_AS, (a.limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     r = {"mode": a.mode, "limit": a.limit}

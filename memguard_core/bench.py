@@ -1080,10 +1080,9 @@ def _full_depth_section(rows: Sequence[dict], baseline: Optional[dict]) -> List[
                     "matmuls take a new shape every step (tokens per expert follow the routing) and torch's "
                     "CPU bf16 matmul keeps per-shape state (oneDNN), so the resident set grows with the "
                     "number of shapes seen. The same loop in fp32 is flat, mlx_lm runs of the same shapes "
-                    "are flat, and CUDA runs do not go through oneDNN; the estimate is the steady live set "
-                    "plus the heap, which is what a GPU run or an fp32 CPU run peaks at. On a CPU, give a "
-                    "bf16 MoE run the headroom of its last per-step peak over its first "
-                    "(docs/estimator.md, \"MoE in bf16 on CPU\")."]
+                    "are flat, and CUDA runs do not go through oneDNN. The estimate counts the live tensors "
+                    "and glibc's heap, not this state; on a CPU, give a bf16 MoE run the headroom of its "
+                    "last per-step peak over its first (docs/estimator.md, \"MoE in bf16 on CPU\")."]
     steps = [r for r in rows if r.get("step_peak_bytes")]
     if steps:
         out += ["", "Per-step peaks (the counter's peak inside each optimizer step, MiB; the whole-run peak "

@@ -180,3 +180,40 @@ def test_baseline_summary_rescored_from_the_saved_matrix(tmp_path):
     b = bench.baseline_summary(str(p))
     assert b["date"] == "2026-11-20" and b["cases"] == 1 and b["hf"]["cases"] == 1 and b["mlx"] == {"cases": 0}
     assert bench.baseline_summary(str(tmp_path / "missing.json")) is None
+
+
+def test_bf16_moe_on_cpu_is_reported_apart_and_still_counted():
+    """A mixture-of-experts model computing in bf16 on torch's CPU backend grows step after step
+    (oneDNN's per-shape state): the report keeps its cases in every summary and shows the summary
+    without them beside it, with the reason in plain words; dense and fp32 MoE cases are not
+    labelled."""
+    from memguard_core.spec import model_spec_from_hf_config
+
+    fd = {c["name"]: c for c in _fd()}
+    moe_bf16 = [c for c in fd.values() if c["backend"] == "hf" and c["model_type"] in ("granitemoe", "mixtral")
+                and c["train"]["dtype"] == "bf16"]
+    dense = [c for c in fd.values() if c["backend"] == "hf" and c["model_type"] == "llama"]
+    assert moe_bf16 and dense
+    rows = []
+    for c in moe_bf16 + dense[:2]:
+        cfg = dict(bench.HF_FULL_DEPTH_ARCHS[c["arch"]])
+        ms = model_spec_from_hf_config(cfg)
+        rec = dict(peak_bytes=6 << 30, counter="cpu", seconds=3.0, model_spec=dataclasses.asdict(ms),
+                   step_peak_bytes=[5 << 30, 6 << 30], date="2026-11-25", model_config=cfg)
+        rows.append(bench.score(c, rec, seed=False))
+    labelled = [r["name"] for r in rows if r.get("cpu_backend_effect") == bench.CPU_BF16_MOE]
+    assert labelled == [c["name"] for c in moe_bf16]
+    # the same MoE in fp32, or on mlx, is not labelled
+    ms_moe, ts_moe = bench.specs_of(moe_bf16[0], dict(model_spec=dataclasses.asdict(
+        model_spec_from_hf_config(dict(bench.HF_FULL_DEPTH_ARCHS[moe_bf16[0]["arch"]]))), counter="cpu"))
+    assert bench.cpu_bf16_moe(ms_moe, ts_moe)
+    assert not bench.cpu_bf16_moe(ms_moe, ts_moe.replace(dtype="fp32"))
+    assert not bench.cpu_bf16_moe(ms_moe, ts_moe.replace(framework="mlx", device="mlx"))
+    md = bench.markdown_report(rows, {"cores": 2}, date="2026-11-25")
+    n_all, n_moe = len(rows), len(moe_bf16)
+    assert f"full depth, hf: {n_all} cases" in md                     # counted in the whole
+    assert f"without the bf16 MoE cases (what the estimator models): {n_all - n_moe} cases" in md
+    assert f"MoE in bf16 on the CPU (a CPU-backend effect the estimator does not model, below): {n_moe} cases" in md
+    assert "counted in every summary above, and not modelled" in md and "oneDNN" in md
+    for c in moe_bf16:
+        assert f"| {c['name']} |" in md                                  # the cases stay in the table

@@ -188,6 +188,10 @@ CUDA_FRAGMENTATION = 0.05
 #: models cut to 2-16 blocks only and scored on full-depth models apart (fitted on the small matrix
 #: and depth sweeps; docs/estimator.md, "CPU heap slack").
 #: ``MALLOC_MMAP_THRESHOLD_=131072`` in the training process's environment removes most of the slack.
+#: Under activation checkpointing no moment holds every block's activations, so the backward's
+#: factor does not apply there: every moment gets the larger of the forward's slack and the last
+#: step's heap-resident gradients (``_heap_gradient_bytes``; docs/estimator.md, "Gradient
+#: checkpointing on CPU").
 CPU_HEAP_SLACK_FORWARD = {"full": 0.25, "lora": 0.45}
 CPU_HEAP_SLACK_BACKWARD = {"full": 1.0, "lora": 0.9}
 MMAP_THRESHOLD_MAX = 32 * MiB

@@ -8,7 +8,8 @@ usage: python rlimit_lightning_run.py LIMIT_BYTES MODE OUT_JSON [--steps N] [--a
 
 LIMIT_BYTES 0: no limit. MODE: ``none`` (unguarded), ``oom`` (guarded, only the OOM path acting:
 budget 1 TiB, no preflight, no background thread, the monitor's step sample switched off so its
-reading of the limit cannot split first). ``--val-batch R`` adds a validation set of two R-row
+reading of the limit cannot split first), ``probe`` (guarded with the defaults, preflight included,
+no background thread: the probe reads the limit as the budget). ``--val-batch R`` adds a validation set of two R-row
 batches, run every ``--val-every`` batches (``val_check_interval``; default A: after every
 optimizer step) and logging ``val_loss``.
 
@@ -101,7 +102,7 @@ class LM(pl.LightningModule):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("limit", type=int)
-    ap.add_argument("mode", choices=("none", "oom"))
+    ap.add_argument("mode", choices=("none", "oom", "probe"))
     ap.add_argument("out")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--accum", type=int, default=1)
@@ -134,6 +135,11 @@ def main() -> None:
         MemoryMonitor.step_sample = lambda self, step=None: Action.NONE
         kw = {} if a.eval_micro_batches is None else {"eval_micro_batches": a.eval_micro_batches}
         guard = MemGuardCallback(budget_bytes=2**40, preflight=False, monitor_interval_s=0, **kw)
+        callbacks.append(guard)
+    elif a.mode == "probe":
+        from memguard_lightning import MemGuardCallback
+
+        guard = MemGuardCallback(monitor_interval_s=0)
         callbacks.append(guard)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=a.steps, accumulate_grad_batches=a.accum,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,

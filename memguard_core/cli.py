@@ -96,8 +96,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="hf | lightning | mlx | torch (a plain PyTorch / accelerate loop) (its conventions apply) [hf]")
     t.add_argument("--device", default=None,
                    help="counter predicted: cpu (peak RSS, VmHWM) | cuda (peak device memory) | mlx "
-                        "(mx.get_peak_memory) [the device this machine would train on: cuda when torch "
-                        "sees a GPU, mlx for --framework mlx, else cpu]")
+                        "(mx.get_peak_memory) | mps (PyTorch on Apple Silicon, driver_allocated_memory; "
+                        "not validated on a Mac) [the device this machine would train on: cuda when torch "
+                        "sees a GPU, mlx for --framework mlx, mps on Apple Silicon, else cpu]")
     t.add_argument("--world-size", type=int, default=1,
                    help="data-parallel processes: the effective batch, and with --sharding the ranks the "
                         "model state is divided over [1]")
@@ -218,10 +219,13 @@ def resolve_dtype(dtype, mixed_precision: bool, model_spec) -> str:
     return "fp32" if model_spec.dense_bits >= 32 else "bf16"
 
 
-def default_device(framework: str = "hf", torch_cuda=None, *, nvidia_gpus: Optional[int] = None) -> str:
+def default_device(framework: str = "hf", torch_cuda=None, *, nvidia_gpus: Optional[int] = None,
+                   apple_silicon: Optional[bool] = None) -> str:
     """The counter ``memguard estimate`` predicts when ``--device`` is not given: the device this
     machine would train on. ``mlx`` for ``--framework mlx`` (mlx_lm has only MLX's counter);
-    ``cuda`` when an NVIDIA GPU is visible to this process, else ``cpu``.
+    ``cuda`` when an NVIDIA GPU is visible to this process; ``mps`` on Apple Silicon (macOS on
+    arm64: what HF ``Trainer`` and Lightning pick there; ``apple_silicon`` replaces the check:
+    tests); else ``cpu``.
 
     Visible: ``torch.cuda.is_available()`` when torch is already imported (or ``torch_cuda`` is
     given: tests); otherwise without importing torch (the analytic path stays framework-free):
@@ -232,11 +236,19 @@ def default_device(framework: str = "hf", torch_cuda=None, *, nvidia_gpus: Optio
         return "mlx"
     if torch_cuda is None and "torch" in sys.modules:
         torch_cuda = getattr(sys.modules["torch"], "cuda", None)
+    if apple_silicon is None:
+        import platform
+
+        apple_silicon = sys.platform == "darwin" and platform.machine() == "arm64"
     if torch_cuda is not None:
         try:
-            return "cuda" if torch_cuda.is_available() else "cpu"
+            if torch_cuda.is_available():
+                return "cuda"
         except Exception:
-            return "cpu"
+            pass
+        return "mps" if apple_silicon else "cpu"
+    if apple_silicon:
+        return "mps"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return "cpu"

@@ -70,7 +70,11 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #:   (``CUDA_CUBLAS_WORKSPACES_BYTES``: they are inside ``memory_allocated``). The caching
 #:   allocator's fragmentation is added as a fraction of the peak, CUDA_FRAGMENTATION below.
 #: mlx: ``mx.get_peak_memory()`` counts only MLX buffers: no overhead.
-RUNTIME_OVERHEAD_BYTES = {"cpu": 368 * MiB, "cuda": 500 * MiB + 2 * (8 * MiB + 128 * 1024), "mlx": 0}
+#: mps: the counter is ``torch.mps.driver_allocated_memory()`` (the Metal buffers of the MPS
+#:   allocator, cache included); Metal's own device state is not among them. 0, an assumption: not
+#:   measured on a Mac (see MPS_FRAGMENTATION).
+RUNTIME_OVERHEAD_BYTES = {"cpu": 368 * MiB, "cuda": 500 * MiB + 2 * (8 * MiB + 128 * 1024), "mlx": 0,
+                          "mps": 0}
 
 #: cpu, HF ``Trainer``: ``transformers/trainer.py`` imports ``datasets`` at module level when it is
 #: installed (``if is_datasets_available(): import datasets``), which pulls pyarrow and pandas in,
@@ -168,6 +172,12 @@ def cuda_segment_bytes(nbytes: int) -> int:
 #: range of ``memory_reserved / max_memory_allocated`` on training loops. An assumption, not fitted
 #: on GPU runs (docs/estimator.md, "CUDA").
 CUDA_FRAGMENTATION = 0.05
+
+#: Cached-but-unused share of the MPS allocator (``aten/src/ATen/mps/MPSAllocator.mm``: a caching
+#: allocator of Metal heaps modelled on CUDA's, sizes rounded up within heaps), which
+#: ``driver_allocated_memory`` counts. Taken from CUDA_FRAGMENTATION by that likeness; NOT measured
+#: on a Mac (no Apple GPU here), so an mps estimate is a prediction from the code alone.
+MPS_FRAGMENTATION = CUDA_FRAGMENTATION
 
 #: glibc heap slack on CPU (device="cpu": the counter is VmHWM, resident pages, not live tensors).
 #: Torch's CPU allocator calls malloc/free per tensor. glibc serves blocks below its dynamic mmap
@@ -806,7 +816,7 @@ def _block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tr
     a.hidden += group_input(("q_proj", "k_proj", "v_proj"), h)
     eager = ts.attn_impl == "eager"
     cuda_backend = cuda_sdpa_backend(ms, ts) if ts.device == "cuda" else None
-    cpu_math = ts.device != "cuda" and ms.attention_dropout > 0 and ts.attn_impl == "sdpa"
+    cpu_math = ts.attn_impl == "sdpa" and ((ts.device != "cuda" and ms.attention_dropout > 0) or _mps_math(ts))
     if cpu_math or cuda_backend == "math":
         core_h, core_s = _attention_core(ms, ts, e, views_of_one_buffer=False)
         a.hidden += core_h                      # SDPA's math path: fp32 copies, GQA repeated
@@ -865,8 +875,18 @@ def _dropout_bytes(ts: TrainSpec, e: int) -> int:
     """Bytes per element a training-mode ``F.dropout`` saves: on CPU ``_dropout_impl`` computes
     ``input * noise`` and ``mul`` saves the noise, in the input's dtype; on CUDA the fused
     ``native_dropout`` saves a 1-byte bool mask (``aten/src/ATen/native/Dropout.cpp``
-    ``is_fused_kernel_acceptable`` takes the fused kernel only for CUDA/XPU/lazy tensors)."""
-    return e if ts.device == "cpu" else 1
+    ``is_fused_kernel_acceptable`` takes the fused kernel only for CUDA/XPU/lazy tensors, so
+    ``mps`` saves the noise as the CPU does)."""
+    return e if ts.device in ("cpu", "mps") else 1
+
+
+def _mps_math(ts: TrainSpec) -> bool:
+    """SDPA on ``mps`` while training runs the generic math path (``_scaled_dot_product_attention_math``:
+    fp32 probabilities saved, half inputs upcast). Source: torch ``aten/src/ATen/native/
+    transformers/attention.cpp`` ``scaled_dot_product_attention``: the fused
+    ``_scaled_dot_product_attention_math_for_mps`` is taken only without dropout and with no input
+    requiring grad (inference); no flash / memory-efficient kernel is registered for MPS."""
+    return ts.device == "mps"
 
 
 #: Head dims the CUDA flash kernel takes (``check_head_dim_size_flash`` in torch
@@ -953,8 +973,8 @@ def _attention_core(ms: ModelSpec, ts: TrainSpec, e: int, *, views_of_one_buffer
             per_score = 4 + ((1 + 4) if drop else 0)
             return 4.0 * 3 * qd, nh * s * per_score
         return qkv + e * qd, _sdpa_lse_per_token(ms, ts, backend)
-    if drop and ts.attn_impl == "sdpa":
-        per_score = 4 + 4 + 4
+    if ts.attn_impl == "sdpa" and (drop or _mps_math(ts)):
+        per_score = 4 + (4 + 4 if drop else 0)  # fp32 probabilities (+ noise and dropped ones)
         return 4.0 * 3 * qd, nh * s * per_score
     return qkv + e * qd, 4.0 * nh
 
@@ -1009,14 +1029,14 @@ def _plain_mlp_block_act(ms: ModelSpec, ts: TrainSpec, a: _Act, lora_names: set,
     a.hidden += r * h                           # input LayerNorm: its input
     a.hidden += inp(attn_in)
     a.hidden += e * 3 * h                       # q, k, v
-    if ts.attn_impl == "eager" or attn_drop:
+    if ts.attn_impl == "eager" or attn_drop or _mps_math(ts):
         a.scores += nh * s * (4 + (e if e < 4 else 0) + (1 if attn_drop else 0))
     else:
         a.hidden += e * h                       # SDPA output
         a.scores += _sdpa_lse_per_token(ms, ts, cuda_sdpa_backend(ms, ts) if ts.device == "cuda" else "flash")
     if attn_out:
         a.hidden += e * h                       # merged heads, the out projection's input
-    a.hidden += n_drop * h * (e if ts.device == "cpu" else 1)  # dropout noise / mask
+    a.hidden += n_drop * h * _dropout_bytes(ts, e)  # dropout noise / mask
     if not parallel:
         a.hidden += r * h                       # post-attention LayerNorm input (the residual)
     a.hidden += inp(mlp_in)
@@ -1508,8 +1528,9 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     lora_traffic = _lora_forward_traffic(ms, ts)
     kind = "full" if ts.method == "full" else "lora"
     for k, v in phases.items():
-        if ts.device == "cuda":
-            slack = int(CUDA_FRAGMENTATION * (totals[k] - overhead))
+        if ts.device in ("cuda", "mps"):
+            frag = CUDA_FRAGMENTATION if ts.device == "cuda" else MPS_FRAGMENTATION
+            slack = int(frag * (totals[k] - overhead))
         elif ts.device == "cpu":
             small_logits = logits_peak if logits_tensor < MMAP_THRESHOLD_MAX else 0
             forward_slack = int(CPU_HEAP_SLACK_FORWARD[kind] * (traffic + small_logits)

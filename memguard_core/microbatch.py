@@ -266,9 +266,10 @@ def split_batch(inputs: Mapping[str, Any], k: int, *, weighting: str = "tokens",
 
 
 def empty_torch_cache() -> None:
-    """``gc.collect()``, then ``torch.cuda.empty_cache()`` when CUDA is initialised (never raises):
-    what an out-of-memory forward left (its activations, the caching allocator's free blocks) goes
-    back before the retry."""
+    """``gc.collect()``, then ``torch.cuda.empty_cache()`` when CUDA is initialised and
+    ``torch.mps.empty_cache()`` when torch's MPS backend is in use (never raises): what an
+    out-of-memory forward left (its activations, the caching allocators' free blocks) goes back
+    before the retry."""
     import gc
 
     gc.collect()
@@ -279,6 +280,9 @@ def empty_torch_cache() -> None:
             torch.cuda.empty_cache()
     except Exception:  # pragma: no cover - depends on the device
         pass
+    from .probes import mps as _mps
+
+    _mps.empty_cache()
 
 
 def split_after_oom(monitor: Any, exc: BaseException, k: int, units_left: int, step: Optional[int],
@@ -313,12 +317,4 @@ def free_after_oom() -> None:
 
         trim_heap()
     except Exception:  # pragma: no cover - trim_heap never raises; the import may
-        pass
-    try:
-        import torch
-
-        mps = getattr(torch, "mps", None)
-        if mps is not None and torch.backends.mps.is_available():
-            mps.empty_cache()
-    except Exception:  # pragma: no cover - depends on the device
         pass

@@ -24,7 +24,7 @@ LOSS_WEIGHTINGS = ("auto", "tokens", "rows")
 #: sets it after an out-of-memory kill); :data:`OLD_MICRO_BATCHES_ENV` is its deprecated name.
 MICRO_BATCHES_ENV = "MEMGUARD_MICRO_BATCHES"
 OLD_MICRO_BATCHES_ENV = "MEMGUARD_SPLIT"
-_DEVICE = re.compile(r"auto|cpu|mlx|cuda(:\d+)?")
+_DEVICE = re.compile(r"auto|cpu|mlx|mps|cuda(:\d+)?")
 
 
 def _positive_int(value: object) -> bool:
@@ -76,8 +76,11 @@ class GuardOptions:
         loss_weighting: ``auto`` | ``tokens`` | ``rows`` (the torch adapters' chunk loss weights).
         micro_batches: micro-batches each batch is cut into at the start (>= 1; the guard raises it
             under pressure). Falls back to ``MEMGUARD_MICRO_BATCHES`` in the environment, then 1.
+        eval_micro_batches: micro-batches each evaluation / validation / prediction batch is cut
+            into at the start (>= 1, default 1); doubled after an out-of-memory error there, never
+            shared with the training split (docs/evaluation.md).
         monitor_interval_s: background sampling period in seconds (0: no thread).
-        device: which memory to probe (``auto`` | ``cpu`` | ``cuda`` | ``cuda:<i>`` | ``mlx``).
+        device: which memory to probe (``auto`` | ``cpu`` | ``cuda`` | ``cuda:<i>`` | ``mps`` | ``mlx``).
         preflight: estimate and plan at train start.
         grow: when the number of micro-batches may halve again after pressure has gone
             (``memguard_core.monitor.GrowPolicy``; None: never).
@@ -100,6 +103,7 @@ class GuardOptions:
     fail_fast: bool = False
     loss_weighting: str = "auto"
     micro_batches: int = 1
+    eval_micro_batches: int = 1
     monitor_interval_s: float = 0.5
     device: str = "auto"
     preflight: bool = True
@@ -117,7 +121,8 @@ class GuardOptions:
                     preflight: bool = True, grow: Optional[GrowPolicy] = GrowPolicy(),
                     split: Optional[int] = None, budget_gib: Optional[float] = None,
                     log_dir: Optional[str] = None, cuda_snapshots: Optional[str] = None,
-                    snapshot_steps: Sequence[int] = (), leak_detector: bool = True) -> "GuardOptions":
+                    snapshot_steps: Sequence[int] = (), leak_detector: bool = True,
+                    eval_micro_batches: int = 1) -> "GuardOptions":
         """Validate and normalise. ``split`` is the deprecated name of ``micro_batches``
         (``DeprecationWarning``). ``budget_bytes`` takes an int or a float (bytes, rounded down:
         ``8.5e9``); ``budget_gib`` gives the budget in GiB instead (not both).
@@ -157,9 +162,10 @@ class GuardOptions:
             micro_batches = micro_batches_from_env()
         else:
             require_int("micro_batches", micro_batches, "an integer >= 1")
+        require_int("eval_micro_batches", eval_micro_batches, "an integer >= 1")
         require_number("monitor_interval_s", monitor_interval_s, "a number of seconds >= 0", lo=0.0)
         if not isinstance(device, str) or _DEVICE.fullmatch(device) is None:
-            raise ConfigError("device", '"auto", "cpu", "cuda", "cuda:<index>" or "mlx"', device)
+            raise ConfigError("device", '"auto", "cpu", "cuda", "cuda:<index>", "mps" or "mlx"', device)
         for name, flag in (("fail_fast", fail_fast), ("preflight", preflight)):
             if not isinstance(flag, bool):
                 raise ConfigError(name, "True or False", flag)
@@ -180,7 +186,8 @@ class GuardOptions:
                    micro_batches=micro_batches or 1, monitor_interval_s=float(monitor_interval_s), device=device,
                    preflight=preflight, grow=grow, log_dir=None if log_dir is None else os.fspath(log_dir),
                    cuda_snapshots=None if cuda_snapshots is None else os.fspath(cuda_snapshots),
-                   snapshot_steps=tuple(int(s) for s in snapshot_steps), leak_detector=leak_detector)
+                   snapshot_steps=tuple(int(s) for s in snapshot_steps), leak_detector=leak_detector,
+                   eval_micro_batches=eval_micro_batches)
 
 
 #: The keyword names every adapter takes for its :class:`GuardOptions` (those of

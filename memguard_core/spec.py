@@ -29,7 +29,7 @@ FRAMEWORKS = ("hf", "lightning", "mlx", "torch")
 #: Data-parallel memory layouts (memguard_core/sharding.py says what each divides and adds).
 SHARDINGS = ("none", "ddp", "fsdp-full", "fsdp-grad-op", "fsdp-hybrid", "fsdp-no-shard", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "params")
-DEVICES = ("cpu", "cuda", "mlx")
+DEVICES = ("cpu", "cuda", "mlx", "mps")
 ATTN_IMPLS = ("eager", "sdpa", "flash")
 DEFAULT_LORA_TARGETS = ("q_proj", "v_proj")
 
@@ -216,7 +216,8 @@ class TrainSpec:
         framework: ``hf`` | ``lightning`` | ``mlx`` | ``torch`` (whose conventions apply; ``torch`` is
             a plain PyTorch / accelerate loop: HF's without the ``Trainer``'s imports).
         device: which counter the estimate predicts: ``cpu`` (peak RSS, VmHWM), ``cuda`` (peak
-            device memory incl. context), ``mlx`` (``mx.get_peak_memory()``).
+            device memory incl. context), ``mlx`` (``mx.get_peak_memory()``), ``mps`` (PyTorch on
+            Apple Silicon: ``torch.mps.driver_allocated_memory()``; not validated on a Mac).
         world_size: data-parallel processes (the effective batch; with ``sharding`` the shard group).
             ``ranks`` is its deprecated name (accepted by the constructor and readable, with a
             ``DeprecationWarning``).

@@ -124,10 +124,10 @@ def weights_dtype_device(model: Any) -> Tuple[torch.dtype, str]:
 
 def counter_device(device: str, weights_device: str) -> str:
     """The counter the estimate predicts: the ``device`` option, or for ``auto`` where the weights
-    are (``cuda``; anything else is read as the CPU's)."""
+    are (``cuda``, ``mps``; anything else is read as the CPU's)."""
     if device != "auto":
         return "cuda" if device.startswith("cuda") else device
-    return "cuda" if weights_device == "cuda" else "cpu"
+    return weights_device if weights_device in ("cuda", "mps") else "cpu"
 
 
 def file_pages_kwargs(device: str, kwargs: dict) -> dict:

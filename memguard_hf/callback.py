@@ -85,8 +85,10 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
         micro_batches: micro-batches each batch is cut into from the start (>= 1); default
             ``MEMGUARD_MICRO_BATCHES`` in the environment (``memguard run`` sets it after an OOM
             kill), else 1. ``split`` is its deprecated name.
+        eval_micro_batches: micro-batches each ``evaluate()`` / ``predict()`` batch is cut into at
+            the start (>= 1, default 1); doubled after an out-of-memory error in one.
         monitor_interval_s: background sampling period (0 disables the thread).
-        device: which memory to probe (``auto`` | ``cpu`` | ``cuda``).
+        device: which memory to probe (``auto`` | ``cpu`` | ``cuda`` | ``cuda:<i>`` | ``mps``).
         preflight: run the preflight at train start (default True).
         grow: when the micro-batches per batch may halve again after pressure has gone
             (``memguard_core.monitor.GrowPolicy``; ``None``: never). Also settable as

@@ -117,9 +117,10 @@ class GuardedEval:
     Uses the callback's ``guard``, ``trainer``, ``options`` and ``_orig_prediction_step``.
 
     Attributes:
-        eval_micro_batches: micro-batches each evaluation batch is cut into (>= 1; default 1). It
-            doubles after an out-of-memory error in an evaluation and stays there for later
-            evaluations of the run; settable before ``evaluate()`` / ``predict()``.
+        eval_micro_batches: micro-batches each evaluation batch is cut into (>= 1; the option
+            ``eval_micro_batches``, default 1). It doubles after an out-of-memory error in an
+            evaluation and stays there for later evaluations of the run; settable before
+            ``evaluate()`` / ``predict()``.
         eval_oom_retries: out-of-memory errors in evaluation recovered by a re-split.
         eval_micro_batch_rows: rows (packed batches: sequences) of every evaluation forward that ran.
         split_evaluation: False runs every evaluation batch as it comes, unguarded (for a
@@ -142,7 +143,7 @@ class GuardedEval:
         self._eval_k = k
 
     def _init_eval(self) -> None:
-        self._eval_k = 1
+        self._eval_k = self.options.eval_micro_batches
         self.eval_oom_retries = 0
         self.eval_micro_batch_rows: List[int] = []
         self._orig_prediction_step = None

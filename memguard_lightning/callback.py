@@ -58,7 +58,7 @@ from lightning.pytorch.callbacks import Callback
 
 from memguard_core import torch_train as tt
 from memguard_core._deprecation import renamed_attribute
-from memguard_core.errors import ConfigError, require_int
+from memguard_core.errors import ConfigError
 from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.options import GuardOptions, option_kwargs, with_guard_options
 from memguard_core.preflight import Preflight
@@ -93,7 +93,7 @@ class MemGuardCallback(GuardAttributes, Callback):
         micro_batches: micro-batches each batch is cut into from the start (>= 1); default
             ``MEMGUARD_MICRO_BATCHES`` in the environment, else 1. ``split`` is its deprecated name.
         monitor_interval_s: background sampling period in seconds (0 disables the thread).
-        device: which memory to probe (``auto`` | ``cpu`` | ``cuda``).
+        device: which memory to probe (``auto`` | ``cpu`` | ``cuda`` | ``cuda:<i>`` | ``mps``).
         preflight: run the preflight before the first step (default True).
         grow: when the micro-batches per batch may halve again after pressure has gone
             (``memguard_core.monitor.GrowPolicy``; ``None``: never).
@@ -110,10 +110,9 @@ class MemGuardCallback(GuardAttributes, Callback):
 
     @with_guard_options
     def __init__(self, *, label_key: LabelKey = None, shift_labels: Optional[bool] = None,
-                 eval_micro_batches: int = 1, **options: Any):
+                 **options: Any):
         options = GuardOptions.from_kwargs(**option_kwargs(
-            options, own=("label_key", "shift_labels", "eval_micro_batches")))
-        require_int("eval_micro_batches", eval_micro_batches, "an integer >= 1")
+            options, own=("label_key", "shift_labels")))
         if label_key is not None and (isinstance(label_key, bool) or not isinstance(label_key, (str, int))):
             raise ConfigError("label_key", "a dict key (str), a tuple index (int) or None", label_key)
         if shift_labels is not None and not isinstance(shift_labels, bool):
@@ -122,7 +121,7 @@ class MemGuardCallback(GuardAttributes, Callback):
         self.options = options
         self.guard = Guard(options, log=logger)
         self.step = SplitStep(self.guard, options, label_key=label_key, shift_labels=shift_labels)
-        self.evals = EvalSplit(self.step, eval_micro_batches)
+        self.evals = EvalSplit(self.step, options.eval_micro_batches)
         self.trainer = None
         self.pl_module = None
         self._started = False

@@ -125,6 +125,7 @@ CALLBACK_CASES = [
     (dict(device="gpu"), "device"),
     (dict(preflight=None), "preflight"),
     (dict(monitor_interval_s=float("nan")), "monitor_interval_s"),
+    (dict(eval_micro_batches=0), "eval_micro_batches"),
     (dict(budget_byts=2**30), "budget_byts"),  # a misspelt option is named, not a TypeError
 ]
 

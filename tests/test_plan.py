@@ -76,8 +76,10 @@ def test_split_preferred_while_micro_batches_stay_large():
 
 
 def test_checkpointing_when_it_is_the_fastest_that_fits():
-    # short rows: splitting 8 x 32 tokens is expensive, checkpointing is cheaper
-    t = ts(seq_length=32, attn_impl="sdpa", method="full")
+    # short rows: splitting 8 x 32 tokens is expensive, checkpointing is cheaper. LoRA: on the cpu
+    # counter a checkpointed *full* fine-tune's glibc heap keeps the last step's gradient holes
+    # (estimate.py, _heap_gradient_bytes), which at 32 tokens outweighs what checkpointing saves
+    t = ts(seq_length=32, attn_impl="sdpa", method="lora")
     gc = t.replace(grad_checkpoint=True)
     assert peak(gc) < peak(t)
     fitting = [c for c in _combos(t) if peak(c) <= peak(gc)]
@@ -86,7 +88,8 @@ def test_checkpointing_when_it_is_the_fastest_that_fits():
     p = plan(spec(), t, peak(gc))
     assert p.train_spec == gc
     assert [c.field for c in p.changes] == ["grad_checkpoint"]
-    assert "checkpointing" in p.changes[0].reason and "x1.33" in p.changes[0].reason
+    assert "checkpointing" in p.changes[0].reason
+    assert f"x{relative_step_time(spec(), gc, t):.2f} of the requested" in p.changes[0].reason
 
 
 @pytest.mark.parametrize("frac", [0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95])

@@ -175,3 +175,43 @@ def test_one_rank_asks_for_more_micro_batches(references, tmp_path):
     assert _diff(references["fsdp"][0], params) < ATOL
     for r in ranks:
         assert r["micro_batch_rows"] == [8, 2, 2, 2, 2, 2, 2, 2, 2]
+
+
+OOM_ARGS = ("--seq", 256, "--attn", "eager")   # eager attention: activations dominate a rank's growth
+
+
+@pytest.fixture(scope="module")
+def oom_references(tmp_path_factory):
+    """The unsplit, unguarded 2-rank runs of the out-of-memory tests (longer rows), computed once."""
+    root = tmp_path_factory.mktemp("torch-loop-oom-ref")
+    return {mode: _run(root / mode, "--mode", mode, "--plain", *OOM_ARGS) for mode in ("ddp", "fsdp")}
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_one_rank_out_of_memory_is_survived_by_every_rank(mode, oom_references, tmp_path):
+    """Rank 1 alone gets an address-space limit (RLIMIT_AS) of its VmSize before training plus 70 %
+    of what the unsplit step added to its VmPeak in the reference run: its allocator really fails
+    at the unsplit size (a 4-row split needs under half of it). The monitor's step sample is off,
+    so the OOM path is what acts. Every rank finishes every step within the timeout (a rank left in
+    a collective would hang), both ranks record the retry, rank 1's errors are the allocator's own,
+    and the parameters are the unsplit run's. Under DDP, the failing rank's first forward also
+    leaves DDP's buffer-broadcast flag as it was (``memguard_torch._compat.ddp_after_abort``)."""
+    ref_params, ref_ranks, _ = oom_references[mode]
+    growth = ref_ranks[1]["vmpeak"] - ref_ranks[1]["base_vmsize"]
+    headroom = int(0.7 * growth)
+    rc, outs = _launch(tmp_path, "--mode", mode, *OOM_ARGS, "--rlimit-rank", 1, "--rlimit-headroom", headroom,
+                       "--oom-path-only", timeout=240)
+    assert rc is not None, "the ranks hung:\n" + "\n".join(o[-3000:] for o in outs)
+    assert rc == [0, 0], "\n".join(o[-3000:] for o in outs)
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    errors = ranks[1]["oom_errors"]
+    assert errors and all("can't allocate memory" in e for e in errors), errors   # real allocator failures
+    if mode == "fsdp":
+        # rank 0 learnt of it at a sync point before one of its collectives (DDP's chunks have none:
+        # rank 0 finishes its chunk and meets rank 1 at the chunk's end)
+        assert ranks[0]["oom_errors"] and all(e.startswith("PeerOutOfMemoryError") for e in ranks[0]["oom_errors"])
+    for r in ranks:
+        assert r["optimizer_steps"] == 3
+        assert r["oom_retries"] == len(errors)
+        assert r["micro_batch_rows"] == ranks[0]["micro_batch_rows"]     # the ranks cut alike
+    assert _diff(ref_params, torch.load(tmp_path / "params.pt")) < ATOL

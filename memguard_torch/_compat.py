@@ -21,7 +21,9 @@ CHECKED = ("2.13", "2.13")
 #: The private names below.
 NAMES = ("FSDPModule._get_fsdp_state()._fsdp_param_groups[].fsdp_params[].unsharded_param / "
          "unsharded_accumulated_grad",
+         "FSDPParamGroup._all_gather_comm / _reduce_scatter_comm (the comms set_custom_* replaces)",
          "FSDPState._is_root",
+         "DistributedDataParallel.require_forward_param_sync (undocumented)",
          "torch.autograd.Variable._execution_engine.queue_callback")
 
 
@@ -145,3 +147,64 @@ def find_ddp(model: Any) -> Optional[Any]:
         if isinstance(m, cls):
             return m
     return None
+
+
+class _SyncedComm:
+    """An FSDP2 ``AllGather`` / ``ReduceScatter`` comm that calls ``before(kind)`` after FSDP has
+    allocated the collective's buffers (``allocate``, the step that can run out of memory) and
+    right before the collective itself; everything else is the comm FSDP had."""
+
+    def __init__(self, inner: Any, before, kind: str):
+        self.inner, self.before, self.kind = inner, before, kind
+
+    def allocate(self, *args, **kwargs):
+        return self.inner.allocate(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        self.before(self.kind)
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def sync_fsdp_comms(module: Any, before) -> Optional[tuple]:
+    """Put ``before(kind)`` (``kind``: ``all-gather`` / ``reduce-scatter``) right before each of an
+    FSDP2 module's collectives, after their buffers are allocated: ``FSDPModule.set_custom_all_gather``
+    / ``set_custom_reduce_scatter`` (public) with comms wrapping the ones FSDP had (read from the
+    private ``FSDPParamGroup._all_gather_comm`` / ``_reduce_scatter_comm``). Returns the original
+    comms for :func:`restore_fsdp_comms`, or None when the module cannot take them (no parameters,
+    several parameter groups, or the names are gone): the caller then hooks the module instead."""
+    try:
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) != 1:
+            return None
+        ag, rs = groups[0]._all_gather_comm, groups[0]._reduce_scatter_comm
+        module.set_custom_all_gather(_SyncedComm(ag, before, "all-gather"))
+        module.set_custom_reduce_scatter(_SyncedComm(rs, before, "reduce-scatter"))
+        return ag, rs
+    except Exception:
+        logger.debug("memguard: cannot wrap the FSDP comms of %s", type(module).__name__, exc_info=True)
+        return None
+
+
+def restore_fsdp_comms(module: Any, comms: tuple) -> None:
+    """Give an FSDP2 module back the comms :func:`sync_fsdp_comms` replaced. Never raises."""
+    try:
+        module.set_custom_all_gather(comms[0])
+        module.set_custom_reduce_scatter(comms[1])
+    except Exception:
+        logger.debug("memguard: cannot restore the FSDP comms", exc_info=True)
+
+
+def ddp_after_abort(ddp: Any) -> None:
+    """After a forward aborted under DDP's ``no_sync``: DDP decides whether the next forward
+    broadcasts the module buffers from its ``require_forward_param_sync``, which it sets only at the
+    end of a forward (False after a ``no_sync`` one) and which starts True. A rank whose first forward
+    failed would still broadcast at its next forward while the ranks that finished theirs would not:
+    a collective only some ranks join. Every rank sets it as a finished ``no_sync`` forward leaves
+    it. Never raises."""
+    try:
+        ddp.require_forward_param_sync = False
+    except Exception:
+        logger.debug("memguard: cannot reset DDP's forward sync flag", exc_info=True)

@@ -50,10 +50,6 @@ __all__ = ["TorchGuard", "is_oom_error"]
 OOM_MESSAGES = ("out of memory", "can't allocate memory", "cudnn_status_not_supported",
                 "cuda error: out of memory")
 
-#: DDP gradient reduction bucket, bytes (DDP's own default ``bucket_cap_mb=25``).
-REDUCE_BUCKET_BYTES = 25 * 2**20
-
-
 def is_oom_error(exc: BaseException) -> bool:
     """True for an out-of-memory error of torch (any device) or of another rank."""
     oom_type = getattr(torch, "OutOfMemoryError", None)
@@ -95,7 +91,8 @@ class TorchGuard(GuardAttributes):
         **options: the guard options (``memguard_core.options.GuardOptions.from_kwargs``: budget,
             micro_batches, monitor, preflight, log_dir, ...).
 
-    Attributes: ``guard`` (the ``Guard``), ``optimizer_steps``; the guard's state under the shared
+    Attributes: ``guard`` (the ``Guard``), ``optimizer_steps``, ``oom_errors`` (the out-of-memory
+    errors caught on this rank, ``type: message``, a peer's as ``PeerOutOfMemoryError``); the guard's state under the shared
     names (``monitor``, ``preflight``, ``events``, ``micro_batch_rows``, ``samples_per_step``,
     ``oom_retries``, ``split_disabled_reason``, ``summary``, ``budget_bytes``).
 
@@ -134,6 +131,7 @@ class TorchGuard(GuardAttributes):
         self._rows_this_step = 0
         self._in_chunk = False
         self._failure: Optional[BaseException] = None
+        self.oom_errors: List[str] = []
         self._grads_added = False
         self._handles: List[Any] = []
         self._fsdp_hooks: Optional[FsdpSyncHooks] = None
@@ -286,6 +284,7 @@ class TorchGuard(GuardAttributes):
             if not (self._in_chunk and is_oom_error(exc)):
                 raise
             self._failure = _without_frames(exc)
+            self.oom_errors.append(f"{type(exc).__name__}: {str(exc)[:300]}")
 
     def run(self, batch: Any, fn: Callable[[Any, float], Any]) -> None:
         """``for chunk, weight in chunks(batch): with micro_step(): fn(chunk, weight)``. ``fn`` runs
@@ -429,9 +428,12 @@ class TorchGuard(GuardAttributes):
     # ------------------------------------------------------------------ after a failure
     def _after_abort(self) -> None:
         """After a chunk that failed on some rank: FSDP's iteration state reset (every rank: a peer
-        stopped mid-forward or mid-backward too), memory freed."""
+        stopped mid-forward or mid-backward too), DDP's buffer-broadcast flag set alike on every
+        rank, memory freed."""
         if self.model is not None and _compat.fsdp_modules(self.model):
             _compat.reset_fsdp_after_abort(self.model)
+        if self._ddp is not None and self._manual_reduce:
+            _compat.ddp_after_abort(self._ddp)
         free_after_oom()
 
     def _redo_window(self, failure: BaseException, k: int, redos: int) -> int:
@@ -450,37 +452,28 @@ class TorchGuard(GuardAttributes):
                                            redos=redos, phase=phase)
 
     def _reduce_ddp_gradients(self) -> None:
-        """Average the gradients over the DDP ranks (what DDP's reducer does in a synchronised
-        backward: each gradient divided by the world size, then summed), in buckets of at most
-        :data:`REDUCE_BUCKET_BYTES`, on DDP's process group. Runs once every rank's last chunk of the
-        batch has succeeded, so no rank waits for one that is redoing."""
+        """Average the gradients over the DDP ranks, as DDP's reducer does in a synchronised backward
+        (each gradient divided by the world size, then summed over the ranks), on DDP's process
+        group. Runs once every rank's last chunk of the batch has succeeded, so no rank waits for one
+        that is redoing. In place, one all-reduce per parameter, all in flight together: no buffer
+        is allocated, so no rank can run out of memory between agreeing and reducing. A parameter
+        without a gradient on some rank (unused there) gets zeros first, so every rank reduces the
+        same tensors."""
         import torch.distributed as dist
 
         ddp = self._ddp
         group = getattr(ddp, "process_group", None)
         world = dist.get_world_size(group)
         params = [p for p in ddp.module.parameters() if p.requires_grad]
-        bucket: List[torch.nn.Parameter] = []
-        size = 0
-
-        def flush(items):
-            if not items:
-                return
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in items])
-            flat.div_(world)
-            dist.all_reduce(flat, group=group)
-            off = 0
-            for p in items:
-                n = p.numel()
-                if p.grad is not None:
-                    p.grad.copy_(flat[off:off + n].view_as(p.grad))
-                off += n
-
-        for p in params:
-            nbytes = p.numel() * p.element_size()
-            if bucket and (size + nbytes > REDUCE_BUCKET_BYTES or p.dtype != bucket[0].dtype):
-                flush(bucket)
-                bucket, size = [], 0
-            bucket.append(p)
-            size += nbytes
-        flush(bucket)
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.sync.group)   # every rank, every batch
+        works = []
+        for p, h in zip(params, has.tolist()):
+            if not h:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.div_(world)
+            works.append(dist.all_reduce(p.grad, group=group, async_op=True))
+        for w in works:
+            w.wait()

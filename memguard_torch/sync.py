@@ -17,9 +17,13 @@ group of its own (``memguard_core.distributed.flag_group``):
 
 Between two sync points every rank issues the same collectives, so a rank that fails anywhere
 between them is met at the next one by its peers. The sync points of an FSDP2 model
-(:class:`FsdpSyncHooks`): before each FSDP module's forward (its all-gather), before its backward
-(the pre-backward all-gather), after its backward compute (before its reduce-scatter), and at the
-end of the backward before FSDP's root post-backward callback (the root's reduce-scatter).
+(:class:`FsdpSyncHooks`) sit inside FSDP's own comms (``FSDPModule.set_custom_all_gather`` /
+``set_custom_reduce_scatter``): after FSDP has allocated a collective's buffers (the allocation that
+can fail) and right before the all-gather or reduce-scatter, so every collective of a forward and a
+backward has a sync point just before it and nothing that can run out of memory lies between the
+two. A module whose comms cannot be replaced (several parameter groups) gets module hooks instead:
+before its forward, before its backward, after its backward compute, and at the end of the backward
+before FSDP's root post-backward callback.
 
 torch is imported by the adapter, which is the only caller.
 """
@@ -164,17 +168,24 @@ class FsdpSyncHooks:
         model: the model (the root ``fully_shard``-ed module, or a module holding FSDP modules).
         sync: the run's :class:`OomSync`.
 
-    Raises nothing at install; :meth:`remove` takes the hooks off.
+    Raises nothing at install; :meth:`remove` takes the hooks off and gives FSDP its comms back.
     """
 
     def __init__(self, model: Any, sync: OomSync):
         self.sync = sync
         self.handles: List[Any] = []
+        self.comms: List[Tuple[Any, tuple]] = []
+        self.hooked: List[str] = []
         self._callback_queued = False
-        mods = _compat.fsdp_modules(model)
-        self.root = _compat.fsdp_root(model)
-        for m in mods:
+        for m in _compat.fsdp_modules(model):
             name = type(m).__name__
+            comms = _compat.sync_fsdp_comms(m, self._before_collective)
+            if comms is not None:
+                self.comms.append((m, comms))
+                continue
+            # a module whose comms cannot be wrapped: sync points around it instead (they sit
+            # before the allocation of the collective's buffers, which then is not covered)
+            self.hooked.append(name)
             # before FSDP's pre-forward (registered with prepend=True at fully_shard): its all-gather
             self.handles.append(m.register_forward_pre_hook(self._pre_forward(name), prepend=True))
             # after FSDP's pre-forward, which wrapped the inputs for its post-backward: a sync point
@@ -182,12 +193,25 @@ class FsdpSyncHooks:
             self.handles.append(m.register_forward_pre_hook(self._wrap_inputs(name), with_kwargs=True))
             # after FSDP's post-forward, which hooked the outputs for its pre-backward all-gather
             self.handles.append(m.register_forward_hook(self._wrap_outputs(name)))
+        if self.hooked:
+            logger.info("memguard: FSDP modules synced by module hooks (comms not wrappable): %s",
+                        ", ".join(sorted(set(self.hooked))))
 
     def remove(self) -> None:
-        """Take every hook off."""
+        """Take every hook off and give FSDP its comms back."""
         for h in self.handles:
             h.remove()
         self.handles = []
+        for m, comms in self.comms:
+            _compat.restore_fsdp_comms(m, comms)
+        self.comms = []
+
+    def _before_collective(self, kind: str) -> None:
+        # FSDP allocated this collective's buffers already: a rank that ran out of memory doing so
+        # never gets here, and its peers meet it at this point
+        self.sync.point(f"before an FSDP {kind}")
+        if kind == "reduce-scatter" and self.sync.inside:
+            self.sync.grads_added = True
 
     def _pre_forward(self, name: str):
         def hook(module, args):

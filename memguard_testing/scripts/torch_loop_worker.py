@@ -6,7 +6,9 @@ either unguarded and unsplit (``--plain``: the reference) or through ``memguard_
 of its figures (rows of each forward, OOM retries, VmSize before training, VmPeak after).
 
 ``--rlimit-rank R --rlimit-headroom BYTES``: rank R sets ``RLIMIT_AS`` to its VmSize just before
-training plus BYTES, so torch's CPU allocator really fails there when a step needs more.
+training plus BYTES, so torch's CPU allocator really fails there when a step needs more;
+``--oom-path-only`` switches the monitor's step sample off (it would read the limit and split
+before the failure), so the OOM path is what acts.
 
 Launched by path with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment.
 """
@@ -40,8 +42,15 @@ def main(argv=None) -> int:
     ap.add_argument("--attn", default="sdpa")
     ap.add_argument("--rlimit-rank", type=int, default=-1)
     ap.add_argument("--rlimit-headroom", type=int, default=0)
+    ap.add_argument("--oom-path-only", action="store_true",
+                    help="switch the monitor's step sample off: it would read the limit and split before the failure")
     ap.add_argument("--k-at-step", default="", help="rank:step:k[,...] raise k on one rank at a step")
     a = ap.parse_args(argv)
+    if os.environ.get("MEMGUARD_TEST_DUMP_AFTER_S"):
+        import faulthandler
+
+        # a hang shows where each rank waits (the test kills the ranks after its timeout)
+        faulthandler.dump_traceback_later(float(os.environ["MEMGUARD_TEST_DUMP_AFTER_S"]), exit=True)
 
     import torch
 
@@ -83,12 +92,18 @@ def main(argv=None) -> int:
     if not a.plain:
         from memguard_torch import TorchGuard
 
+        if a.oom_path_only:
+            from memguard_core.monitor import Action, MemoryMonitor
+
+            MemoryMonitor.step_sample = lambda self, step=None: Action.NONE
+
         guard = TorchGuard(train_model, opt, micro_batches=a.k, budget_gib=16, monitor_interval_s=0,
                            preflight=False, leak_detector=False)
     base = _vm("VmSize")
+    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if rank == a.rlimit_rank:
-        limit = base + a.rlimit_headroom
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        # the soft limit only: an unprivileged process can lower it and raise it back to the hard one
+        resource.setrlimit(resource.RLIMIT_AS, (base + a.rlimit_headroom, hard))
     for step, batch in enumerate(batches):
         if guard is None:
             (train_model(**batch).loss).backward()
@@ -105,7 +120,7 @@ def main(argv=None) -> int:
         if guard is not None:
             guard.step_end()
     peak = _vm("VmPeak")
-    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
     summary = guard.finish() if guard is not None else None
     full = {}
     for name, p in model.named_parameters():
@@ -120,11 +135,17 @@ def main(argv=None) -> int:
         json.dump({"rank": rank, "base_vmsize": base, "vmpeak": peak,
                    "micro_batch_rows": [int(r) for r in guard.micro_batch_rows] if guard else [],
                    "oom_retries": guard.oom_retries if guard else 0,
+                   "oom_errors": guard.oom_errors if guard else [],
+                   "sync_points": guard.sync.points if guard else 0,
+                   "events": guard.events if guard else [],
                    "optimizer_steps": guard.optimizer_steps if guard else a.steps,
                    "summary_split": summary.get("split") if summary else None}, f)
     dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    # leave without tearing the gloo group down: its teardown can abort the process
+    # ("terminate called without an active exception") after every result is written
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

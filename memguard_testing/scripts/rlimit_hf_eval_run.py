@@ -21,41 +21,15 @@ final parameters (every 997th value of each), the guard's training and evaluatio
 and retries, and VmPeak after each phase (bytes, for finding limits).
 """
 
-import json
 import os
-import resource
 import sys
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from memguard_testing import ROOT
+from memguard_testing.rlimit import PHASE, TokenRows, act_only_on_oom, mark, run_limited, sampled_params, smollm2
 
 LAYERS, HIDDEN, TRAIN_ROWS, TRAIN_SEQ, TRAIN_BATCH = 2, 64, 4, 128, 2
 EVAL_ROWS, EVAL_SEQ = 16, 256
-PHASE = {"now": "setup"}
-PEAKS = []
-
-
-def vm_peak() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmPeak:"))
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, vocab, rows, seq, seed):
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(3, vocab, (rows, seq), generator=g)
-        # rows of different lengths (the rest masked): chunks hold different numbers of valid labels
-        self.labels = self.ids.clone()
-        for i in range(rows):
-            self.labels[i, seq - (i * 7) % (seq // 2):] = -100
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
 class PhaseTrainer(Trainer):
@@ -64,8 +38,7 @@ class PhaseTrainer(Trainer):
     def evaluate(self, *args, **kwargs):
         PHASE["now"] = "evaluation"
         out = super().evaluate(*args, **kwargs)
-        PEAKS.append(("evaluation", vm_peak()))
-        PHASE["now"] = "train"
+        mark("evaluation", "train")
         return out
 
 
@@ -74,54 +47,46 @@ class Phases(TrainerCallback):
         PHASE["now"] = "train"
 
     def on_step_end(self, args, state, control, **kw):
-        PEAKS.append(("train", vm_peak()))
+        mark("train")
 
 
 def main() -> None:
     limit, mode, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     log_dir = sys.argv[4] if len(sys.argv) > 4 else None
-    torch.manual_seed(0)
-    torch.set_num_threads(2)
-    config = AutoConfig.from_pretrained(os.path.join(ROOT, "tests", "configs", "smollm2-135m.json"))
-    config.num_hidden_layers = LAYERS
-    config.hidden_size, config.intermediate_size = HIDDEN, 2 * HIDDEN
-    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, HIDDEN // 4
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = smollm2(LAYERS, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=HIDDEN // 4)
+    vocab = model.config.vocab_size
     args = TrainingArguments(output_dir=os.path.dirname(out) or ".", per_device_train_batch_size=TRAIN_BATCH,
                              per_device_eval_batch_size=EVAL_ROWS, gradient_accumulation_steps=1, max_steps=2,
                              learning_rate=1e-4, logging_steps=1, eval_strategy="steps", eval_steps=1,
                              save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
                              dataloader_num_workers=0, optim="adamw_torch", seed=0)
-    trainer = PhaseTrainer(model=model, args=args, train_dataset=Rows(config.vocab_size, TRAIN_ROWS, TRAIN_SEQ, 0),
-                           eval_dataset=Rows(config.vocab_size, EVAL_ROWS, EVAL_SEQ, 1), callbacks=[Phases()])
+    trainer = PhaseTrainer(model=model, args=args,
+                           train_dataset=TokenRows(vocab, TRAIN_ROWS, TRAIN_SEQ, 0, ragged=True),
+                           eval_dataset=TokenRows(vocab, EVAL_ROWS, EVAL_SEQ, 1, ragged=True), callbacks=[Phases()])
     guard = None
     if mode == "oom":
-        from memguard_core.monitor import Action, MemoryMonitor
         from memguard_hf import MemGuardCallback
 
-        # only the OOM path acts: the step sample would read the limit and split the training
-        MemoryMonitor.step_sample = lambda self, step=None: Action.NONE
+        act_only_on_oom()
         guard = MemGuardCallback(budget_bytes=2**40, preflight=False, monitor_interval_s=0, log_dir=log_dir)
         trainer.add_callback(guard)
-    if limit:
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    r = {"mode": mode, "limit": limit}
-    try:
+
+    def train(r):
         trainer.train()
+        r["params"] = sampled_params(trainer.model)
+
+    def finish(r):
         r["steps"] = trainer.state.global_step
-        r["params"] = {n: p.detach().flatten()[::997].tolist() for n, p in trainer.model.named_parameters()}
-    except Exception as exc:
-        r.update(failed=PHASE["now"], steps=trainer.state.global_step, error=f"{type(exc).__name__}: {exc}"[:2000])
-    r["eval_losses"] = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
-    r["peaks"] = PEAKS
-    if guard is not None:
-        r.update(oom_retries=guard.oom_retries, rows=[int(x) for x in guard.micro_batch_rows],
-                 eval_oom_retries=guard.eval_oom_retries, eval_rows=list(guard.eval_micro_batch_rows),
-                 eval_micro_batches=guard.eval_micro_batches,
-                 split=guard.monitor.split if guard.monitor is not None else None,
-                 event_log=(guard.summary or {}).get("event_log"))
-    with open(out, "w") as f:
-        json.dump(r, f)
+        r["eval_losses"] = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+        if guard is not None:
+            r.update(oom_retries=guard.oom_retries, rows=[int(x) for x in guard.micro_batch_rows],
+                     eval_oom_retries=guard.eval_oom_retries, eval_rows=list(guard.eval_micro_batch_rows),
+                     eval_micro_batches=guard.eval_micro_batches,
+                     split=guard.monitor.split if guard.monitor is not None else None,
+                     event_log=(guard.summary or {}).get("event_log"))
+
+    run_limited(limit, mode, out, train, finish)
 
 
 if __name__ == "__main__":

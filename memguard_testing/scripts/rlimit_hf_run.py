@@ -14,36 +14,14 @@ thread: the probe reads the limit as the budget before the first forward). Write
 each step (bytes, for finding limits).
 """
 
-import json
 import os
-import resource
 import sys
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from memguard_testing import ROOT
+from memguard_testing.rlimit import PHASE, TokenRows, act_only_on_oom, mark, run_limited, sampled_params, smollm2
 
 ROWS, SEQ, BATCH, LAYERS = 32, 256, 8, 12
-PHASE = {"now": "setup"}
-PEAKS = []
-
-
-def vm_peak() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmPeak:"))
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, vocab):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(3, vocab, (ROWS, SEQ), generator=g)
-
-    def __len__(self):
-        return ROWS
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
 class PhaseTrainer(Trainer):
@@ -52,22 +30,19 @@ class PhaseTrainer(Trainer):
     def compute_loss(self, *args, **kwargs):
         PHASE["now"] = "forward"
         out = super().compute_loss(*args, **kwargs)
-        PEAKS.append(("forward", vm_peak()))
-        PHASE["now"] = "backward"
+        mark("forward", "backward")
         return out
 
 
 class Phases(TrainerCallback):
     def on_substep_end(self, args, state, control, **kw):
-        PEAKS.append(("backward", vm_peak()))
+        mark("backward")
 
     def on_pre_optimizer_step(self, args, state, control, **kw):
-        PEAKS.append(("backward", vm_peak()))
-        PHASE["now"] = "optimizer"
+        mark("backward", "optimizer")
 
     def on_optimizer_step(self, args, state, control, **kw):
-        PEAKS.append(("optimizer", vm_peak()))
-        PHASE["now"] = "other"
+        mark("optimizer", "other")
 
 
 def main() -> None:
@@ -75,24 +50,18 @@ def main() -> None:
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     accum = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     batch = int(sys.argv[6]) if len(sys.argv) > 6 else BATCH
-    torch.manual_seed(0)
-    torch.set_num_threads(2)
-    config = AutoConfig.from_pretrained(os.path.join(ROOT, "tests", "configs", "smollm2-135m.json"))
-    config.num_hidden_layers = LAYERS
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = smollm2(LAYERS)
     args = TrainingArguments(output_dir=os.path.dirname(out) or ".", per_device_train_batch_size=batch,
                              gradient_accumulation_steps=accum, max_steps=steps, learning_rate=1e-4,
                              logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                              disable_tqdm=True, dataloader_num_workers=0, optim="adamw_torch", seed=0)
-    trainer = PhaseTrainer(model=model, args=args, train_dataset=Rows(config.vocab_size),
+    trainer = PhaseTrainer(model=model, args=args, train_dataset=TokenRows(model.config.vocab_size, ROWS, SEQ),
                            callbacks=[Phases()])
     guard = None
     if mode == "oom":
-        from memguard_core.monitor import Action, MemoryMonitor
         from memguard_hf import MemGuardCallback
 
-        # only the OOM path acts: the step sample would read the limit and split before the failure
-        MemoryMonitor.step_sample = lambda self, step=None: Action.NONE
+        act_only_on_oom()
         guard = MemGuardCallback(budget_bytes=2**40, preflight=False, monitor_interval_s=0)
     elif mode == "probe":
         from memguard_hf import MemGuardCallback
@@ -100,22 +69,19 @@ def main() -> None:
         guard = MemGuardCallback(monitor_interval_s=0)
     if guard is not None:
         trainer.add_callback(guard)
-    if limit:
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    r = {"mode": mode, "limit": limit}
-    try:
+
+    def train(r):
         trainer.train()
         r["steps"] = trainer.state.global_step
-        r["params"] = {n: p.detach().flatten()[::997].tolist() for n, p in trainer.model.named_parameters()}
-    except Exception as exc:
-        r.update(failed=PHASE["now"], error=f"{type(exc).__name__}: {exc}"[:2000])
-    r["peaks"] = PEAKS
-    if guard is not None:
-        r.update(oom_retries=guard.oom_retries, rows=[int(x) for x in guard.micro_batch_rows],
-                 samples_per_step=guard.samples_per_step,
-                 split=guard.monitor.split if guard.monitor is not None else None)
-    with open(out, "w") as f:
-        json.dump(r, f)
+        r["params"] = sampled_params(trainer.model)
+
+    def finish(r):
+        if guard is not None:
+            r.update(oom_retries=guard.oom_retries, rows=[int(x) for x in guard.micro_batch_rows],
+                     samples_per_step=guard.samples_per_step,
+                     split=guard.monitor.split if guard.monitor is not None else None)
+
+    run_limited(limit, mode, out, train, finish)
 
 
 if __name__ == "__main__":

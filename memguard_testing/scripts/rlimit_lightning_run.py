@@ -21,36 +21,13 @@ retries and k_eval; and VmPeak after each phase (bytes, the test places its limi
 """
 
 import argparse
-import json
-import os
-import resource
 
 import lightning.pytorch as pl
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from memguard_testing import ROOT
+from memguard_testing.rlimit import PEAKS, PHASE, TokenRows, act_only_on_oom, run_limited, sampled_params, smollm2, vm_peak
 
 ROWS, SEQ = 64, 256
-PHASE = {"now": "setup"}
-PEAKS = []
-
-
-def vm_peak() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmPeak:"))
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, vocab, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(3, vocab, (ROWS, SEQ), generator=g)
-
-    def __len__(self):
-        return ROWS
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
 class LM(pl.LightningModule):
@@ -113,26 +90,19 @@ def main() -> None:
     ap.add_argument("--val-every", type=int, default=None)
     ap.add_argument("--eval-micro-batches", type=int, default=None)
     a = ap.parse_args()
-    torch.manual_seed(0)
-    torch.set_num_threads(2)
-    config = AutoConfig.from_pretrained(os.path.join(ROOT, "tests", "configs", "smollm2-135m.json"))
-    config.num_hidden_layers = a.layers
-    config.vocab_size = a.vocab
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = smollm2(a.layers, vocab_size=a.vocab)
     module = LM(model)
-    loader = torch.utils.data.DataLoader(Rows(config.vocab_size), batch_size=a.batch, shuffle=False)
+    loader = torch.utils.data.DataLoader(TokenRows(a.vocab, ROWS, SEQ), batch_size=a.batch, shuffle=False)
     val = None
     if a.val_batch:
-        val_rows = torch.utils.data.Subset(Rows(config.vocab_size, seed=1), range(2 * a.val_batch))
+        val_rows = torch.utils.data.Subset(TokenRows(a.vocab, ROWS, SEQ, seed=1), range(2 * a.val_batch))
         val = torch.utils.data.DataLoader(val_rows, batch_size=a.val_batch, shuffle=False)
     callbacks = []
     guard = None
     if a.mode == "oom":
-        from memguard_core.monitor import Action, MemoryMonitor
         from memguard_lightning import MemGuardCallback
 
-        # only the OOM path acts: the step sample would read the limit and split before the failure
-        MemoryMonitor.step_sample = lambda self, step=None: Action.NONE
+        act_only_on_oom()
         kw = {} if a.eval_micro_batches is None else {"eval_micro_batches": a.eval_micro_batches}
         guard = MemGuardCallback(budget_bytes=2**40, preflight=False, monitor_interval_s=0, **kw)
         callbacks.append(guard)
@@ -146,25 +116,21 @@ def main() -> None:
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
                          limit_val_batches=2 if val is not None else 0,
                          val_check_interval=(a.val_every or a.accum) if val is not None else None)
-    if a.limit:
-        resource.setrlimit(resource.RLIMIT_AS, (a.limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    r = {"mode": a.mode, "limit": a.limit}
-    try:
+    def train(r):
         trainer.fit(module, loader, val)
         r["steps"] = trainer.global_step
-        r["params"] = {n: p.detach().flatten()[::997].tolist() for n, p in module.named_parameters()}
+        r["params"] = sampled_params(module)
         r["val_losses"] = module.val_losses
-    except Exception as exc:
-        r.update(failed=PHASE["now"], error=f"{type(exc).__name__}: {exc}"[:2000])
-    r["peaks"] = PEAKS
-    if guard is not None:
-        r.update(oom_retries=guard.oom_retries, rows=[int(x) for x in guard.micro_batch_rows],
-                 samples_per_step=guard.samples_per_step,
-                 split=guard.monitor.split if guard.monitor is not None else None)
-        r.update(eval_rows=guard.evals.rows, eval_oom_retries=guard.evals.oom_retries, eval_k=guard.evals.micro_batches)
-    with open(a.out, "w") as f:
-        json.dump(r, f)
 
+    def finish(r):
+        if guard is not None:
+            r.update(oom_retries=guard.oom_retries, rows=[int(x) for x in guard.micro_batch_rows],
+                     samples_per_step=guard.samples_per_step,
+                     split=guard.monitor.split if guard.monitor is not None else None,
+                     eval_rows=guard.evals.rows, eval_oom_retries=guard.evals.oom_retries,
+                     eval_k=guard.evals.micro_batches)
+
+    run_limited(a.limit, a.mode, a.out, train, finish)
 
 if __name__ == "__main__":
     main()

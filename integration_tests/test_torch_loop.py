@@ -160,9 +160,14 @@ def references(tmp_path_factory):
     return {mode: _run(root / mode, "--mode", mode, "--plain") for mode in ("ddp", "fsdp")}
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_rank_split_equals_unsplit(mode, references, tmp_path):
-    params, ranks, _ = _run(tmp_path, "--mode", mode, "--k", 3)
+# ddp: chunks under no_sync, the guard averages; ddp --no-oom-sync: DDP reduces in the last chunk's
+# backward; fsdp: sync points in FSDP's comms; fsdp --module-hooks: the module-hook fallback
+VARIANTS = [("ddp", ()), ("ddp", ("--no-oom-sync",)), ("fsdp", ()), ("fsdp", ("--module-hooks",))]
+
+
+@pytest.mark.parametrize("mode, extra", VARIANTS, ids=["ddp", "ddp-no-oom-sync", "fsdp", "fsdp-module-hooks"])
+def test_two_rank_split_equals_unsplit(mode, extra, references, tmp_path):
+    params, ranks, _ = _run(tmp_path, "--mode", mode, "--k", 3, *extra)
     assert _diff(references[mode][0], params) < ATOL
     for r in ranks:
         assert r["micro_batch_rows"] == [3, 2, 3] * 3 and r["optimizer_steps"] == 3 and r["oom_retries"] == 0
@@ -187,8 +192,9 @@ def oom_references(tmp_path_factory):
     return {mode: _run(root / mode, "--mode", mode, "--plain", *OOM_ARGS) for mode in ("ddp", "fsdp")}
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
-def test_one_rank_out_of_memory_is_survived_by_every_rank(mode, oom_references, tmp_path):
+@pytest.mark.parametrize("mode, extra", [("fsdp", ()), ("fsdp", ("--module-hooks",)), ("ddp", ())],
+                         ids=["fsdp", "fsdp-module-hooks", "ddp"])
+def test_one_rank_out_of_memory_is_survived_by_every_rank(mode, extra, oom_references, tmp_path):
     """Rank 1 alone gets an address-space limit (RLIMIT_AS) of its VmSize before training plus 70 %
     of what the unsplit step added to its VmPeak in the reference run: its allocator really fails
     at the unsplit size (a 4-row split needs under half of it). The monitor's step sample is off,
@@ -200,7 +206,7 @@ def test_one_rank_out_of_memory_is_survived_by_every_rank(mode, oom_references, 
     growth = ref_ranks[1]["vmpeak"] - ref_ranks[1]["base_vmsize"]
     headroom = int(0.7 * growth)
     rc, outs = _launch(tmp_path, "--mode", mode, *OOM_ARGS, "--rlimit-rank", 1, "--rlimit-headroom", headroom,
-                       "--oom-path-only", timeout=240)
+                       "--oom-path-only", *extra, timeout=240)
     assert rc is not None, "the ranks hung:\n" + "\n".join(o[-3000:] for o in outs)
     assert rc == [0, 0], "\n".join(o[-3000:] for o in outs)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]

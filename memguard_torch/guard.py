@@ -163,12 +163,13 @@ class TorchGuard(GuardAttributes):
 
     def _why_no_split(self) -> Optional[str]:
         name = type(self.model).__name__ if self.model is not None else ""
-        if "DeepSpeed" in name:
-            return ("DeepSpeed counts micro-steps inside its engine (engine.backward / engine.step at "
-                    "gradient_accumulation_steps); extra backward calls would break its accumulation "
-                    "boundary. Apply memguard's plan instead: train_micro_batch_size_per_gpu / k and "
-                    "gradient_accumulation_steps x k (docs/torch_loop.md)")
-        if "FullyShardedDataParallel" in name:
+        accel = str(getattr(self.accelerator, "distributed_type", "") or "")
+        if "DeepSpeed" in name or "DEEPSPEED" in accel:
+            return ("DeepSpeed counts micro-steps inside its engine (accelerator.backward steps the engine on "
+                    "an accumulation boundary; ZeRO keeps the window's gradients in its own buffers, which "
+                    "an OOM redo cannot zero). Apply memguard's plan instead: train_micro_batch_size_per_gpu "
+                    "/ k and gradient_accumulation_steps x k (docs/torch_loop.md)")
+        if "FullyShardedDataParallel" in name or accel == "DistributedType.FSDP" and not _compat.fsdp_modules(self.model):
             return ("FSDP1 (FullyShardedDataParallel) is not validated with in-place chunks; use FSDP2 "
                     "(torch.distributed.fsdp.fully_shard), or apply memguard's plan as batch size / k and "
                     "accumulation x k")
@@ -391,6 +392,8 @@ class TorchGuard(GuardAttributes):
             else contextlib.nullcontext()
         self._in_chunk = True
         self.sync.inside = self.sync.group is not None
+        if self._fsdp_hooks is not None:
+            self._fsdp_hooks.new_chunk()
         try:
             with ctx:
                 yield inputs, weight

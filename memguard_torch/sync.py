@@ -206,6 +206,11 @@ class FsdpSyncHooks:
             _compat.restore_fsdp_comms(m, comms)
         self.comms = []
 
+    def new_chunk(self) -> None:
+        """A chunk begins: a backward that an error aborted never ran its end-of-backward callback,
+        so the next backward must queue its own."""
+        self._callback_queued = False
+
     def _before_collective(self, kind: str) -> None:
         # FSDP allocated this collective's buffers already: a rank that ran out of memory doing so
         # never gets here, and its peers meet it at this point

@@ -44,6 +44,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rlimit-headroom", type=int, default=0)
     ap.add_argument("--oom-path-only", action="store_true",
                     help="switch the monitor's step sample off: it would read the limit and split before the failure")
+    ap.add_argument("--no-oom-sync", action="store_true", help="TorchGuard(oom_sync=False)")
+    ap.add_argument("--module-hooks", action="store_true",
+                    help="FSDP sync points by module hooks (the fallback for modules whose comms cannot be replaced)")
     ap.add_argument("--k-at-step", default="", help="rank:step:k[,...] raise k on one rank at a step")
     a = ap.parse_args(argv)
     if os.environ.get("MEMGUARD_TEST_DUMP_AFTER_S"):
@@ -97,8 +100,12 @@ def main(argv=None) -> int:
 
             MemoryMonitor.step_sample = lambda self, step=None: Action.NONE
 
+        if a.module_hooks:
+            import memguard_torch._compat as compat
+
+            compat.sync_fsdp_comms = lambda module, before: None
         guard = TorchGuard(train_model, opt, micro_batches=a.k, budget_gib=16, monitor_interval_s=0,
-                           preflight=False, leak_detector=False)
+                           preflight=False, leak_detector=False, oom_sync=False if a.no_oom_sync else None)
     base = _vm("VmSize")
     _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if rank == a.rlimit_rank:

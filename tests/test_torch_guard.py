@@ -211,3 +211,48 @@ def test_bad_arguments_name_the_field(kw, field):
     with pytest.raises(ConfigError) as info:
         TorchGuard(**kw)
     assert info.value.field == field
+
+
+def test_event_log_has_a_record_per_optimizer_step(tmp_path):
+    import json
+
+    model = Net(fwd_rows=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = TorchGuard(model, opt, micro_batches=2, budget_gib=8, monitor_interval_s=0, preflight=False,
+                       leak_detector=False, log_dir=str(tmp_path))
+    for seed in range(3):
+        _train(guard, model, [_batch(8, seed)])
+        opt.step()
+        opt.zero_grad()
+        guard.step_end()
+    summary = guard.finish()
+    records = [json.loads(line) for line in open(summary["event_log"])]
+    kinds = [r.get("kind") or r.get("type") for r in records]
+    assert kinds[0] == "start" and kinds[-1] == "end"
+    assert summary["oom_retries"] == 1 and summary["optimizer_steps"] == 3
+    assert any("out of memory" in json.dumps(r) for r in records)   # the re-split is recorded
+
+
+def test_sync_points_answer_locally_outside_a_process_group():
+    from memguard_torch.sync import OomSync, PeerOutOfMemoryError, _wrap
+
+    sync = OomSync(None)
+    sync.inside = True
+    sync.point("test")                     # no group: nothing to agree with, never raises
+    assert sync.end(2) == (2, 2) and not sync.inside
+    assert is_oom_error(PeerOutOfMemoryError("before an FSDP all-gather"))
+
+    class Out(dict):                       # a HF ModelOutput is a dict subclass with attributes
+        pass
+
+    x = torch.ones(2, requires_grad=True)
+    calls = []
+
+    class Hooks:
+        def backward_point(self, where):
+            calls.append(where)
+
+    out = _wrap(Out(loss=x * 2, logits=x * 3, n=1), Hooks(), "here")
+    assert type(out) is Out and out["n"] == 1
+    (out["loss"].sum() + out["logits"].sum()).backward()
+    assert calls == ["here"] and torch.equal(x.grad, torch.full((2,), 5.0))   # one point, identity gradients

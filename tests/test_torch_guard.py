@@ -256,3 +256,16 @@ def test_sync_points_answer_locally_outside_a_process_group():
     assert type(out) is Out and out["n"] == 1
     (out["loss"].sum() + out["logits"].sum()).backward()
     assert calls == ["here"] and torch.equal(x.grad, torch.full((2,), 5.0))   # one point, identity gradients
+
+
+def test_compat_names_and_fallbacks():
+    from memguard_core.versions import in_range, installed_version
+    from memguard_torch import _compat
+
+    assert in_range(installed_version("torch"), _compat.CHECKED) and _compat.check_version()
+    model = Net()
+    assert _compat.fsdp_modules(model) == [] and _compat.fsdp_root(model) is None
+    assert _compat.reset_fsdp_after_abort(model) is False       # no FSDP module: nothing to reset
+    assert _compat.find_ddp(model) is None
+    assert _compat.sync_fsdp_comms(model, lambda kind: None) is None   # not an FSDP module: hooks instead
+    assert _compat.queue_backward_callback(lambda: None) is False     # outside a backward: refused, no raise

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from memguard_core import torch_train as tt
-from memguard_core.distributed import all_reduce_max, flag_group
+from memguard_core.distributed import agree_max, all_reduce_max, flag_group
 from memguard_core.errors import ConfigError
 from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.microbatch import BatchSplitter, free_after_oom
@@ -87,7 +87,8 @@ class TorchGuard(GuardAttributes):
             (a dict batch with ``input_ids`` and ``labels`` of one shape and a HF ``*ForCausalLM``).
         oom_sync: under ``torch.distributed`` with more than one rank, put sync points in each
             micro-batch so an out-of-memory error on one rank is redone by all (default True there;
-            docs/torch_loop.md). False: no flag all-reduces; an OOM on one rank then ends the run.
+            docs/torch_loop.md). False: no flag all-reduces; an OOM on one rank is then raised there
+            (``micro_step`` does not catch it) and ends the run.
         **options: the guard options (``memguard_core.options.GuardOptions.from_kwargs``: budget,
             micro_batches, monitor, preflight, log_dir, ...).
 
@@ -130,6 +131,7 @@ class TorchGuard(GuardAttributes):
         self._window: List[Any] = []      # the batches since the last optimizer step (a redo reruns them)
         self._rows_this_step = 0
         self._in_chunk = False
+        self._can_recover = True
         self._failure: Optional[BaseException] = None
         self.oom_errors: List[str] = []
         self._grads_added = False
@@ -150,6 +152,9 @@ class TorchGuard(GuardAttributes):
             if model is not None and _compat.fsdp_modules(model):
                 self._fsdp_hooks = FsdpSyncHooks(model, self.sync)
         self._manual_reduce = self._ddp is not None and self.sync.group is not None
+        # with more than one rank and no sync points, a redo on one rank alone would leave the
+        # others in a collective: the error is raised instead (the run ends, as without memguard)
+        self._can_recover = world_size() <= 1 or self.sync.group is not None
         can_checkpoint = model is not None and tt.checkpoint_target(model) is not None
         self.guard.start(
             rows=batch_units(batch),
@@ -282,7 +287,7 @@ class TorchGuard(GuardAttributes):
         try:
             yield
         except Exception as exc:
-            if not (self._in_chunk and is_oom_error(exc)):
+            if not (self._in_chunk and self._can_recover and is_oom_error(exc)):
                 raise
             self._failure = _without_frames(exc)
             self.oom_errors.append(f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -412,21 +417,28 @@ class TorchGuard(GuardAttributes):
         all-gather per unit per forward: a rank with one chunk fewer would hang the others). A rank
         whose cut came out shorter (a short last batch, rows without labels merged) cuts finer."""
         ranges = sp.ranges(k, start)
-        if self.sync.group is None and world_size() <= 1:
+        if world_size() <= 1:
             return ranges
-        group = self.sync.group
-        top, neg = all_reduce_max([len(ranges), -len(ranges)], group)
+        top, neg = self._agree_max_pair(len(ranges), -len(ranges))
         kk = k
         while top != -neg:
             if len(ranges) < top and kk < sp.units - start:
                 kk += 1
                 ranges = sp.ranges(kk, start)
-            top, neg = all_reduce_max([len(ranges), -len(ranges)], group)
+            top, neg = self._agree_max_pair(len(ranges), -len(ranges))
             if len(ranges) < top and kk >= sp.units - start and top != -neg:
                 raise ConfigError("batch", "the same number of rows on every rank (the ranks could not cut "
                                   "their batches into the same number of micro-batches)",
                                   f"{-neg} to {top} micro-batches")
         return ranges
+
+    def _agree_max_pair(self, a: int, b: int) -> Tuple[int, int]:
+        """The MAX over ranks of two integers: on the flag group when there is one, else through
+        ``memguard_core.distributed.agree_max`` (its gloo side group under NCCL)."""
+        if self.sync.group is not None:
+            top, other = all_reduce_max([a, b], self.sync.group)
+            return top, other
+        return agree_max(a), agree_max(b)
 
     # ------------------------------------------------------------------ after a failure
     def _after_abort(self) -> None:

@@ -171,6 +171,8 @@ def test_two_rank_split_equals_unsplit(mode, extra, references, tmp_path):
     assert _diff(references[mode][0], params) < ATOL
     for r in ranks:
         assert r["micro_batch_rows"] == [3, 2, 3] * 3 and r["optimizer_steps"] == 3 and r["oom_retries"] == 0
+        # the preflight read the sharding from the live model (per-rank estimate, docs/distributed.md)
+        assert r["preflight_sharding"] == {"ddp": "ddp", "fsdp": "fsdp-full"}[mode]
 
 
 def test_one_rank_asks_for_more_micro_batches(references, tmp_path):

@@ -105,7 +105,7 @@ def main(argv=None) -> int:
 
             compat.sync_fsdp_comms = lambda module, before: None
         guard = TorchGuard(train_model, opt, micro_batches=a.k, budget_gib=16, monitor_interval_s=0,
-                           preflight=False, leak_detector=False, oom_sync=False if a.no_oom_sync else None)
+                           leak_detector=False, oom_sync=False if a.no_oom_sync else None)
     base = _vm("VmSize")
     _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if rank == a.rlimit_rank:
@@ -144,6 +144,7 @@ def main(argv=None) -> int:
                    "oom_retries": guard.oom_retries if guard else 0,
                    "oom_errors": guard.oom_errors if guard else [],
                    "sync_points": guard.sync.points if guard else 0,
+                   "preflight_sharding": (guard.preflight.plan.train_spec.sharding if guard and guard.preflight else None),
                    "events": guard.events if guard else [],
                    "optimizer_steps": guard.optimizer_steps if guard else a.steps,
                    "summary_split": summary.get("split") if summary else None}, f)

@@ -3,7 +3,12 @@ integration_tests/test_torch_loop.py: a tiny Llama (hidden 64) under DDP or FSDP
 (``fully_shard`` per decoder block and the root), AdamW, a few steps of each rank's own rows,
 either unguarded and unsplit (``--plain``: the reference) or through ``memguard_torch.TorchGuard``
 (``--k``: micro-batches from the start). Rank 0 writes the final full parameters, every rank a JSON
-of its figures (rows of each forward, OOM retries, VmSize before training, VmPeak after).
+of its figures (rows of each forward, OOM retries, VmSize before training, VmPeak after, the
+growth of VmHWM over the training).
+
+``--plain --chunks K [--fsdp-no-sync]``: an unguarded FSDP2 loop that cuts each batch into K chunks
+itself, reduce-scattering every chunk (FSDP's default) or, with ``--fsdp-no-sync``,
+``set_requires_gradient_sync(False)`` for all but the last (docs/torch_loop.md, FSDP2).
 
 ``--rlimit-rank R --rlimit-headroom BYTES``: rank R sets ``RLIMIT_AS`` to its VmSize just before
 training plus BYTES, so torch's CPU allocator really fails there when a step needs more;
@@ -44,6 +49,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rlimit-headroom", type=int, default=0)
     ap.add_argument("--oom-path-only", action="store_true",
                     help="switch the monitor's step sample off: it would read the limit and split before the failure")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--chunks", type=int, default=1,
+                    help="--plain: cut each batch into this many row chunks (equal weights by valid labels)")
+    ap.add_argument("--fsdp-no-sync", action="store_true",
+                    help="--plain --chunks: set_requires_gradient_sync(False) for every chunk but the last")
     ap.add_argument("--no-oom-sync", action="store_true", help="TorchGuard(oom_sync=False)")
     ap.add_argument("--module-hooks", action="store_true",
                     help="FSDP sync points by module hooks (the fallback for modules whose comms cannot be replaced)")
@@ -64,7 +74,7 @@ def main(argv=None) -> int:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = llama(VOCAB, hidden=64, layers=4, max_positions=max(128, a.seq), seed=0)
+    model = llama(VOCAB, hidden=a.hidden, layers=4, max_positions=max(128, a.seq), seed=0)
     model.config._attn_implementation = a.attn
     if a.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -106,13 +116,25 @@ def main(argv=None) -> int:
             compat.sync_fsdp_comms = lambda module, before: None
         guard = TorchGuard(train_model, opt, micro_batches=a.k, budget_gib=16, monitor_interval_s=0,
                            leak_detector=False, oom_sync=False if a.no_oom_sync else None)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")   # VmHWM := VmRSS: the peak of the training alone
+    rss0 = _vm("VmRSS")
     base = _vm("VmSize")
     _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if rank == a.rlimit_rank:
         # the soft limit only: an unprivileged process can lower it and raise it back to the hard one
         resource.setrlimit(resource.RLIMIT_AS, (base + a.rlimit_headroom, hard))
     for step, batch in enumerate(batches):
-        if guard is None:
+        if guard is None and a.chunks > 1:
+            from memguard_core.microbatch import split_batch
+
+            parts = split_batch(batch, a.chunks, shift_labels=True)
+            for i, c in enumerate(parts):
+                last = i == len(parts) - 1
+                if a.fsdp_no_sync:
+                    train_model.set_requires_gradient_sync(last)
+                (train_model(**c.inputs).loss * c.weight).backward()
+        elif guard is None:
             (train_model(**batch).loss).backward()
         else:
             if step in k_at and guard.monitor is not None:
@@ -127,6 +149,7 @@ def main(argv=None) -> int:
         if guard is not None:
             guard.step_end()
     peak = _vm("VmPeak")
+    hwm_growth = _vm("VmHWM") - rss0
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
     summary = guard.finish() if guard is not None else None
     full = {}
@@ -139,7 +162,8 @@ def main(argv=None) -> int:
     if rank == 0:
         torch.save(full, os.path.join(a.out, "params.pt"))
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "base_vmsize": base, "vmpeak": peak,
+        json.dump({"rank": rank, "base_vmsize": base, "vmpeak": peak, "hwm_growth": hwm_growth,
+                   "param_bytes": sum(t.numel() * t.element_size() for t in full.values()),
                    "micro_batch_rows": [int(r) for r in guard.micro_batch_rows] if guard else [],
                    "oom_retries": guard.oom_retries if guard else 0,
                    "oom_errors": guard.oom_errors if guard else [],

@@ -120,11 +120,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(out, *args, world=2, timeout=150):
+def _launch(out, *args, world=2, timeout=150, **env_extra):
     """Run ``world`` ranks of the worker; returns (return codes, outputs); return codes None when
     the run did not end within ``timeout`` seconds (a hang: the ranks are killed)."""
     env = script_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()),
-                     WORLD_SIZE=str(world), MALLOC_ARENA_MAX="1", TOKENIZERS_PARALLELISM="false")
+                     WORLD_SIZE=str(world), MALLOC_ARENA_MAX="1", TOKENIZERS_PARALLELISM="false", **env_extra)
     procs = [subprocess.Popen([sys.executable, WORKER, "--out", str(out), *map(str, args)],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
@@ -189,17 +189,23 @@ def test_fsdp2_no_sync_holds_the_unsharded_gradients(tmp_path):
     ``set_requires_gradient_sync(False)`` for the non-final chunks, keeps every unit's unsharded
     gradient until the window's last backward. Two unguarded 2-rank FSDP2 runs of a wider model
     (hidden 1024: ~145 MiB of fp32 gradients, ~72 MiB per rank sharded), 4 chunks per batch: the
-    peak resident memory (VmHWM growth over the training) of the no-sync run is above the
-    reduce-scatter run's on every rank by more than 40 % of the unsharded gradients."""
+    peak resident memory (VmHWM growth over the training; large blocks mmapped, so it follows the
+    live tensors and repeats to the page) of the no-sync run is above the reduce-scatter run's on
+    every rank by more than a quarter of the unsharded gradients (measured: about a third; the
+    reduce-scatter run's own peak holds the sharded gradients plus one unit's unsharded gradient and
+    its reduce-scatter buffer)."""
     runs = {}
     for name, extra in (("reduce_scatter", ()), ("no_sync", ("--fsdp-no-sync",))):
         out = tmp_path / name
-        rc, outs = _launch(out, "--mode", "fsdp", "--plain", "--hidden", 1024, "--chunks", 4, "--steps", 1, *extra)
+        # large blocks mapped on their own and unmapped when freed: the resident peak follows the
+        # live tensors, not what the heap keeps after the transients of the reduce-scatters
+        rc, outs = _launch(out, "--mode", "fsdp", "--plain", "--hidden", 1024, "--chunks", 4, "--steps", 1, *extra,
+                           MALLOC_MMAP_THRESHOLD_="65536")
         assert rc == [0, 0], "\n".join(o[-3000:] for o in (outs or []))
         runs[name] = [json.load(open(out / f"rank{r}.json")) for r in range(2)]
     grads = runs["no_sync"][0]["param_bytes"]
     for rs, ns in zip(runs["reduce_scatter"], runs["no_sync"]):
-        assert ns["hwm_growth"] - rs["hwm_growth"] > 0.4 * grads, (ns["hwm_growth"], rs["hwm_growth"], grads)
+        assert ns["hwm_growth"] - rs["hwm_growth"] > 0.25 * grads, (ns["hwm_growth"], rs["hwm_growth"], grads)
 
 
 OOM_ARGS = ("--seq", 256, "--attn", "eager")   # eager attention: activations dominate a rank's growth

@@ -306,6 +306,15 @@ def split_after_oom(monitor: Any, exc: BaseException, k: int, units_left: int, s
     return max(new_k, monitor.split)
 
 
+def without_frames(exc: BaseException) -> BaseException:
+    """``exc`` with its traceback and chained errors dropped, returned: the traceback's frames hold
+    the failed step's outputs, loss and autograd graph, and a free while they live hands nothing
+    back. The type and message, all a retry or a final error needs, stay."""
+    exc.__traceback__ = None
+    exc.__context__ = exc.__cause__ = None
+    return exc
+
+
 def free_after_oom() -> None:
     """Hand back what a failed step left once its references are dropped (never raises):
     ``gc.collect()`` (autograd graphs sit in reference cycles through the traceback's frames), the

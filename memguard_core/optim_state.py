@@ -20,12 +20,13 @@ torch is imported inside the functions only.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger("memguard.optim")
 
-__all__ = ["preallocate_optimizer_state", "unwrap_optimizer"]
+__all__ = ["preallocate_optimizer_state", "unwrap_optimizer", "prepare_optimizer"]
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -102,3 +103,56 @@ def preallocate_optimizer_state(optimizer: Any) -> int:
         logger.warning("memguard: could not allocate the optimizer states up front (%s); the optimizer "
                        "creates them at its first step", exc)
         return 0
+
+
+def prepare_optimizer(optimizer: Any, guard: Any, rows: Callable[[], int],
+                      is_oom: Callable[[BaseException], bool]) -> None:
+    """Before the first forward: allocate ``optimizer``'s lazy states
+    (:func:`preallocate_optimizer_state`) and wrap its ``step`` on the instance so an out-of-memory
+    error inside the update itself raises ``guard.optimizer_step_oom(...)`` (``WindowOOMError``,
+    phase "optimizer step", with the plan) instead of the allocator's bare error. An error raised
+    by a ``closure`` passed to ``step`` (Lightning runs the training step and backward in one) is
+    not the update's and passes through unchanged. Wrapped once (``step._memguard_step``). Never
+    raises: a failure is logged and the optimizer keeps its lazy states.
+
+    Args:
+        optimizer: a torch optimizer (or a wrapper of one: accelerate's, Lightning's).
+        guard: the run's ``memguard_core.guard.Guard``.
+        rows: returns the rows of the batch the step ends (for the error's plan).
+        is_oom: the adapter's test for an out-of-memory error.
+    """
+    try:
+        preallocate_optimizer_state(optimizer)
+        orig_step = optimizer.step
+        if getattr(orig_step, "_memguard_step", False):
+            return
+
+        # functools.wraps keeps the LR scheduler's marker on the step (it warns otherwise)
+        @functools.wraps(orig_step)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            closure_failed = [False]
+            closure = kwargs.get("closure", args[0] if args else None)
+            if callable(closure):
+                def watched() -> Any:
+                    try:
+                        return closure()
+                    except BaseException:
+                        closure_failed[0] = True
+                        raise
+                if "closure" in kwargs:
+                    kwargs["closure"] = watched
+                else:
+                    args = (watched,) + tuple(args[1:])
+            try:
+                return orig_step(*args, **kwargs)
+            except Exception as exc:
+                if closure_failed[0] or not is_oom(exc):
+                    raise
+                mon = guard.monitor
+                raise guard.optimizer_step_oom(exc, mon.split if mon is not None else 1, rows()) from exc
+
+        step._memguard_step = True
+        optimizer.step = step
+    except Exception:
+        logger.warning("memguard: could not prepare the optimizer; it allocates its states lazily",
+                       exc_info=True)

@@ -24,9 +24,10 @@ import torch
 
 from memguard_core import microbatch
 from memguard_core.errors import ConfigError
+from memguard_core.microbatch import without_frames as _without_frames
 
 from . import _compat
-from .split_step import GuardedStep, _without_frames, is_oom_error
+from .split_step import GuardedStep, is_oom_error
 
 __all__ = ["GuardedEval", "concat_outputs"]
 

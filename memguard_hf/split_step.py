@@ -8,13 +8,13 @@ kept apart so the callback holds only the hooks.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 
 import torch
 
 from memguard_core import microbatch
-from memguard_core.optim_state import preallocate_optimizer_state
+from memguard_core.microbatch import without_frames as _without_frames
+from memguard_core.optim_state import prepare_optimizer
 
 from . import _compat
 
@@ -37,15 +37,6 @@ def is_oom_error(exc: BaseException) -> bool:
         return bool(should_reduce_batch_size(exc))
     except Exception:  # pragma: no cover - accelerate missing
         return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
-
-
-def _without_frames(exc: BaseException) -> BaseException:
-    """``exc`` with its traceback (and chained errors) dropped: the traceback's frames hold the
-    failed step's outputs, loss and autograd graph, and a free while they live hands nothing back.
-    The error's type and message, all a retry or a final error needs, stay."""
-    exc.__traceback__ = None
-    exc.__context__ = exc.__cause__ = None
-    return exc
 
 
 class GuardedStep:
@@ -119,32 +110,11 @@ class GuardedStep:
             redo = True
 
     def _prepare_optimizer(self) -> None:
-        """Before the first forward: allocate the optimizer's lazy states (docs/lifecycle.md,
-        "optimizer step") and wrap its ``step`` so an OOM there names itself. Never raises."""
-        try:
-            opt = getattr(self.trainer, "optimizer", None)
-            if opt is None:
-                return
-            preallocate_optimizer_state(opt)
-            orig_step = opt.step
-            guard = self.guard
-
-            # functools.wraps keeps the LR scheduler's marker on the step (it warns otherwise)
-            @functools.wraps(orig_step)
-            def guarded_step(*args, **kwargs):
-                try:
-                    return orig_step(*args, **kwargs)
-                except Exception as exc:
-                    if not is_oom_error(exc):
-                        raise
-                    mon = guard.monitor
-                    raise guard.optimizer_step_oom(exc, mon.split if mon is not None else 1,
-                                                   self.trainer.args.per_device_train_batch_size) from exc
-
-            opt.step = guarded_step
-        except Exception:
-            logger.warning("memguard: could not prepare the optimizer; it allocates its states lazily",
-                           exc_info=True)
+        """Before the first forward: allocate the optimizer's lazy states and make an OOM inside its
+        step name itself (``memguard_core.optim_state.prepare_optimizer``). Never raises."""
+        opt = getattr(self.trainer, "optimizer", None)
+        if opt is not None:
+            prepare_optimizer(opt, self.guard, lambda: self.trainer.args.per_device_train_batch_size, is_oom_error)
 
     def _redo_window(self, model, failure, k: int, rows: int) -> int:
         """Zero the window's partly summed gradients, free memory and return the k to redo the

@@ -37,10 +37,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from memguard_core.microbatch import free_after_oom
+from memguard_core.microbatch import free_after_oom, without_frames as _without_frames
 
 from .batch import batch_units
-from .split_step import _LogRecorder, _without_frames, is_oom
+from .split_step import _LogRecorder, is_oom
 
 logger = logging.getLogger("memguard.lightning")
 

@@ -90,7 +90,6 @@ updated by every chunk), so logged metrics equal the unsplit run's. Other side e
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -99,7 +98,8 @@ from lightning.pytorch.utilities.memory import is_oom_error
 
 from memguard_core.errors import MemGuardError
 from memguard_core.guard import Guard
-from memguard_core.optim_state import preallocate_optimizer_state
+from memguard_core.microbatch import without_frames as _without_frames
+from memguard_core.optim_state import prepare_optimizer
 from memguard_core.options import GuardOptions
 
 from . import _compat
@@ -215,14 +215,6 @@ def is_oom(exc: BaseException) -> bool:
         return False
     oom_type = getattr(torch, "OutOfMemoryError", None)
     return (oom_type is not None and isinstance(exc, oom_type)) or is_oom_error(exc)
-
-
-def _without_frames(exc: BaseException) -> BaseException:
-    """``exc`` with its traceback and chained errors dropped: the traceback's frames hold the
-    failed step's outputs, loss and autograd graph, and a free while they live hands nothing back."""
-    exc.__traceback__ = None
-    exc.__context__ = exc.__cause__ = None
-    return exc
 
 
 def _release_graph(loss: Any) -> None:
@@ -593,47 +585,10 @@ class SplitStep:
 
     # ------------------------------------------------------------------ the optimizer
     def prepare_optimizers(self) -> None:
-        """Before the first forward: allocate the optimizers' lazy states
-        (``memguard_core.optim_state.preallocate_optimizer_state``: Adam / AdamW, as their first
-        step would) and wrap each ``step`` so an out-of-memory error inside the update itself
-        ends in ``WindowOOMError`` with the plan (the closure Lightning passes, training_step and
-        backward, keeps its own handling). Never raises."""
+        """Before the first forward: allocate the optimizers' lazy states and wrap each ``step`` so
+        an out-of-memory error inside the update itself ends in ``WindowOOMError`` with the plan
+        (``memguard_core.optim_state.prepare_optimizer``; the closure Lightning passes, training_step
+        and backward, keeps its own handling). Never raises."""
+        rows = lambda: max([batch_units(b) for b, _, _ in self._window] + [1])  # noqa: E731
         for opt in list(getattr(self.trainer, "optimizers", None) or []):
-            try:
-                preallocate_optimizer_state(opt)
-                if not getattr(opt.step, "_memguard_step", False):
-                    opt.step = self._guarded_optimizer_step(opt.step)
-            except Exception:
-                logger.warning("memguard: could not prepare the optimizer; it allocates its states lazily",
-                               exc_info=True)
-
-    def _guarded_optimizer_step(self, orig_step):
-        guard = self.guard
-
-        # functools.wraps keeps the LR scheduler's marker on the step (it warns otherwise)
-        @functools.wraps(orig_step)
-        def step(*args, **kwargs):
-            in_closure = {"failed": False}
-            closure = kwargs.get("closure", args[0] if args else None)
-            if callable(closure):
-                def watched():
-                    try:
-                        return closure()
-                    except BaseException:
-                        in_closure["failed"] = True
-                        raise
-                if "closure" in kwargs:
-                    kwargs["closure"] = watched
-                else:
-                    args = (watched,) + tuple(args[1:])
-            try:
-                return orig_step(*args, **kwargs)
-            except Exception as exc:
-                if in_closure["failed"] or not is_oom(exc):
-                    raise
-                mon = guard.monitor
-                rows = max([batch_units(b) for b, _, _ in self._window] + [1])
-                raise guard.optimizer_step_oom(exc, mon.split if mon is not None else 1, rows) from exc
-
-        step._memguard_step = True
-        return step
+            prepare_optimizer(opt, self.guard, rows, is_oom)

@@ -21,7 +21,6 @@ docs/torch_loop.md.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -31,8 +30,8 @@ from memguard_core import torch_train as tt
 from memguard_core.distributed import agree_max, all_reduce_max, flag_group
 from memguard_core.errors import ConfigError
 from memguard_core.guard import Guard, GuardAttributes
-from memguard_core.microbatch import BatchSplitter, free_after_oom
-from memguard_core.optim_state import preallocate_optimizer_state
+from memguard_core.microbatch import BatchSplitter, free_after_oom, without_frames as _without_frames
+from memguard_core.optim_state import prepare_optimizer
 from memguard_core.options import GuardOptions, option_kwargs, with_guard_options
 
 from . import _compat
@@ -59,14 +58,6 @@ def is_oom_error(exc: BaseException) -> bool:
         return False
     msg = str(exc).lower()
     return isinstance(exc, MemoryError) or any(m in msg for m in OOM_MESSAGES)
-
-
-def _without_frames(exc: BaseException) -> BaseException:
-    """``exc`` with its traceback and chained errors dropped: the frames hold the failed step's
-    activations and autograd graph, and a free while they live hands nothing back."""
-    exc.__traceback__ = None
-    exc.__context__ = exc.__cause__ = None
-    return exc
 
 
 class TorchGuard(GuardAttributes):
@@ -201,30 +192,9 @@ class TorchGuard(GuardAttributes):
 
     def _prepare_optimizer(self) -> None:
         """Allocate the optimizer's lazy states before the first forward and make an OOM inside its
-        step name itself (``Guard.optimizer_step_oom``). Never raises."""
-        opt = self.optimizer
-        if opt is None:
-            return
-        try:
-            preallocate_optimizer_state(opt)
-            orig_step = opt.step
-            guard = self.guard
-
-            @functools.wraps(orig_step)
-            def guarded_step(*args, **kwargs):
-                try:
-                    return orig_step(*args, **kwargs)
-                except Exception as exc:
-                    if not is_oom_error(exc):
-                        raise
-                    mon = guard.monitor
-                    raise guard.optimizer_step_oom(exc, mon.split if mon is not None else 1,
-                                                   self._last_rows) from exc
-
-            opt.step = guarded_step
-        except Exception:
-            logger.warning("memguard: could not prepare the optimizer; it allocates its states lazily",
-                           exc_info=True)
+        step name itself (``memguard_core.optim_state.prepare_optimizer``). Never raises."""
+        if self.optimizer is not None:
+            prepare_optimizer(self.optimizer, self.guard, lambda: self._last_rows, is_oom_error)
 
     _last_rows = 1
 

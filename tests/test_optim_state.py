@@ -76,3 +76,47 @@ def test_a_failed_allocation_leaves_the_optimizer_lazy(monkeypatch):
     assert len(opt.state) == 0
     _train(m, opt, steps=1)   # the optimizer still creates its states at its first step
     assert len(opt.state) == 4
+
+
+class _UpdateTemporaries(torch.optim.AdamW):
+    """AdamW whose update asks the CPU allocator for a petabyte after the closure: a real
+    allocation failure inside the step itself."""
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        torch.empty(2**50, dtype=torch.uint8)
+        return loss
+
+
+def _guard():
+    from memguard_core.guard import Guard
+    from memguard_core.options import GuardOptions
+
+    return Guard(GuardOptions.from_kwargs(budget_bytes=2**30, preflight=False, monitor_interval_s=0))
+
+
+def _is_oom(exc):
+    return "can't allocate memory" in str(exc) or "out of memory" in str(exc).lower()
+
+
+def test_prepare_optimizer_names_an_oom_in_the_update_and_passes_the_closures_through():
+    from memguard_core.errors import WindowOOMError
+
+    model = torch.nn.Linear(6, 3)
+    opt = _UpdateTemporaries(model.parameters(), lr=1e-2)
+    optim_state.prepare_optimizer(opt, _guard(), lambda: 4, _is_oom)
+    assert len(opt.state) == 2 and getattr(opt.step, "_memguard_step", False)   # states made up front
+    model(torch.randn(4, 6)).sum().backward()
+    with pytest.raises(WindowOOMError) as e:
+        opt.step()
+    assert e.value.phase == "optimizer step" and e.value.rows == 4
+
+    def failing_closure():                      # the training step's own OOM is not the update's
+        torch.empty(2**50, dtype=torch.uint8)
+
+    with pytest.raises(RuntimeError) as e2:
+        opt.step(failing_closure)
+    assert not isinstance(e2.value, WindowOOMError) and _is_oom(e2.value)
+    wrapped = opt.step
+    optim_state.prepare_optimizer(opt, _guard(), lambda: 4, _is_oom)
+    assert opt.step is wrapped                  # wrapped once

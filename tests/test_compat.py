@@ -64,3 +64,10 @@ def test_mlx_compat(monkeypatch):
     printed = []
     _compat.print_muted(types.SimpleNamespace(_console=types.SimpleNamespace(print=printed.append)), "k=2")
     assert printed == ["  [ui.muted]k=2[/ui.muted]"]
+
+
+def test_torch_compat():
+    pytest.importorskip("torch")
+    from memguard_torch import _compat
+
+    _checked(_compat, "torch")

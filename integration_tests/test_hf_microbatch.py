@@ -137,3 +137,29 @@ def test_ddp_gloo_two_ranks_agree(tmp_path):
     # both ranks cut alike although only rank 0 asked
     assert outs["split"][0]["forward_rows"] == outs["split"][1]["forward_rows"]
     assert min(outs["split"][1]["forward_rows"]) < max(outs["split"][1]["forward_rows"])
+
+
+def test_ddp_one_rank_oom_in_the_synchronised_backward(tmp_path):
+    """2-process DDP (gloo): rank 1 alone fails in the backward DDP would all-reduce in (the last
+    batch of step 2's window). Every micro-batch runs under no_sync and the gradients are averaged
+    only once both ranks went through, so rank 0 is not left waiting in an all-reduce: both redo the
+    window and finish every step with the unsplit run's parameters."""
+    script = memguard_testing.script("ddp_worker.py")
+    outs = {}
+    for mode in ("base", "oom"):
+        out = tmp_path / mode
+        env = memguard_testing.script_env(OMP_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                               "--master_port", str(29700 + (os.getpid() % 1000) + (mode == "oom")),
+                               script, mode, str(out)], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        outs[mode] = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    for r in (0, 1):
+        o, b = outs["oom"][r], outs["base"][r]
+        assert o["global_step"] == b["global_step"] == 4
+        assert o["lr"] == pytest.approx(b["lr"])
+        assert o["oom_retries"] == 1                       # rank 0 redid the window with rank 1
+        assert o["samples_per_step"] == b["samples_per_step"]
+        worst = max((o["params"][n] - b["params"][n]).abs().max().item() for n in b["params"])
+        assert worst < 2e-5
+    assert outs["oom"][0]["forward_rows"] == outs["oom"][1]["forward_rows"]

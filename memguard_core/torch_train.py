@@ -195,3 +195,69 @@ def infer_seq_length(given: Optional[int], settings: Iterable[Tuple[Any, Iterabl
     logger.warning("memguard: sequence length unknown; estimating with %d (pass seq_length=...)",
                    FALLBACK_SEQ_LENGTH)
     return FALLBACK_SEQ_LENGTH
+
+
+# ------------------------------------------------------------------ DDP with manual gradient reduction
+
+
+def find_ddp(model: Any) -> Optional[Any]:
+    """The ``torch.nn.parallel.DistributedDataParallel`` wrapper at or inside ``model``
+    (accelerate's prepared model is the DDP object itself), None when there is none."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except Exception:
+        return None
+    if model is None:
+        return None
+    if isinstance(model, DistributedDataParallel):
+        return model
+    for m in model.modules() if hasattr(model, "modules") else ():
+        if isinstance(m, DistributedDataParallel):
+            return m
+    return None
+
+
+def ddp_after_abort(ddp: Any) -> None:
+    """After a forward aborted under DDP's ``no_sync``: DDP decides whether the next forward
+    broadcasts the module buffers from its ``require_forward_param_sync``, which it sets only at the
+    end of a forward (False after a ``no_sync`` one) and which starts True. A rank whose first forward
+    failed would still broadcast at its next forward while the ranks that finished theirs would not:
+    a collective only some ranks join. Every rank sets it as a finished ``no_sync`` forward leaves
+    it (torch ``nn/parallel/distributed.py``, checked on 2.13). Never raises."""
+    try:
+        ddp.require_forward_param_sync = False
+    except Exception:
+        logger.debug("memguard: cannot reset DDP's forward sync flag", exc_info=True)
+
+
+def average_ddp_gradients(ddp: Any, flag_group: Optional[Any] = None) -> None:
+    """Average the gradients over the DDP ranks as DDP's reducer does in a synchronised backward
+    (each gradient divided by the world size, then summed over the ranks), on DDP's process group.
+    For a guard that ran every micro-batch under ``no_sync``: called once every rank's last
+    micro-batch has succeeded, so no rank waits in a collective for one that is redoing its window.
+    In place, one all-reduce per parameter, all in flight together: nothing is allocated, so no rank
+    can run out of memory between agreeing and reducing. A parameter without a gradient on some
+    rank (unused there) gets zeros first, so every rank reduces the same tensors (which ones is
+    agreed on ``flag_group``, DDP's group when None).
+
+    Raises:
+        what ``torch.distributed`` raises (a broken process group).
+    """
+    torch = _torch()
+    import torch.distributed as dist
+
+    group = getattr(ddp, "process_group", None)
+    world = dist.get_world_size(group)
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=flag_group if flag_group is not None else group)
+    works = []
+    for p, h in zip(params, has.tolist()):
+        if not h:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad.div_(world)
+        works.append(dist.all_reduce(p.grad, group=group, async_op=True))
+    for w in works:
+        w.wait()

@@ -13,6 +13,7 @@ import logging
 import torch
 
 from memguard_core import microbatch
+from memguard_core import torch_train as tt
 from memguard_core.microbatch import without_frames as _without_frames
 from memguard_core.optim_state import prepare_optimizer
 
@@ -89,6 +90,10 @@ class GuardedStep:
         # another way gets the forward-only retry (a backward OOM is then re-raised)
         in_window = window is not None and pos < len(window) and window[pos] is inputs
         k = self.guard.micro_batches_for_step(self.trainer.state.global_step)
+        # under DDP every micro-batch runs under no_sync and the gradients are averaged once every
+        # rank's window went through: an OOM in the last backward cannot leave the others waiting
+        # in DDP's all-reduce (docs/lifecycle.md, "Ranks agree")
+        self._manual_ddp = self._ddp_for_manual_reduce(model) if in_window else None
         redo = False
         while True:
             failure = None
@@ -104,10 +109,24 @@ class GuardedStep:
                     raise
                 failure = _without_frames(exc)
             if not self.guard.agree_redo(failure is not None):
+                if self._manual_ddp is not None and pos == len(window) - 1:
+                    tt.average_ddp_gradients(self._manual_ddp)
                 return loss
             loss = None
+            if self._manual_ddp is not None:
+                tt.ddp_after_abort(self._manual_ddp)
             k = self._redo_window(model, failure, k, self._units_of(inputs))
             redo = True
+
+    _manual_ddp = None
+
+    def _ddp_for_manual_reduce(self, model):
+        """The DDP module when the run is data-parallel over several ranks (not FSDP / DeepSpeed,
+        which shard or own the reduction), else None."""
+        kind = self._distributed_type()
+        if "FSDP" in kind or "DEEPSPEED" in kind or getattr(self.trainer.args, "world_size", 1) <= 1:
+            return None
+        return tt.find_ddp(model)
 
     def _prepare_optimizer(self) -> None:
         """Before the first forward: allocate the optimizer's lazy states and make an OOM inside its
@@ -183,6 +202,8 @@ class GuardedStep:
             logger.error("memguard: out of memory under FSDP; an in-place retry on one rank would "
                          "desynchronise the all-gathers, so it is re-raised (%s)", exc)
             raise exc
+        if self._manual_ddp is not None:
+            tt.ddp_after_abort(self._manual_ddp)   # the retried forward must not broadcast alone
         return self.guard.after_oom(exc, k, units_left, self.trainer.state.global_step)
 
     def _run_chunk(self, model, inputs, num_items_in_batch, weight, last, args, kwargs):
@@ -192,7 +213,7 @@ class GuardedStep:
         self._loss_scale = weight
         self._oom_in_forward = False
         ctx = contextlib.nullcontext()
-        if not last:
+        if not last or self._manual_ddp is not None:
             ctx = self._no_sync(model)
         try:
             with ctx:

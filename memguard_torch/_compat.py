@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterator, List, Optional
 
+from memguard_core.torch_train import ddp_after_abort, find_ddp  # noqa: F401  (used through _compat)
 from memguard_core.versions import warn_outside
 
 logger = logging.getLogger("memguard.torch")
@@ -125,30 +126,6 @@ def queue_backward_callback(fn) -> bool:
         return False
 
 
-def ddp_type() -> Optional[type]:
-    """``torch.nn.parallel.DistributedDataParallel`` (None when torch.distributed is unavailable)."""
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel
-    except Exception:
-        return None
-
-
-def find_ddp(model: Any) -> Optional[Any]:
-    """The ``DistributedDataParallel`` wrapper at or inside ``model`` (accelerate's prepared model
-    is the DDP object itself), None when there is none."""
-    cls = ddp_type()
-    if cls is None or model is None:
-        return None
-    if isinstance(model, cls):
-        return model
-    for m in model.modules() if hasattr(model, "modules") else ():
-        if isinstance(m, cls):
-            return m
-    return None
-
-
 class _SyncedComm:
     """An FSDP2 ``AllGather`` / ``ReduceScatter`` comm that calls ``before(kind)`` after FSDP has
     allocated the collective's buffers (``allocate``, the step that can run out of memory) and
@@ -195,16 +172,3 @@ def restore_fsdp_comms(module: Any, comms: tuple) -> None:
         module.set_custom_reduce_scatter(comms[1])
     except Exception:
         logger.debug("memguard: cannot restore the FSDP comms", exc_info=True)
-
-
-def ddp_after_abort(ddp: Any) -> None:
-    """After a forward aborted under DDP's ``no_sync``: DDP decides whether the next forward
-    broadcasts the module buffers from its ``require_forward_param_sync``, which it sets only at the
-    end of a forward (False after a ``no_sync`` one) and which starts True. A rank whose first forward
-    failed would still broadcast at its next forward while the ranks that finished theirs would not:
-    a collective only some ranks join. Every rank sets it as a finished ``no_sync`` forward leaves
-    it. Never raises."""
-    try:
-        ddp.require_forward_param_sync = False
-    except Exception:
-        logger.debug("memguard: cannot reset DDP's forward sync flag", exc_info=True)

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-import torch
-
+from memguard_core import torch_train as tt
 from memguard_core.distributed import agree_max, all_reduce_max
 from memguard_core.errors import ConfigError
 from memguard_core.microbatch import BatchSplitter, free_after_oom
@@ -61,28 +60,6 @@ class RankAgreement:
         free_after_oom()
 
     def _reduce_ddp_gradients(self) -> None:
-        """Average the gradients over the DDP ranks, as DDP's reducer does in a synchronised backward
-        (each gradient divided by the world size, then summed over the ranks), on DDP's process
-        group. Runs once every rank's last chunk of the batch has succeeded, so no rank waits for one
-        that is redoing. In place, one all-reduce per parameter, all in flight together: no buffer
-        is allocated, so no rank can run out of memory between agreeing and reducing. A parameter
-        without a gradient on some rank (unused there) gets zeros first, so every rank reduces the
-        same tensors."""
-        import torch.distributed as dist
-
-        ddp = self._ddp
-        group = getattr(ddp, "process_group", None)
-        world = dist.get_world_size(group)
-        params = [p for p in ddp.module.parameters() if p.requires_grad]
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
-        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.sync.group)   # every rank, every batch
-        works = []
-        for p, h in zip(params, has.tolist()):
-            if not h:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.div_(world)
-            works.append(dist.all_reduce(p.grad, group=group, async_op=True))
-        for w in works:
-            w.wait()
+        """Average the gradients over the DDP ranks once every rank's last chunk of the batch has
+        succeeded (``memguard_core.torch_train.average_ddp_gradients``)."""
+        tt.average_ddp_gradients(self._ddp, self.sync.group)

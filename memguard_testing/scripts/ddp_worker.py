@@ -1,6 +1,10 @@
 """Worker of ``test_ddp_gloo_two_ranks_agree``: one rank of a 2-process gloo DDP HF run.
 
-usage: python -m torch.distributed.run --nproc_per_node=2 ddp_worker.py base|split OUT_DIR
+usage: python -m torch.distributed.run --nproc_per_node=2 ddp_worker.py base|split|oom OUT_DIR
+
+``oom``: on rank 1 alone, the 4th backward (step 2's last, the one DDP would all-reduce in) asks
+the CPU allocator for a petabyte from a backward hook of the first block: a real allocator failure
+at a chosen point, the other rank healthy.
 """
 
 import os
@@ -19,12 +23,22 @@ def main() -> None:
     if mode == "split":
         extra = [SwitchSplit(guard, at_step={1: 2}, at_substep={2: 4}, ranks=[0])]
     trainer = make_trainer(out, guard=guard, extra_callbacks=extra, batch_size=4, max_steps=4)
+    if mode == "oom" and int(os.environ.get("RANK", "0")) == 1:
+        calls = [0]
+
+        def fail_once(module, grad_input, grad_output):
+            calls[0] += 1
+            if calls[0] == 4:
+                torch.empty(2**50, dtype=torch.uint8)   # DefaultCPUAllocator: can't allocate memory
+
+        trainer.model.model.layers[0].register_full_backward_hook(fail_once)
     trainer.train()
     rank = torch.distributed.get_rank()
     os.makedirs(out, exist_ok=True)
     torch.save({"global_step": trainer.state.global_step, "lr": lr_sequence(trainer),
                 "params": params(trainer), "forward_rows": guard.micro_batch_rows,
-                "samples_per_step": guard.samples_per_step}, os.path.join(out, f"rank{rank}.pt"))
+                "samples_per_step": guard.samples_per_step, "oom_retries": guard.oom_retries},
+               os.path.join(out, f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":

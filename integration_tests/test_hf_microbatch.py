@@ -113,19 +113,25 @@ def test_oom_in_forward_is_retried_with_a_finer_split(tmp_path):
     _assert_same_run(base, split)
 
 
-def test_ddp_gloo_two_ranks_agree(tmp_path):
-    """2-process DDP (gloo): rank 0 alone asks for k=2 then k=4; rank 1 follows through the
-    all-reduce; parameters equal the unsplit DDP run."""
+def _ddp_runs(tmp_path, modes, port_base: int, timeout: int = 600) -> dict:
+    """``ddp_worker.py`` on 2 gloo ranks once per mode; each mode's per-rank results."""
     script = memguard_testing.script("ddp_worker.py")
     outs = {}
-    for mode in ("base", "split"):
+    for i, mode in enumerate(modes):
         out = tmp_path / mode
         env = memguard_testing.script_env(OMP_NUM_THREADS="1")
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               "--master_port", str(29500 + (os.getpid() % 1000) + (mode == "split")),
-                               script, mode, str(out)], env=env, capture_output=True, text=True, timeout=600)
+                               "--master_port", str(port_base + (os.getpid() % 1000) + i),
+                               script, mode, str(out)], env=env, capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, proc.stderr[-4000:]
         outs[mode] = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    return outs
+
+
+def test_ddp_gloo_two_ranks_agree(tmp_path):
+    """2-process DDP (gloo): rank 0 alone asks for k=2 then k=4; rank 1 follows through the
+    all-reduce; parameters equal the unsplit DDP run."""
+    outs = _ddp_runs(tmp_path, ("base", "split"), 29500)
     for r in (0, 1):
         s = outs["split"][r]
         b = outs["base"][r]
@@ -144,16 +150,7 @@ def test_ddp_one_rank_oom_in_the_synchronised_backward(tmp_path):
     batch of step 2's window). Every micro-batch runs under no_sync and the gradients are averaged
     only once both ranks went through, so rank 0 is not left waiting in an all-reduce: both redo the
     window and finish every step with the unsplit run's parameters."""
-    script = memguard_testing.script("ddp_worker.py")
-    outs = {}
-    for mode in ("base", "oom"):
-        out = tmp_path / mode
-        env = memguard_testing.script_env(OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               "--master_port", str(29700 + (os.getpid() % 1000) + (mode == "oom")),
-                               script, mode, str(out)], env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        outs[mode] = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    outs = _ddp_runs(tmp_path, ("base", "oom"), 29700, timeout=300)   # a hang ends in the timeout
     for r in (0, 1):
         o, b = outs["oom"][r], outs["base"][r]
         assert o["global_step"] == b["global_step"] == 4

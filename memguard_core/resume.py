@@ -163,11 +163,16 @@ def hf_latest_checkpoint(output_dir) -> Optional[str]:
     Raises:
         ConfigError: ``output_dir`` is neither a path nor None.
     """
-    d = _path_str(output_dir, "output_dir")
+    return _largest_numbered(_path_str(output_dir, "output_dir"), _HF_RE, os.path.isdir)
+
+
+def _largest_numbered(d: Optional[str], pattern, kind) -> Optional[str]:
+    """The entry of folder ``d`` whose name matches ``pattern`` with the largest number (its first
+    group) and passes ``kind`` (``os.path.isdir`` / ``isfile``), as a path; None without one."""
     best = None
     for name in _listdir(d):
-        m = _HF_RE.match(name)
-        if m and os.path.isdir(os.path.join(d, name)):
+        m = pattern.match(name)
+        if m and kind(os.path.join(d, name)):
             n = int(m.group(1))
             if best is None or n > best[0]:
                 best = (n, name)
@@ -244,15 +249,7 @@ def mlx_latest_adapter(adapter_path) -> Optional[str]:
     Raises:
         ConfigError: ``adapter_path`` is neither a path nor None.
     """
-    d = _path_str(adapter_path, "adapter_path")
-    best = None
-    for name in _listdir(d):
-        m = _MLX_RE.match(name)
-        if m and os.path.isfile(os.path.join(d, name)):
-            n = int(m.group(1))
-            if best is None or n > best[0]:
-                best = (n, name)
-    return os.path.join(d, best[1]) if best else None
+    return _largest_numbered(_path_str(adapter_path, "adapter_path"), _MLX_RE, os.path.isfile)
 
 
 _FINDERS = {"hf": hf_latest_checkpoint, "lightning": lightning_latest_checkpoint, "mlx": mlx_latest_adapter}

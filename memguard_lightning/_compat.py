@@ -1,6 +1,6 @@
 """Every Lightning-private name the Lightning adapter touches, in one place, with the versions it was
-checked on (:data:`CHECKED`); :func:`check_version` warns once outside them. Each function says
-what it falls back to when the name is gone.
+checked on (:data:`CHECKED`; the DDP attributes: :data:`TORCH_CHECKED`); :func:`check_version` warns
+once outside them. Each function says what it falls back to when the name is gone.
 """
 
 from __future__ import annotations
@@ -16,12 +16,21 @@ logger = logging.getLogger("memguard.lightning")
 CHECKED = ("2.6", "2.6")
 #: The private names below.
 NAMES = ("Trainer._logger_connector.should_update_logs",
-         "fit_loop.epoch_loop.automatic_optimization._skip_backward")
+         "fit_loop.epoch_loop.automatic_optimization._skip_backward",
+         "fit_loop._should_accumulate",
+         "DDPStrategy._ddp_comm_hook", "DDPStrategy._ddp_comm_state", "DDPStrategy._model_averaging_period")
+#: torch versions (major.minor) the ``DistributedDataParallel`` attributes below were checked on.
+TORCH_CHECKED = ("2.13", "2.13")
+#: The torch attributes the DDP window uses (read by DDP's forward, not underscored but undocumented).
+TORCH_NAMES = ("DistributedDataParallel.require_backward_grad_sync",
+               "DistributedDataParallel.require_forward_param_sync")
 
 
 def check_version() -> bool:
-    """Warn once when the installed lightning lies outside :data:`CHECKED`; True inside."""
-    return warn_outside("lightning", CHECKED, NAMES, logger)
+    """Warn once when the installed lightning lies outside :data:`CHECKED` (torch outside
+    :data:`TORCH_CHECKED`); True inside both."""
+    ok = warn_outside("lightning", CHECKED, NAMES, logger)
+    return warn_outside("torch", TORCH_CHECKED, TORCH_NAMES, logger) and ok
 
 
 def should_update_logs(trainer: Any) -> bool:
@@ -41,3 +50,61 @@ def skip_backward(trainer: Any) -> Optional[bool]:
     loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "automatic_optimization", None)
     value = getattr(loop, "_skip_backward", None)
     return None if value is None else bool(value)
+
+
+def window_ends(trainer: Any) -> Optional[bool]:
+    """Whether Lightning steps the optimizer after this batch (``not fit_loop._should_accumulate()``:
+    the last batch of an accumulation window, or the epoch's last batch); None when it cannot be
+    read (memguard then leaves DDP's gradient all-reduce to DDP)."""
+    try:
+        return not bool(trainer.fit_loop._should_accumulate())
+    except Exception:
+        return None
+
+
+def ddp_reduces_its_own_way(strategy: Any, ddp: Any) -> Optional[str]:
+    """Why the DDP gradients must stay DDP's to reduce (None: plain averaging is what DDP does): a
+    communication hook or model averaging set on Lightning's ``DDPStrategy`` (``_ddp_comm_hook``,
+    ``_ddp_comm_state``, ``_model_averaging_period``), or DDP's ``static_graph`` (its first
+    iteration's delayed all-reduce is queued by the synchronised forward). An attribute that is gone
+    reads as unset."""
+    if any(getattr(strategy, name, None) is not None
+           for name in ("_ddp_comm_hook", "_ddp_comm_state", "_model_averaging_period")):
+        return "a DDP communication hook or model averaging reduces the gradients"
+    if getattr(ddp, "static_graph", False):
+        return "DDP's static_graph"
+    return None
+
+
+def ddp_sync_off(ddp: Any) -> Optional[bool]:
+    """Switch DDP's ``require_backward_grad_sync`` off (what ``no_sync`` sets) and return what it
+    was. Called inside ``training_step``, which Lightning runs inside DDP's forward: DDP reads the
+    flag in its ``_post_forward`` and, when it is on, prepares the reducer, whose hooks would then
+    all-reduce in the backward of the returned loss (torch ``nn/parallel/distributed.py``, checked on
+    :data:`TORCH_CHECKED`). None when the attribute is missing (nothing changed)."""
+    try:
+        was = bool(ddp.require_backward_grad_sync)
+        ddp.require_backward_grad_sync = False
+        return was
+    except Exception:
+        logger.debug("memguard: cannot switch DDP's gradient sync off", exc_info=True)
+        return None
+
+
+def ddp_sync_restore(ddp: Any, was: bool) -> None:
+    """Put back what :func:`ddp_sync_off` returned. Never raises."""
+    try:
+        ddp.require_backward_grad_sync = was
+    except Exception:
+        logger.debug("memguard: cannot restore DDP's gradient sync flag", exc_info=True)
+
+
+def ddp_buffers_at_next_forward(ddp: Any) -> None:
+    """After memguard averaged a window's gradients: set ``require_forward_param_sync`` as a
+    synchronised forward leaves it, so DDP broadcasts the module buffers at the next forward as it
+    does after each optimizer step of an unguarded run (checked on :data:`TORCH_CHECKED`). Every
+    rank calls it at the same point. Never raises."""
+    try:
+        ddp.require_forward_param_sync = True
+    except Exception:
+        logger.debug("memguard: cannot set DDP's forward sync flag", exc_info=True)

@@ -19,14 +19,17 @@ What it does (the HF adapter's features, the Lightning way):
   not-supported snafu, the CPU allocator's "can't allocate memory") raised in a chunk's *forward*
   frees memory, doubles k and redoes only the rows not yet processed. One raised in a *backward*
   (a chunk's, or Lightning's own of the batch) redoes the whole accumulation window at a doubled k
-  from the window's kept batches; AdamW's states are allocated before the first forward
-  (single process; see docs/lightning.md and ``memguard_lightning.split_step``).
+  from the window's kept batches; AdamW's states are allocated before the first forward. Under
+  DDP every rank redoes it: the window runs without DDP's all-reduce and memguard averages the
+  gradients once the ranks agreed it went through (see docs/lightning.md and
+  ``memguard_lightning.split_step``).
 * **Evaluation split**: ``validation_step`` / ``test_step`` / ``predict_step`` run in
   ``eval_micro_batches`` chunks, doubled on an evaluation OOM; the training k is never changed
   (``memguard_lightning.eval_split``).
 * **Ranks agree**: the k of each batch is all-reduced (MAX) at the start of ``training_step``, so
-  every rank cuts alike. (After an OOM retry one rank may use a larger k for the rest of that
-  batch; under DDP the non-final chunks run no collective, and the next batch agrees again.)
+  every rank cuts alike. (After a forward OOM retry one rank may use a larger k for the rest of
+  that batch; under DDP the chunks run no collective, and the next batch agrees again.) Whether a
+  backward failed anywhere is all-reduced after each batch's backward.
 * Memory figures go to Lightning's loggers (``pl_module.log_dict`` on the batches Lightning writes,
   ``log_every_n_steps``: the standard per-step figures of ``memguard_core.observe.FIGURE_NAMES``
   as ``memguard/peak_gib``, ``memguard/current_gib``, ``memguard/budget_gib``, ``memguard/usage``,

@@ -65,9 +65,30 @@ ending in ``WindowOOMError``):
   Returning a detached loss and running every backward inside ``training_step`` instead was
   rejected: under DDP ``training_step`` runs inside the DDP forward, before ``_post_forward``
   prepares the reducer, so a backward there would never all-reduce.
-* only in a single process: under DDP the other ranks are inside the failing backward's gradient
-  all-reduce (or would run a different number of backwards), so the error is re-raised there
-  (``can_redo``), as it is when the window's batches were not all seen in order.
+* under DDP (several ranks: ``_ddp_for_window``) see below; with several processes otherwise the
+  other ranks are inside the failing backward's gradient all-reduce (or would run a different
+  number of backwards), so the error is re-raised there (``can_redo``), as it is when the window's
+  batches were not all seen in order.
+
+Under DDP: memguard's gradient average
+--------------------------------------
+In an unguarded run the backward at a window's end all-reduces in DDP's reducer hooks, so a rank
+failing there would leave the others waiting. memguard takes the reduction over (the HF adapter's
+rule, docs/lifecycle.md "Ranks agree"; docs/lightning.md "Under DDP"):
+
+* ``training_step`` runs inside the DDP module's forward (Lightning's ``_DDPForwardRedirection``)
+  and DDP reads ``require_backward_grad_sync`` in its ``_post_forward``, after it returns, to
+  prepare the reducer. The wrapped ``training_step`` switches it off on every batch of the window
+  (``_compat.ddp_sync_off``), so no backward of the window all-reduces; it is put back when
+  Lightning's backward of the batch starts.
+* In the wrapped ``backward`` of every batch, every rank all-reduces whether its batch failed
+  (``Guard.agree_redo``); on any failure every rank redoes the window, this batch included, at
+  the agreed k, and agrees again after each redo. An OOM in a non-final chunk's backward inside
+  ``training_step`` is kept for that agreement (``_pending``), and the batch's remaining chunks run
+  their forwards without gradients, so its ``self.log`` values and returned loss stay complete.
+* Where Lightning steps the optimizer after the batch (``_compat.window_ends``) the gradients are
+  averaged once (``memguard_core.torch_train.average_ddp_gradients``) before ``on_after_backward``
+  and clipping, and DDP's buffer broadcast is armed for the next forward.
 
 The optimizer step: AdamW's states are allocated before the first forward
 (``memguard_core.optim_state.preallocate_optimizer_state``, see ``prepare_optimizers``), so the
@@ -96,6 +117,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from lightning.pytorch.utilities.memory import is_oom_error
 
+from memguard_core import torch_train as tt
 from memguard_core.errors import MemGuardError
 from memguard_core.guard import Guard
 from memguard_core.microbatch import without_frames as _without_frames
@@ -245,6 +267,9 @@ class SplitStep:
         options: the guard's options (``loss_weighting``).
         label_key, shift_labels: where the labels are and whether the loss shifts them (see
             ``MemGuardCallback``).
+
+    Attributes: ``window_redos`` (redos of the current accumulation window), ``ddp_averages``
+    (windows whose gradients memguard averaged over the DDP ranks itself), ``rows_this_step``.
     """
 
     def __init__(self, guard: Guard, options: GuardOptions, label_key: LabelKey = None,
@@ -260,16 +285,23 @@ class SplitStep:
         self.orig_backward = None
         self.rows_this_step = 0
         self.window_redos = 0          # redos of the current accumulation window
+        self.ddp_averages = 0          # windows whose gradients memguard averaged over the DDP ranks
         self._phase = "forward"
         self._zero_armed_for: Optional[int] = None
         self._chunk_grads_for: Optional[int] = None
         self._window: List[tuple] = []  # (batch, args, kwargs) of the window's batches so far
         self._window_ok = False         # the window's batches are all kept, in Lightning's order
         self._own_backward = False      # a backward memguard runs (its errors are handled where it runs)
+        self._ddp = None                # this batch's DDP module when memguard averages the gradients
+        self._ddp_found: Any = None     # the fit's DDP module (False: none, or not averaged by memguard)
+        self._sync_was: Optional[bool] = None  # DDP's require_backward_grad_sync before memguard turned it off
+        self._pending: Optional[BaseException] = None  # a chunk's backward OOM awaiting the ranks' agreement
 
     # ------------------------------------------------------------------ bookkeeping
     def end_batch(self) -> None:
         """After a batch: check that Lightning's zero_grad came where its rule said it would."""
+        self._restore_sync()
+        self._pending = None
         if self._zero_armed_for is not None:
             self._zero_armed_for = None
             self.disable_split("Lightning did not zero the gradients after training_step on a batch where "
@@ -357,8 +389,11 @@ class SplitStep:
 
     def release(self) -> None:
         """Drop the kept window's batches (the fit has ended)."""
+        self._restore_sync()
         self._window = []
         self._window_ok = False
+        self._ddp = self._pending = None
+        self._ddp_found = None
 
     def can_redo(self) -> Optional[str]:
         """Why the accumulation window cannot be redone now (None: it can)."""
@@ -367,23 +402,26 @@ class SplitStep:
             return "not in a guarded training step"
         if self.guard.split_disabled_reason is not None:
             return "in-place micro-batching is off"
-        if int(getattr(trainer, "world_size", 1) or 1) > 1:
-            return ("several processes: the other ranks are inside the gradient all-reduce of this backward "
-                    "or would run a different number of backwards")
+        if int(getattr(trainer, "world_size", 1) or 1) > 1 and self._ddp is None:
+            return ("several processes without memguard's DDP gradient average: the other ranks are inside the "
+                    "gradient all-reduce of this backward or would run a different number of backwards")
         if not self._window_ok:
             return "the accumulation window's batches were not all seen in order"
         return None
 
-    def _redo_window(self, failure: BaseException, k: int, *, through_current: bool) -> int:
-        """After an out-of-memory error that left the window's gradients partly summed: zero them,
-        free memory, raise k (``Guard.after_window_oom``) and run the window's kept batches again,
-        all their micro-batches' forwards and backwards by memguard: the earlier batches, and the
-        current one too when ``through_current`` (a failure in Lightning's own backward of it).
-        Another OOM on the way redoes again at a larger k; ``WindowOOMError`` at the floor or cap.
-        Returns the k used."""
+    def _redo_window(self, failure: Optional[BaseException], k: int, *, through_current: bool,
+                     phase: Optional[str] = None) -> int:
+        """After an out-of-memory error that left the window's gradients partly summed (``failure``;
+        None: another rank's): zero them, free memory, raise k (``Guard.after_window_oom``, the new k
+        agreed over the ranks) and run the window's kept batches again, all their micro-batches'
+        forwards and backwards by memguard: the earlier batches, and the current one too when
+        ``through_current`` (a failure in Lightning's own backward of it, or any failure under DDP).
+        After each attempt the ranks agree whether every one went through (``Guard.agree_redo``;
+        this rank's own answer in one process); if not, all redo again at a larger k.
+        ``WindowOOMError`` at the floor or cap. Returns the k used."""
         last = len(self._window) if through_current else len(self._window) - 1
         rows = max([batch_units(b) for b, _, _ in self._window] + [1])
-        phase = self._phase
+        phase = phase or self._phase
         while True:
             self.pl_module.zero_grad(set_to_none=True)
             k = self.guard.after_window_oom(failure, k, rows, self.trainer.global_step,
@@ -394,12 +432,13 @@ class SplitStep:
             try:
                 for batch, args, kwargs in self._window[:last]:
                     self._run_whole(batch, args, kwargs, k)
-                return k
             except Exception as exc:
                 if not is_oom(exc):
                     raise
                 failure = _without_frames(exc)
                 phase = self._phase
+            if not self.guard.agree_redo(failure is not None):
+                return k
 
     def _run_whole(self, batch, args, kwargs, k: int) -> None:
         """Forward and backward of every micro-batch of a kept window batch (its logs discarded:
@@ -435,6 +474,88 @@ class SplitStep:
         finally:
             self._own_backward = False
 
+    # ------------------------------------------------------------------ DDP
+    def _ddp_for_window(self):
+        """The DDP module when this batch's gradients are averaged by memguard once the ranks agreed
+        that the window went through (module doc, "Under DDP"), else None: several ranks,
+        Lightning's DDP wrapper reducing by plain averaging (no communication hook, no static
+        graph), Lightning's optimizer-step point readable, a backward to come, and the window's
+        batches all kept in order. The same answer on every rank (nothing here is rank-local)."""
+        trainer = self.trainer
+        if int(getattr(trainer, "world_size", 1) or 1) <= 1 or not self._window_ok:
+            return None
+        if self._ddp_found is None:
+            strategy = trainer.strategy
+            ddp = tt.find_ddp(getattr(strategy, "model", None))
+            why = _compat.ddp_reduces_its_own_way(strategy, ddp) if ddp is not None else None
+            if why is not None:
+                logger.warning("memguard: %s; an out-of-memory error in a backward under DDP is re-raised, "
+                               "not redone", why)
+                ddp = None
+            self._ddp_found = ddp if ddp is not None else False
+        if self._ddp_found is False or _compat.skip_backward(trainer) or _compat.window_ends(trainer) is None:
+            return None
+        return self._ddp_found
+
+    def _sync_off(self, ddp) -> Any:
+        """Turn DDP's gradient all-reduce off for this batch (it runs inside DDP's forward: DDP's
+        ``_post_forward`` then leaves the reducer unprepared); the DDP module, or None when the flag
+        could not be set (DDP then reduces as usual and memguard must not average again)."""
+        if self._sync_was is None:
+            self._sync_was = _compat.ddp_sync_off(ddp)
+        return ddp if self._sync_was is not None else None
+
+    def _restore_sync(self) -> None:
+        if self._sync_was is not None and self._ddp is not None:
+            _compat.ddp_sync_restore(self._ddp, self._sync_was)
+        self._sync_was = None
+
+    def _chunk_backward(self, loss, optimizer) -> None:
+        """A non-final chunk's backward. Under DDP an out-of-memory error there is kept for the
+        ranks' agreement at this batch's backward (the other ranks are not told here: they run no
+        collective until then); the rest of the batch runs its forwards without gradients, so its
+        logged values and returned loss are complete."""
+        if self._ddp is None:
+            self._backward(loss, optimizer)
+            return
+        try:
+            self._backward(loss, optimizer)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            self._pending = _without_frames(exc)
+
+    def _ddp_backward(self, loss, *args, **kwargs):
+        """Lightning's backward of a batch under DDP with memguard's gradient average: its backward
+        (no all-reduce: DDP's reducer was left unprepared), then every rank says whether its batch
+        went through (``Guard.agree_redo``); if one did not, every rank zeroes the gradients and
+        redoes the window at a larger k. At the window's end the gradients are averaged once
+        (``memguard_core.torch_train.average_ddp_gradients``), before ``on_after_backward`` and
+        gradient clipping, as DDP's all-reduce would be."""
+        ddp = self._ddp
+        self._restore_sync()
+        failure, self._pending = self._pending, None
+        self._phase = "backward"
+        if failure is None:
+            try:
+                self.orig_backward(loss, *args, **kwargs)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                failure = _without_frames(exc)
+            if failure is not None:
+                _release_graph(loss)
+        loss = None
+        if self.guard.agree_redo(failure is not None):
+            mon = self.guard.monitor
+            self._redo_window(failure, mon.split if mon is not None else 1, through_current=True,
+                              phase="backward")
+        if _compat.window_ends(self.trainer):
+            tt.average_ddp_gradients(ddp)
+            _compat.ddp_buffers_at_next_forward(ddp)
+            self.ddp_averages += 1
+        return None
+
     # ------------------------------------------------------------------ wrapped module methods
     def zero_grad(self, epoch, batch_idx, optimizer, *args, **kwargs):
         if self._zero_armed_for is not None and self._zero_armed_for == batch_idx:
@@ -448,8 +569,13 @@ class SplitStep:
     def backward(self, loss, *args, **kwargs):
         """``LightningModule.backward``: Lightning's own backward of the batch's (final micro-batch's)
         loss. An out-of-memory error there redoes the window's batches, this one included, at a
-        larger k, all by memguard; Lightning then goes on with the gradients complete."""
-        if self._own_backward or self.can_redo() is not None:
+        larger k, all by memguard; Lightning then goes on with the gradients complete (under DDP
+        with every rank: ``_ddp_backward``)."""
+        if self._own_backward:
+            return self.orig_backward(loss, *args, **kwargs)
+        if self._ddp is not None:
+            return self._ddp_backward(loss, *args, **kwargs)
+        if self.can_redo() is not None:
             return self.orig_backward(loss, *args, **kwargs)
         self._phase = "backward"
         failure = None
@@ -469,6 +595,7 @@ class SplitStep:
         trainer = self.trainer
         mon = self.guard.monitor
         orig = self.orig_training_step
+        self._ddp = None
         if mon is None or trainer is None or not trainer.training:
             return orig(batch, *args, **kwargs)
         if self.guard.split_disabled_reason is not None:
@@ -478,6 +605,9 @@ class SplitStep:
         k = self.guard.micro_batches_for_step(trainer.global_step)
         batch_idx = self._batch_idx(args, kwargs)
         self._remember(batch, args, kwargs, batch_idx)
+        ddp = self._ddp_for_window()
+        if ddp is not None:
+            self._ddp = self._sync_off(ddp)
         if k <= 1:
             units = batch_units(batch)
             self.guard.micro_batch_rows.append(units)  # every forward tried, a failed one included
@@ -536,7 +666,8 @@ class SplitStep:
                         chunk, w, units = sp.chunk(u0, u1)
                         self._phase = "forward"
                         self.guard.micro_batch_rows.append(units)
-                        out = orig(chunk, *args, **kwargs)
+                        with torch.no_grad() if self._pending is not None else contextlib.nullcontext():
+                            out = orig(chunk, *args, **kwargs)
                         loss = _loss_of(out)
                         if u1 == sp.units:
                             recorder.end_chunk(w, commit=True)
@@ -549,7 +680,8 @@ class SplitStep:
                             return _with_loss(out, total)
                         if loss is not None:
                             self._chunk_grads_for = batch_idx
-                            self._backward(loss * (w / accum), optimizer)
+                            if self._pending is None:
+                                self._chunk_backward(loss * (w / accum), optimizer)
                             part = loss.detach() * w
                             earlier = part if earlier is None else earlier + part
                         out = loss = None

@@ -19,6 +19,11 @@ FSDP models are built on the meta device, sharded, then materialised (``to_empty
 initialised, as FSDP2's docs recommend; DDP builds the model whole on every rank. Every rank reports
 its ``VmHWM`` (/proc/self/status) at the end; the table scores memguard's per-rank estimate
 (``device="cpu"``, ``framework="torch"``) against each rank. Nothing is fitted on these rows.
+Each rank also records, after every forward / backward / optimizer step, glibc's ``mallinfo2()``
+(arena, in use, mmapped) and, at the end of each backward, ``malloc_info()``'s heap per arena (the
+main sbrk arena and the per-thread arenas of gloo's worker threads): what tells the live heap from
+its holes (docs/distributed.md, "Per-rank spread"). ``MEMGUARD_BENCH_STEPS`` runs more steps for
+such probes (the table uses ``STEPS``).
 
 The ``tiny`` size is calibration (the fixed cost of a rank), left out of the scores.
 
@@ -83,6 +88,63 @@ def _vm(field: str) -> int:
     return 0
 
 
+def _vm_count(field: str) -> int:
+    """A count field of /proc/self/status (``Threads``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _heap() -> tuple:
+    """glibc's ``mallinfo2()`` (all arenas summed), bytes: (arena = heap the arenas hold,
+    uordblks = in use in them, hblkhd = in use in mmapped chunks); zeros without glibc >= 2.33."""
+    from memguard_core.probes.linux import _Mallinfo2, libc
+
+    fn = getattr(libc(), "mallinfo2", None)
+    if fn is None:
+        return (0, 0, 0)
+    fn.restype, fn.argtypes = _Mallinfo2, []
+    m = fn()
+    return (int(m.arena), int(m.uordblks), int(m.hblkhd))
+
+
+def _arenas() -> list:
+    """Per-arena heap of glibc's ``malloc_info`` (``<heap nr=...>``: the bytes the arena holds from
+    the system, ``system current``, and the free bytes in it), in arena order (0 = main, the sbrk
+    heap; the others are the per-thread arenas of threads that malloc'ed, glibc ``arena_get2``);
+    empty without glibc. The FILE it writes through costs a few KiB of heap."""
+    import ctypes
+    import re
+
+    from memguard_core.probes.linux import libc
+
+    c = libc()
+    if c is None or not hasattr(c, "malloc_info"):
+        return []
+    path = os.path.join(tempfile.gettempdir(), f"mg-malloc-info-{os.getpid()}.xml")
+    c.fopen.restype, c.fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
+    c.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    c.fclose.argtypes = [ctypes.c_void_p]
+    fp = c.fopen(path.encode(), b"w")
+    if not fp:
+        return []
+    c.malloc_info(0, fp)
+    c.fclose(fp)
+    try:
+        with open(path) as f:
+            xml = f.read()
+    finally:
+        os.unlink(path)
+    out = []
+    for nr, body in re.findall(r'<heap nr="(\d+)">(.*?)</heap>', xml, re.S):
+        cur = re.search(r'<system type="current" size="(\d+)"', body)
+        rest = re.findall(r'<total type="(?:fast|rest)" count="\d+" size="(\d+)"', body)
+        out.append((int(nr), int(cur.group(1)) if cur else 0, sum(int(x) for x in rest)))
+    return out
+
+
 def worker(mode: str, size: str, out: str) -> None:
     import torch
 
@@ -140,18 +202,22 @@ def worker(mode: str, size: str, out: str) -> None:
     x = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
     setup_hwm = _vm("VmHWM")
     t0 = time.time()
-    stages = []  # VmHWM after each part of each step: which moment raised the peak
-    for step in range(STEPS):
+    stages = []  # VmHWM, VmRSS and glibc's heap after each part of each step: which moment raised the peak
+    arenas_bw = []  # malloc_info's per-arena heap at the end of each backward
+    steps = int(os.environ.get("MEMGUARD_BENCH_STEPS", STEPS))  # probe runs only; the table uses STEPS
+    for step in range(steps):
         loss = (engine or model)(input_ids=x, labels=x).loss
-        stages.append((step, "forward", _vm("VmHWM"), _vm("VmRSS")))
+        stages.append((step, "forward", _vm("VmHWM"), _vm("VmRSS")) + _heap())
         engine.backward(loss) if engine else loss.backward()
-        stages.append((step, "backward", _vm("VmHWM"), _vm("VmRSS")))
+        stages.append((step, "backward", _vm("VmHWM"), _vm("VmRSS")) + _heap())
+        arenas_bw.append(_arenas())
         engine.step() if engine else opt.step()
-        stages.append((step, "step", _vm("VmHWM"), _vm("VmRSS")))
+        stages.append((step, "step", _vm("VmHWM"), _vm("VmRSS")) + _heap())
         if not engine:
             opt.zero_grad(set_to_none=True)
     res = dict(rank=rank, world=world, mode=mode, size=size, vm_hwm=_vm("VmHWM"), setup_hwm=setup_hwm,
-               rss_file=_vm("RssFile"), stages=stages, loss=float(loss), step_s=(time.time() - t0) / STEPS)
+               rss_file=_vm("RssFile"), stages=stages, arenas=_arenas(), arenas_bw=arenas_bw, threads=_vm_count("Threads"),
+               malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}, steps=steps, loss=float(loss), step_s=(time.time() - t0) / steps)
     with open(out, "w") as f:
         json.dump(res, f)
     dist.barrier()

@@ -118,6 +118,7 @@ import torch
 from lightning.pytorch.utilities.memory import is_oom_error
 
 from memguard_core import torch_train as tt
+from memguard_core.distributed import flag_group
 from memguard_core.errors import MemGuardError
 from memguard_core.guard import Guard
 from memguard_core.microbatch import without_frames as _without_frames
@@ -551,7 +552,8 @@ class SplitStep:
             self._redo_window(failure, mon.split if mon is not None else 1, through_current=True,
                               phase="backward")
         if _compat.window_ends(self.trainer):
-            tt.average_ddp_gradients(ddp)
+            # the has-gradient mask on a gloo group of its own: a CPU tensor on an NCCL group would fail
+            tt.average_ddp_gradients(ddp, flag_group())
             _compat.ddp_buffers_at_next_forward(ddp)
             self.ddp_averages += 1
         return None

@@ -237,8 +237,10 @@ def average_ddp_gradients(ddp: Any, flag_group: Optional[Any] = None) -> None:
     micro-batch has succeeded, so no rank waits in a collective for one that is redoing its window.
     In place, one all-reduce per parameter, all in flight together: nothing is allocated, so no rank
     can run out of memory between agreeing and reducing. A parameter without a gradient on some
-    rank (unused there) gets zeros first, so every rank reduces the same tensors (which ones is
-    agreed on ``flag_group``, DDP's group when None).
+    rank (unused there) gets zeros first, so every rank reduces the same tensors. Which ones is
+    agreed on ``flag_group``; when None, on memguard's gloo flag group
+    (:func:`memguard_core.distributed.flag_group`, created collectively at its first call, which
+    every rank makes here at the same point): the mask is a CPU tensor, which an NCCL group refuses.
 
     Raises:
         what ``torch.distributed`` raises (a broken process group).
@@ -250,6 +252,9 @@ def average_ddp_gradients(ddp: Any, flag_group: Optional[Any] = None) -> None:
     world = dist.get_world_size(group)
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+    if flag_group is None:
+        from .distributed import flag_group as gloo_flag_group
+        flag_group = gloo_flag_group()
     dist.all_reduce(has, op=dist.ReduceOp.MAX, group=flag_group if flag_group is not None else group)
     works = []
     for p, h in zip(params, has.tolist()):

@@ -3,7 +3,8 @@ evaluation batch cut into 2 or 4 micro-batches must return what the unsplit eval
 (``eval_loss`` to float32 summation order, predictions and label ids), on a tiny Llama over rows of
 different lengths with masked prompts (chunks hold different numbers of valid labels, so equal
 chunk weights would be wrong), padded and packed. The evaluation OOM retry on a real allocation
-failure (``RLIMIT_AS``) is in ``test_hf_eval_oom`` below, run in a child process."""
+failure (``RLIMIT_AS``) is in ``test_real_eval_oom_never_ends_training`` below, run in a child process, and
+under 2-rank DDP with the limit on one rank in ``test_ddp_one_rank_eval_oom``."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 from memguard_core.errors import ConfigError
 from memguard_core.events import read_events
 from memguard_hf import MemGuardCallback
-from memguard_testing import script, with_root_on_pythonpath
+from memguard_testing import script, script_env, with_root_on_pythonpath
 from memguard_testing.hf_tiny import RowsDataset, make_trainer, packed_collate, pad_collate
 
 BIG_BUDGET = 64 * 2**30
@@ -241,3 +242,92 @@ def test_split_evaluation_false_leaves_the_step_alone(tmp_path):
     with pytest.raises(RuntimeError, match="can't allocate memory"):
         split.evaluate(eval_dataset=_eval_set())
     assert cb.eval_micro_batch_rows == [] and cb.eval_oom_retries == 0
+
+
+#: Growth of a rank's address space over its VmSize when its first evaluation starts
+#: (memguard_testing/scripts/rlimit_hf_eval_ddp.py, one 16 x 256-token batch per rank, one malloc arena):
+#: ~1.6 GB through an unsplit evaluation (logits and their log-softmax, 0.8 GB each), ~0.8 GB in
+#: 2 chunks, ~0.45 GB in 4, ~0.15 GB through the next training step and ~0.5 GB through the final
+#: predict. The headroom sits between: rank 1's first evaluation fails unsplit and fits split.
+#: Relative to the rank's own VmSize, so the gloo threads and torch's libraries (which differ
+#: between machines) are already counted in the base.
+DDP_EVAL_HEADROOM = 1_200_000_000
+
+
+def _ddp_eval_run(tmp_path, mode: str, headroom: int = 0):
+    """``rlimit_hf_eval_ddp.py`` on 2 gloo ranks, rank 1 limited to ``headroom`` bytes above its VmSize at
+    its first evaluation (0: no limit); the launcher's exit status, the ranks' results that were written
+    and the output's tail."""
+    out = tmp_path / f"{mode}-{headroom}"
+    # one arena per process: gloo's threads would otherwise each reserve a 64 MiB heap of address space
+    # at their first allocation, wherever in the run that falls
+    env = script_env(OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="1", MEMGUARD_TEST_DUMP_AFTER_S="480")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           script("rlimit_hf_eval_ddp.py"), mode, str(out), "1", str(headroom)],
+                          env=env, capture_output=True, text=True, timeout=600)   # a hang ends in the watchdog
+    results = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1) if (out / f"rank{r}.json").exists()}
+    return proc.returncode, results, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux RLIMIT_AS")
+def test_ddp_one_rank_eval_oom(tmp_path):
+    """2-rank gloo DDP: rank 1 alone has an address-space limit its unsplit evaluation forward does not
+    fit. Unguarded, rank 1 dies in its first evaluation with torch's allocator error (and the run with
+    it); guarded, rank 1 redoes its batch in smaller chunks while rank 0 runs its own unsplit (no
+    agreement needed: docs/evaluation.md, "Under DDP"), nothing hangs, both ranks finish both steps and
+    evaluations with the unlimited unguarded run's ``eval_loss`` (the token count summed over the ranks,
+    ``average_tokens_across_devices``), and a final ``predict()`` whose batch rank 1 still splits and
+    rank 0 does not gives the same predictions, labels and loss. The training micro-batches never move."""
+    rc, ref, tail = _ddp_eval_run(tmp_path, "none")
+    assert rc == 0 and all(ref[r]["steps"] == 2 and len(ref[r]["eval_losses"]) == 2 for r in (0, 1)), tail
+    rc, bare, tail = _ddp_eval_run(tmp_path, "none", DDP_EVAL_HEADROOM)
+    assert rc != 0, tail
+    assert bare[1].get("failed") == "evaluation" and ALLOC_FAILED in bare[1]["error"], tail
+    assert bare[1]["steps"] == 1  # training was healthy up to the evaluation
+    rc, guarded, tail = _ddp_eval_run(tmp_path, "oom", DDP_EVAL_HEADROOM)
+    assert rc == 0, tail
+    for r in (0, 1):
+        g, b = guarded[r], ref[r]
+        assert "failed" not in g and g["steps"] == 2, g.get("error")
+        assert g["eval_losses"] == pytest.approx(b["eval_losses"], rel=1e-6, abs=0)
+        assert [m.keys() for m in g["eval_metrics"]] == [m.keys() for m in b["eval_metrics"]]
+        assert g["test_loss"] == pytest.approx(b["test_loss"], rel=1e-6, abs=0)
+        assert g["pred_shape"] == b["pred_shape"] and g["pred_labels"] == b["pred_labels"]
+        assert g["pred_tokens"] == b["pred_tokens"]
+        np.testing.assert_allclose(g["pred_sample"], b["pred_sample"], rtol=0, atol=1e-5)
+        worst = max(max(abs(x - y) for x, y in zip(b["params"][n], g["params"][n])) for n in b["params"])
+        assert worst < 1e-6, f"rank {r}: parameters differ from the unlimited run by {worst}"
+        # the training split never moved: every training forward ran the whole 2-row batch
+        assert g["rows"] == [2, 2] and g["split"] == 1 and g["oom_retries"] == 0
+    limited, free = guarded[1], guarded[0]
+    assert limited["limit"] > 0 and free["limit"] == 0
+    assert limited["eval_oom_retries"] >= 1 and limited["eval_micro_batches"] >= 2
+    assert limited["eval_rows"][0] == 16 and max(limited["eval_rows"][1:]) <= 8
+    # rank 0 never split: the other rank's retry asked nothing of it
+    assert free["eval_oom_retries"] == 0 and free["eval_micro_batches"] == 1
+    # two evaluations and the predict (its 8 rows dealt out as one 16-row batch per rank, filled by
+    # accelerate's even_batches and cut back by gather_for_metrics), each one forward
+    assert free["eval_rows"] == [16, 16, 16]
+
+
+@pytest.mark.parametrize("kind, off", [("MULTI_CPU", None), ("FSDP", "FSDP forwards all-gather"),
+                                       ("DEEPSPEED", "DeepSpeed ZeRO-3"), ("XLA", "not data parallel")])
+def test_distributed_split_only_where_forwards_run_no_collective(tmp_path, monkeypatch, kind, off):
+    """With a world size > 1 the split runs under data parallelism (DDP) and stays off, with its reason,
+    where forwards run collectives (FSDP, DeepSpeed) or the distributed type is not data parallel.
+    FSDP, DeepSpeed and XLA cannot be set up in this test process: the two values the decision reads
+    (``args.world_size`` and accelerate's ``distributed_type``) are faked, the evaluation itself is
+    real (single-process, so accelerate's gathers return their input). The real DDP run is
+    ``test_ddp_one_rank_eval_oom``."""
+    base, _ = _trainer(tmp_path, "base")
+    m0 = base.evaluate(eval_dataset=_eval_set())
+    split, cb = _trainer(tmp_path, "split", k=4)
+    monkeypatch.setattr(type(split.args), "world_size", property(lambda self: 2))
+    monkeypatch.setattr(type(split.accelerator), "distributed_type", property(lambda self: f"DistributedType.{kind}"))
+    m1 = split.evaluate(eval_dataset=_eval_set())
+    # world size 2 on one process: compute_loss scales by accelerate's process count (1), as unsplit
+    assert m1["eval_loss"] == pytest.approx(m0["eval_loss"], rel=1e-6, abs=0)
+    if off is None:
+        assert cb._eval_off_reason is None and max(cb.eval_micro_batch_rows) == 2
+    else:
+        assert off in cb._eval_off_reason and cb.eval_micro_batch_rows == []

@@ -12,6 +12,13 @@ evaluation forward runs under ``torch.no_grad``, so it keeps no activations for 
 gradients and no optimizer temporaries; per row it needs a fraction of a training micro-batch, and
 cutting it by the training k would slow every evaluation for nothing. Its failure is also cheap to
 recover from: nothing was accumulated, so the batch is simply run again in smaller pieces.
+
+Under DDP (world size > 1) each rank splits and retries on its own, without agreeing with the
+others: the evaluation forward runs on the bare model (no collective in it), the one collective
+``prediction_step`` makes (the token count's gather) is made once per batch whatever the split, and
+``evaluation_loop``'s gathers run after ``prediction_step`` on outputs shaped as unsplit
+(docs/evaluation.md, "Under DDP"). Where a forward does run collectives (FSDP, DeepSpeed, tensor
+parallelism, a DDP-wrapped module) the split is off.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any, List, Optional
 import torch
 
 from memguard_core import microbatch
+from memguard_core import torch_train as tt
 from memguard_core.errors import ConfigError
 from memguard_core.microbatch import without_frames as _without_frames
 
@@ -112,6 +120,26 @@ def concat_outputs(pieces: List[Any], axis: int = 0, weights: Optional[List[floa
     raise _Uncombinable(f"cannot combine outputs of type {type(first).__name__}")
 
 
+def _has_fsdp(model) -> bool:
+    """Whether ``model`` is or holds an FSDP module (``FullyShardedDataParallel`` or FSDP2's
+    ``fully_shard``)."""
+    kinds = []
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        kinds.append(FullyShardedDataParallel)
+    except Exception:  # pragma: no cover - torch without FSDP
+        pass
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        kinds.append(FSDPModule)
+    except Exception:  # pragma: no cover - torch before FSDP2
+        pass
+    if not kinds or not hasattr(model, "modules"):
+        return False
+    kinds = tuple(kinds)
+    return any(isinstance(m, kinds) for m in model.modules())
+
+
 class GuardedEval:
     """The evaluation split and its OOM retry, for one HF ``Trainer``.
 
@@ -166,15 +194,24 @@ class GuardedEval:
             every other error unchanged.
         """
         orig = self._orig_prediction_step
-        why_not = self._why_not_split(inputs)
+        why_not = self._why_not_split(model, inputs, kwargs)
         if why_not is not None:
             return orig(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
         units = GuardedStep._units_of(inputs)
+        # the batch's token count taken once, for every chunk and retry (under DDP its gather then
+        # runs once per batch, as unsplit: a retry on one rank makes no collective the others miss)
+        with _compat.count_items_once(self.trainer, inputs) as counted:
+            return self._predict_with_retry(model, inputs, prediction_loss_only, ignore_keys, kwargs, units,
+                                            counted)
+
+    def _predict_with_retry(self, model, inputs, prediction_loss_only, ignore_keys, kwargs, units: int,
+                            counted: Optional[dict]):
         while True:
             k = min(self._eval_k, units)
             failure = None
             try:
-                return self._predict_in_chunks(model, inputs, prediction_loss_only, ignore_keys, k, kwargs)
+                return self._predict_in_chunks(model, inputs, prediction_loss_only, ignore_keys, k, kwargs,
+                                               counted)
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
@@ -191,7 +228,7 @@ class GuardedEval:
             self._eval_after_oom(failure, k, units)
             failure = None
 
-    def _why_not_split(self, inputs) -> Optional[str]:
+    def _why_not_split(self, model, inputs, kwargs=None) -> Optional[str]:
         """Why this batch is evaluated as it comes (None: it can be cut)."""
         t = self.trainer
         if not self.split_evaluation:
@@ -200,12 +237,11 @@ class GuardedEval:
             return self._eval_off_reason
         args = getattr(t, "args", None)
         if int(getattr(args, "world_size", 1) or 1) > 1:
-            # prediction_step all-gathers the token count (average_tokens_across_devices) and FSDP /
-            # ZeRO-3 forwards all-gather parameters: ranks must make the same calls, which a retry on
-            # one rank alone would break
-            self._eval_off_reason = "evaluation is not split under torch.distributed (world size > 1)"
-            logger.info("memguard: %s", self._eval_off_reason)
-            return self._eval_off_reason
+            why = self._distributed_off_reason(model, kwargs or {})
+            if why is not None:
+                self._eval_off_reason = why
+                logger.info("memguard: evaluation not split: %s", why)
+                return why
         if not isinstance(inputs, Mapping):
             return "batch is not a dict"
         label_names = list(getattr(t, "label_names", None) or [])
@@ -218,7 +254,47 @@ class GuardedEval:
                 return "loss without labels (in-batch)"
         return None
 
-    def _predict_in_chunks(self, model, inputs, prediction_loss_only, ignore_keys, k: int, kwargs):
+    _forward_checked = (None, None)   # (id of the model last checked, why its forward is off or None)
+
+    def _distributed_off_reason(self, model, kwargs) -> Optional[str]:
+        """Under torch.distributed: why a chunk's forward could make a collective the other ranks do
+        not make (a split or a retry on one rank would then hang them), None when it makes none:
+        data parallelism over the bare model, which is what ``Trainer.evaluation_loop`` hands to
+        ``prediction_step`` under DDP (``_wrap_model(training=False)`` does not wrap, accelerate's
+        ``prepare_model(evaluation_mode=True)`` adds no DDP)."""
+        t = self.trainer
+        kind = str(getattr(getattr(t, "accelerator", None), "distributed_type", ""))
+        if "FSDP" in kind or getattr(t, "is_fsdp_enabled", False):
+            return "FSDP forwards all-gather parameters on every rank (world size > 1)"
+        if "DEEPSPEED" in kind or getattr(t, "is_deepspeed_enabled", False):
+            return "DeepSpeed ZeRO-3 forwards all-gather parameters on every rank (world size > 1)"
+        if "MULTI_" not in kind:
+            return f"distributed type {kind.rsplit('.', 1)[-1] or 'unknown'} is not data parallel (world size > 1)"
+        for size in ("get_tp_size", "get_cp_size", "get_sp_size"):
+            try:
+                n = int(getattr(t, size)())
+            except Exception:
+                n = 1
+            if n > 1:
+                return f"{size[4:6]} size {n}: the forward's collectives span ranks (world size > 1)"
+        if not _compat.counts_items(t):
+            return ("this transformers has no Trainer._get_num_items_in_batch, whose per-batch gather the "
+                    "split must keep to one call (world size > 1)")
+        gen = {**_compat.generation_kwargs(t), **kwargs}
+        if gen.get("synced_gpus"):
+            return "generation with synced_gpus all-reduces at every generated token (world size > 1)"
+        checked_id, why = self._forward_checked
+        if checked_id != id(model):
+            why = None
+            if tt.find_ddp(model) is not None:
+                why = "prediction_step got a DistributedDataParallel module, whose forward broadcasts buffers"
+            elif _has_fsdp(model):
+                why = "prediction_step got an FSDP module, whose forward all-gathers parameters"
+            self._forward_checked = (id(model), why)
+        return why
+
+    def _predict_in_chunks(self, model, inputs, prediction_loss_only, ignore_keys, k: int, kwargs,
+                           counted: Optional[dict] = None):
         orig = self._orig_prediction_step
         splitter = None
         if k > 1:
@@ -247,6 +323,11 @@ class GuardedEval:
         try:
             if any(x is None for x in losses):
                 loss = concat_outputs(losses, axis, weights)  # all None, or raises
+            elif counted and counted.get("n") is not None and self._loss_is_token_normalised(counted["n"]):
+                # every chunk's loss is its label sum over the batch's token count (over all ranks
+                # with average_tokens_across_devices, times the world size): they add up to the
+                # batch's, as the training split's chunks do over a window's count
+                loss = sum(losses)
             else:
                 # the chunks' mean losses weighted by their share of the batch's valid labels (rows
                 # with ``loss_weighting="rows"``): the batch's mean, as in the training split

@@ -50,20 +50,29 @@ class Phases(TrainerCallback):
         mark("train")
 
 
-def main() -> None:
-    limit, mode, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    log_dir = sys.argv[4] if len(sys.argv) > 4 else None
+def build_trainer(out_dir: str, ranks: int = 1, trainer_cls=None, **args) -> Trainer:
+    """The run's ``Trainer`` (``PhaseTrainer`` unless ``trainer_cls``): the model above, 2 optimizer
+    steps of ``TRAIN_BATCH`` rows per rank, an evaluation after each over one ``EVAL_ROWS`` x
+    ``EVAL_SEQ`` batch per rank; ``ranks`` sizes the datasets so that each of that many DDP ranks gets
+    its own rows; ``args`` override the ``TrainingArguments``."""
     model = smollm2(LAYERS, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=HIDDEN // 4)
     vocab = model.config.vocab_size
-    args = TrainingArguments(output_dir=os.path.dirname(out) or ".", per_device_train_batch_size=TRAIN_BATCH,
-                             per_device_eval_batch_size=EVAL_ROWS, gradient_accumulation_steps=1, max_steps=2,
-                             learning_rate=1e-4, logging_steps=1, eval_strategy="steps", eval_steps=1,
-                             save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
-                             dataloader_num_workers=0, optim="adamw_torch", seed=0)
-    trainer = PhaseTrainer(model=model, args=args,
-                           train_dataset=TokenRows(vocab, TRAIN_ROWS, TRAIN_SEQ, 0, ragged=True),
-                           eval_dataset=TokenRows(vocab, EVAL_ROWS, EVAL_SEQ, 1, ragged=True), callbacks=[Phases()])
+    args = TrainingArguments(**{**dict(output_dir=out_dir, per_device_train_batch_size=TRAIN_BATCH,
+                                       per_device_eval_batch_size=EVAL_ROWS, gradient_accumulation_steps=1,
+                                       max_steps=2, learning_rate=1e-4, logging_steps=1, eval_strategy="steps",
+                                       eval_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                                       disable_tqdm=True, dataloader_num_workers=0, optim="adamw_torch", seed=0),
+                                **args})
+    return (trainer_cls or PhaseTrainer)(
+        model=model, args=args, train_dataset=TokenRows(vocab, TRAIN_ROWS * ranks, TRAIN_SEQ, 0, ragged=True),
+        eval_dataset=TokenRows(vocab, EVAL_ROWS * ranks, EVAL_SEQ, 1, ragged=True), callbacks=[Phases()])
+
+
+def main() -> None:
+    limit, mode, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    log_dir = sys.argv[4] if len(sys.argv) > 4 else None
+    trainer = build_trainer(os.path.dirname(out) or ".")
     guard = None
     if mode == "oom":
         from memguard_hf import MemGuardCallback

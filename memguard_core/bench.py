@@ -855,11 +855,12 @@ def seed_estimate_bytes(ms, ts) -> Optional[int]:
 
 
 #: The label of the cases whose CPU counter carries a backend effect the estimator does not model:
-#: a mixture-of-experts model computing in bf16 on torch's CPU backend. The experts' matmuls take a
-#: new shape every step (tokens per expert follow the routing) and torch's CPU bf16 matmul keeps
-#: per-shape state (oneDNN primitives and what they hold), so the resident set grows with the
-#: number of shapes seen, step after step; the same loop in fp32 is flat, and so are mlx_lm runs of
-#: the same shapes (docs/estimator.md, "MoE in bf16 on CPU"). CUDA runs do not go through oneDNN.
+#: a mixture-of-experts model computing in bf16 on torch's CPU backend. The experts' row slices,
+#: their bf16-matmul transients and gradients take new sizes every step (tokens per expert follow
+#: the routing, and the router changes with every update); glibc's heap cannot reuse the holes the
+#: last step's sizes left, so its arena grows step after step while the bytes in use stay flat. The
+#: same loop in fp32 is flat, and so are mlx_lm runs of the same shapes (docs/estimator.md, "MoE in
+#: bf16 on CPU"). CUDA's caching allocator rounds and pools blocks instead of growing a heap.
 CPU_BF16_MOE = "cpu-bf16-moe"
 
 
@@ -1077,12 +1078,13 @@ def _full_depth_section(rows: Sequence[dict], baseline: Optional[dict]) -> List[
     if moe:
         out += ["", f"**MoE in bf16 on the CPU ({', '.join(moe)}): counted in every summary above, and not "
                     "modelled.** Their peak grows step after step (per-step peaks below): the experts' "
-                    "matmuls take a new shape every step (tokens per expert follow the routing) and torch's "
-                    "CPU bf16 matmul keeps per-shape state (oneDNN), so the resident set grows with the "
-                    "number of shapes seen. The same loop in fp32 is flat, mlx_lm runs of the same shapes "
-                    "are flat, and CUDA runs do not go through oneDNN. The estimate counts the live tensors "
-                    "and glibc's heap, not this state; on a CPU, give a bf16 MoE run the headroom of its "
-                    "last per-step peak over its first (docs/estimator.md, \"MoE in bf16 on CPU\")."]
+                    "row slices, bf16-matmul transients and gradients take new sizes every step (tokens per "
+                    "expert follow the routing), and glibc's heap grows with holes the new sizes cannot "
+                    "reuse while the bytes in use stay flat. The same loop in fp32 is flat, mlx_lm runs of "
+                    "the same shapes are flat, and CUDA's caching allocator pools blocks instead. The "
+                    "estimate counts the live tensors and one step's heap slack, not this growth; on a "
+                    "CPU, give a bf16 MoE run the headroom of its last per-step peak over its first "
+                    "(docs/estimator.md, \"MoE in bf16 on CPU\")."]
     steps = [r for r in rows if r.get("step_peak_bytes")]
     if steps:
         out += ["", "Per-step peaks (the counter's peak inside each optimizer step, MiB; the whole-run peak "

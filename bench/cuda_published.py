@@ -13,7 +13,8 @@ is then reduced to the counter the source reports with
 ``memguard_core.estimate.cuda_counter_bytes``:
 
 * ``max_memory_allocated``: without the CUDA context and the allocator's cached slack (and without
-  a paged optimizer's states in unified memory, ``paged``);
+  a paged optimizer's states in unified memory: a row's ``optimizer`` ``paged-adamw-32bit`` /
+  ``paged-adamw-8bit``);
 * ``max_memory_reserved``: without the context;
 * ``nvidia-smi``: the whole estimate.
 
@@ -60,7 +61,8 @@ def _train_spec(row: Dict[str, Any]):
                      mixed_precision=bool(row.get("mixed_precision", False)),
                      grad_checkpoint=bool(row.get("grad_checkpoint", False)),
                      attn_impl=row.get("attn", "sdpa"), framework=row.get("framework", "lightning"),
-                     device="cuda")
+                     device="cuda", bnb_version=row.get("bnb_version"),
+                     keeps_last_graph=row.get("keeps_last_graph"))
 
 
 def score_row(row: Dict[str, Any], data: Dict[str, Any], _specs: Optional[dict] = None) -> Dict[str, Any]:
@@ -85,7 +87,7 @@ def score_row(row: Dict[str, Any], data: Dict[str, Any], _specs: Optional[dict] 
     ms = specs[key]
     est = estimate(ms, _train_spec(row))
     counter = row.get("counter") or src["counter"]
-    predicted = cuda_counter_bytes(est, counter, paged=bool(row.get("paged")))
+    predicted = cuda_counter_bytes(est, counter)  # paged states: from the row's optimizer
     unit = UNIT_BYTES[src.get("unit", "GB (1e9 bytes)")]
     measured = float(row["measured_gb"]) * unit
     err = predicted / measured - 1.0

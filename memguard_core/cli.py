@@ -33,7 +33,7 @@ FLAG_OF = {
     "batch_size": "--batch-size", "seq_length": "--seq-length", "grad_accum": "--grad-accum",
     "method": "--method", "lora_rank": "--lora-rank", "lora_targets": "--lora-targets",
     "lora_layers": "--lora-layers", "optimizer": "--optimizer", "dtype": "--dtype",
-    "attn_impl": "--attn", "framework": "--framework", "device": "--device",
+    "attn_impl": "--attn", "framework": "--framework", "device": "--device", "bnb_version": "--bnb-version",
     "model_params": "--model-params", "hidden_dim": "--hidden-dim", "num_layers": "--num-layers",
     "num_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "model_bits": "--model-bits",
     "vocab_size": "--vocab-size", "intermediate_size": "--intermediate-size",
@@ -76,7 +76,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--lora-layers", type=int, default=None,
                    help="LoRA on the last N blocks only (mlx_lm's num_layers) [all]")
     t.add_argument("--optimizer", default="adamw",
-                   help="adam | adamw | sgd (no momentum, as HF) | sgd-momentum | adafactor | adamw-8bit [adamw]")
+                   help="adam | adamw | sgd (no momentum, as HF) | sgd-momentum | adafactor | adamw-8bit | "
+                        "paged-adamw-8bit | paged-adamw-32bit (bitsandbytes paged AdamW: its large states "
+                        "in CUDA unified memory); HF optim names too (paged_adamw_8bit, adamw_bnb_8bit, "
+                        "...) [adamw]")
     t.add_argument("--dtype", default=None,
                    help="fp32 | bf16 | fp16: the dtype the weights are stored and computed in (pure "
                         "bf16: weights loaded in bf16, no autocast); with --mixed-precision, the "
@@ -88,6 +91,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--grad-checkpoint", action="store_true", help="activation (gradient) checkpointing")
     t.add_argument("--attn", default="sdpa", help="eager | sdpa | flash [sdpa]")
     t.add_argument("--double-quant", action="store_true", help="QLoRA with double quantization (4.127 bits)")
+    t.add_argument("--bnb-version", default=None,
+                   help="bitsandbytes version of a QLoRA run: before 0.43.2 each 4-bit linear keeps its "
+                        "input for the backward [unknown: counted as kept]")
     t.add_argument("--image-tokens", type=int, default=None,
                    help="image tokens per row of a vision-language model, on top of --seq-length "
                         "[one image at the model family's default: the config's mm_tokens_per_image / "
@@ -288,7 +294,8 @@ def _train_spec(args, model_spec):
                      device=args.device or default_device(args.framework),
                      image_tokens=model_spec.image_tokens if args.image_tokens is None else args.image_tokens,
                      world_size=args.world_size, ranks=args.ranks, sharding=args.sharding,
-                     offload=args.offload, shard_group_size=args.shard_group_size)
+                     offload=args.offload, shard_group_size=args.shard_group_size,
+                     bnb_version=getattr(args, "bnb_version", None))
 
 
 def cmd_estimate(args) -> int:

@@ -49,7 +49,7 @@ from .spec import (NF4_BITS, NF4_DOUBLE_QUANT_BITS, LinearShape, ModelSpec, Trai
 __all__ = ["MemoryEstimate", "estimate", "trainable_param_count", "RUNTIME_OVERHEAD_BYTES",
            "BREAKDOWN_ORDER", "runtime_overhead_bytes", "cuda_sdpa_backend", "cuda_counter_bytes",
            "cuda_block_bytes", "cuda_segment_bytes", "nf4_storage_bytes", "paged_state_bytes",
-           "CUDA_COUNTERS"]
+           "bnb_4bit_keeps_input", "CUDA_COUNTERS"]
 
 MiB = 1 << 20
 
@@ -497,10 +497,10 @@ def paged_state_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
     2 x 4 -- bnb's 32-bit states are fp32 whatever the parameter dtype) of the trainable tensors of
     at least ``BNB_PAGED_MIN_NUMEL`` elements. Those bytes are outside the caching allocator:
     ``max_memory_allocated`` / ``max_memory_reserved`` never count them; ``nvidia-smi`` does while
-    they are resident on the GPU. ``ts.optimizer`` ``adamw-8bit`` means the 8-bit states, anything
-    else the 32-bit ones. (TrainSpec has no paged flag yet: callers that know the run is paged use
-    this to split the estimate, see ``cuda_counter_bytes``.)"""
-    per = 2 * (1 + 4 / 256) if ts.optimizer == "adamw-8bit" else 8.0
+    they are resident on the GPU. ``ts.optimizer`` ``paged-adamw-8bit`` (or ``adamw-8bit``) means
+    the 8-bit states, anything else the 32-bit ones. ``cuda_counter_bytes`` leaves these bytes out
+    of the allocator's counters when ``ts.optimizer`` is a paged one (``TrainSpec.paged``)."""
+    per = 2 * (1 + 4 / 256) if ts.optimizer in ("adamw-8bit", "paged-adamw-8bit") else 8.0
     big = 0
     if ts.method != "full":
         r = ts.lora_rank
@@ -563,9 +563,14 @@ def _optimizer_states(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
       mlx_lm steps; docs/estimator.md, "MLX constants").
     * sgd-momentum: one momentum buffer per parameter.
     * adafactor: factored second moments, see ``_adafactor_state_elems``.
-    * adamw-8bit: bitsandbytes block-wise 8-bit states (Dettmers et al. 2022, "8-bit Optimizers
-      via Block-wise Quantization"): 2 states x 1 byte + one fp32 absmax per 256-element block
-      (bitsandbytes ``optim/optimizer.py``, blocksize 256) = 2 x (1 + 4/256) bytes per element.
+    * adamw-8bit / paged-adamw-8bit: bitsandbytes block-wise 8-bit states (Dettmers et al. 2022,
+      "8-bit Optimizers via Block-wise Quantization"): 2 states x 1 byte + one fp32 absmax per
+      256-element block (bitsandbytes ``optim/optimizer.py``, blocksize 256) = 2 x (1 + 4/256)
+      bytes per element.
+    * paged-adamw-32bit: bitsandbytes ``Optimizer2State`` with 32-bit states allocates them fp32
+      whatever the parameter dtype (``optim/optimizer.py`` ``init_state``: ``dtype=torch.float32``
+      when ``config["optim_bits"] == 32``): 8 bytes per element. Paged or not, they are counted
+      here; ``cuda_counter_bytes`` splits the paged part off the allocator's counters.
     """
     pb = 4 if _master_weights(ms, ts, trainable) else _param_bytes_trainable(ms, ts)
     o = ts.optimizer
@@ -577,8 +582,10 @@ def _optimizer_states(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
         return pb * trainable
     if o == "adafactor":
         return pb * _adafactor_state_elems(ms, ts)
-    if o == "adamw-8bit":
+    if o in ("adamw-8bit", "paged-adamw-8bit"):
         return int(math.ceil(2 * (1 + 4 / 256) * trainable))
+    if o == "paged-adamw-32bit":
+        return 8 * trainable
     raise ConfigError("optimizer", "a known optimizer", o)  # pragma: no cover (TrainSpec validates)
 
 
@@ -680,6 +687,26 @@ def _block_act_per_token(ms: ModelSpec, ts: TrainSpec, *, lora: bool, trainable_
 _ATTN_OUT_NAMES = ("o_proj", "out_proj", "dense", "c_proj")
 
 
+#: The first bitsandbytes release whose ``MatMul4Bit.forward`` no longer keeps its input:
+#: ``ctx.tensors = (A, B)`` became ``(None, B)`` in commit 9e75374 ("fix QLoRA mem bug: delete useless
+#: buffered activation", #1270, 2024-07-16; github.com/bitsandbytes-foundation/bitsandbytes,
+#: ``bitsandbytes/autograd/_functions.py``), first tagged in 0.43.2.
+BNB_4BIT_INPUT_DROPPED = (0, 43, 2)
+
+
+def bnb_4bit_keeps_input(ts: TrainSpec) -> bool:
+    """Whether bitsandbytes' 4-bit matmul keeps its input A for the backward in this run:
+    ``ts.bnb_version`` before :data:`BNB_4BIT_INPUT_DROPPED` (0.41.1 and 0.42.0 store
+    ``ctx.tensors = (A, B)`` whenever an input needs a gradient; from 0.43.2 on ``(None, B)``). An
+    unknown version (``None``) takes the older rule, the larger estimate."""
+    if ts.bnb_version is None:
+        return True
+    import re
+
+    parts = tuple(int(p) for p in re.findall(r"\d+", ts.bnb_version)[:3])
+    return parts + (0,) * (3 - len(parts)) < BNB_4BIT_INPUT_DROPPED
+
+
 def _bnb_saved_inputs(ms: ModelSpec, ts: TrainSpec, *, lora: bool) -> float:
     """Bytes per token that bitsandbytes' quantized linears of one frozen block save, beyond what
     the module rules count (HF / Lightning with NF4 or LLM.int8 block linears; MLX quantization is
@@ -699,8 +726,14 @@ def _bnb_saved_inputs(ms: ModelSpec, ts: TrainSpec, *, lora: bool) -> float:
     Linears sharing one input (q/k/v; gate/up) save one tensor. When the compute dtype is fp32 and
     LoRA wraps a linear of the group, PEFT's ``lora_A`` already saves that very tensor (no cast):
     nothing more. Phi's single LayerNorm feeds the attention and the MLP (one tensor for both).
-    Fused MoE expert tensors are not bitsandbytes modules: not counted."""
-    if ts.framework == "mlx" or ts.method == "full" or _weight_bits(ms, ts) >= 16:
+    Fused MoE expert tensors are not bitsandbytes modules: not counted.
+
+    bitsandbytes 0.43.2 and later keep no input in ``MatMul4Bit`` (``bnb_4bit_keeps_input``):
+    nothing for 4-bit weights then; ``MatMul8bitLt`` still keeps A."""
+    wb = _weight_bits(ms, ts)
+    if ts.framework == "mlx" or ts.method == "full" or wb >= 16:
+        return 0.0
+    if wb < 8 and not bnb_4bit_keeps_input(ts):
         return 0.0
     e = DTYPE_BYTES[ts.dtype]
     amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
@@ -1081,6 +1114,33 @@ def _activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
     scores = (n_train * top.scores + n_frozen * frozen.scores) * tokens
     lo = n_train * top.lora * tokens
     return int(hidden), int(scores), int(lo), one
+
+
+def _bnb_last_step_inputs(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Bytes of the previous micro-batch's bitsandbytes inputs still live while the next forward
+    runs, in a loop that keeps the last step's output (``TrainSpec.last_graph_kept``).
+
+    ``MatMul4Bit`` (bitsandbytes before 0.43.2) and ``MatMul8bitLt`` keep A as a plain attribute
+    of ``ctx`` (``ctx.tensors = (A, B)`` / ``(CAt, subA, A)``, ``bitsandbytes/autograd/
+    _functions.py``), not through ``save_for_backward``. The backward frees only saved variables
+    (``retain_graph=False``: ``PyNode::release_variables``, ``torch/csrc/autograd/python_function.cpp``),
+    so a ``ctx`` attribute lives as long as the graph's nodes do -- until the last reference to the
+    step's output goes. A hand-written loop that writes ``logits = model(x)`` every step (LitGPT's
+    ``finetune/lora.py`` ``fit``, Lightning-AI/litgpt at 00af8b0d) drops the old list only when the
+    new forward returns: the previous step's inputs of every quantized linear are live beside the
+    new step's activations at the end of the forward. Counted with the micro-batch's own shape
+    (the previous step at the same length), at the loss moment; 0 under gradient checkpointing
+    (not modelled), without bitsandbytes weights, or when the loop keeps no graph."""
+    if (ts.grad_checkpoint or not ts.last_graph_kept or ts.framework == "mlx" or ts.method == "full"
+            or _weight_bits(ms, ts) >= 16):
+        return 0
+    tokens = ts.batch_size * ts.seq_length
+    n_train = _num_lora_layers(ms, ts)
+    n_frozen = max(_grad_layers(ms, ts) - n_train, 0)
+    per = n_train * _bnb_saved_inputs(ms, ts, lora=True)
+    if n_frozen:
+        per += n_frozen * _bnb_saved_inputs(ms, ts.replace(lora_targets=("__none__",)), lora=False)
+    return int(per * tokens)
 
 
 #: mlx_lm: the backward's one-time working set beyond the blocks' saved arrays, per token, in
@@ -1498,9 +1558,11 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     # evaluation the loss-moment live set of AdamW and SGD steps is the same); the step's update
     # window is the optimizer moment below (``_mlx_full_optimizer_moment``). SGD's extra copy of
     # the trainable parameters is MLX SGD's ``v`` buffer, counted as a state.
+    # bitsandbytes ctx attributes of the previous step, in a loop that keeps its output
+    last_step = _bnb_last_step_inputs(ms, ts)
     loss = dict(weights=weights, weight_copies=copies + dequant, gradients=grads_at_loss,
                 optimizer_states=states, master_weights=master, optimizer_temporaries=0,
-                backward_transients=0, activations=hidden + lora_act + head_in + recompute,
+                backward_transients=0, activations=hidden + lora_act + head_in + recompute + last_step,
                 attention_scores=scores + mask, logits=logits_peak, runtime_overhead=overhead)
     # moment 2: end of backward: all grads + embedding-grad transient (dense V x h beyond .grad,
     # EMBEDDING_GRAD_COPIES by tied head / accumulation) + the first block's working set.
@@ -1563,8 +1625,17 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     if ts.method == "qlora" and ms.weight_bits >= 8:
         notes.append(f"QLoRA: block linears stored as NF4 ({NF4_BITS} bits)")
     if dequant:
-        notes.append("bitsandbytes: each quantized linear keeps its input for the backward "
-                     "(MatMul4Bit/MatMul8bitLt ctx.tensors) and dequantizes one weight at a time")
+        if _weight_bits(ms, ts) >= 8 or bnb_4bit_keeps_input(ts):
+            notes.append("bitsandbytes: each quantized linear keeps its input for the backward "
+                         "(MatMul4Bit/MatMul8bitLt ctx.tensors) and dequantizes one weight at a time")
+        else:
+            notes.append("bitsandbytes >= 0.43.2: 4-bit linears keep no input; one weight dequantized at a time")
+    if last_step:
+        notes.append("bitsandbytes: the loop keeps the last step's output, and with it the quantized "
+                     "linears' inputs of that step (ctx attributes) into the next forward")
+    if ts.paged and ts.device == "cuda":
+        notes.append("paged optimizer: states of tensors from 1e5 elements on in CUDA unified memory "
+                     "(outside max_memory_allocated / max_memory_reserved)")
     if ts.device == "cuda":
         notes.append(f"cuda: SDPA kernel {cuda_sdpa_backend(ms, ts)}")
     return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, counter=ts.device,
@@ -1579,7 +1650,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
 CUDA_COUNTERS = ("max_memory_allocated", "max_memory_reserved", "nvidia-smi")
 
 
-def cuda_counter_bytes(est: MemoryEstimate, counter: str = "nvidia-smi", *, paged: bool = False) -> int:
+def cuda_counter_bytes(est: MemoryEstimate, counter: str = "nvidia-smi", *, paged: Optional[bool] = None) -> int:
     """The part of a ``device="cuda"`` estimate a given counter sees, bytes.
 
     * ``nvidia-smi`` (the process's device memory): the whole estimate -- CUDA context
@@ -1590,7 +1661,8 @@ def cuda_counter_bytes(est: MemoryEstimate, counter: str = "nvidia-smi", *, page
       unused segment bytes). The cuBLAS workspaces stay: torch allocates them through the caching
       allocator.
     ``paged``: the run uses a bitsandbytes paged optimizer (``paged_state_bytes`` leaves the
-    allocator's counters).
+    allocator's counters); ``None`` = as the estimate's ``train_spec.optimizer`` says
+    (``paged-adamw-8bit`` / ``paged-adamw-32bit``, ``TrainSpec.paged``).
 
     Raises:
         ConfigError: an estimate of another counter, or an unknown ``counter``.
@@ -1601,6 +1673,8 @@ def cuda_counter_bytes(est: MemoryEstimate, counter: str = "nvidia-smi", *, page
         raise ConfigError("counter", " | ".join(CUDA_COUNTERS), counter)
     if counter == "nvidia-smi":
         return int(est.peak_bytes)
+    if paged is None:
+        paged = est.train_spec.paged
     p = paged_state_bytes(est.model_spec, est.train_spec) if paged else 0
     p = int(p * (1 + CUDA_FRAGMENTATION))
     out = est.peak_bytes - CUDA_CONTEXT_BYTES - p

@@ -23,7 +23,14 @@ from typing import Any, List, Mapping, Optional
 from .errors import ConfigError, require_choice, require_positive_int
 
 METHODS = ("full", "lora", "qlora")
-OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum", "adafactor", "adamw-8bit")
+OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "paged-adamw-8bit",
+              "paged-adamw-32bit")
+#: Optimizer names as users spell them -> ``OPTIMIZERS`` (HF ``TrainingArguments.optim`` values,
+#: ``transformers/training_args.py`` ``OptimizerNames``; underscores read as hyphens first).
+OPTIMIZER_ALIASES = {"adamw-torch": "adamw", "adamw-torch-fused": "adamw", "adamw-bnb-8bit": "adamw-8bit",
+                     "paged-adamw": "paged-adamw-32bit"}
+#: The optimizers whose states bitsandbytes pages to CUDA unified memory (``bnb.optim.PagedAdamW*``).
+PAGED_OPTIMIZERS = ("paged-adamw-8bit", "paged-adamw-32bit")
 DTYPES = ("fp32", "bf16", "fp16")
 FRAMEWORKS = ("hf", "lightning", "mlx", "torch")
 #: Data-parallel memory layouts (memguard_core/sharding.py says what each divides and adds).
@@ -204,7 +211,11 @@ class TrainSpec:
         lora_targets: module names LoRA wraps, or ``("all-linear",)``.
         lora_layers: LoRA on the last N blocks only (mlx_lm's ``num_layers``); ``None`` = all.
         optimizer: ``adam`` | ``adamw`` | ``sgd`` (no momentum, as HF's ``sgd``) | ``sgd-momentum`` |
-            ``adafactor`` | ``adamw-8bit``.
+            ``adafactor`` | ``adamw-8bit`` | ``paged-adamw-8bit`` | ``paged-adamw-32bit`` (bitsandbytes
+            paged AdamW: the states of tensors from 1e5 elements on live in CUDA unified memory,
+            outside ``torch.cuda.max_memory_allocated``). HF ``optim`` spellings are accepted
+            (``paged_adamw_8bit``, ``paged_adamw_32bit``, ``adamw_8bit``, ``adamw_bnb_8bit``,
+            ``adamw_torch``: :data:`OPTIMIZER_ALIASES`).
         dtype: compute dtype: ``fp32`` | ``bf16`` | ``fp16``. Without ``mixed_precision`` it is
             also the dtype the weights are stored in (pure bf16: weights created in bf16); the
             estimate counts them so for any spec not read from a live module
@@ -240,6 +251,16 @@ class TrainSpec:
         image_tokens: image tokens per row of a vision-language model, on top of ``seq_length``
             (the text tokens): the language model's sequence is ``seq_length + image_tokens``
             (images per row x :attr:`ModelSpec.image_tokens`); 0 for text-only rows.
+        bnb_version: the bitsandbytes version of a QLoRA run (``"0.42.0"``); it decides whether
+            each 4-bit linear keeps its input for the backward (before 0.43.2) or not
+            (``memguard_core.estimate.bnb_4bit_keeps_input``). ``None`` = unknown: the older rule,
+            the larger estimate. The HF adapter passes the installed version.
+        keeps_last_graph: the training loop holds the last micro-batch's output (logits, loss)
+            until the next forward returns -- a hand-written loop's ``logits = model(x)``
+            reassigned each step -- so that step's autograd graph lives on. ``None`` = by
+            framework: True for ``torch``, False for ``hf`` / ``lightning`` (their training steps
+            hand a detached loss on). It matters only where the graph holds tensors the backward
+            does not free (bitsandbytes before 0.43.2: ``estimate._bnb_last_step_inputs``).
     """
 
     batch_size: int = 1
@@ -265,6 +286,8 @@ class TrainSpec:
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
     fsdp_version: int = 2
+    bnb_version: Optional[str] = None
+    keeps_last_graph: Optional[bool] = None
     ranks: dataclasses.InitVar[Optional[int]] = None
 
     def __post_init__(self, ranks: Optional[int] = None) -> None:
@@ -288,7 +311,13 @@ class TrainSpec:
             raise ConfigError("image_tokens", "an integer >= 0 (image tokens per row)", it)
         require_positive_int("world_size", self.world_size)
         object.__setattr__(self, "method", require_choice("method", self.method, METHODS))
-        object.__setattr__(self, "optimizer", require_choice("optimizer", self.optimizer, OPTIMIZERS))
+        object.__setattr__(self, "optimizer", require_choice("optimizer", optimizer_alias(self.optimizer), OPTIMIZERS))
+        bv = self.bnb_version
+        if bv is not None and not (isinstance(bv, str) and re.match(r"\s*\d+\.\d+", bv)):
+            raise ConfigError("bnb_version", "a bitsandbytes version such as '0.42.0', or None", bv)
+        klg = self.keeps_last_graph
+        if klg is not None and not isinstance(klg, bool):
+            raise ConfigError("keeps_last_graph", "True, False or None (by framework)", klg)
         object.__setattr__(self, "dtype", require_choice("dtype", self.dtype, DTYPES))
         object.__setattr__(self, "attn_impl", require_choice("attn_impl", self.attn_impl, ATTN_IMPLS))
         object.__setattr__(self, "framework", require_choice("framework", self.framework, FRAMEWORKS))
@@ -313,10 +342,35 @@ class TrainSpec:
         """Samples per optimizer step: micro-batch x accumulation x world_size."""
         return self.batch_size * self.grad_accum * self.world_size
 
+    @property
+    def paged(self) -> bool:
+        """A bitsandbytes paged optimizer (:data:`PAGED_OPTIMIZERS`): its large states live in CUDA
+        unified memory, outside the caching allocator's counters."""
+        return self.optimizer in PAGED_OPTIMIZERS
+
+    @property
+    def last_graph_kept(self) -> bool:
+        """``keeps_last_graph``, or by framework when None: a plain ``torch`` loop keeps it."""
+        if self.keeps_last_graph is not None:
+            return self.keeps_last_graph
+        return self.framework == "torch"
+
     def replace(self, **changes: Any) -> "TrainSpec":
         """A copy with ``changes`` (field names; ``ranks`` is the deprecated ``world_size``)."""
         # ranks=None: dataclasses.replace would otherwise read the deprecated alias back
         return dataclasses.replace(self, **{"ranks": None, **changes})
+
+
+def optimizer_alias(name: Any) -> Any:
+    """``name`` as :data:`OPTIMIZERS` spells it: lower case, underscores read as hyphens, HF
+    ``optim`` spellings mapped (:data:`OPTIMIZER_ALIASES`: ``paged_adamw_8bit`` ->
+    ``paged-adamw-8bit``, ``adamw_bnb_8bit`` -> ``adamw-8bit``); anything else is returned as
+    given (``TrainSpec`` then names the choices)."""
+    if not isinstance(name, str):
+        return name
+    n = name.strip().lower().replace("_", "-")
+    n = OPTIMIZER_ALIASES.get(n, n)
+    return n if n in OPTIMIZERS else name
 
 
 def _ranks(self: TrainSpec) -> int:

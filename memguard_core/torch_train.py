@@ -82,12 +82,16 @@ def optimizer_name(optimizer: Any) -> str:
     ``adafactor``, ``adamw_bnb_8bit`` ...) or a torch optimizer (Lightning's ``trainer.optimizers[0]``,
     unwrapped from ``LightningOptimizer``). Adam/AdamW -> ``adamw`` (the same states), SGD ->
     ``sgd`` (HF's named ``sgd`` has no momentum) or ``sgd-momentum`` (an SGD object with momentum),
-    ``*8bit`` -> ``adamw-8bit``; anything else is estimated as ``adamw`` with a warning."""
+    ``*8bit`` -> ``adamw-8bit``, paged ones (HF ``paged_adamw_8bit`` / ``paged_adamw_32bit``,
+    bitsandbytes ``PagedAdamW8bit`` / ``PagedAdamW`` / ``PagedAdamW32bit``) -> ``paged-adamw-8bit`` /
+    ``paged-adamw-32bit``; anything else is estimated as ``adamw`` with a warning."""
     opt = getattr(optimizer, "optimizer", optimizer)
     if isinstance(opt, str):
         name, groups = str(getattr(opt, "value", opt)).lower(), ()
     else:
         name, groups = type(opt).__name__.lower(), getattr(opt, "param_groups", ())
+    if "paged" in name and "adam" in name:
+        return "paged-adamw-8bit" if "8bit" in name else "paged-adamw-32bit"
     if "8bit" in name:
         return "adamw-8bit"
     if "adafactor" in name:

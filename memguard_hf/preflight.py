@@ -9,7 +9,10 @@ The mapping:
 * sequence length = given, else ``args.max_length`` / ``max_seq_length`` (TRL ``SFTConfig``), else
   the longest ``input_ids`` among the first 2048 training rows;
 * method = ``qlora`` for 4-bit weights, ``lora`` for a PEFT model, else ``full``;
-* optimizer from ``args.optim`` (``memguard_core.torch_train.optimizer_name``);
+* optimizer from ``args.optim`` (``memguard_core.torch_train.optimizer_name``; ``paged_adamw_8bit`` /
+  ``paged_adamw_32bit`` -> the paged optimizers, whose large states the CUDA counters leave out);
+* ``bnb_version`` = the installed bitsandbytes for 4-bit weights (whether its 4-bit matmul keeps
+  its input: ``memguard_core.estimate.bnb_4bit_keeps_input``);
 * dtype / mixed precision from the weights' dtype and ``args.bf16`` / ``args.fp16``;
 * attention implementation from the model's config (``_compat.attn_implementation``).
 """
@@ -23,6 +26,7 @@ import torch
 from memguard_core import torch_train as tt
 from memguard_core.preflight import attn_impl_from, method_and_lora
 from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
+from memguard_core.versions import installed_version
 
 from . import _compat
 
@@ -56,6 +60,7 @@ def trainspec_from_trainer(trainer: Any, model_spec: ModelSpec, *, seq_length: O
                      optimizer=tt.optimizer_name(args.optim), dtype=dtype, mixed_precision=mixed,
                      grad_checkpoint=gc_on, attn_impl=attn_impl_from(_compat.attn_implementation(model)),
                      framework="hf", device=device, world_size=max(1, int(getattr(args, "world_size", 1))),
+                     bnb_version=installed_version("bitsandbytes") if method == "qlora" else None,
                      **tt.file_pages_kwargs(device, kwargs))
 
 

@@ -393,7 +393,7 @@ def _validate(ts: Any, device: Any) -> None:
     if ts.method == "qlora":
         raise ConfigError("method", "full or lora for --trace (bitsandbytes 4-bit layers do not run on fake "
                           "CPU tensors)", ts.method)
-    if ts.optimizer == "adamw-8bit":
+    if ts.optimizer in ("adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit"):
         raise ConfigError("optimizer", "adam, adamw, sgd, sgd-momentum or adafactor for --trace "
                           "(bitsandbytes' 8-bit AdamW needs CUDA)", ts.optimizer)
     if ts.attn_impl not in ("eager", "sdpa"):

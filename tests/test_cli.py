@@ -56,6 +56,23 @@ def test_estimate_from_plain_numbers(capsys):
     assert json.loads(out)["counter"] == "mlx"
 
 
+def test_paged_optimizer_and_bnb_version_flags(capsys):
+    # HF optim spellings are taken; the paged states leave nothing to split by hand, and an older
+    # bitsandbytes (its 4-bit linears keep their inputs) estimates higher than a newer one
+    base = ("estimate", "--config", os.path.join(CONFIGS, "llama-3-8b.json"), "--method", "qlora",
+            "--device", "cuda", "--seq-length", "512", "--json")
+    peaks = {}
+    for opt in ("paged_adamw_8bit", "paged_adamw_32bit", "adamw_bnb_8bit"):
+        for ver in ("0.42.0", "0.45.0"):
+            code, out, _ = run(capsys, *base, "--optimizer", opt, "--bnb-version", ver)
+            assert code == 0
+            peaks[opt, ver] = json.loads(out)["peak_bytes"]
+    for opt in ("paged_adamw_8bit", "paged_adamw_32bit"):
+        assert peaks[opt, "0.42.0"] > peaks[opt, "0.45.0"]
+    code, _, err = run(capsys, *base, "--bnb-version", "latest")
+    assert code != 0 and "--bnb-version" in err
+
+
 def test_does_not_fit_exits_3_with_suggestions(capsys):
     code, out, _ = run(capsys, "estimate", "--config", os.path.join(CONFIGS, "llama-3-8b.json"),
                        "--method", "full", "--batch-size", "8", "--seq-length", "4096",

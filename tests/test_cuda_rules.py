@@ -10,7 +10,8 @@ import os
 import pytest
 
 from memguard_core.estimate import (CUDA_CONTEXT_BYTES, CUDA_CUBLAS_WORKSPACES_BYTES, RUNTIME_OVERHEAD_BYTES,
-                                    _bnb_saved_inputs, _dequant_transient, cuda_block_bytes,
+                                    _bnb_last_step_inputs, _bnb_saved_inputs, _dequant_transient,
+                                    _optimizer_states, bnb_4bit_keeps_input, cuda_block_bytes,
                                     cuda_counter_bytes, cuda_sdpa_backend, cuda_segment_bytes, estimate,
                                     nf4_storage_bytes, paged_state_bytes)
 from memguard_core.errors import ConfigError
@@ -171,3 +172,82 @@ def test_llm_int8_linears_save_their_inputs_too():
     assert _bnb_saved_inputs(ms, ts, lora=True) == 2 * (h + qd + h + i)
     tokens = 512
     assert _dequant_transient(ms, ts) == max(tokens * (h + 4 * i), tokens * (i + 4 * h), tokens * (h + 4 * qd))
+
+
+@pytest.mark.parametrize("version,kept", [(None, True), ("0.41.1", True), ("0.42.0", True), ("0.43.1", True),
+                                          ("0.43.2", False), ("0.44.1", False), ("0.45.0.dev0", False),
+                                          ("1.0", False)])
+def test_4bit_input_kept_only_before_bitsandbytes_0_43_2(version, kept):
+    # bitsandbytes 9e75374 (#1270, first in 0.43.2): MatMul4Bit keeps ctx.tensors = (None, B)
+    ms = model_spec_from_hf_config(LLAMA3)
+    h, i, qd = ms.hidden_size, ms.intermediate_size, ms.num_heads * ms.head_dim
+    ts = _cuda(method="qlora", seq_length=512, bnb_version=version)
+    assert bnb_4bit_keeps_input(ts) is kept
+    assert _bnb_saved_inputs(ms, ts, lora=True) == (2 * (h + qd + h + i) if kept else 0)
+    # LLM.int8's MatMul8bitLt keeps A in every version
+    int8 = model_spec_from_hf_config(LLAMA3, quantization_bits=8)
+    assert _bnb_saved_inputs(int8, ts.replace(method="lora"), lora=True) == 2 * (h + qd + h + i)
+
+
+def test_bnb_version_is_validated():
+    with pytest.raises(ConfigError, match="bnb_version"):
+        _cuda(method="qlora", bnb_version="new")
+    with pytest.raises(ConfigError, match="keeps_last_graph"):
+        _cuda(method="qlora", keeps_last_graph="yes")
+
+
+def test_a_loop_that_keeps_its_output_keeps_the_last_steps_bnb_inputs():
+    # ctx.tensors are plain attributes: the backward frees saved variables only, so a loop holding the
+    # last step's logits keeps that step's quantized-linear inputs into the next forward
+    ms = model_spec_from_hf_config(LLAMA3)
+    tokens = 2 * 512
+    per_block = 2 * (ms.hidden_size + ms.num_heads * ms.head_dim + ms.hidden_size + ms.intermediate_size)
+    loop = _cuda(method="qlora", batch_size=2, seq_length=512, framework="torch", bnb_version="0.42.0")
+    assert loop.last_graph_kept and not loop.replace(framework="hf").last_graph_kept
+    assert _bnb_last_step_inputs(ms, loop) == ms.num_layers * tokens * per_block
+    kept = estimate(ms, loop).phase_breakdowns["loss"]["activations"]
+    dropped = estimate(ms, loop.replace(keeps_last_graph=False)).phase_breakdowns["loss"]["activations"]
+    assert kept - dropped == ms.num_layers * tokens * per_block
+    # nothing to keep: a newer bitsandbytes, a trainer that hands a detached loss on, no quantization
+    assert _bnb_last_step_inputs(ms, loop.replace(bnb_version="0.43.2")) == 0
+    assert _bnb_last_step_inputs(ms, loop.replace(framework="hf")) == 0
+    assert _bnb_last_step_inputs(ms, loop.replace(framework="lightning", keeps_last_graph=True)) > 0
+    assert _bnb_last_step_inputs(ms, loop.replace(method="lora")) == 0
+
+
+@pytest.mark.parametrize("name,canonical", [("paged_adamw_8bit", "paged-adamw-8bit"),
+                                            ("paged_adamw_32bit", "paged-adamw-32bit"),
+                                            ("PAGED-ADAMW-8BIT", "paged-adamw-8bit"),
+                                            ("adamw_bnb_8bit", "adamw-8bit"), ("adamw_8bit", "adamw-8bit"),
+                                            ("adamw_torch_fused", "adamw")])
+def test_optimizer_names_as_hf_spells_them(name, canonical):
+    from memguard_core.torch_train import optimizer_name
+
+    ts = _cuda(optimizer=name)
+    assert ts.optimizer == canonical
+    assert ts.paged == canonical.startswith("paged-")
+    assert optimizer_name(name) == canonical            # the HF adapter's reading of args.optim
+    with pytest.raises(ConfigError, match="optimizer"):
+        _cuda(optimizer="paged_lamb")
+
+
+def test_paged_optimizer_states_leave_the_allocator_counters_by_themselves():
+    # TrainSpec(optimizer="paged-adamw-*"): cuda_counter_bytes needs no paged= from the caller
+    ms = model_spec_from_hf_config(LLAMA3)
+    plain = _cuda(method="qlora", lora_rank=64, optimizer="adamw", bnb_version="0.45.0")
+    paged = plain.replace(optimizer="paged_adamw_32bit")
+    trainable = estimate(ms, paged).trainable_params
+    assert _optimizer_states(ms, paged, trainable) == 8 * trainable   # bnb 32-bit states are fp32
+    est = estimate(ms, paged)
+    p = paged_state_bytes(ms, paged)
+    assert p > 0
+    assert cuda_counter_bytes(est, "max_memory_allocated") == cuda_counter_bytes(est, "max_memory_allocated",
+                                                                                 paged=True)
+    assert (cuda_counter_bytes(est, "max_memory_allocated", paged=False)
+            - cuda_counter_bytes(est, "max_memory_allocated")) == int(p * 1.05) - int(0.05 * int(p * 1.05) / 1.05)
+    assert cuda_counter_bytes(est, "nvidia-smi") == est.peak_bytes     # resident: nvidia-smi sees them
+    # the 8-bit paged states: 2 x (1 + 4/256) bytes per element
+    p8 = paged.replace(optimizer="paged_adamw_8bit")
+    assert paged_state_bytes(ms, p8) == math.ceil(2 * (1 + 4 / 256) * p / 8)
+    assert cuda_counter_bytes(estimate(ms, plain), "max_memory_allocated") == cuda_counter_bytes(
+        estimate(ms, plain), "max_memory_allocated", paged=False)

@@ -401,7 +401,10 @@ def _write(meta: dict, rows: list, s: dict) -> None:
                         f"{x['min_error_pct']:+.1f} .. {x['max_error_pct']:+.1f} %, mean |error| "
                         f"{x['mean_abs_error_pct']:.1f} %." for name, x in
                         [("All scored rows (tiny = calibration, left out)", s)]
-                        + [(f"  {k}", s[k]) for k in ("torch", "deepspeed") if k in s]) + "\n")
+                        + [(f"  {k}", s[k]) for k in ("torch", "deepspeed") if k in s]) + "\n\n"
+                    "Why single FSDP2 ranks miss (glibc heap holes that differ from rank to rank; probe runs "
+                    "with per-arena heap counters in `distributed_cpu_heap.json`): docs/distributed.md, "
+                    "\"Per-rank spread\".\n")
 
 
 if __name__ == "__main__":

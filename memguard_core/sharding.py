@@ -107,8 +107,8 @@ DEEPSPEED_CPU_RUNTIME_BYTES = 68 * MiB
 #: fit on ZeRO rows. Fit and scores: docs/distributed.md, "cpu fixed cost and heap slack" and
 #: "Measured". Taken as independent of N although it is not: glibc's counters show the heap a rank
 #: holds about the same at 2 and 4 ranks while the sharded state inside it halves, and its extent
-#: differing between ranks that make the same requests (by gloo's code, a collective's buffers can
-#: be freed on its worker threads, at scheduler-dependent times); no source gives that extent, so single ranks can
+#: differing between ranks that make the same requests (from the first forward on; not glibc's
+#: dynamic thresholds, address randomisation or the timing of gloo's collectives); no source gives that extent, so single ranks can
 #: land under the estimate (docs/distributed.md, "Per-rank spread").
 FSDP_CPU_HEAP_SLACK = {"fsdp-full": 3.2, "fsdp-grad-op": 3.2, "fsdp-hybrid": 3.2, "fsdp-no-shard": 1.5,
                        "zero3": 3.2}

@@ -68,6 +68,7 @@ from mlx_lm's last numbered adapter save (:func:`resume_adapter_file`).
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -228,7 +229,12 @@ class MlxGuard(GuardAttributes):
                  chunk_weight: Optional[Callable] = None,
                  on_event: Optional[Callable[[MemoryEvent], None]] = None,
                  grow: Optional[GrowPolicy] = GrowPolicy(), split: Optional[int] = None,
-                 budget_gib: Optional[float] = None, log_dir: Optional[str] = None):
+                 budget_gib: Optional[float] = None, log_dir: Optional[str] = None, **unknown: Any):
+        if unknown:
+            # a misspelt or torch-only option (``tresholds``, ``device``): the same ConfigError the
+            # HF / Lightning / TorchGuard adapters raise, not Python's TypeError
+            name = sorted(unknown)[0]
+            raise ConfigError(name, f"an MlxGuard option (one of: {', '.join(MLX_GUARD_OPTIONS)})", unknown[name])
         # leak_detector=False: MLX's own detector (memory.LeakDetector, on active memory) runs instead
         options = GuardOptions.from_kwargs(
             budget_bytes=budget_bytes, safety_ratio=safety_ratio, thresholds=thresholds, seq_length=seq_length,
@@ -412,6 +418,16 @@ def _free_mlx() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # train
+
+
+#: The keywords ``MlxGuard`` (and ``memguard_mlx.train``) take, in signature order; ``split`` is the
+#: deprecated name of ``micro_batches``. The catch-all for misspelt names is kept out of the
+#: signature that ``help()`` and IDEs show.
+_MLX_SIG = inspect.signature(MlxGuard.__init__)
+MLX_GUARD_OPTIONS = tuple(n for n, p in _MLX_SIG.parameters.items()
+                          if n not in ("self", "split") and p.kind is not inspect.Parameter.VAR_KEYWORD)
+MlxGuard.__init__.__signature__ = _MLX_SIG.replace(
+    parameters=[p for p in _MLX_SIG.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD])
 
 
 def train(

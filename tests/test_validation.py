@@ -160,6 +160,28 @@ def test_adapters_take_the_same_guard_options():
     assert PL(label_key="y", budget_gib=1.0).options.budget_bytes == 2**30
 
 
+MLX_CASES = [
+    (dict(tresholds=Thresholds()), "tresholds"),   # misspelt: named, not Python's TypeError
+    (dict(device="cpu"), "device"),                # a torch adapters' option MLX does not take
+    (dict(budget_gb=8), "budget_gb"),
+    (dict(safety_ratio=3), "safety_ratio"),
+]
+
+
+@pytest.mark.parametrize("kw,field", MLX_CASES, ids=[c[1] for c in MLX_CASES])
+def test_mlx_guard_kwargs_name_the_bad_field(kw, field):
+    pytest.importorskip("mlx_lm")
+    import inspect
+
+    from memguard_mlx import MlxGuard
+
+    with pytest.raises(ConfigError) as e:
+        MlxGuard(**kw)
+    assert e.value.field == field
+    # the catch-all for misspelt names stays out of the signature help() and IDEs show
+    assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in inspect.signature(MlxGuard).parameters.values())
+
+
 def test_memguard_callback_bad_split_environment(monkeypatch):
     pytest.importorskip("transformers")
     from memguard_hf import MemGuardCallback

@@ -166,3 +166,127 @@ def test_report_draws_a_real_run(tmp_path):
     assert "3 optimizer step records" in p.stdout
     png = log[: -len(".jsonl")] + ".png"
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+SPIKE = 96 << 20   # bytes a test allocates inside one optimizer step: far above the steps' jitter
+
+
+def _spike_torch():
+    import torch
+
+    t = torch.ones(SPIKE // 4)   # touched: the RSS high-water mark rises
+    del t
+
+
+def test_lightning_log_row_of_a_step_carries_that_steps_figures(tmp_path):
+    """A step with a memory spike (inside the step: before its optimizer step): the metrics row of
+    that step shows it, not the row after; the first step's row has figures too. Each row equals
+    the event log's record of its step."""
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+    from memguard_testing.lightning_tiny import fit
+
+    from memguard_lightning import MemGuardCallback
+
+    class Spike(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 2:   # the third optimizer step
+                _spike_torch()
+
+    guard = MemGuardCallback(preflight=False, budget_bytes=BIG_BUDGET, monitor_interval_s=0,
+                             log_dir=str(tmp_path / "log"))
+    fit(guard=guard, logger=CSVLogger(str(tmp_path), name="run"), log_every_n_steps=1, max_steps=5,
+        extra_callbacks=[Spike()])
+    path = next(p for p in tmp_path.rglob("metrics.csv"))
+    rows = [r for r in csv.DictReader(open(path)) if r.get("memguard/micro_batches")]
+    recs = {r["step"]: r for r in read_events(_log_file(tmp_path / "log")) if r["type"] == "step"}
+    # Lightning's row "step" is the optimizer steps done before the batch: optimizer step s + 1
+    by_step = {int(r["step"]) + 1: r for r in rows}
+    assert sorted(by_step) == [1, 2, 3, 4, 5] and by_step[1]["memguard/peak_gib"] != ""
+    for s, row in by_step.items():
+        assert float(row["memguard/peak_gib"]) == pytest.approx(round(recs[s]["peak_bytes"] / 2**30, 3))
+    peaks = {s: float(r["memguard/peak_gib"]) for s, r in by_step.items()}
+    assert peaks[3] - max(peaks[1], peaks[2]) > 0.06, peaks
+
+
+def test_mlx_report_of_an_iteration_carries_that_iterations_figures(tmp_path):
+    """Reports at every iteration: the first one has the figures, and each equals the event log's
+    record of its own iteration (before, report N held iteration N-1's and the first had none)."""
+    pytest.importorskip("mlx.core")
+    import numpy as np
+    from mlx_lm.tuner.callbacks import TrainingCallback
+    from mlx_lm.tuner.trainer import TrainingArgs
+    from memguard_testing.mlx_tiny import TokenRows, build_model, schedule_optimizer
+
+    import memguard_mlx
+
+    class Rec(TrainingCallback):
+        def __init__(self):
+            self.train = []
+
+        def on_train_loss_report(self, info):
+            self.train.append(dict(info))
+
+    np.random.seed(0)
+    rec = Rec()
+    args = TrainingArgs(batch_size=8, iters=5, steps_per_report=1, steps_per_eval=100, val_batches=1,
+                        steps_per_save=100, max_seq_length=64, adapter_file=str(tmp_path / "a.safetensors"))
+    memguard_mlx.train(build_model("llama"), schedule_optimizer(), TokenRows(), None, args=args,
+                       training_callback=rec, budget_bytes=BIG_BUDGET, preflight=False, monitor_interval_s=0,
+                       log_dir=str(tmp_path / "log"))
+    recs = {r["step"]: r for r in read_events(_log_file(tmp_path / "log")) if r["type"] == "step"}
+    reports = {d["iteration"]: d for d in rec.train}
+    assert sorted(reports) == [1, 2, 3, 4, 5] and "memguard_peak_gib" in reports[1]
+    for it, d in reports.items():
+        assert d["memguard_peak_gib"] == pytest.approx(round(recs[it]["peak_bytes"] / 2**30, 3))
+        assert d["memguard_current_gib"] == pytest.approx(round(recs[it]["current_bytes"] / 2**30, 3))
+
+
+@pytest.mark.xfail(strict=True, reason="needs MemGuardCallback.on_step_end to call guard.end_step (memguard_hf/"
+                                       "callback.py, being edited elsewhere): remove this marker with that change")
+def test_hf_log_line_of_a_step_carries_that_steps_figures(tmp_path):
+    """A spike inside the third optimizer step (before its optimizer step): log_history's line of
+    step 3 shows it; step 1's line has every figure; each line equals its step's record."""
+    from transformers import TrainerCallback
+    from memguard_testing.hf_tiny import make_trainer
+
+    from memguard_hf import MemGuardCallback
+
+    class Spike(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            if state.global_step == 2:
+                _spike_torch()
+
+    guard = MemGuardCallback(preflight=False, budget_bytes=BIG_BUDGET, monitor_interval_s=0,
+                             log_dir=str(tmp_path / "log"))
+    trainer = make_trainer(str(tmp_path / "run"), guard=guard, max_steps=5)
+    trainer.add_callback(Spike())
+    trainer.train()
+    recs = {r["step"]: r for r in read_events(_log_file(tmp_path / "log")) if r["type"] == "step"}
+    lines = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    assert sorted(lines) == [1, 2, 3, 4, 5]
+    assert {"memguard_peak_gib", "memguard_current_gib", "memguard_budget_gib", "memguard_usage"} <= set(lines[1])
+    for s, h in lines.items():
+        assert h["memguard_peak_gib"] == pytest.approx(round(recs[s]["peak_bytes"] / 2**30, 3))
+    assert lines[3]["memguard_peak_gib"] - max(lines[2]["memguard_peak_gib"], lines[4]["memguard_peak_gib"]) > 0.06
+
+
+def test_nothing_fits_is_a_preflight_record_naming_the_users_budget(tmp_path, caplog):
+    """A budget nothing fits (0.30 GiB on a process already above it): the preflight's decision
+    (micro-batches, checkpointing) is a ``preflight`` record, its line names the budget given, and
+    every memguard line at WARNING or above (the monitor's emergency too) starts with 'memguard:'."""
+    from memguard_testing.hf_tiny import make_trainer
+
+    from memguard_hf import MemGuardCallback
+
+    guard = MemGuardCallback(budget_gib=0.3, monitor_interval_s=0, log_dir=str(tmp_path / "log"))
+    trainer = make_trainer(str(tmp_path / "run"), guard=guard, max_steps=2)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    pre = [r for r in read_events(_log_file(tmp_path / "log")) if r["type"] == "decision" and r["kind"] == "preflight"]
+    assert len(pre) == 1 and pre[0]["step"] == 0 and pre[0]["micro_batches"] == guard.summary["split"] > 1
+    assert "nothing fits the budget of 0.30 GiB" in pre[0]["message"] and "planning target (85% of the budget" in pre[0]["message"]
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("memguard") and r.levelno >= logging.WARNING]
+    assert any("memory emergency" in m for m in ours)
+    assert ours and all(m.startswith("memguard: ") for m in ours), ours

@@ -74,7 +74,7 @@ class EventLog:
         except OSError as exc:
             _log.warning("memguard: event log off: cannot open %s (%s)", self.path, exc)
             return
-        self._write({"type": "start", "pid": os.getpid(), "host": socket.gethostname(),
+        self._write({"type": "start", "run_id": self.run_id, "pid": os.getpid(), "host": socket.gethostname(),
                      "memguard": __version__, "device": device, "budget_bytes": budget_bytes})
 
     @classmethod

@@ -92,6 +92,8 @@ class Guard(WindowRedo):
         self.grow = options.grow
         self.budget_bytes: Optional[int] = options.budget_bytes
         self.preflight: Optional[Preflight] = None
+        self._nothing_fits_line: Optional[str] = None   # the preflight's decision when nothing fits
+        self._plan_budget: Optional[int] = None         # the budget plan() planned against, bytes
         self.monitor: Optional[MemoryMonitor] = None
         self.events: List[Dict[str, Any]] = []
         self.micro_batch_rows: List[Any] = []
@@ -103,6 +105,8 @@ class Guard(WindowRedo):
         self.recorder = RunRecorder(options, self.log)
         self._on_event_cb = on_event
         self._floor_redone = False   # this window already redone at one row per forward
+        self._boundaries = 0         # micro_batches_for_step calls: the step records' path is in use
+        self._ended_step: Optional[int] = None   # end_step sampled this step's last batch already
 
     # ------------------------------------------------------------------ start
     def start(self, *, rows: int, read_specs: Optional[SpecReader] = None,
@@ -135,7 +139,7 @@ class Guard(WindowRedo):
         opts = self.options
         self.start_time = time.time()
         # a new start (Lightning: a second fit) reads the budget and plans afresh
-        self.budget_bytes, self.preflight = opts.budget_bytes, None
+        self.budget_bytes, self.preflight, self._nothing_fits_line = opts.budget_bytes, None, None
         rows = max(1, int(rows))
         k = opts.micro_batches
         if opts.preflight and read_specs is not None:
@@ -167,7 +171,9 @@ class Guard(WindowRedo):
 
             self.recorder.start(resolve_device(self.options.device), self.budget_bytes)
             pf = self.preflight
-            if pf is not None and (pf.applied or pf.not_applied):
+            if self._nothing_fits_line is not None:   # _nothing_fits logged it at ERROR already
+                self.recorder.decision("preflight", self._nothing_fits_line, step=0, warn=False, micro_batches=k)
+            elif pf is not None and (pf.applied or pf.not_applied):
                 done = sorted({c.reason for c in pf.applied})
                 todo = sorted({c.reason for c in pf.not_applied})
                 self.recorder.decision("preflight", "preflight changed the run: " + "; ".join(done)
@@ -191,10 +197,10 @@ class Guard(WindowRedo):
         except ConfigError as exc:
             if opts.fail_fast:
                 raise
-            self.log.warning("memguard preflight skipped: %s; the runtime guard still runs", exc)
+            self.log.warning("memguard: preflight skipped: %s; the runtime guard still runs", exc)
             return 1
         except Exception:
-            self.log.warning("memguard preflight failed; the runtime guard still runs", exc_info=True)
+            self.log.warning("memguard: preflight failed; the runtime guard still runs", exc_info=True)
             return 1
         for line in pf.report_lines():
             self.log.info("%s", line)
@@ -224,6 +230,7 @@ class Guard(WindowRedo):
         budget = opts.budget_bytes
         if budget is None:
             budget = default_budget(train_spec.device if opts.device == "auto" else opts.device, opts.safety_ratio)
+        self._plan_budget = int(budget)   # what a nothing-fits line names (the error has the target)
         apply = tuple(a for a in opts.apply if a != "grad_checkpoint" or enable_checkpointing is not None)
         # plan below the warning level: a run planned up to the budget would sit at the critical level
         # from its first step and be split further for nothing
@@ -246,9 +253,15 @@ class Guard(WindowRedo):
             except Exception:
                 checkpointing = False
                 self.log.warning("memguard: could not enable activation checkpointing", exc_info=True)
-        self.log.error("memguard preflight: nothing fits the budget (%s). Training continues with %d micro-batches "
-                       "per batch%s, the runtime guard watching.", exc, k,
-                       " and activation checkpointing" if checkpointing else "")
+        budget = self._plan_budget or exc.budget_bytes
+        self._nothing_fits_line = (
+            f"preflight: nothing fits the budget of {budget / 2**30:.2f} GiB: the smallest plan is "
+            f"{exc.shortfall_bytes / 2**30:.2f} GiB over the planning target ("
+            f"{self.options.thresholds.warning:.0%} of the budget, the monitor's warning level, less what the "
+            f"process already holds). Training continues with {k} micro-batches per batch"
+            + (" and activation checkpointing" if checkpointing else "") + ", the runtime guard watching. Try: "
+            + "; ".join(exc.suggestions))
+        self.log.error("memguard: %s", self._nothing_fits_line)
         return k
 
     def _on_event(self, event: MemoryEvent) -> None:
@@ -262,8 +275,10 @@ class Guard(WindowRedo):
 
     @property
     def figures(self) -> Dict[str, Any]:
-        """The last optimizer step's figures under the standard names
-        (:data:`memguard_core.observe.FIGURE_NAMES`), for the adapter's logger; {} before one."""
+        """The last closed optimizer step's figures under the standard names
+        (:data:`memguard_core.observe.FIGURE_NAMES`), for the adapter's logger; {} before one. An
+        adapter calls :meth:`end_step` before its log hook reads them: a step is otherwise closed
+        at the next batch boundary, after the log line."""
         return dict(self.recorder.last_figures)
 
     # ------------------------------------------------------------------ per step
@@ -272,22 +287,52 @@ class Guard(WindowRedo):
         """Sample memory at a step (batch) boundary and return the micro-batches for this batch:
         the monitor's k, with ``agree`` the MAX over ranks (:meth:`agreed`; the monitor is raised to
         it). 1 without a monitor. ``completed``: the optimizer steps (MLX: iterations) done before
-        this batch, for the run records (default ``step``). Never raises."""
+        this batch, for the run records (default ``step``). The first boundary after
+        :meth:`end_step` takes no sample: that one already sampled the batch before it. Never
+        raises."""
         mon = self.monitor
         if mon is None:
             return 1
-        mon.step_sample(step)
-        try:
-            self.recorder.step(step if completed is None else completed, mon.last_step_figures, mon.split,
-                               mon.level.name.lower())
-        except Exception:
-            self.log.debug("memguard: step not recorded", exc_info=True)
+        self._boundaries += 1
+        done = step if completed is None else completed
+        if self._ended_step is None or done != self._ended_step:
+            self._ended_step = None
+            mon.step_sample(step)
+            try:
+                self.recorder.step(done, mon.last_step_figures, mon.split, mon.level.name.lower())
+            except Exception:
+                self.log.debug("memguard: step not recorded", exc_info=True)
+        else:
+            self._ended_step = None
         k = mon.split
         if agree:
             k = self.agreed(k)
             if k > mon.split:
                 mon.request_split(k, "another rank asked for it", step)
         return k
+
+    def end_step(self, completed: Optional[int], *, step: Optional[int] = None) -> None:
+        """The optimizer step (MLX: iteration) ``completed`` has just finished (``completed`` =
+        steps done, as :meth:`micro_batches_for_step` counts them): take the batch boundary's
+        memory sample now and close the step's record, so that :attr:`figures`, read by the
+        adapter's log hook next, are this step's and not the one before. The next batch boundary
+        then takes no second sample (the monitor decides once per batch, as without this call).
+        ``step``: the step number the monitor's sample carries (default ``completed``; MLX passes
+        the next iteration's, as its boundaries do). A no-op before the first batch boundary, when
+        the adapter samples outside :meth:`micro_batches_for_step` (nothing would be recorded),
+        and when ``completed`` was already closed (Lightning's hook after a batch inside an
+        accumulation window). Never raises."""
+        mon = self.monitor
+        if mon is None or completed is None or not self._boundaries:
+            return
+        try:
+            if self._ended_step == completed or completed == self.recorder.closed_step:
+                return
+            mon.step_sample(completed if step is None else step)
+            self.recorder.step(completed, mon.last_step_figures, mon.split, mon.level.name.lower())
+            self._ended_step = completed
+        except Exception:
+            self.log.debug("memguard: step end not recorded", exc_info=True)
 
     def agreed(self, k: int) -> int:
         """The MAX of ``k`` over ``torch.distributed`` ranks (every rank must cut alike: FSDP /

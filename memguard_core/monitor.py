@@ -436,7 +436,7 @@ class MemoryMonitor:
     def _emit(self, event: MemoryEvent) -> None:
         self.events.append(event)
         log = logger.warning if event.level >= Level.CRITICAL or event.action is Action.SPLIT else logger.info
-        log("%s", event.message)
+        log("memguard: %s", event.message)   # every decision line starts so, like the adapters' own
         if self._on_event is not None:
             self._safe(lambda: self._on_event(event), "on_event")
 
@@ -450,7 +450,7 @@ class MemoryMonitor:
         key = (what, type(exc).__name__)
         if key not in self._failed:
             self._failed.add(key)
-            logger.warning("memguard %s failed (%s: %s); skipped, training goes on", what,
+            logger.warning("memguard: %s failed (%s: %s); skipped, training goes on", what,
                            type(exc).__name__, exc)
 
 

@@ -145,6 +145,12 @@ class RunRecorder:
         if self.snapshots is not None:
             self.snapshots.oom(step)
 
+    @property
+    def closed_step(self) -> Optional[int]:
+        """The last step number :meth:`step` saw (its record written, or due at the next new
+        one); None before the first."""
+        return self._seen_step
+
     def step(self, step: Optional[int], figures: Optional[Dict[str, int]], micro_batches: int, level: str) -> None:
         """A batch boundary's sample (``MemoryMonitor.last_step_figures``: the peak of the batch
         just done, the process figure now, the budget; bytes), ``step`` = optimizer steps completed.

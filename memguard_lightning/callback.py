@@ -247,12 +247,18 @@ class MemGuardCallback(GuardAttributes, Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.step.end_batch()
         mon = self.guard.monitor
-        if mon is None or not self._should_log(trainer):
+        if mon is None:
             return
-        # the standard per-step figures (memguard_core.observe.FIGURE_NAMES) as memguard/<name>
-        metrics = {"memguard/" + k[len("memguard_"):]: float(v) for k, v in self.guard.figures.items()}
-        metrics.update({"memguard/micro_batches": float(mon.split),
-                        "memguard/max_usage": float(round(mon.max_usage, 4)),
+        # after the batch that ended an optimizer step (global_step moved on): close its record
+        # now, so that the figures logged below are this step's (a no-op inside a window)
+        self.guard.end_step(trainer.global_step)
+        if not self._should_log(trainer):
+            return
+        # the standard per-step figures (memguard_core.observe.FIGURE_NAMES) as memguard/<name>;
+        # micro_batches: the k the step ran with (the current k before the first record)
+        metrics = {"memguard/micro_batches": float(mon.split)}
+        metrics.update({"memguard/" + k[len("memguard_"):]: float(v) for k, v in self.guard.figures.items()})
+        metrics.update({"memguard/max_usage": float(round(mon.max_usage, 4)),
                         "memguard/events": float(len(self.guard.events))})
         try:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False,

@@ -574,12 +574,19 @@ def train(
             peak_gb = guard.peak_so_far() / 1e9
             _compat.print_muted(ui, f"memguard: k={mon.split} chunks per batch, peak {peak_gb:.3f} GB")
 
+    def report_figures():
+        # the iteration just run closes its record now, so the report carries its own figures (its
+        # boundary is the next batch's, after the report); the monitor's sample keeps the number
+        # the next boundary would give it
+        guard.guard.end_step(guard._it, step=guard._it + 1)
+        return guard.guard.figures
+
     try:
         batches = skip_batches(iterate_batches, start, val_dataset=val_dataset, args=args, world=world)
         train_loop(model, optimizer, train_dataset, val_dataset, args, loss, batches, training_callback,
                    state=state, run_batch=run_batch, world=world, evaluate=evaluate, first_iteration=start + 1,
                    on_update=lambda it: guard.after_update(it, optimizer), peak_memory=guard.peak_so_far,
-                   report_extra=report_extra, report_figures=lambda: guard.guard.figures)
+                   report_extra=report_extra, report_figures=report_figures)
     finally:
         guard.stop(guard._it)
     return guard

@@ -104,12 +104,13 @@ def _two_rank_run(tmp_path):
 def test_timeline_png_and_summary_of_two_ranks(tmp_path):
     _two_rank_run(tmp_path)
     runs = load_runs([str(tmp_path)])
-    assert sorted(runs) == [0, 1]
-    s = summarize(runs)
+    assert list(runs) == ["two"] and sorted(runs["two"]) == [0, 1]
+    s = summarize(runs["two"])
     assert s["steps"] == 20 and s["peak_bytes"] == int(2.9 * GiB) and s["peak_step"] == 3
     assert s["decisions"] == {"preflight": 2, "split": 1}
     text = summary_text(s)
-    assert "97% of the 3.00 GiB budget" in text and "step 4: split" in text
+    assert "97% of the 3.00 GiB budget" in text and "step 4: rank 1: split" in text
+    assert text.startswith("20 optimizer step records (ranks 0, 1)")
     png = draw_timeline(runs, str(tmp_path / "t.png"))
     with open(png, "rb") as fh:
         data = fh.read()
@@ -219,3 +220,62 @@ def test_recorder_writes_one_record_per_optimizer_step_and_flags_a_leak(tmp_path
     assert [r["micro_batches"] for r in steps] == [1, 1, 1, 2, 2, 2]  # k asked at step 3 runs in step 4
     leaks = [r for r in recs if r.get("kind") == "leak"]
     assert leaks and "grew at every step" in leaks[0]["message"]
+
+
+def test_report_keeps_two_runs_in_one_folder_apart(tmp_path):
+    """Two runs (different budgets) logged to one folder: grouped by run id, a summary per run,
+    one series per run in the picture; --run picks one; too many runs is an error naming them."""
+    from memguard_core.timeline import MAX_RUNS_DRAWN, report_text
+
+    for run, budget, clock in (("20260101-000000-aaaaaa", 8 * GiB, 100.0), ("20260101-000100-bbbbbb", GiB, 200.0)):
+        log = EventLog(str(tmp_path), run_id=run, budget_bytes=budget, clock=lambda c=clock: c)
+        for s in range(1, 5):
+            log.step(s, peak_bytes=budget // 2 + s, current_bytes=budget // 4, budget_bytes=budget,
+                     micro_batches=1 if budget > GiB else 4)
+        log.close()
+    runs = load_runs([str(tmp_path)])
+    assert list(runs) == ["20260101-000000-aaaaaa", "20260101-000100-bbbbbb"]
+    assert all(sorted(r) == [0] for r in runs.values())
+    assert [summarize(r)["steps"] for r in runs.values()] == [4, 4]
+    assert [summarize(r)["budget_bytes"] for r in runs.values()] == [8 * GiB, GiB]
+    text = report_text(runs)
+    assert text.count("4 optimizer step records (rank 0)") == 2 and "ranks 0;" not in text
+    assert "run 20260101-000000-aaaaaa\n" in text and "run 20260101-000100-bbbbbb\n" in text
+    png = draw_timeline(runs, str(tmp_path / "two.png"))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert list(load_runs([str(tmp_path)], ["20260101-0001"])) == ["20260101-000100-bbbbbb"]
+    with pytest.raises(ConfigError, match="aaaaaa, 20260101-000100-bbbbbb"):
+        load_runs([str(tmp_path)], ["20260101"])    # a prefix of both
+    for i in range(MAX_RUNS_DRAWN):
+        EventLog(str(tmp_path), run_id=f"extra{i}").step(1, peak_bytes=1)
+    with pytest.raises(ConfigError, match="extra0"):
+        draw_timeline(load_runs([str(tmp_path)]), str(tmp_path / "many.png"))
+    p = subprocess.run([sys.executable, "-m", "memguard_core.cli", "report", str(tmp_path), "--run", "20260101-0000",
+                        "--png", str(tmp_path / "one.png")], env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "run 20260101-000000-aaaaaa" in p.stdout and "bbbbbb" not in p.stdout
+
+
+def test_guard_end_step_closes_the_step_before_the_log_and_samples_once(tmp_path):
+    """``Guard.end_step`` right after an optimizer step writes that step's record (the figures an
+    adapter logs next), and the next batch boundary takes no second sample."""
+    from memguard_core.guard import Guard
+    from memguard_core.options import GuardOptions
+
+    g = Guard(GuardOptions.from_kwargs(preflight=False, budget_bytes=8 * GiB, monitor_interval_s=0,
+                                       log_dir=str(tmp_path)))
+    g.start(rows=4)
+    samples = []
+    real = g.monitor.step_sample
+    g.monitor.step_sample = lambda step=None: samples.append(step) or real(step)
+    g.micro_batches_for_step(0)
+    assert g.figures == {}
+    g.end_step(1)
+    assert g.figures["memguard_peak_gib"] > 0 and g.recorder.closed_step == 1
+    g.end_step(1)                      # again (Lightning after a batch inside a window): nothing
+    g.micro_batches_for_step(1)        # the boundary after it: no second sample
+    g.end_step(2)
+    g.finish(2)
+    assert samples == [0, 1, 2]
+    steps = [r["step"] for r in read_events(g.recorder.events.path) if r["type"] == "step"]
+    assert steps == [1, 2]

@@ -70,8 +70,9 @@ def enabled() -> bool:
     return os.environ.get("MEMGUARD_CALIBRATION", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def data_dir() -> str:
-    """``$MEMGUARD_DATA_DIR`` or platformdirs' user data dir for ``memguard`` (created).
+def data_dir(create: bool = True) -> str:
+    """``$MEMGUARD_DATA_DIR`` or platformdirs' user data dir for ``memguard`` (created unless
+    ``create`` is False: a read, as ``memguard calibration show``, creates nothing).
 
     Raises:
         ConfigError: the path exists and is not a folder, or cannot be created (the field named is
@@ -89,6 +90,8 @@ def data_dir() -> str:
     if os.path.exists(d) and not os.path.isdir(d):
         raise ConfigError("MEMGUARD_DATA_DIR" if os.environ.get("MEMGUARD_DATA_DIR") else "data dir",
                           "a folder (or a path where one can be created)", d)
+    if not create:
+        return d
     try:
         os.makedirs(d, exist_ok=True)
     except OSError as exc:
@@ -97,9 +100,17 @@ def data_dir() -> str:
     return d
 
 
-def db_path() -> str:
-    """Path of the calibration database."""
-    return os.path.join(data_dir(), _FILE)
+def db_path(create: bool = True) -> str:
+    """Path of the calibration database (its folder created unless ``create`` is False)."""
+    return os.path.join(data_dir(create), _FILE)
+
+
+def _store_exists() -> bool:
+    """True when the database file is there (reads of a store never written create nothing)."""
+    try:
+        return os.path.isfile(db_path(create=False))
+    except ConfigError:
+        return False
 
 
 def _hash(d: Dict[str, Any]) -> str:
@@ -308,7 +319,11 @@ def correction_for(model_spec: Any, train_spec: Any, *, min_runs: int = MIN_RUNS
 
 def show() -> List[Dict[str, Any]]:
     """One dict per (device, model, settings) group: ``runs``, ``median_ratio``, ``last`` (time),
-    ``model``, ``settings``, ``counter``, ``applies`` (>= MIN_RUNS). Empty on failure."""
+    ``model``, ``settings``, ``counter``, ``applies`` (>= MIN_RUNS). Empty on failure and when no
+    store exists (nothing is created then)."""
+    if not _store_exists():
+        return []
+
     def q(con):
         groups: Dict[tuple, Dict[str, Any]] = {}
         for r in con.execute("SELECT device_fp, model_fp, settings, counter, ratio, created, details FROM runs "
@@ -327,7 +342,11 @@ def show() -> List[Dict[str, Any]]:
 
 
 def reset() -> int:
-    """Delete every recorded run; returns how many were deleted (0 on failure)."""
+    """Delete every recorded run; returns how many were deleted (0 on failure, and when no store
+    exists: nothing is created then)."""
+    if not _store_exists():
+        return 0
+
     def d(con):
         n = con.execute("SELECT count(*) FROM runs").fetchone()[0]
         con.execute("DELETE FROM runs")
@@ -345,22 +364,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--json", action="store_true", help="show: one JSON list")
     a = ap.parse_args(argv)
     try:
-        data_dir()
+        path = db_path(create=False)  # show / reset read: a missing store stays missing
     except ConfigError as exc:
         print(f"memguard calibration: error: invalid {exc.field}: expected {exc.expected}, got {exc.got!r}",
               file=sys.stderr)
         return 2
     if a.action == "reset":
-        print(f"deleted {reset()} recorded runs from {db_path()}")
+        if not os.path.isfile(path):
+            print(f"no calibration store at {path}: nothing to delete")
+            return 0
+        print(f"deleted {reset()} recorded runs from {path}")
         return 0
     rows = show()
     if a.json:
         print(json.dumps(rows, default=str))
         return 0
+    if not rows:
+        where = path if os.path.isfile(path) else f"{path} (not created yet)"
+        print(f"the calibration store is empty: {where}; guarded runs record their measured peaks there "
+              f"(a correction applies after {MIN_RUNS} comparable runs)")
+        return 0
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"memguard calibration ({db_path()})")
+    t = Table(title=f"memguard calibration ({path})")
     for c in ("model", "settings", "counter", "runs", "measured / estimated", "applies"):
         t.add_column(c)
     for r in rows:

@@ -44,6 +44,18 @@ FLAG_OF = {
 
 GiB = 2**30
 
+#: Flags that describe the model by plain numbers; a config (MODEL / --config) describes it instead.
+SHAPE_FLAGS = ("model_params", "hidden_dim", "num_layers", "num_heads", "num_kv_heads", "vocab_size",
+               "intermediate_size", "model_bits")
+#: Defaults of the plain-number flags that have one (given as None so that a flag set next to a
+#: config can be told apart from its default).
+SHAPE_DEFAULTS = {"vocab_size": 32000, "model_bits": 16}
+
+
+def _note(args, text: str) -> None:
+    """One line on stderr for a choice the CLI made for the user (stdout stays the table / JSON)."""
+    print(f"memguard {args.command}: note: {text}", file=sys.stderr)
+
 
 def _gib(n: float) -> str:
     return f"{n / GiB:,.2f} GiB"
@@ -54,7 +66,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="a Hugging Face Hub id (Qwen/Qwen2.5-7B-Instruct: its config.json only, through the "
                         "HF cache; HF_HOME / HF_HUB_CACHE / HF_HUB_OFFLINE apply), a local model folder, or a "
                         "config.json")
-    m = p.add_argument_group("model (give MODEL, --config, or the plain numbers)")
+    m = p.add_argument_group("model (give MODEL, --config, or the plain numbers; the plain-number flags "
+                             "--model-params ... --model-bits apply without a config only)")
     m.add_argument("--config", metavar="PATH", help="HF config.json (or a folder holding one)")
     m.add_argument("--revision", default=None, help="hub branch, tag or commit of MODEL [the default branch]")
     m.add_argument("--model-params", type=float, help="total parameters, e.g. 7e9")
@@ -62,17 +75,21 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--num-layers", type=int)
     m.add_argument("--num-heads", type=int)
     m.add_argument("--num-kv-heads", type=int, help="KV heads (GQA); default: --num-heads")
-    m.add_argument("--vocab-size", type=int, default=32000)
+    m.add_argument("--vocab-size", type=int, default=None, help="[32000]")
     m.add_argument("--intermediate-size", type=int)
-    m.add_argument("--model-bits", type=float, default=16, help="storage bits of the weights (16, 8, 4)")
+    m.add_argument("--model-bits", type=float, default=None, help="storage bits of the weights (16, 8, 4) [16]")
     t = p.add_argument_group("training settings")
     t.add_argument("--batch-size", type=int, default=1, help="micro-batch (rows per forward) [1]")
     t.add_argument("--seq-length", type=int, default=512, help="tokens per row [512]")
     t.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps [1]")
     t.add_argument("--method", default="lora", help="full | lora | qlora [lora]")
-    t.add_argument("--lora-rank", type=int, default=8, help="LoRA rank r [8]")
-    t.add_argument("--lora-targets", default="q_proj,v_proj",
-                   help="comma list of module names, or all-linear [q_proj,v_proj]")
+    t.add_argument("--lora-rank", type=int, default=None, help="LoRA rank r (lora / qlora) [8]")
+    t.add_argument("--lora-targets", default=None,
+                   help="comma list of module names, or all-linear (lora / qlora) [what PEFT picks for "
+                        "LoraConfig(target_modules=None): its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_"
+                        "MAPPING entry for the config's model_type (gpt2: c_attn, gpt_neox: query_key_value, "
+                        "llama / mistral / qwen2: q_proj,v_proj); q_proj,v_proj with plain numbers or a "
+                        "model_type PEFT has no entry for]")
     t.add_argument("--lora-layers", type=int, default=None,
                    help="LoRA on the last N blocks only (mlx_lm's num_layers) [all]")
     t.add_argument("--optimizer", default="adamw",
@@ -90,12 +107,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                         "model); --dtype defaults to bf16 then")
     t.add_argument("--grad-checkpoint", action="store_true", help="activation (gradient) checkpointing")
     t.add_argument("--attn", default="sdpa", help="eager | sdpa | flash [sdpa]")
-    t.add_argument("--double-quant", action="store_true", help="QLoRA with double quantization (4.127 bits)")
+    t.add_argument("--double-quant", action="store_true",
+                   help="QLoRA with double quantization (4.127 bits); not with --method full")
     t.add_argument("--bnb-version", default=None,
                    help="bitsandbytes version of a QLoRA run: before 0.43.2 each 4-bit linear keeps its "
                         "input for the backward [unknown: counted as kept]")
     t.add_argument("--image-tokens", type=int, default=None,
-                   help="image tokens per row of a vision-language model, on top of --seq-length "
+                   help="image tokens per row of a vision-language model (not a text-only config), on "
+                        "top of --seq-length "
                         "[one image at the model family's default: the config's mm_tokens_per_image / "
                         "image_seq_len, or its vision patch grid; 256 for Qwen2-VL at 448 px]")
     t.add_argument("--framework", default="hf",
@@ -108,20 +127,22 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--world-size", type=int, default=1,
                    help="data-parallel processes: the effective batch, and with --sharding the ranks the "
                         "model state is divided over [1]")
-    t.add_argument("--sharding", default="none",
+    t.add_argument("--sharding", default=None,
                    help="none | ddp | fsdp-full | fsdp-grad-op | fsdp-hybrid | fsdp-no-shard | zero1 | zero2 | "
-                        "zero3: the estimate is then per rank [none]")
+                        "zero3: the estimate is then per rank; none: one process [none; ddp with "
+                        "--world-size above 1 (torchrun's usual DDP), said on stderr]")
     t.add_argument("--offload", default="none",
                    help="none | optimizer (ZeRO offload_optimizer) | params (FSDP CPU offload, ZeRO-3 "
                         "offload_param) [none]")
     t.add_argument("--shard-group-size", type=int, default=None,
-                   help="ranks per shard group with --sharding fsdp-hybrid [--world-size]")
+                   help="ranks per shard group; only with --sharding fsdp-hybrid [--world-size]")
     t.add_argument("--ranks", type=int, default=None, help=argparse.SUPPRESS)  # deprecated: --world-size
     b = p.add_argument_group("planning (optional)")
-    b.add_argument("--budget-gib", type=float, help="plan against this budget (GiB)")
+    b.add_argument("--budget-gib", type=float, help="plan against this budget (GiB); not with --available-gib")
     b.add_argument("--available-gib", type=float,
-                   help="plan against this much available memory x --safety-ratio")
-    b.add_argument("--safety-ratio", type=float, default=0.8, help="fraction of available memory used [0.8]")
+                   help="plan against this much available memory x --safety-ratio; not with --budget-gib")
+    b.add_argument("--safety-ratio", type=float, default=None,
+                   help="fraction of --available-gib used, in (0, 1] [0.8]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,11 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_args(e)
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument("--trace", action="store_true",
-                   help="also run one training step of the model's own code on fake tensors (needs --config "
-                        "and the [hf] extra; seconds) and compare its live tensor bytes with the estimate")
+                   help="also run one training step of the model's own code on fake tensors (needs a model "
+                        "config: MODEL or --config, and the [hf] extra; seconds) and compare its live tensor "
+                        "bytes with the estimate; one process: not with --sharding or --world-size above 1")
 
     pr = sub.add_parser("probe", help="what memory this machine offers (container-aware)")
-    pr.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mlx [auto]")
+    pr.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mlx | mps [auto]")
     pr.add_argument("--json", action="store_true", help="print one JSON object")
 
     d = sub.add_parser("demo", help="a guarded real LoRA fine-tune (SmolLM2-135M shapes, random weights)",
@@ -182,17 +204,38 @@ def _model_spec(args):
     qbits = None
     if args.method.strip().lower() == "qlora":
         qbits = 4
+    if args.model or args.config:
+        given = [f for f in SHAPE_FLAGS if getattr(args, f) is not None]
+        if given:
+            raise ConfigError(FLAG_OF[given[0]], "no value with a config (MODEL / --config describes the model; "
+                              "the plain-number flags apply to plain numbers only)", getattr(args, given[0]))
     if args.model:
-        from .sources import resolve_model_config
+        from .sources import looks_like_hub_id, resolve_model_config
 
         if args.config:
             raise ConfigError("--config", "not given together with MODEL (one model source)", args.config)
+        local = os.path.exists(os.path.expanduser(args.model.strip())) or not looks_like_hub_id(args.model.strip())
+        if args.revision is not None and local:
+            _note(args, f"--revision {args.revision} ignored: MODEL is a local path, not a hub id")
         args.config = resolve_model_config(args.model, revision=args.revision)
+    elif args.config and args.revision is not None:
+        _note(args, f"--revision {args.revision} ignored: --config is a local file (a revision applies to a "
+                    "hub id given as MODEL)")
     if args.config:
         return model_spec_from_hf_config(args.config, quantization_bits=qbits, double_quant=args.double_quant)
+    if args.trace:
+        raise ConfigError("--trace", "a model config (MODEL: a hub id, model folder or config.json; or --config "
+                          "PATH): the trace runs the model's own code, which plain numbers do not give", None)
+    if all(getattr(args, f) is None for f in SHAPE_FLAGS):
+        raise ConfigError("MODEL", "a hub id (Qwen/Qwen2.5-7B-Instruct), a model folder or a config.json "
+                          "(or --config PATH, or the plain numbers --model-params --hidden-dim --num-layers "
+                          "--num-heads)", None)
     missing = [f for f in ("model_params", "hidden_dim", "num_layers", "num_heads") if getattr(args, f) is None]
     if missing:
-        raise ConfigError(FLAG_OF[missing[0]], "a value (or give --config PATH)", None)
+        raise ConfigError(FLAG_OF[missing[0]], "a value (or give MODEL / --config PATH)", None)
+    for f, v in SHAPE_DEFAULTS.items():
+        if getattr(args, f) is None:
+            setattr(args, f, v)
     bits = 4 if qbits else args.model_bits
     return model_spec_from_numbers(
         model_params=int(args.model_params), hidden_dim=args.hidden_dim, num_layers=args.num_layers,
@@ -282,20 +325,78 @@ def _nvidia_gpu_count() -> int:
 
 
 def _train_spec(args, model_spec):
-    from .spec import TrainSpec
+    """The TrainSpec of ``memguard estimate``'s flags, after the cross-flag checks; the choices made
+    for the user (PEFT's LoRA targets, ``ddp`` for ``--world-size`` > 1) are said on stderr.
 
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    Raises:
+        ConfigError (naming the flag): LoRA flags with ``--method full``; ``--image-tokens`` on a
+            text-only config; ``--shard-group-size`` without ``--sharding fsdp-hybrid``;
+            ``--trace`` with a per-rank estimate; ``--safety-ratio`` outside (0, 1];
+            ``--budget-gib`` together with ``--available-gib``.
+    """
+    from .spec import DEFAULT_LORA_TARGETS, TrainSpec, with_default_lora_targets
+
+    full = str(args.method).strip().lower() == "full"
+    if full:
+        for flag, value in (("lora_rank", args.lora_rank), ("lora_targets", args.lora_targets)):
+            if value is not None:
+                raise ConfigError(FLAG_OF[flag], "no value with --method full (it applies to lora / qlora)", value)
+        if args.double_quant:
+            raise ConfigError("--double-quant", "not set with --method full (it is QLoRA's 4-bit double "
+                              "quantization)", True)
+    if args.image_tokens and model_spec.source == "hf-config" and not model_spec.image_tokens:
+        raise ConfigError("--image-tokens", f"no value for a text-only model ({model_spec.name}: model_type "
+                          f"{model_spec.model_type!r} has no vision tower)", args.image_tokens)
+    ratio = 0.8 if args.safety_ratio is None else args.safety_ratio
+    if not (math.isfinite(ratio) and 0 < ratio <= 1):
+        raise ConfigError("--safety-ratio", "a fraction in (0, 1] of --available-gib", args.safety_ratio)
+    if args.safety_ratio is not None and args.available_gib is None:
+        _note(args, "--safety-ratio applies to --available-gib only; without it, it changes nothing")
+    if args.budget_gib is not None and args.available_gib is not None:
+        raise ConfigError("--budget-gib", "not given together with --available-gib (one budget: --budget-gib "
+                          "as is, or --available-gib x --safety-ratio)", args.budget_gib)
+    world = args.ranks if args.ranks is not None else args.world_size
+    sharding = args.sharding
+    if sharding is None:
+        sharding = "none"
+        if isinstance(world, int) and world > 1 and str(args.framework).strip().lower() != "mlx":
+            sharding = "ddp"
+            _note(args, f"--world-size {world} without --sharding: estimating per rank of DDP (--sharding "
+                        "ddp, torchrun's usual data parallelism); --sharding none for one process that holds "
+                        "everything without DDP's buckets")
+    if args.shard_group_size is not None and str(sharding).strip().lower() != "fsdp-hybrid":
+        raise ConfigError("--shard-group-size", f"given only with --sharding fsdp-hybrid (ranks per shard "
+                          f"group; --sharding is {sharding})", args.shard_group_size)
+    if args.trace and (str(sharding).strip().lower() != "none" or (isinstance(world, int) and world > 1)):
+        raise ConfigError("--trace", "no --sharding and --world-size 1: the trace runs one process's step, "
+                          "which cannot be compared with a per-rank estimate", True)
+    targets = DEFAULT_LORA_TARGETS
+    if args.lora_targets is not None:
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
     dtype = resolve_dtype(args.dtype, args.mixed_precision, model_spec)
-    return TrainSpec(batch_size=args.batch_size, seq_length=args.seq_length, grad_accum=args.grad_accum,
-                     method=args.method, lora_rank=args.lora_rank, lora_targets=targets,
+    ts = TrainSpec(batch_size=args.batch_size, seq_length=args.seq_length, grad_accum=args.grad_accum,
+                     method=args.method, lora_rank=8 if args.lora_rank is None else args.lora_rank,
+                     lora_targets=targets,
                      lora_layers=args.lora_layers, optimizer=args.optimizer, dtype=dtype,
                      mixed_precision=args.mixed_precision, grad_checkpoint=args.grad_checkpoint,
                      attn_impl=args.attn, framework=args.framework,
                      device=args.device or default_device(args.framework),
                      image_tokens=model_spec.image_tokens if args.image_tokens is None else args.image_tokens,
-                     world_size=args.world_size, ranks=args.ranks, sharding=args.sharding,
+                     world_size=args.world_size, ranks=args.ranks, sharding=sharding,
                      offload=args.offload, shard_group_size=args.shard_group_size,
                      bnb_version=getattr(args, "bnb_version", None))
+    if ts.method != "full" and args.lora_targets is None:
+        resolved = with_default_lora_targets(model_spec, ts)
+        names = ",".join(resolved.lora_targets)
+        if resolved is not ts:
+            why = f"PEFT's default for model_type {model_spec.model_type!r}"
+        elif model_spec.source == "numbers":
+            why = "the default with plain numbers"
+        else:
+            why = f"PEFT has no default for model_type {model_spec.model_type!r}"
+        _note(args, f"--lora-targets not given: {names} ({why})")
+        ts = resolved
+    return ts
 
 
 def cmd_estimate(args) -> int:
@@ -313,6 +414,7 @@ def cmd_estimate(args) -> int:
             raise MemGuardError(f"--trace needs the [hf] extra (torch, transformers, peft): {exc}") from None
         trace = tracing.trace_for_cli(args.config, ts)
     budget = None
+    ratio = 0.8 if args.safety_ratio is None else args.safety_ratio
     if args.budget_gib is not None:
         if not math.isfinite(args.budget_gib) or args.budget_gib <= 0:
             raise ConfigError("--budget-gib", "a number of GiB > 0", args.budget_gib)
@@ -320,7 +422,7 @@ def cmd_estimate(args) -> int:
     elif args.available_gib is not None:
         if not math.isfinite(args.available_gib) or args.available_gib <= 0:
             raise ConfigError("--available-gib", "a number of GiB > 0", args.available_gib)
-        budget = budget_from_available(int(args.available_gib * GiB), args.safety_ratio)
+        budget = budget_from_available(int(args.available_gib * GiB), ratio)
     chosen = None
     not_fit = None
     if budget is not None:
@@ -355,13 +457,17 @@ def cmd_estimate(args) -> int:
 
 
 def cmd_probe(args) -> int:
-    from .probes import probe
+    from .probes import probe, total_limit
 
     snap = probe(args.device)
     if args.json:
         d = {k: getattr(snap, k) for k in ("device", "total_bytes", "available_bytes", "process_bytes",
                                            "process_peak_bytes", "pressure", "limit_bytes",
                                            "limit_source", "source")}
+        for k in ("address_limit_bytes", "address_limit_source", "address_headroom_bytes", "pressure_kind"):
+            d[k] = getattr(snap, k)
+        # the limit that set total_bytes: the virtual-memory rlimit, the container's, or none (host)
+        d["total_limit_bytes"], d["total_limit_source"] = total_limit(snap)
         d["used_fraction"] = round(snap.used_fraction, 4)
         print(json.dumps(d))
     else:
@@ -393,6 +499,23 @@ def cmd_demo(args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """``memguard`` entry point; returns the exit status. A reader that closes stdout early
+    (``memguard estimate ... --json | head -c 200``) ends it quietly with 141 (128 + SIGPIPE, what
+    a shell reports for a CLI killed by the closed pipe), without a traceback."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        try:  # the interpreter's final flush of stdout would fail again: point it at /dev/null
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # the supervisor parses its own arguments (everything after -- is the command)
         from .supervisor import main as run_main

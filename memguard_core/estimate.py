@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .errors import ConfigError
 from .spec import (NF4_BITS, NF4_DOUBLE_QUANT_BITS, LinearShape, ModelSpec, TrainSpec,  # noqa: F401  (public here too)
-                   check_train_spec, weights_for_training)
+                   check_train_spec, weights_for_training, with_default_lora_targets)
 
 __all__ = ["MemoryEstimate", "estimate", "trainable_param_count", "RUNTIME_OVERHEAD_BYTES",
            "BREAKDOWN_ORDER", "runtime_overhead_bytes", "cuda_sdpa_backend", "cuda_counter_bytes",
@@ -1513,6 +1513,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
             fine-tuning of quantized weights, LoRA targets that match nothing.
     """
     _validate(model_spec, train_spec, correction)
+    train_spec = with_default_lora_targets(model_spec, train_spec)  # PEFT's targets when none given
     notes: List[str] = list(check_train_spec(model_spec, train_spec))
     ts = train_spec
     if ts.image_tokens:  # a vision-language decoder's sequence holds the image tokens too

@@ -32,7 +32,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 from .errors import ConfigError, DoesNotFitError, require_fraction, require_positive_int
 from .estimate import MemoryEstimate, estimate
-from .spec import ModelSpec, TrainSpec
+from .spec import NF4_BITS, ModelSpec, TrainSpec, with_default_lora_targets
 
 __all__ = ["Change", "Plan", "plan", "budget_from_available", "relative_step_time", "STEPS",
            "DEFAULT_SAFETY_RATIO", "MICRO_BATCH_OVERHEAD_TOKENS"]
@@ -306,7 +306,7 @@ def plan(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
             budget, the best peak and the suggestions not already applied.
     """
     budget, allow, min_batch = _validate(model_spec, train_spec, budget_bytes, allow, min_batch)
-    ms, ts = model_spec, train_spec
+    ms, ts = model_spec, with_default_lora_targets(model_spec, train_spec)  # PEFT's targets when none given
     s = _Search(ms, ts, budget, correction)
 
     def done() -> Plan:
@@ -343,32 +343,69 @@ def _describe(t: TrainSpec) -> str:
     return f"micro-batch {t.batch_size}" + (" + checkpointing" if t.grad_checkpoint else "")
 
 
+#: A suggestion whose estimated saving is below this share of the best plan's peak is not listed
+#: (an 8-bit optimizer for a LoRA run whose optimizer states are a few MiB): it cannot close a
+#: shortfall, and listing it sends users after changes that do nothing.
+SUGGESTION_MIN_SAVING = 0.01
+
+
 def _suggestions(ms: ModelSpec, original: TrainSpec, cur: TrainSpec, allow) -> List[str]:
-    """The changes that lower the peak further, in the planner's order, minus what is already applied."""
-    out = []
+    """The changes that lower the peak further, in the planner's order, minus what is already
+    applied, each with what it alone would save on top of the best plan (``estimate`` of the
+    changed settings), so a user sees which can close the shortfall; a change that saves less than
+    :data:`SUGGESTION_MIN_SAVING` of the peak is left out. Spelt in the run's framework (HF keywords
+    for ``hf``)."""
+    hf, mlx = cur.framework == "hf", cur.framework == "mlx"
+    candidates: List[Tuple[str, Optional[Tuple[ModelSpec, TrainSpec]]]] = []
     if cur.method != "qlora" and ms.weight_bits >= 8:
-        out.append("quantize the base model to 4-bit and train QLoRA (load_in_4bit=True, "
-                   "bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True)")
+        how = (" (load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True)" if hf
+               else " (mlx_lm.convert --quantize)" if mlx else " (bitsandbytes NF4)")
+        candidates.append(("quantize the base model to 4-bit and train QLoRA" + how,
+                           (ms.replace(weight_bits=NF4_BITS), cur.replace(method="qlora"))))
     if not cur.grad_checkpoint:
-        out.append("enable gradient checkpointing")
+        candidates.append(("enable gradient checkpointing", (ms, cur.replace(grad_checkpoint=True))))
     if cur.batch_size > 1:
-        out.append(f"use micro-batch 1 with gradient accumulation {cur.batch_size * cur.grad_accum}")
+        candidates.append((f"use micro-batch 1 with gradient accumulation {cur.batch_size * cur.grad_accum}",
+                           (ms, cur.replace(batch_size=1, grad_accum=cur.batch_size * cur.grad_accum))))
     if cur.seq_length > 64:
-        out.append(f"use shorter sequences (now {cur.seq_length} tokens)")
+        candidates.append((f"use shorter sequences (now {cur.seq_length} tokens; half shown)",
+                           (ms, cur.replace(seq_length=cur.seq_length // 2))))
     if cur.method != "full" and cur.lora_rank > 1:
-        out.append(f"use a smaller LoRA rank (now {cur.lora_rank})")
+        candidates.append((f"use a smaller LoRA rank (now {cur.lora_rank}; half shown)",
+                           (ms, cur.replace(lora_rank=max(1, cur.lora_rank // 2)))))
     if cur.method != "full":
         n = cur.lora_layers or ms.num_layers
         if n > 1:
-            out.append(f"put LoRA on fewer layers (now {n})")
+            candidates.append((f"put LoRA on fewer layers (now {n}; half shown)",
+                               (ms, cur.replace(lora_layers=max(1, n // 2)))))
     if cur.method == "full":
-        out.append("train LoRA adapters instead of the full model")
-    if cur.optimizer in ("adam", "adamw"):
-        out.append("use an 8-bit optimizer (optim='adamw_bnb_8bit')")
+        candidates.append(("train LoRA adapters instead of the full model", (ms, cur.replace(method="lora"))))
+    if cur.optimizer in ("adam", "adamw") and not mlx:
+        how = " (optim='adamw_bnb_8bit')" if hf else " (bitsandbytes.optim.AdamW8bit)"
+        candidates.append(("use an 8-bit optimizer" + how, (ms, cur.replace(optimizer="adamw-8bit"))))
     if cur.attn_impl == "eager":
-        out.append("use attn_implementation='sdpa' (O(s) attention memory)")
+        how = "attn_implementation='sdpa'" if hf else "SDPA attention"
+        candidates.append((f"use {how} (O(s) attention memory)", (ms, cur.replace(attn_impl="sdpa"))))
     if cur.dtype == "fp32" or cur.mixed_precision:
-        out.append("load the weights in bf16 (half the weight memory)")
+        candidates.append(("load the weights in bf16 (half the weight memory)",
+                           (ms, cur.replace(dtype="bf16", mixed_precision=False))))
+    out = []
+    base = _peak_or_none(ms, cur)
+    for text, changed in candidates:
+        after = _peak_or_none(*changed) if changed is not None and base is not None else None
+        if after is None:
+            out.append(text)
+        elif base - after >= SUGGESTION_MIN_SAVING * base:
+            out.append(f"{text}: saves about {(base - after) / 2**30:.2f} GiB")
     out.append("use a smaller model")
     out.append("run on a machine (or container limit) with more memory")
     return out
+
+
+def _peak_or_none(ms: ModelSpec, ts: TrainSpec) -> Optional[int]:
+    """The estimated peak of a suggestion's settings; None where the estimator cannot price them
+    (the suggestion is then listed without a figure)."""
+    try:
+        return estimate(ms, ts).peak_bytes
+    except Exception:
+        return None

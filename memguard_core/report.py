@@ -123,19 +123,13 @@ def print_plan(plan) -> None:
 
 
 def probe_table(snap) -> Table:
+    from .probes import display_rows
+
     t = Table(title=f"memguard probe ({snap.source})")
     t.add_column("what")
     t.add_column("value", justify="right")
-    t.add_row("device", snap.device)
-    t.add_row("total", gib(snap.total_bytes))
-    t.add_row("available", gib(snap.available_bytes))
-    t.add_row("container limit", gib(snap.limit_bytes) if snap.limit_bytes else "none")
-    t.add_row("limit source", snap.limit_source)
-    t.add_row("this process", gib(snap.process_bytes))
-    t.add_row("this process, peak", gib(snap.process_peak_bytes))
-    t.add_row("pressure (PSI some avg10 %)" if snap.source == "linux" else "pressure",
-              "-" if snap.pressure is None else f"{snap.pressure:.2f}")
-    t.add_row("used", f"{snap.used_fraction:.0%}")
+    for what, value in display_rows(snap, gib):
+        t.add_row(what, value)
     return t
 
 

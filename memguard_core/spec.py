@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional
 
@@ -38,7 +39,117 @@ SHARDINGS = ("none", "ddp", "fsdp-full", "fsdp-grad-op", "fsdp-hybrid", "fsdp-no
 OFFLOADS = ("none", "optimizer", "params")
 DEVICES = ("cpu", "cuda", "mlx", "mps")
 ATTN_IMPLS = ("eager", "sdpa", "flash")
-DEFAULT_LORA_TARGETS = ("q_proj", "v_proj")
+
+
+class _PeftDefaultTargets(tuple):
+    """The LoRA targets of a ``TrainSpec`` built without ``lora_targets``: read as ``q_proj, v_proj``
+    until :func:`with_default_lora_targets` replaces them by PEFT's default for the model type.
+    Unequal to the same names given explicitly, so specs that resolve differently never compare
+    (or hash) equal."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _PeftDefaultTargets) and tuple.__eq__(self, other)
+
+    def __ne__(self, other: Any) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(("peft-default", tuple(self)))
+
+    def __repr__(self) -> str:
+        return f"DEFAULT_LORA_TARGETS{tuple.__repr__(self)}"
+
+
+#: ``TrainSpec.lora_targets`` when none are given: PEFT's default for the model type
+#: (:func:`peft_default_lora_targets`) wherever the model type is known; ``q_proj, v_proj`` for
+#: a spec from plain numbers or a model type PEFT has no default for.
+DEFAULT_LORA_TARGETS = _PeftDefaultTargets(("q_proj", "v_proj"))
+
+#: PEFT's ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`` (peft/utils/constants.py, peft
+#: 0.21.2), used only when peft is not installed; with peft the installed table is read.
+_PEFT_LORA_TARGETS_FALLBACK = {
+    "t5": ["q", "v"], "mt5": ["q", "v"], "bart": ["q_proj", "v_proj"], "gpt2": ["c_attn"],
+    "bloom": ["query_key_value"], "blip-2": ["q", "v", "q_proj", "v_proj"], "opt": ["q_proj", "v_proj"],
+    "gptj": ["q_proj", "v_proj"], "gpt_neox": ["query_key_value"], "gpt_neo": ["q_proj", "v_proj"],
+    "bert": ["query", "value"], "roberta": ["query", "value"], "xlm-roberta": ["query", "value"],
+    "electra": ["query", "value"], "deberta-v2": ["query_proj", "value_proj"], "deberta": ["in_proj"],
+    "layoutlm": ["query", "value"], "llama": ["q_proj", "v_proj"], "llama4": ["q_proj", "v_proj"],
+    "chatglm": ["query_key_value"], "gpt_bigcode": ["c_attn"], "mpt": ["Wqkv"],
+    "RefinedWebModel": ["query_key_value"], "RefinedWeb": ["query_key_value"], "falcon": ["query_key_value"],
+    "btlm": ["c_proj", "c_attn"], "codegen": ["qkv_proj"], "mistral": ["q_proj", "v_proj"],
+    "mixtral": ["q_proj", "v_proj"], "stablelm": ["q_proj", "v_proj"], "phi": ["q_proj", "v_proj", "fc1", "fc2"],
+    "gemma": ["q_proj", "v_proj"], "gemma2": ["q_proj", "v_proj"], "gemma3_text": ["q_proj", "v_proj"],
+    "gemma4": r".*language_model\..*\.(q_proj|v_proj)", "qwen2": ["q_proj", "v_proj"],
+    "qwen3": ["q_proj", "v_proj"], "nemotron_h": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "rwkv": ["key", "value", "receptance", "output"],
+    "rwkv7": ["r_proj", "k_proj", "v_proj", "o_proj", "key", "value"],
+}
+_PEFT_MAPPING_NAME = "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"
+
+
+def _peft_lora_mapping() -> tuple:
+    """(mapping, where it came from). peft/utils/constants.py imports torch and transformers, so
+    unless peft is already imported its source is read (``ast.literal_eval`` of the dict) without
+    importing it; the vendored copy when peft is not installed or the file has changed shape."""
+    mod = sys.modules.get("peft.utils.constants")
+    if mod is not None and isinstance(getattr(mod, _PEFT_MAPPING_NAME, None), dict):
+        return getattr(mod, _PEFT_MAPPING_NAME), "peft"
+    try:
+        import ast
+        import importlib.util
+
+        found = importlib.util.find_spec("peft")  # locates the package, imports nothing
+        locs = list(found.submodule_search_locations or []) if found is not None else []
+        if locs:
+            with open(os.path.join(locs[0], "utils", "constants.py"), encoding="utf-8") as fh:
+                tree = ast.parse(fh.read())
+            for node in tree.body:
+                if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == _PEFT_MAPPING_NAME
+                                                        for t in node.targets):
+                    return ast.literal_eval(node.value), "peft"
+    except Exception as exc:  # an unreadable or reshaped peft: the vendored table
+        _log.debug("peft's LoRA target table not read: %s", exc)
+    return _PEFT_LORA_TARGETS_FALLBACK, "memguard's copy of peft 0.21.2"
+
+
+def peft_default_lora_targets(model_type: Any) -> Optional[tuple]:
+    """The modules PEFT adapts for ``LoraConfig(target_modules=None)`` on a model of
+    ``model_type``: ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING[model_type]``
+    (peft/utils/constants.py; applied in peft/tuners/tuners_utils.py
+    ``BaseTuner._prepare_adapter_config``), read from the installed peft at call time without
+    importing it (a copy of peft 0.21.2's table without peft).
+
+    Returns:
+        tuple of module names (gpt2 -> ``("c_attn",)``, gpt_neox -> ``("query_key_value",)``,
+        llama -> ``("q_proj", "v_proj")``); a regex entry (gemma4's) yields the names of its last
+        alternation group. ``None`` for a model type PEFT has no default for (PEFT then raises
+        "Please specify `target_modules`").
+    """
+    mapping, _ = _peft_lora_mapping()
+    names = mapping.get(str(model_type)) if model_type else None
+    if isinstance(names, str):
+        m = re.search(r"\(([\w|]+)\)\$?$", names)
+        names = m.group(1).split("|") if m else None
+    if not names or not all(isinstance(n, str) and n for n in names):
+        return None
+    return tuple(names)
+
+
+def with_default_lora_targets(model_spec: "ModelSpec", train_spec: "TrainSpec") -> "TrainSpec":
+    """``train_spec`` with PEFT's default LoRA targets for ``model_spec``'s model type when it
+    was built without ``lora_targets`` (:data:`DEFAULT_LORA_TARGETS`); ``train_spec`` itself
+    when targets were given, the method is ``full``, the spec comes from plain numbers (no model
+    type: ``q_proj, v_proj`` stay) or PEFT has no default for the type. ``estimate`` and ``plan``
+    call it first. Imports nothing."""
+    if not isinstance(train_spec.lora_targets, _PeftDefaultTargets) or train_spec.method == "full" \
+            or getattr(model_spec, "source", None) == "numbers":
+        return train_spec
+    names = peft_default_lora_targets(getattr(model_spec, "model_type", None))
+    if names is None:
+        return train_spec
+    return train_spec.replace(lora_targets=names)
 
 
 @dataclass(frozen=True)
@@ -208,7 +319,11 @@ class TrainSpec:
         grad_accum: gradient accumulation steps (effective batch = batch_size x grad_accum x world_size).
         method: ``full`` | ``lora`` | ``qlora``.
         lora_rank: LoRA rank r.
-        lora_targets: module names LoRA wraps, or ``("all-linear",)``.
+        lora_targets: module names LoRA wraps, or ``("all-linear",)``. Not given (or ``None``):
+            PEFT's default for the model type (``LoraConfig(target_modules=None)``:
+            :func:`peft_default_lora_targets`, gpt2 ``c_attn``, llama ``q_proj, v_proj``), applied by
+            ``estimate`` / ``plan`` (:func:`with_default_lora_targets`); ``q_proj, v_proj`` for a
+            model from plain numbers.
         lora_layers: LoRA on the last N blocks only (mlx_lm's ``num_layers``); ``None`` = all.
         optimizer: ``adam`` | ``adamw`` | ``sgd`` (no momentum, as HF's ``sgd``) | ``sgd-momentum`` |
             ``adafactor`` | ``adamw-8bit`` | ``paged-adamw-8bit`` | ``paged-adamw-32bit`` (bitsandbytes
@@ -330,6 +445,11 @@ class TrainSpec:
         if self.lora_layers is not None:
             require_positive_int("lora_layers", self.lora_layers)
         targets = self.lora_targets
+        if isinstance(targets, _PeftDefaultTargets):
+            return  # PEFT's default, resolved against the model (with_default_lora_targets)
+        if targets is None:  # as LoraConfig(target_modules=None)
+            object.__setattr__(self, "lora_targets", DEFAULT_LORA_TARGETS)
+            return
         if isinstance(targets, str):
             targets = tuple(t.strip() for t in targets.split(",") if t.strip())
         if not targets or not all(isinstance(t, str) and t for t in targets):
@@ -1728,8 +1848,12 @@ def lora_trainable_params(model_spec: ModelSpec, train_spec: TrainSpec) -> int:
             matched.add(t)
     if not all_linear and not matched:
         names = sorted({lin.name for lin in model_spec.block_linears})
+        why = ""
+        if isinstance(train_spec.lora_targets, _PeftDefaultTargets):
+            why = (f"; none were given and PEFT has no default for model_type {model_spec.model_type!r} "
+                   "(LoraConfig needs target_modules)")
         raise ConfigError("lora_targets", "module names in the model's blocks (" + ", ".join(names)
-                          + ") or 'all-linear'", list(targets))
+                          + ") or 'all-linear'" + why, list(targets))
     return total
 
 

@@ -421,7 +421,9 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
         result.returncode = _shell_status(rc)
         if not attempt.killed_for_memory:
             if attempt.number > 1 or rc != 0:
-                say(f"memguard run: attempt {attempt.number} ended: {attempt.reason} (status {rc})")
+                # the reason names the status when the exit was a plain one; a signal's adds it
+                status = "" if f"status {rc}" in attempt.reason else f" (status {rc})"
+                say(f"memguard run: attempt {attempt.number} ended: {attempt.reason}{status}")
             return result
         if result.restarts >= max_restarts:
             result.gave_up = True

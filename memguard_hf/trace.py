@@ -388,8 +388,11 @@ def _validate(ts: Any, device: Any) -> None:
     if str(device) != "cpu":
         raise ConfigError("device", "'cpu' (the trace runs the step on fake CPU tensors; a fake cuda device "
                           "needs a CUDA build of torch, and in a CPU build it aborts the process)", device)
-    if ts.framework not in ("hf", "lightning"):
-        raise ConfigError("framework", "hf or lightning for --trace (it runs the torch model)", ts.framework)
+    # the trace runs the model's own torch code on fake tensors: the same step whichever loop
+    # (HF Trainer, Lightning, a plain PyTorch loop) drives it; only mlx runs other code
+    if ts.framework not in ("hf", "lightning", "torch"):
+        raise ConfigError("framework", "hf, lightning or torch for --trace (it runs the torch model)",
+                          ts.framework)
     if ts.method == "qlora":
         raise ConfigError("method", "full or lora for --trace (bitsandbytes 4-bit layers do not run on fake "
                           "CPU tensors)", ts.method)

@@ -39,3 +39,33 @@ def test_calibration_with_a_data_dir_that_is_a_file(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, PYTHONPATH=ROOT, MEMGUARD_DATA_DIR=str(f)))
     assert r.returncode == 0 and r.stdout.strip() == "[]"
+
+
+def test_calibration_show_on_a_missing_store_creates_nothing(tmp_path):
+    d = tmp_path / "not-there"
+    p = _memguard("calibration", "show", env={"MEMGUARD_DATA_DIR": str(d)})
+    assert p.returncode == 0 and "empty" in p.stdout and str(d) in p.stdout
+    p = _memguard("calibration", "show", "--json", env={"MEMGUARD_DATA_DIR": str(d)})
+    assert p.returncode == 0 and p.stdout.strip() == "[]"
+    p = _memguard("calibration", "reset", env={"MEMGUARD_DATA_DIR": str(d)})
+    assert p.returncode == 0 and "nothing to delete" in p.stdout
+    assert not d.exists()
+
+
+def test_calibration_show_on_an_empty_store_says_so(tmp_path):
+    from memguard_core import calibration
+
+    os.environ["MEMGUARD_DATA_DIR"] = str(tmp_path)
+    try:
+        calibration._connect().close()  # the store a guarded run creates, with no run in it
+    finally:
+        del os.environ["MEMGUARD_DATA_DIR"]
+    p = _memguard("calibration", "show", env={"MEMGUARD_DATA_DIR": str(tmp_path)})
+    assert p.returncode == 0 and "empty" in p.stdout and "calibration.sqlite3" in p.stdout
+    assert "not created yet" not in p.stdout
+
+
+def test_run_names_a_plain_exit_status_once():
+    p = _memguard("run", "--", sys.executable, "-c", "import sys; sys.exit(3)")
+    assert p.returncode == 3
+    assert "exited with status 3" in p.stderr and "(status 3)" not in p.stderr

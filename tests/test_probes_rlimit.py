@@ -161,3 +161,41 @@ def test_torch_under_rlimit_as_is_split_before_its_allocator_fails():
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["failed_at"] is not None                     # the limit is real: torch fails at last
     assert r["first_split"] is not None and r["first_split"] < r["failed_at"]
+
+
+@pytest.mark.parametrize("flag,source", [("--as", "RLIMIT_AS"), ("--data", "RLIMIT_DATA")])
+def test_probe_command_names_the_rlimit_that_set_the_total(flag, source):
+    """``prlimit --as / --data memguard probe``: the table and the JSON say which limit set the
+    total (not "host")."""
+    env = dict(os.environ, PYTHONPATH=ROOT, COLUMNS="200")
+    limit = 6 * 1024 * MiB
+    cmd = ["prlimit", f"{flag}={limit}", sys.executable, "-m", "memguard_core.cli", "probe", "--device", "cpu"]
+    out = subprocess.run(cmd + ["--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0 and "prlimit" in out.stderr and "not found" in out.stderr:
+        pytest.skip("no prlimit")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    if d["total_bytes"] != limit:
+        pytest.skip("a container limit below the rlimit sets the total here")
+    assert (d["total_limit_bytes"], d["total_limit_source"]) == (limit, source)
+    assert (d["address_limit_bytes"], d["address_limit_source"]) == (limit, source)
+    assert 0 < d["address_headroom_bytes"] < limit
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    table = " ".join(out.stdout.split())
+    assert f"total set by │ {source} (6.00 GiB)" in table
+    assert f"address-space limit │ 6.00 GiB ({source};" in table
+    assert "pressure (PSI some avg10, % stalled)" in table
+
+
+def test_probe_rows_without_limits_name_the_host():
+    from memguard_core.probes import display_rows, total_limit
+
+    if linux.read_rlimits() != (None, None):
+        pytest.skip("this test process runs under an address-space limit")
+    s = linux.probe()
+    lim, src = total_limit(s)
+    assert (lim, src) == ((s.limit_bytes, s.limit_source) if s.limit_bytes else (None, s.limit_source))
+    rows = dict(display_rows(s, str))
+    assert rows["address-space limit"] == "none"
+    assert rows["total set by"].startswith(s.limit_source)

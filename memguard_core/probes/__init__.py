@@ -33,14 +33,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from memguard_core.errors import ConfigError
 
 log = logging.getLogger("memguard.probes")
 
 __all__ = ["MemorySnapshot", "StepReader", "probe", "step_reader", "live_bytes", "trim_heap",
-           "resolve_device", "host_source"]
+           "resolve_device", "host_source", "total_limit", "display_rows"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,51 @@ class MemorySnapshot:
             return 0.0
         frac = 1.0 - self.available_bytes / self.total_bytes
         return min(1.0, max(0.0, frac))
+
+
+def total_limit(snap: MemorySnapshot) -> tuple:
+    """The limit that set ``snap.total_bytes`` and its name, for display (``memguard probe``).
+
+    Returns:
+        ``(bytes, source)``: the virtual-memory limit (``address_limit_bytes``,
+        ``"RLIMIT_AS"`` / ``"RLIMIT_DATA"`` / ``"commit-limit"``) when it capped the total; else
+        the container limit (``limit_bytes``, ``limit_source``: ``"cgroup-v2:<dir>"`` ...);
+        else ``(None, limit_source)``: the host's (or device's) own total, nothing below it.
+    """
+    a = snap.address_limit_bytes
+    if a is not None and snap.address_limit_source and snap.total_bytes == a \
+            and (snap.limit_bytes is None or a <= snap.limit_bytes):
+        return a, snap.address_limit_source
+    if snap.limit_bytes:
+        return snap.limit_bytes, snap.limit_source
+    return None, snap.limit_source
+
+
+#: What ``MemorySnapshot.pressure`` measures, by ``pressure_kind``, with its unit (display).
+PRESSURE_LABELS = {"psi": "pressure (PSI some avg10, % stalled)",
+                   "memorystatus": "pressure (memory the kernel counts in use, %)"}
+
+
+def display_rows(snap: MemorySnapshot, fmt: Callable[[Optional[float]], str]) -> List[tuple]:
+    """``(what, value)`` rows of ``memguard probe``'s table: the totals with the limit that set
+    the total and its source, the container and virtual-memory limits apart (``none`` when not
+    set), the process figures, and the pressure with its unit (``pressure_kind``). ``fmt``
+    formats bytes."""
+    lim, src = total_limit(snap)
+    rows = [("device", snap.device), ("total", fmt(snap.total_bytes)),
+            ("total set by", f"{src} ({fmt(lim)})" if lim is not None else f"{src} (no lower limit)"),
+            ("available", fmt(snap.available_bytes)),
+            ("container limit", f"{fmt(snap.limit_bytes)} ({snap.limit_source})" if snap.limit_bytes else "none"),
+            ("address-space limit", f"{fmt(snap.address_limit_bytes)} ({snap.address_limit_source}; "
+                                    f"{fmt(snap.address_headroom_bytes)} left)"
+             if snap.address_limit_bytes is not None else "none"),
+            ("this process", fmt(snap.process_bytes)), ("this process, peak", fmt(snap.process_peak_bytes))]
+    label = PRESSURE_LABELS.get(snap.pressure_kind or "", "pressure (%)")
+    rows.append((label, "-" if snap.pressure is None else f"{snap.pressure:.2f}"))
+    if snap.kernel_pressure:
+        rows.append(("kernel pressure level", snap.kernel_pressure))
+    rows.append(("used", f"{snap.used_fraction:.0%}"))
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------

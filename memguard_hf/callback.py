@@ -13,8 +13,10 @@ What it does:
   TRL's ``SFTTrainer`` keep their ``compute_loss``), weighted so that the accumulated gradient
   equals the unsplit one. The dataloader, ``gradient_accumulation_steps``, the scheduler and the
   step counters are untouched, so samples per optimizer step, LR schedule and step count stay.
-  Non-final chunks run under ``accelerator.no_sync`` (no DDP all-reduce), except under FSDP where
-  ``no_sync`` would keep unsharded gradients and cost the memory being saved.
+  Under DDP every chunk runs under ``accelerator.no_sync`` and memguard averages the gradients once
+  the ranks agreed the window went through. Under FSDP2 (accelerate's ``fsdp_version: 2``) every
+  chunk reduce-scatters (``no_sync`` would keep unsharded gradients and cost the memory being
+  saved), between the OOM sync points of ``memguard_torch.sync`` (docs/hf_fsdp.md).
 * **Runtime guard**: the guard's ``MemoryMonitor`` samples at each micro-batch (cheap counters) and
   in a background thread; it cleans caches and doubles k under pressure.
 * **OOM catch and retry**: an out-of-memory error raised in a chunk's *forward* (CUDA
@@ -32,8 +34,9 @@ What it does:
   an evaluation OOM doubles it), losses weighted as in training and logits / labels concatenated, so
   ``evaluate()`` / ``predict()`` return what the unsplit evaluation returns; an OOM there redoes the
   batch in smaller chunks. Its split is its own: it never changes the training micro-batches.
-* **Ranks agree**: under ``torch.distributed`` the k of each micro-batch is all-reduced (MAX) so
-  every rank cuts alike (FSDP / ZeRO-3 gathers would hang otherwise).
+* **Ranks agree**: under ``torch.distributed`` the k of each batch is all-reduced (MAX) so
+  every rank cuts alike (FSDP gathers would hang otherwise); under FSDP2 an OOM on one rank is
+  learnt by every rank at a sync point before its next collective, and all redo together.
 
 How the callback finds the trainer: HF passes no trainer to callbacks. ``on_init_end`` (callback
 given to ``Trainer(callbacks=[...])``) and ``on_train_begin`` (``trainer.add_callback``) are both
@@ -96,7 +99,9 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
 
     Attributes (the guard's, see ``memguard_core.guard.Guard``): ``guard``, ``monitor``,
     ``preflight``, ``events``, ``micro_batch_rows``, ``samples_per_step``, ``oom_retries``,
-    ``split_disabled_reason``, ``summary``, ``budget_bytes``. The evaluation split's
+    ``split_disabled_reason``, ``summary``, ``budget_bytes``; ``oom_errors`` (the out-of-memory
+    errors caught on this rank under FSDP2, ``type: message``, a peer's as
+    ``PeerOutOfMemoryError``). The evaluation split's
     (``memguard_hf.eval_split.GuardedEval``): ``eval_micro_batches`` and ``split_evaluation`` (settable),
     ``eval_oom_retries``, ``eval_micro_batch_rows``.
 
@@ -122,6 +127,7 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
         self._window_pos = 0           # training_step calls made in it
         self._window_redos = 0
         self._states_ready = False
+        self.oom_errors = []
         self._init_eval()
 
     # deprecated names
@@ -257,6 +263,7 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
                 "memguard_max_usage": round(mon.max_usage, 4)}
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._remove_fsdp_hooks()
         self.guard.finish(state.global_step, eval_oom_retries=self.eval_oom_retries,
                           eval_micro_batches=self.eval_micro_batches)
 

@@ -1,6 +1,7 @@
 """The guarded training step of the HF adapter: each batch cut into micro-batches inside
 ``Trainer.training_step``, the forward OOM retry and the accumulation-window redo
-(docs/lifecycle.md, "Redoing the accumulation window"). A mixin of
+(docs/lifecycle.md, "Redoing the accumulation window"); under FSDP2 every micro-batch runs between
+the OOM sync points of ``memguard_torch.sync`` (docs/hf_fsdp.md). A mixin of
 :class:`memguard_hf.callback.MemGuardCallback`, which binds these methods onto the trainer's instance;
 kept apart so the callback holds only the hooks.
 """
@@ -16,6 +17,9 @@ from memguard_core import microbatch
 from memguard_core import torch_train as tt
 from memguard_core.microbatch import without_frames as _without_frames
 from memguard_core.optim_state import prepare_optimizer
+from memguard_torch import _compat as torch_compat
+from memguard_torch.ranks import agreed_ranges, fsdp_after_abort
+from memguard_torch.sync import FsdpSyncHooks, OomSync, PeerOutOfMemoryError
 
 from . import _compat
 
@@ -28,10 +32,11 @@ def is_oom_error(exc: BaseException) -> bool:
     """True for an out-of-memory error of torch (CUDA, MPS, XPU or the CPU allocator).
 
     Uses ``accelerate.utils.memory.should_reduce_batch_size`` (the message list accelerate's
-    ``find_executable_batch_size`` relies on) plus ``torch.OutOfMemoryError``.
+    ``find_executable_batch_size`` relies on) plus ``torch.OutOfMemoryError``; another FSDP rank's
+    (``memguard_torch.sync.PeerOutOfMemoryError``) counts too.
     """
     oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type):
+    if oom_type is not None and isinstance(exc, oom_type) or isinstance(exc, PeerOutOfMemoryError):
         return True
     try:
         from accelerate.utils.memory import should_reduce_batch_size
@@ -75,6 +80,7 @@ class GuardedStep:
         except BaseException:
             # the run is leaving train() without on_train_end: stop the monitor thread with it
             self.guard.stop()
+            self._remove_fsdp_hooks()
             raise
 
     def _guarded_training_step_inner(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
@@ -90,6 +96,9 @@ class GuardedStep:
         # another way gets the forward-only retry (a backward OOM is then re-raised)
         in_window = window is not None and pos < len(window) and window[pos] is inputs
         k = self.guard.micro_batches_for_step(self.trainer.state.global_step)
+        if self._fsdp2_sync(model) is not None:
+            return self._fsdp_training_step(model, inputs, num_items_in_batch, k, pos if in_window else None,
+                                            args, kwargs)
         # under DDP every micro-batch runs under no_sync and the gradients are averaged once every
         # rank's window went through: an OOM in the last backward cannot leave the others waiting
         # in DDP's all-reduce (docs/lifecycle.md, "Ranks agree")
@@ -118,6 +127,129 @@ class GuardedStep:
             k = self._redo_window(model, failure, k, self._units_of(inputs))
             redo = True
 
+    # ------------------------------------------------------------------ FSDP2
+    _fsdp_sync = None
+    _fsdp_hooks = None
+    _fsdp_checked = False
+
+    def _fsdp2_sync(self, model):
+        """The run's ``OomSync`` when ``model`` is an FSDP2 (``fully_shard``) model, else None. At
+        the first call on an FSDP2 model (the first training step, on every rank alike: the flag
+        group is made collectively) the sync points go into FSDP's comms (``FsdpSyncHooks``)."""
+        if not self._fsdp_checked:
+            self._fsdp_checked = True
+            if torch_compat.fsdp_modules(model):
+                from memguard_core.distributed import flag_group
+                from memguard_torch.preflight import world_size
+
+                self._fsdp_sync = OomSync(flag_group() if world_size() > 1 else None)
+                self._fsdp_hooks = FsdpSyncHooks(model, self._fsdp_sync)
+        return self._fsdp_sync
+
+    def _remove_fsdp_hooks(self) -> None:
+        """Give FSDP its comms back (train end, or the run leaving train() on an error)."""
+        if self._fsdp_hooks is not None:
+            self._fsdp_hooks.remove()
+            self._fsdp_hooks = None
+        self._fsdp_sync = None
+        self._fsdp_checked = False
+
+    def _fsdp_training_step(self, model, inputs, num_items_in_batch, k: int, pos, args, kwargs):
+        """One ``training_step`` call under FSDP2: the batch in ``k`` micro-batches (k and the
+        number of chunks agreed by every rank), each reduce-scattering its gradients, each ending
+        with every rank learning whether any failed (``OomSync.end``). A failure that added no
+        gradient on any rank re-cuts the rows not yet processed; else, when ``pos`` (the call's
+        position in the window) is known, every rank redoes the window's batches up to this one at
+        a doubled k; otherwise every rank raises. Returns the batch's loss."""
+        redo = False
+        while True:
+            loss = failure = None
+            todo = self._window[:pos + 1] if redo else [inputs]
+            for b in todo:
+                loss, failure = self._fsdp_batch(model, b, num_items_in_batch, max(k, self.guard.monitor.split),
+                                                 args, kwargs)
+                if failure is not None:
+                    break
+            if failure is None:
+                return loss
+            loss = None
+            if pos is None:
+                raise failure
+            self._rows_this_step = 0
+            k = self._redo_window(model, failure, k, self._units_of(inputs),
+                                  phase="backward" if self._fsdp_sync.grads_added else "forward")
+            redo = True
+
+    def _fsdp_batch(self, model, inputs, num_items_in_batch, k: int, args, kwargs):
+        """One batch in ``k`` chunks under FSDP2 (see :meth:`_fsdp_training_step`); returns
+        ``(loss, None)``, or ``(None, error)`` (this rank's, or a ``PeerOutOfMemoryError``) when the
+        window must be redone."""
+        token_norm = self._loss_is_token_normalised(num_items_in_batch)
+        weighting = "rows" if self.options.loss_weighting == "rows" else "tokens"
+        try:
+            sp = microbatch.BatchSplitter(inputs, weighting=weighting,
+                                          shift_labels=_compat.loss_shifts_labels(self.trainer))
+        except ValueError:
+            loss, top, _low, exc = self._fsdp_chunk(model, inputs, num_items_in_batch, 1.0, args, kwargs)
+            return (loss, None) if top == 0 else (None, exc or PeerOutOfMemoryError("at the end of the micro-batch"))
+        total = None
+        start = 0
+        while start < sp.units:
+            ranges = agreed_ranges(sp, k, start, self._fsdp_sync.group)
+            for u0, u1 in ranges:
+                whole = u0 == 0 and u1 == sp.units
+                chunk = None if whole else sp.chunk(u0, u1)
+                loss, top, low, exc = self._fsdp_chunk(
+                    model, inputs if whole else chunk.inputs, num_items_in_batch,
+                    1.0 if (whole or token_norm) else chunk.weight, args, kwargs)
+                chunk = None
+                if top == 0:
+                    total = loss if total is None else total + loss
+                    start = u1
+                    continue
+                loss = None
+                fsdp_after_abort(model)
+                units_left = sp.units - start
+                exc = exc or PeerOutOfMemoryError("at the end of the micro-batch")
+                if low >= 1 and top == 1 and k < units_left:
+                    # no rank added a gradient in this chunk: every rank re-cuts the same rows
+                    k = self.guard.agreed(self.guard.after_oom(exc, k, units_left, self.trainer.state.global_step,
+                                                               free=microbatch.free_after_oom))
+                    break
+                return None, exc
+        return total, None
+
+    def _fsdp_chunk(self, model, inputs, num_items_in_batch, weight, args, kwargs):
+        """One micro-batch's forward and backward through the Trainer's ``training_step`` between
+        the sync points; returns ``(loss, max_flag, min_flag, error)`` over the ranks (flags: 0 done,
+        1 stopped before any reduce-scatter, 2 after; ``error`` this rank's OOM, without frames).
+        The Trainer's ``no_sync`` (``set_requires_gradient_sync(False)`` for a window's earlier
+        batches) is overridden: every chunk reduce-scatters (docs/hf_fsdp.md). Errors other than
+        out-of-memory propagate."""
+        sync, rows = self._fsdp_sync, self._rows_of(inputs)
+        self.guard.micro_batch_rows.append(rows)
+        self._loss_scale = weight
+        self._oom_in_forward = False
+        sync.grads_added = False
+        exc = loss = None
+        self._fsdp_hooks.new_chunk()
+        model.set_requires_gradient_sync(True)
+        sync.inside = sync.group is not None
+        try:
+            loss = self._orig_training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+        except Exception as e:
+            if not is_oom_error(e):
+                raise
+            exc = _without_frames(e)
+            self.oom_errors.append(f"{type(e).__name__}: {str(e)[:300]}")
+        finally:
+            sync.inside = False
+            self._loss_scale = 1.0
+        top, low = sync.end(0 if exc is None else (2 if sync.grads_added else 1))
+        if top == 0:
+            self._rows_this_step += rows
+        return loss, top, low, exc
+
     _manual_ddp = None
 
     def _ddp_for_manual_reduce(self, model):
@@ -135,10 +267,11 @@ class GuardedStep:
         if opt is not None:
             prepare_optimizer(opt, self.guard, lambda: self.trainer.args.per_device_train_batch_size, is_oom_error)
 
-    def _redo_window(self, model, failure, k: int, rows: int) -> int:
+    def _redo_window(self, model, failure, k: int, rows: int, phase=None) -> int:
         """Zero the window's partly summed gradients, free memory and return the k to redo the
-        window with (``Guard.after_window_oom``)."""
-        phase = "forward" if failure is not None and self._oom_in_forward else "backward"
+        window with (``Guard.after_window_oom``); ``phase`` None: told from where the error came."""
+        if phase is None:
+            phase = "forward" if failure is not None and self._oom_in_forward else "backward"
         model.zero_grad(set_to_none=True)
         trainer_model = getattr(self.trainer, "model", None)
         if trainer_model is not None and trainer_model is not model:

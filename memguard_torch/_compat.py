@@ -67,6 +67,17 @@ def fsdp_root(model: Any) -> Optional[Any]:
     return mods[0] if mods else None
 
 
+def fsdp_has_params(module: Any) -> bool:
+    """Whether an FSDP2 module manages parameters of its own (``FSDPState._fsdp_param_groups``
+    non-empty). One without (a root whose submodules were all sharded apart, as accelerate's
+    ``fsdp2_prepare_model`` does with ``transformer_layer_cls_to_wrap``) issues no collective of its
+    own. True when the name is gone (the caller then treats it as one that does)."""
+    try:
+        return len(module._get_fsdp_state()._fsdp_param_groups) > 0
+    except Exception:
+        return True
+
+
 def _fsdp_params(module: Any) -> Iterator[Any]:
     try:
         state = module._get_fsdp_state()

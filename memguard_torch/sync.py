@@ -21,7 +21,8 @@ between them is met at the next one by its peers. The sync points of an FSDP2 mo
 ``set_custom_reduce_scatter``): after FSDP has allocated a collective's buffers (the allocation that
 can fail) and right before the all-gather or reduce-scatter, so every collective of a forward and a
 backward has a sync point just before it and nothing that can run out of memory lies between the
-two. A module whose comms cannot be replaced (several parameter groups) gets module hooks instead:
+two. A module with no parameters of its own issues no collective and gets none. A module whose
+comms cannot be replaced (several parameter groups) gets module hooks instead:
 before its forward, before its backward, after its backward compute, and at the end of the backward
 before FSDP's root post-backward callback.
 
@@ -179,6 +180,10 @@ class FsdpSyncHooks:
         self._callback_queued = False
         for m in _compat.fsdp_modules(model):
             name = type(m).__name__
+            if not _compat.fsdp_has_params(m):
+                # no parameters of its own, so no all-gather or reduce-scatter of its own: the
+                # collectives it triggers (its children's, the root post-backward's) are theirs
+                continue
             comms = _compat.sync_fsdp_comms(m, self._before_collective)
             if comms is not None:
                 self.comms.append((m, comms))

@@ -1,0 +1,97 @@
+"""HF ``Trainer`` under FSDP2 (accelerate's ``fsdp_version: 2``) on 2 gloo CPU ranks
+(memguard_testing/scripts/hf_fsdp_worker.py): a guarded run split in place, only rank 0 asking,
+ends with the parameters of HF's own unsplit FSDP2 run; a REAL allocator failure on rank 1 only
+(``RLIMIT_AS`` in that rank's process) is survived by both ranks with no hang, while the unguarded
+twin under the same limit dies.
+
+Thin fake, said here as in the worker: accelerate 1.15 keeps the FSDP plugin only on GPU-like
+devices (``accelerate/state.py`` ~986-1013); the worker sets ``DistributedType.FSDP`` and the plugin
+after ``AcceleratorState.__init__`` as that branch does. ``fully_shard``, the gloo collectives and
+the allocator failures are real.
+
+Tolerance as in test_torch_loop.py: chunk gradients summed vs one batch mean agree to float32
+rounding; after a few AdamW steps parameters agree to ~1e-6; ``atol=2e-5`` is far below one update.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import memguard_testing
+
+ATOL = 2e-5
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(out, mode: str, timeout: int = 420):
+    """The worker on 2 gloo ranks; (torchrun's return code, output). A hang ends in the workers'
+    faulthandler watchdog (stacks dumped, exit) well before the test's own timeout."""
+    env = memguard_testing.script_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_ARENA_MAX="1",
+                                      TOKENIZERS_PARALLELISM="false", MEMGUARD_TEST_DUMP_AFTER_S=str(timeout - 60))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           "--master_port", str(_port()), memguard_testing.script("hf_fsdp_worker.py"), mode,
+                           str(out)], env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _run(out, mode: str):
+    rc, log = _launch(out, mode)
+    assert rc == 0, log[-6000:]
+    return ([torch.load(out / f"params{r}.pt") for r in (0, 1)],
+            [json.load(open(out / f"rank{r}.json")) for r in (0, 1)])
+
+
+def _diff(a, b) -> float:
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+def test_fsdp2_split_equals_hf_unsplit_run(tmp_path):
+    """Rank 0 alone asks for k=2 then k=4 mid-window; both ranks cut alike (k and the number of
+    chunks agreed), every chunk reduce-scatters, and the parameters equal HF's own unsplit FSDP2 run
+    (whose window's earlier batches run under ``no_sync``)."""
+    base_p, base = _run(tmp_path / "plain", "plain")
+    split_p, split = _run(tmp_path / "split", "split")
+    assert base[0]["loss"][0] > base[0]["loss"][-1]           # the reference trains
+    for r in (0, 1):
+        assert split[r]["global_step"] == base[r]["global_step"] == 4
+        assert split[r]["lr"] == pytest.approx(base[r]["lr"])
+        assert _diff(base_p[r], split_p[r]) < ATOL
+        assert split[r]["samples_per_step"] == [16] * 4
+    assert _diff(split_p[0], split_p[1]) == 0                 # the gathered parameters, equal on both ranks
+    rows = split[1]["forward_rows"]
+    assert rows == split[0]["forward_rows"] and min(rows) < max(rows)   # rank 1 followed rank 0's split
+
+
+def test_fsdp2_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path):
+    """Rank 1 alone gets an address-space limit (RLIMIT_AS) of its VmSize at train begin plus 70 % of
+    what the unlimited unsplit run added to its VmPeak: its allocator really fails at the unsplit
+    size. The unguarded twin dies; the guarded run (monitor's step sample off, so the OOM path acts)
+    finishes every step on both ranks within the timeout (a rank left in a collective would hang),
+    rank 1's errors are the allocator's own, rank 0 learnt of them at a sync point before one of its
+    FSDP collectives, and the parameters are the unlimited run's."""
+    ref_p, ref = _run(tmp_path / "ref", "oom-ref")
+    headroom = int(0.7 * (ref[1]["vmpeak"] - ref[1]["base_vmsize"]))
+    rc, log = _launch(tmp_path / "none", f"oom-none:{headroom}")
+    assert rc != 0 and "can't allocate memory" in log, log[-6000:]
+    oom_p, oom = _run(tmp_path / "oom", f"oom:{headroom}")
+    errors = oom[1]["oom_errors"]
+    assert errors and all("can't allocate memory" in e for e in errors), errors
+    assert oom[0]["oom_errors"] and all(e.startswith("PeerOutOfMemoryError") for e in oom[0]["oom_errors"])
+    for r in (0, 1):
+        assert oom[r]["global_step"] == ref[r]["global_step"] == 3
+        assert oom[r]["lr"] == pytest.approx(ref[r]["lr"])
+        assert oom[r]["oom_retries"] == len(errors)
+        assert oom[r]["samples_per_step"] == [16] * 3
+        assert oom[r]["forward_rows"] == oom[0]["forward_rows"]
+        assert _diff(ref_p[r], oom_p[r]) < ATOL

@@ -1,0 +1,149 @@
+"""One rank of a 2-rank gloo HF ``Trainer`` run under FSDP2 (accelerate's ``fsdp_version: 2``,
+``fully_shard`` per ``LlamaDecoderLayer`` and the root) on CPU, for integration_tests/test_hf_fsdp.py.
+
+usage: python -m torch.distributed.run --nproc_per_node=2 hf_fsdp_worker.py MODE OUT_DIR
+
+Modes:
+
+* ``plain``: unguarded, HF's own FSDP2 run (the reference of ``split``).
+* ``split``: guarded; rank 0 alone asks for k=2 at step 1 and k=4 after step 2's first batch
+  (``memguard_testing.hf_tiny.SwitchSplit``), rank 1 follows through the all-reduce.
+* ``oom-ref``: unguarded, no limit, longer rows (eager attention: activations dominate a rank's
+  growth); records VmSize at train begin and VmPeak at the end (the test places its limit from them).
+* ``oom:HEADROOM`` / ``oom-none:HEADROOM``: as ``oom-ref``, but rank 1 alone sets ``RLIMIT_AS`` to its
+  VmSize at train begin plus HEADROOM bytes, so torch's CPU allocator really fails there; guarded
+  (the monitor's step sample off, so the OOM path is what acts) or unguarded (the twin that dies).
+
+The one fake (this machine has no GPU): accelerate 1.15 sets ``DistributedType.FSDP`` and keeps the
+FSDP plugin only in ``AcceleratorState.__init__``'s branch for MULTI_GPU / NPU / XPU / ... devices
+(``accelerate/state.py`` ~986-1013); a gloo CPU run is MULTI_CPU and loses the plugin, so the Trainer
+would run plain DDP. :func:`fsdp_on_cpu` does after ``__init__`` what that branch does. Everything
+else is real: ``Trainer`` -> ``Accelerator.prepare`` -> ``fsdp2_prepare_model`` -> ``fully_shard`` on
+CPU, gloo all-gathers and reduce-scatters.
+
+``MEMGUARD_TEST_DUMP_AFTER_S``: a hang dumps every thread's stack and exits (faulthandler).
+"""
+
+import json
+import os
+import resource
+import sys
+
+
+def fsdp_on_cpu() -> None:
+    """Make accelerate keep the FSDP plugin on a MULTI_CPU (gloo) run, as its GPU branch does:
+    ``distributed_type = FSDP``, the plugin's mixed precision set, ``fsdp_plugin`` kept."""
+    import accelerate.state as st
+    from accelerate.utils import DistributedType
+
+    orig = st.AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        orig(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = fsdp_plugin
+
+    st.AcceleratorState.__init__ = init
+
+
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    if os.environ.get("MEMGUARD_TEST_DUMP_AFTER_S"):
+        import faulthandler
+
+        # a hang shows where each rank waits, and the rank exits (the test also has a timeout)
+        faulthandler.dump_traceback_later(float(os.environ["MEMGUARD_TEST_DUMP_AFTER_S"]), exit=True)
+    import torch
+
+    torch.set_num_threads(1)
+    fsdp_on_cpu()
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from memguard_hf import MemGuardCallback
+    from memguard_testing.hf_tiny import VOCAB, RowsDataset, SwitchSplit, llama, lr_sequence, pad_collate
+
+    kind, _, headroom = mode.partition(":")
+    rank = int(os.environ["RANK"])
+    long_rows = kind.startswith("oom")
+    guarded = kind in ("split", "oom")
+    seq = 256 if long_rows else 24
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+        max_steps=3 if long_rows else 4, learning_rate=5e-3, warmup_steps=2, lr_scheduler_type="linear",
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
+        dataloader_num_workers=0, max_grad_norm=1.0, disable_tqdm=True, ddp_backend="gloo",
+        fsdp=True, fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                "reshard_after_forward": True})
+    model = llama(VOCAB, hidden=64 if long_rows else 32, layers=4, max_positions=seq, seed=0)
+    model.config._attn_implementation = "eager" if long_rows else "sdpa"
+    callbacks = []
+    guard = None
+    if guarded:
+        if kind == "oom":
+            from memguard_core.monitor import Action, MemoryMonitor
+
+            # the step sample would read the limit and split before the failure
+            MemoryMonitor.step_sample = lambda self, step=None: Action.NONE
+        guard = MemGuardCallback(preflight=False, budget_bytes=16 * 2**30, monitor_interval_s=0,
+                                 leak_detector=False)
+        callbacks.append(guard)
+        if kind == "split":
+            callbacks.append(SwitchSplit(guard, at_step={1: 2}, at_substep={2: 4}, ranks=[0]))
+    vm = {}
+
+    class Limit(TrainerCallback):
+        """VmSize at train begin (after FSDP sharded the model); rank 1's RLIMIT_AS in ``oom`` modes."""
+
+        def on_train_begin(self, *a, **kw):
+            vm["base"] = _vm("VmSize")
+            if headroom and rank == 1:
+                # the soft limit only: an unprivileged process can raise it back to the hard one
+                resource.setrlimit(resource.RLIMIT_AS, (vm["base"] + int(headroom),
+                                                        resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    callbacks.append(Limit())
+    trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(96, max_len=seq), data_collator=pad_collate,
+                      callbacks=callbacks)
+    assert trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2
+    trainer.train()
+    peak = _vm("VmPeak")
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+    from torch.distributed.fsdp import FSDPModule
+
+    assert isinstance(trainer.model, FSDPModule)
+    full = {}
+    for name, p in trainer.model.named_parameters():   # full_tensor(): an all-gather on every rank
+        t = p.detach()
+        full[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    os.makedirs(out, exist_ok=True)
+    torch.save(full, os.path.join(out, f"params{rank}.pt"))
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"global_step": trainer.state.global_step, "lr": lr_sequence(trainer),
+                   "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                   "base_vmsize": vm.get("base"), "vmpeak": peak,
+                   "forward_rows": [int(r) for r in guard.micro_batch_rows] if guard else [],
+                   "samples_per_step": guard.samples_per_step if guard else [],
+                   "oom_retries": guard.oom_retries if guard else 0,
+                   "oom_errors": guard.oom_errors if guard else []}, f)
+    torch.distributed.barrier()
+    # leave without tearing the gloo group down: its teardown can abort the process after every
+    # result is written
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

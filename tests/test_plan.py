@@ -171,10 +171,37 @@ def test_does_not_fit_error():
     assert err.shortfall_bytes == err.best_peak_bytes - err.budget_bytes > 0
     text = "\n".join(err.suggestions)
     assert "4-bit" in text and "smaller model" in text and "more memory" in text
-    assert "8-bit optimizer" in text
     # already applied by the planner: not suggested again
     assert "enable gradient checkpointing" not in text
     assert "micro-batch 1" not in text
+    # a LoRA run's optimizer states are a few MiB: an 8-bit optimizer cannot close the shortfall
+    assert "8-bit optimizer" not in text
+
+
+def test_does_not_fit_suggestions_carry_their_saving():
+    """Each priced suggestion says what it alone would save on top of the best plan, that figure
+    is the estimator's, and a full fine-tune (AdamW states: 8 bytes a parameter) is told about an
+    8-bit optimizer with a saving the size of its states' reduction."""
+    import re
+
+    from memguard_core.plan import SUGGESTION_MIN_SAVING
+
+    t = ts(method="full")
+    with pytest.raises(DoesNotFitError) as ei:
+        plan(spec(), t, 100 * 2**20)
+    err = ei.value
+    priced = [s for s in err.suggestions if "saves about" in s]
+    assert priced and any("8-bit optimizer" in s for s in priced)
+    best = err.best_peak_bytes
+    for s in priced:
+        gib = float(re.search(r"saves about ([0-9.]+) GiB", s).group(1))
+        assert gib * 2**30 >= SUGGESTION_MIN_SAVING * best - 0.005 * 2**30
+    adam8 = next(s for s in priced if "8-bit optimizer" in s)
+    assert "optim='adamw_bnb_8bit'" in adam8            # HF's keyword for an HF run
+    with pytest.raises(DoesNotFitError) as ei:
+        plan(spec(), ts(method="full", framework="lightning"), 100 * 2**20)
+    text = "\n".join(ei.value.suggestions)
+    assert "8-bit optimizer" in text and "optim=" not in text and "load_in_4bit" not in text
 
 
 def test_budget_from_available():

@@ -394,7 +394,8 @@ class Guard(WindowRedo):
             return None
         try:
             mon.stop()
-            measured = mon.final_sample()
+            # the last batch's peak: already read where end_step closed the last step
+            measured = mon.final_sample() if self._ended_step is None else (mon.max_step_peak_bytes or None)
             if measured_bytes is not None:
                 measured = measured_bytes()
             self.summary = RunSummary({

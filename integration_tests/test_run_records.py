@@ -243,8 +243,6 @@ def test_mlx_report_of_an_iteration_carries_that_iterations_figures(tmp_path):
         assert d["memguard_current_gib"] == pytest.approx(round(recs[it]["current_bytes"] / 2**30, 3))
 
 
-@pytest.mark.xfail(strict=True, reason="needs MemGuardCallback.on_step_end to call guard.end_step (memguard_hf/"
-                                       "callback.py, being edited elsewhere): remove this marker with that change")
 def test_hf_log_line_of_a_step_carries_that_steps_figures(tmp_path):
     """A spike inside the third optimizer step (before its optimizer step): log_history's line of
     step 3 shows it; step 1's line has every figure; each line equals its step's record."""

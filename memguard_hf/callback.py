@@ -239,6 +239,9 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
             if not isinstance(fr[i], int):
                 fr[i] = int(fr[i])
         self._rows_resolved = len(fr)
+        # the optimizer step is done: close its record now, so that on_log (next, in
+        # _maybe_log_save_evaluate) adds this step's figures and not the step before's
+        self.guard.end_step(state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or self.monitor is None:
@@ -259,7 +262,8 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
         mon = self.monitor
         if mon is None:
             return {}
-        return {**self.guard.figures, "memguard_micro_batches": int(mon.split),
+        # micro-batches: the k the step ran with (the current k before the first step's record)
+        return {"memguard_micro_batches": int(mon.split), **self.guard.figures,
                 "memguard_max_usage": round(mon.max_usage, 4)}
 
     def on_train_end(self, args, state, control, **kwargs):

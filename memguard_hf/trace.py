@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from memguard_core.errors import ConfigError, MemGuardError
-from memguard_core.spec import TrainSpec, _is_vision_language
+from memguard_core.spec import DEFAULT_LORA_TARGETS, TrainSpec, _is_vision_language, peft_default_lora_targets
 
 __all__ = ["TraceResult", "ModuleRow", "trace_step", "compare", "comparison_table", "STAGES", "trace_for_cli",
            "trace_json", "print_trace"]
@@ -486,6 +486,11 @@ def trace_step(config_or_path: Any, train_spec: TrainSpec, *, device: str = "cpu
     Tracker = _make_tracker_class()
     t_start = time.perf_counter()
     cfg = _load_config(config_or_path)
+    if ts.method != "full" and ts.lora_targets == DEFAULT_LORA_TARGETS:
+        # no targets given: PEFT's default for this model type, as estimate() and plan() resolve it
+        default = peft_default_lora_targets(getattr(cfg, "model_type", None))
+        if default is not None:
+            ts = ts.replace(lora_targets=default)
     amp = bool(ts.mixed_precision) and ts.dtype != "fp32"
     compute = getattr(torch, _TORCH_DTYPE[ts.dtype])
     wdtype = torch.float32 if amp else compute

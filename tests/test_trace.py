@@ -238,6 +238,14 @@ def test_lora_on_fake_tensors():
     assert tr.settings["lora_targets"] == ["qkv_proj", "o_proj"]
 
 
+def test_lora_default_targets_are_peft_defaults():
+    """A TrainSpec without lora_targets traces what PEFT adapts with target_modules=None for the
+    model type (GPT-2: c_attn), as estimate() counts it, not Llama's q_proj / v_proj."""
+    tr, est, rows = traced("gpt2", method="lora", lora_rank=8)
+    assert tr.settings["lora_targets"] == ["c_attn"]
+    assert ratio(rows, "gradients") == pytest.approx(1.0, rel=0.01)
+
+
 # ---------------------------------------------------------------------------------------------
 # errors
 

@@ -169,9 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true", help="print one JSON object")
 
     d = sub.add_parser("demo", help="a guarded real LoRA fine-tune (SmolLM2-135M shapes, random weights)",
-                       description="Runs a real HF Trainer LoRA fine-tune of SmolLM2-135M's architecture "
-                                   "(random weights, no hub) on a text shipped with memguard, under a "
-                                   "memory budget the requested batch does not fit, guarded by MemGuardCallback.")
+                       description="Runs a real LoRA fine-tune of SmolLM2-135M's architecture (random "
+                                   "weights, no hub) on a text shipped with memguard, under a memory budget "
+                                   "the requested batch does not fit: HF Trainer + MemGuardCallback (hf), "
+                                   "Lightning + MemGuardCallback (lightning) or memguard_mlx.train (mlx).")
     d.add_argument("--framework", default="hf", choices=["hf", "lightning", "mlx"],
                    help="which trainer: hf (transformers Trainer) | lightning | mlx (mlx_lm) [hf]")
     d.add_argument("--steps", type=int, default=4, help="optimizer steps [4]")

@@ -98,6 +98,11 @@ class TorchGuard(RankAgreement, GuardAttributes):
                  grad_accum: Optional[int] = None, label_key: Any = None, shift_labels: Optional[bool] = None,
                  oom_sync: Optional[bool] = None, **options: Any):
         own = ("model", "optimizer", "accelerator", "grad_accum", "label_key", "shift_labels", "oom_sync")
+        if "eval_micro_batches" in options:
+            # the loop's evaluation is the user's code: nothing here would read the option, and
+            # taking it silently would promise a split that never happens
+            raise ConfigError("eval_micro_batches", "not set for TorchGuard (split an evaluation batch "
+                              "with guard.chunks(batch))", options["eval_micro_batches"])
         opts = GuardOptions.from_kwargs(**option_kwargs(options, own=own))
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ConfigError("model", "a torch.nn.Module, or None", model)

@@ -206,7 +206,9 @@ def test_is_oom_error():
 
 @pytest.mark.parametrize("kw, field", [({"model": "net"}, "model"), ({"oom_sync": "yes"}, "oom_sync"),
                                        ({"grad_accum": 0}, "grad_accum"), ({"label_key": 1.5}, "label_key"),
-                                       ({"micro_batchez": 2}, "micro_batchez"), ({"optimizer": 3}, "optimizer")])
+                                       ({"micro_batchez": 2}, "micro_batchez"), ({"optimizer": 3}, "optimizer"),
+                                       # the loop's evaluation is the user's: the option would do nothing
+                                       ({"eval_micro_batches": 2}, "eval_micro_batches")])
 def test_bad_arguments_name_the_field(kw, field):
     with pytest.raises(ConfigError) as info:
         TorchGuard(**kw)

@@ -85,7 +85,8 @@ class Preflight:
                  f"  estimated peak {gib(self.estimate.peak_bytes)} ({self.estimate.counter}) vs budget "
                  f"{gib(self.budget_bytes)}: {'fits' if self.estimate.peak_bytes <= self.budget_bytes else 'does NOT fit'}"]
         for name, val in self.estimate.breakdown.items():
-            lines.append(f"    {name:<18} {gib(val)}")
+            if val:  # terms this run does not have (no optimizer states under SGD, ...) stay out
+                lines.append(f"    {name:<18} {gib(val)}")
         seen = set()
         for label, changes in (("applied", self.applied), ("CHANGE NEEDED (not applicable in place)", self.not_applied)):
             for c in changes:

@@ -65,3 +65,16 @@ def test_method_and_lora_read_from_live_modules():
     assert method == "lora" and kw == {"lora_rank": 4, "lora_targets": ("q_proj", "v_proj")}
     assert [attn_impl_from(n) for n in ("eager", "sdpa", "flash_attention_2", None)] == \
         ["eager", "sdpa", "flash", "sdpa"]
+
+
+def test_report_lines_leave_out_terms_the_run_does_not_have(ms):
+    """SGD without momentum keeps no optimizer states: the preflight's log lists the terms the run
+    has, not a column of zeros."""
+    ts = TrainSpec(batch_size=2, seq_length=128, method="full", dtype="fp32", optimizer="sgd")
+    pf = plan_in_place(ms, ts, 64 * 2**30, plan_fraction=0.85)
+    zero = [n for n, v in pf.estimate.breakdown.items() if v == 0]
+    assert zero  # the premise: this run has terms at zero
+    lines = pf.report_lines()
+    for name, val in pf.estimate.breakdown.items():
+        listed = any(ln.strip().startswith(name + " ") for ln in lines)
+        assert listed == (val != 0), name

@@ -234,7 +234,7 @@ class _Search:
             alt = sorted(fitting, key=lambda t: relative_step_time(self.ms, t, c))[1]
             others = (f"; predicted step time x{relative_step_time(self.ms, best, c):.2f} of the requested "
                       f"settings vs x{relative_step_time(self.ms, alt, c):.2f} for the next option that fits "
-                      f"({_describe(alt)})")
+                      f"({_describe(alt, c)})")
         if best.grad_checkpoint != c.grad_checkpoint:
             t = c.replace(grad_checkpoint=True)
             self.apply(t, ("grad_checkpoint",),
@@ -339,8 +339,10 @@ def plan(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
                           _suggestions(ms, ts, s.cur, allow))
 
 
-def _describe(t: TrainSpec) -> str:
-    return f"micro-batch {t.batch_size}" + (" + checkpointing" if t.grad_checkpoint else "")
+def _describe(t: TrainSpec, requested: TrainSpec) -> str:
+    """An option of the micro-batch search, saying checkpointing only where it is a change."""
+    return f"micro-batch {t.batch_size}" + (" + checkpointing" if t.grad_checkpoint and not requested.grad_checkpoint
+                                            else "")
 
 
 #: A suggestion whose estimated saving is below this share of the best plan's peak is not listed

@@ -224,3 +224,18 @@ def test_bad_inputs():
         plan(spec(), ts(), 0)
     with pytest.raises(ConfigError):
         plan(spec(), ts(), 10**9, min_batch=0)
+
+
+def test_plan_reason_names_checkpointing_only_as_a_change():
+    """With checkpointing already requested, the micro-batch options the reason compares are not
+    described as adding it."""
+    base = ts(grad_checkpoint=True)
+    reasons = []
+    for frac in (0.5, 0.6, 0.7, 0.8):
+        try:
+            p = plan(spec(), base, int(peak(base) * frac))
+        except DoesNotFitError:
+            continue
+        reasons += [c.reason for c in p.changes]
+    assert any("next option that fits" in r for r in reasons)   # the premise: a comparison was made
+    assert not any("+ checkpointing" in r for r in reasons)

@@ -385,7 +385,8 @@ class Guard(WindowRedo):
             the summary (None when no monitor ran): ``split`` (final micro-batches per batch),
             ``max_usage`` (fraction of the budget), ``budget_bytes``, ``measured_peak_bytes``,
             ``estimated_peak_bytes`` (planned settings; None without a preflight),
-            ``requested_peak_bytes``, ``optimizer_steps``, ``samples_per_step`` (distinct values),
+            ``requested_peak_bytes`` (the requested settings; both include what the process already
+            held at train start beyond the estimate, so they compare), ``optimizer_steps``, ``samples_per_step`` (distinct values),
             ``oom_retries``, ``events`` (how many), ``event_log`` (the JSONL path, None without
             one), then ``extra``.
         """
@@ -404,7 +405,7 @@ class Guard(WindowRedo):
                 "budget_bytes": mon.budget_bytes,
                 "measured_peak_bytes": measured,
                 "estimated_peak_bytes": pf.best_peak_bytes if pf else None,
-                "requested_peak_bytes": int(pf.estimate.peak_bytes) if pf else None,
+                "requested_peak_bytes": int(pf.estimate.peak_bytes) + pf.resident_extra_bytes if pf else None,
                 "optimizer_steps": int(optimizer_steps),
                 "samples_per_step": sorted({int(s) for s in self.samples_per_step}),
                 "oom_retries": self.oom_retries,

@@ -236,3 +236,19 @@ def test_budget_as_float_bytes_or_gib_and_record_options(tmp_path):
         GuardOptions.from_kwargs(snapshot_steps=(0,))
     o = GuardOptions.from_kwargs(log_dir=tmp_path / "logs", cuda_snapshots=str(tmp_path / "snaps"), snapshot_steps=3)
     assert o.log_dir == str(tmp_path / "logs") and o.snapshot_steps == (3,)
+
+
+def test_summary_requested_and_planned_peaks_compare():
+    """Both summary peaks include what the process already held at train start beyond the
+    estimate (here 768 MiB of written bytes this process holds on the cpu counter), so a plan that
+    changes nothing reports the same figure twice rather than a planned peak above the requested one."""
+    ms = model_spec_from_hf_config(SMOL)
+    ts = TrainSpec(batch_size=2, seq_length=64, method="lora", framework="hf", device="cpu")
+    held = b"\x01" * (768 * 2**20)  # resident: every page written
+    g = _guard(budget_bytes=64 * GiB)
+    g.start(rows=2, read_specs=lambda: (ms, ts))
+    del held
+    pf = g.preflight
+    s = g.finish(0)
+    assert pf.resident_extra_bytes > 0 and pf.split_factor == 1    # the premise
+    assert s["requested_peak_bytes"] == s["estimated_peak_bytes"] == pf.best_peak_bytes

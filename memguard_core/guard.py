@@ -287,23 +287,22 @@ class Guard(WindowRedo):
         """Sample memory at a step (batch) boundary and return the micro-batches for this batch:
         the monitor's k, with ``agree`` the MAX over ranks (:meth:`agreed`; the monitor is raised to
         it). 1 without a monitor. ``completed``: the optimizer steps (MLX: iterations) done before
-        this batch, for the run records (default ``step``). The first boundary after
-        :meth:`end_step` takes no sample: that one already sampled the batch before it. Never
-        raises."""
+        this batch, for the run records (default ``step``). Every boundary decides on a fresh
+        sample (the budget as it is now, a co-tenant included); after :meth:`end_step` the step's
+        record is already written, and the peak it read is weighed again here. Never raises."""
         mon = self.monitor
         if mon is None:
             return 1
         self._boundaries += 1
         done = step if completed is None else completed
-        if self._ended_step is None or done != self._ended_step:
-            self._ended_step = None
-            mon.step_sample(step)
+        recorded = self._ended_step is not None and done == self._ended_step
+        self._ended_step = None
+        mon.step_sample(step)
+        if not recorded:
             try:
                 self.recorder.step(done, mon.last_step_figures, mon.split, mon.level.name.lower())
             except Exception:
                 self.log.debug("memguard: step not recorded", exc_info=True)
-        else:
-            self._ended_step = None
         k = mon.split
         if agree:
             k = self.agreed(k)
@@ -313,12 +312,13 @@ class Guard(WindowRedo):
 
     def end_step(self, completed: Optional[int], *, step: Optional[int] = None) -> None:
         """The optimizer step (MLX: iteration) ``completed`` has just finished (``completed`` =
-        steps done, as :meth:`micro_batches_for_step` counts them): take the batch boundary's
-        memory sample now and close the step's record, so that :attr:`figures`, read by the
-        adapter's log hook next, are this step's and not the one before. The next batch boundary
-        then takes no second sample (the monitor decides once per batch, as without this call).
-        ``step``: the step number the monitor's sample carries (default ``completed``; MLX passes
-        the next iteration's, as its boundaries do). A no-op before the first batch boundary, when
+        steps done, as :meth:`micro_batches_for_step` counts them): read the step's peak now
+        (:meth:`MemoryMonitor.record_sample`, no decision) and close the step's record, so that
+        :attr:`figures`, read by the adapter's log hook next, are this step's and not the one
+        before. The decision stays at the next batch boundary, once per batch as without this
+        call, on the budget as it is then and this peak. ``step``: accepted for the adapters'
+        calls (MLX passes the next iteration's); the decision's step number is the boundary's.
+        A no-op before the first batch boundary, when
         the adapter samples outside :meth:`micro_batches_for_step` (nothing would be recorded),
         and when ``completed`` was already closed (Lightning's hook after a batch inside an
         accumulation window). Never raises."""
@@ -328,7 +328,7 @@ class Guard(WindowRedo):
         try:
             if self._ended_step == completed or completed == self.recorder.closed_step:
                 return
-            mon.step_sample(completed if step is None else step)
+            mon.record_sample()
             self.recorder.step(completed, mon.last_step_figures, mon.split, mon.level.name.lower())
             self._ended_step = completed
         except Exception:

@@ -160,6 +160,9 @@ class MemoryMonitor:
         #: the last step sample's figures, bytes: ``peak`` (of the step before it), ``current`` (the
         #: process figure at the sample: RSS on CPU), ``budget`` (effective); None before the first
         self.last_step_figures: Optional[dict] = None
+        # the peak a record_sample read for the step it closed, which the next step_sample (the
+        # decision before the next batch) still has to weigh: its own window starts after it
+        self._carried_peak: Optional[int] = None
         self._last_full = -math.inf               # monotonic s of the last full background sample
         self._thread = SamplerThread(lambda: self.background_sample(),
                                      lambda exc: self._log_failure("background thread", exc))
@@ -297,6 +300,8 @@ class MemoryMonitor:
         self._step = step
         try:
             now, rss, used, capacity = self._read_step()
+            if self._carried_peak is not None:
+                used, self._carried_peak = max(used, self._carried_peak), None
             budget = self._budget_for(capacity)
             prev = self._last_step
             self._last_step = (now, used, budget, now - prev[0] if prev is not None else math.inf)
@@ -349,6 +354,19 @@ class MemoryMonitor:
             self.sampler.prime()
         except Exception as exc:
             self._log_failure("prime", exc)
+
+    def record_sample(self) -> None:
+        """Read (and reset) the peak of the step that just ended, for its record
+        (:attr:`last_step_figures`), without deciding anything. The decision stays with the next
+        :meth:`step_sample`, right before the next batch, which weighs this peak too (it predicts
+        the next batch's) against the budget as it is then: a co-tenant that arrives between the
+        two is seen before the next forward. Never raises."""
+        try:
+            _, rss, used, capacity = self._read_step()
+            self.last_step_figures = {"peak": int(used), "current": int(rss), "budget": int(self._budget_for(capacity))}
+            self._carried_peak = int(used) if self._carried_peak is None else max(self._carried_peak, int(used))
+        except Exception as exc:
+            self._log_failure("record_sample", exc)
 
     def final_sample(self) -> Optional[int]:
         """Read (and reset) the peak since the last step without deciding anything: the peak of the

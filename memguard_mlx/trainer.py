@@ -306,7 +306,9 @@ class MlxGuard(GuardAttributes):
         p = int(mx.get_peak_memory())
         mx.reset_peak_memory()
         self.max_peak_bytes = max(self.max_peak_bytes, p)
-        if self._it >= self._first_iteration:  # a batch of this process ran since the last reading
+        # a batch of this process ran since the last reading; a second reading of the same
+        # iteration (the report's record, then the next boundary) covers no batch
+        if self._it >= self._first_iteration and (not self.batch_peaks or self.batch_peaks[-1][0] != self._it):
             self.batch_peaks.append((self._it, self._batch_k, p))
         return p
 

@@ -258,7 +258,8 @@ def test_report_keeps_two_runs_in_one_folder_apart(tmp_path):
 
 def test_guard_end_step_closes_the_step_before_the_log_and_samples_once(tmp_path):
     """``Guard.end_step`` right after an optimizer step writes that step's record (the figures an
-    adapter logs next), and the next batch boundary takes no second sample."""
+    adapter logs next) without deciding; every batch boundary decides once, on a fresh sample, and
+    writes no second record of a step ``end_step`` closed."""
     from memguard_core.guard import Guard
     from memguard_core.options import GuardOptions
 
@@ -273,9 +274,9 @@ def test_guard_end_step_closes_the_step_before_the_log_and_samples_once(tmp_path
     g.end_step(1)
     assert g.figures["memguard_peak_gib"] > 0 and g.recorder.closed_step == 1
     g.end_step(1)                      # again (Lightning after a batch inside a window): nothing
-    g.micro_batches_for_step(1)        # the boundary after it: no second sample
+    g.micro_batches_for_step(1)        # the boundary after it: its decision, no second record
     g.end_step(2)
     g.finish(2)
-    assert samples == [0, 1, 2]
+    assert samples == [0, 1]           # one decision per batch boundary, none in end_step
     steps = [r["step"] for r in read_events(g.recorder.events.path) if r["type"] == "step"]
     assert steps == [1, 2]

@@ -97,6 +97,25 @@ def test_step_sample_uses_the_step_peak_and_resets_it():
     assert mon.events[-1].step == 7
 
 
+def test_record_sample_records_and_the_next_step_sample_decides_on_its_peak():
+    """``record_sample`` (a step's record, right after its optimizer step) decides nothing; the next
+    ``step_sample``, right before the next batch, weighs that peak against the budget as it is
+    then: a co-tenant that arrived in between (the available memory falling from 50 to 2 GiB)
+    splits before the next forward, although nothing ran since the record."""
+    avail = [50 * GiB]
+    peaks = [int(1.0 * GiB), int(4.5 * GiB)]   # popped from the end: the step's peak, then the gap's
+    mon, _ = make(probe_fn=lambda cheap: Snap(3 * GiB, avail[0]), peak_fn=lambda: peaks.pop() if peaks else None)
+    mon.record_sample()
+    assert mon.last_step_figures["peak"] == int(4.5 * GiB) and mon.split == 1 and not mon.events
+    avail[0] = 2 * GiB                          # budget now 0.8 x (3 + 2) GiB = 4 GiB
+    assert mon.step_sample(3) is Action.SPLIT   # 4.5 GiB carried over > 4 GiB: emergency
+    assert mon.split == 2
+    avail[0] = 50 * GiB
+    peaks[:] = [int(1.0 * GiB)]
+    mon.step_sample(4)                          # the carried peak is used once
+    assert mon.last_step_figures["peak"] == int(3 * GiB)   # max(peak 1 GiB, RSS 3 GiB)
+
+
 @pytest.mark.parametrize("rss_freed_gib,live_freed_gib,expect_split", [
     (0.1, 0.1, True),     # freed too little: the next peak stays at 91 %
     (1.0, 1.0, False),    # freed 1 GiB of live memory: 82 %, the clean was enough

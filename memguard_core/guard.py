@@ -298,11 +298,13 @@ class Guard(WindowRedo):
         recorded = self._ended_step is not None and done == self._ended_step
         self._ended_step = None
         mon.step_sample(step)
-        if not recorded:
-            try:
+        try:
+            if recorded:
+                self.recorder.next_micro_batches(mon.split)
+            else:
                 self.recorder.step(done, mon.last_step_figures, mon.split, mon.level.name.lower())
-            except Exception:
-                self.log.debug("memguard: step not recorded", exc_info=True)
+        except Exception:
+            self.log.debug("memguard: step not recorded", exc_info=True)
         k = mon.split
         if agree:
             k = self.agreed(k)

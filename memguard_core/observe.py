@@ -151,6 +151,11 @@ class RunRecorder:
         one); None before the first."""
         return self._seen_step
 
+    def next_micro_batches(self, micro_batches: int) -> None:
+        """The k a batch boundary decided when the step before it was already recorded
+        (``Guard.end_step``): the next record says its step ran with it."""
+        self._last_k = int(micro_batches)
+
     def step(self, step: Optional[int], figures: Optional[Dict[str, int]], micro_batches: int, level: str) -> None:
         """A batch boundary's sample (``MemoryMonitor.last_step_figures``: the peak of the batch
         just done, the process figure now, the budget; bytes), ``step`` = optimizer steps completed.

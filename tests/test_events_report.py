@@ -280,3 +280,22 @@ def test_guard_end_step_closes_the_step_before_the_log_and_samples_once(tmp_path
     assert samples == [0, 1]           # one decision per batch boundary, none in end_step
     steps = [r["step"] for r in read_events(g.recorder.events.path) if r["type"] == "step"]
     assert steps == [1, 2]
+
+
+def test_a_split_at_the_boundary_after_end_step_is_the_next_records_k(tmp_path):
+    """The k decided at a batch boundary whose step ``end_step`` already recorded is the k the
+    next step's record says it ran with (not the step before's)."""
+    from memguard_core.guard import Guard
+    from memguard_core.options import GuardOptions
+
+    g = Guard(GuardOptions.from_kwargs(preflight=False, budget_bytes=8 * GiB, monitor_interval_s=0,
+                                       log_dir=str(tmp_path)))
+    g.start(rows=4)
+    g.micro_batches_for_step(0)
+    g.end_step(1)
+    g.monitor.request_split(4, "a test's request", 1)   # what a decision at the next boundary does
+    assert g.micro_batches_for_step(1) == 4
+    g.end_step(2)
+    g.finish(2)
+    ks = {r["step"]: r["micro_batches"] for r in read_events(g.recorder.events.path) if r["type"] == "step"}
+    assert ks == {1: 1, 2: 4}

@@ -29,6 +29,7 @@ import pytest
 pytest.importorskip("lightning")
 
 import memguard_testing  # noqa: E402
+from memguard_testing.train_scripts import alloc_fails_at  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux RLIMIT_AS")
 
@@ -111,16 +112,8 @@ def test_probe_reads_the_limit_and_prevents_the_failure(tmp_path, placed):
 
 # --------------------------------------------------------------------- chosen failure points
 def _alloc_fails_at(calls):
-    """A backward hook on the first decoder block raising the CPU allocator's error at the given
-    backward calls (1-based)."""
-    state = {"n": 0}
-
-    def hook(module, grad_in, grad_out):
-        state["n"] += 1
-        if state["n"] in calls:
-            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
-                               "allocate memory: you tried to allocate 268435456 bytes.")
-
+    """``alloc_fails_at`` on the first decoder block."""
+    hook = alloc_fails_at(calls)
     return lambda m: m.model.model.layers[0].register_full_backward_hook(hook)
 
 

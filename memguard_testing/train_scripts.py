@@ -81,13 +81,33 @@ def wait_for_go(path: str, timeout_s: float, poll_s: float) -> bool:
     return True
 
 
-def vm_hwm_bytes() -> int:
-    """This process's peak resident set (``VmHWM`` of /proc/self/status, proc(5)); 0 if absent."""
+def proc_status_bytes(field: str) -> int:
+    """A ``kB`` field of /proc/self/status (``VmHWM``, ``VmPeak``, ``VmSize``; proc(5)) in bytes;
+    0 if absent."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def vm_hwm_bytes() -> int:
+    """This process's peak resident set (``VmHWM`` of /proc/self/status, proc(5)); 0 if absent."""
+    return proc_status_bytes("VmHWM")
+
+
+def alloc_fails_at(calls):
+    """A module backward hook raising the CPU allocator's own error message at the given backward
+    calls (1-based): a chosen failure point for the redo tests, beside the real ``RLIMIT_AS`` ones."""
+    state = {"n": 0}
+
+    def hook(module, grad_in, grad_out):
+        state["n"] += 1
+        if state["n"] in calls:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                               "allocate memory: you tried to allocate 268435456 bytes.")
+
+    return hook
 
 
 def write_result(out_dir: str, result: Dict[str, Any]) -> None:

@@ -29,6 +29,8 @@ import os
 import resource
 import sys
 
+from memguard_testing.train_scripts import proc_status_bytes
+
 
 def fsdp_on_cpu() -> None:
     """Make accelerate keep the FSDP plugin on a MULTI_CPU (gloo) run, as its GPU branch does:
@@ -49,12 +51,6 @@ def fsdp_on_cpu() -> None:
     st.AcceleratorState.__init__ = init
 
 
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def main() -> None:
@@ -106,7 +102,7 @@ def main() -> None:
         """VmSize at train begin (after FSDP sharded the model); rank 1's RLIMIT_AS in ``oom`` modes."""
 
         def on_train_begin(self, *a, **kw):
-            vm["base"] = _vm("VmSize")
+            vm["base"] = proc_status_bytes("VmSize")
             if headroom and rank == 1:
                 # the soft limit only: an unprivileged process can raise it back to the hard one
                 resource.setrlimit(resource.RLIMIT_AS, (vm["base"] + int(headroom),
@@ -117,7 +113,7 @@ def main() -> None:
                       callbacks=callbacks)
     assert trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2
     trainer.train()
-    peak = _vm("VmPeak")
+    peak = proc_status_bytes("VmPeak")
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
     from torch.distributed.fsdp import FSDPModule

@@ -38,6 +38,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from memguard_lightning import MemGuardCallback
+from memguard_testing.train_scripts import alloc_fails_at
 from memguard_testing.lightning_tiny import Recorder, SwitchSplit, TinyLM, make_loader, make_trainer, params
 
 
@@ -49,17 +50,6 @@ def _guard_stats(guard) -> dict:
             "messages": [str(e.get("message", "")) for e in guard.events]}
 
 
-def _alloc_fails_at(calls):
-    """A backward hook raising the CPU allocator's error at the given backward calls (1-based)."""
-    state = {"n": 0}
-
-    def hook(module, grad_in, grad_out):
-        state["n"] += 1
-        if state["n"] in calls:
-            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
-                               "allocate memory: you tried to allocate 268435456 bytes.")
-
-    return hook
 
 
 def run_tiny(mode: str, out: str) -> None:
@@ -79,7 +69,7 @@ def run_tiny(mode: str, out: str) -> None:
                            strategy=DDPStrategy(process_group_backend="gloo"))
     if parts[0] == "hook" and int(os.environ.get("RANK", "0")) == 1:
         module.model.model.layers[0].register_full_backward_hook(
-            _alloc_fails_at({int(c) for c in parts[2].split(",")}))
+            alloc_fails_at({int(c) for c in parts[2].split(",")}))
     trainer.fit(module, make_loader(batch_size=4))
     rank = trainer.global_rank
     torch.save({"global_step": trainer.global_step, "lr": rec.lrs, "params": params(module),

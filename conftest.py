@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import tempfile
 
-# Guarded runs in the tests record into the calibration store: keep that out of the user's data dir,
-# or after 3 repeated runs a correction factor would start changing the tests' own plans.
+# Guarded runs in the tests record into the calibration store: keep that out of the user's data dir
+# (also for code that runs before the per-test fixture below, such as collection).
 os.environ.setdefault("MEMGUARD_DATA_DIR", tempfile.mkdtemp(prefix="memguard-test-data-"))
 
 from contextlib import ExitStack  # noqa: E402
@@ -24,6 +24,14 @@ import pytest  # noqa: E402
 
 from memguard_testing.cgroup_harness import MemoryCgroup, cgroups_writable  # noqa: E402
 from memguard_testing.fakes import FakeTorchCuda  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _own_calibration_store(tmp_path_factory, monkeypatch) -> None:
+    """Each test records into a calibration store of its own: with one store for the session, the
+    3 comparable runs of earlier tests would give a correction factor that changes later tests' plans
+    (the tests' outcome would depend on their order). Subprocesses inherit the variable."""
+    monkeypatch.setenv("MEMGUARD_DATA_DIR", str(tmp_path_factory.mktemp("memguard-data")))
 
 
 @pytest.fixture(scope="session")

@@ -85,9 +85,11 @@ def test_hf_preflight_change_is_one_warning_and_a_decision(tmp_path, caplog):
         from memguard_core.estimate import estimate
 
         ms, ts = read_specs()
-        extra = orig(read_specs, *a, **k).resident_extra_bytes
-        need = estimate(ms, ts).peak_bytes + extra
-        half = estimate(ms, ts.replace(batch_size=ts.batch_size // 2, grad_accum=ts.grad_accum * 2)).peak_bytes + extra
+        first = orig(read_specs, *a, **k)
+        extra, c = first.resident_extra_bytes, first.correction
+        need = estimate(ms, ts, correction=c).peak_bytes + extra
+        half = estimate(ms, ts.replace(batch_size=ts.batch_size // 2, grad_accum=ts.grad_accum * 2),
+                        correction=c).peak_bytes + extra
         assert half < need
         object.__setattr__(guard.guard.options, "budget_bytes", int((need + half) / 2 / 0.85))
         return orig(read_specs, *a, **k)

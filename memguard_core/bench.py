@@ -5,7 +5,9 @@ own high-water mark): a real architecture built from its published config number
 weights (no model hub), a few optimizer steps, and the counter the estimate predicts
 (``memguard_core.estimate``, README "The estimate"):
 
-* HF ``Trainer`` on torch CPU: ``VmHWM`` of the process (/proc/self/status);
+* HF ``Trainer`` on torch CPU: ``VmHWM`` of the process (/proc/self/status), glibc's free heap
+  returned at every optimizer step's end as a guarded run returns it (``GuardOptions.trim_heap``;
+  a case with ``"trim_heap": false`` measures the plain run);
 * HF ``Trainer`` on CUDA, when a GPU is present (``--cuda``): the CUDA context + peak reserved bytes
   of the caching allocator (``torch.cuda.max_memory_reserved``);
 * mlx_lm (``mlx_lm.tuner.trainer.train``, unmodified) on MLX: ``mx.get_peak_memory()``.
@@ -538,6 +540,21 @@ def _hf_step_peaks_callback(read, reset):
     return StepPeaks()
 
 
+def _hf_trim_heap_callback():
+    """A ``TrainerCallback`` doing what a guarded run does at every optimizer step's end on a CPU
+    device (``GuardOptions.trim_heap``: ``probes.trim_heap``, glibc's ``malloc_trim(0)``), so the
+    peaks measured are a guarded run's. It runs after the per-step peak callback has read the step."""
+    from transformers import TrainerCallback
+
+    from .probes import trim_heap
+
+    class TrimHeap(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            trim_heap()
+
+    return TrimHeap()
+
+
 def _child_hf(case: dict) -> dict:
     """One HF ``Trainer`` run (``case["steps"]`` optimizer steps, default 2) on random token ids;
     returns the measurement. With ``case["per_step"]`` the peak of every step is recorded too
@@ -608,8 +625,11 @@ def _child_hf(case: dict) -> dict:
         from memguard_core.probes.linux import reset_peak
 
         read, reset = _peak_rss_bytes, reset_peak
-    cb = _hf_step_peaks_callback(read, reset) if case.get("per_step") else None
-    trainer = Trainer(model=model, args=args, train_dataset=DS(), callbacks=[cb] if cb else None)
+    callbacks = [_hf_step_peaks_callback(read, reset)] if case.get("per_step") else []
+    cb = callbacks[0] if callbacks else None
+    if device == "cpu" and case.get("trim_heap", True):
+        callbacks.append(_hf_trim_heap_callback())
+    trainer = Trainer(model=model, args=args, train_dataset=DS(), callbacks=callbacks or None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     # read where a guard's preflight reads it (on_train_begin): the mapped libraries' pages

@@ -107,6 +107,7 @@ class Guard(WindowRedo):
         self._floor_redone = False   # this window already redone at one row per forward
         self._boundaries = 0         # micro_batches_for_step calls: the step records' path is in use
         self._ended_step: Optional[int] = None   # end_step sampled this step's last batch already
+        self._trim_device: Optional[bool] = None   # trim_heap applies here (resolved at the first step end)
 
     # ------------------------------------------------------------------ start
     def start(self, *, rows: int, read_specs: Optional[SpecReader] = None,
@@ -335,6 +336,27 @@ class Guard(WindowRedo):
             self._ended_step = completed
         except Exception:
             self.log.debug("memguard: step end not recorded", exc_info=True)
+        self._trim_step_heap()
+
+    def _trim_step_heap(self) -> None:
+        """``trim_heap``: after the step's peak was read, glibc's free heap goes back to the kernel
+        on a CPU device (``probes.trim_heap``). The sizes a step allocates change from step to step
+        (mixture-of-experts routing, ragged batches): new sizes do not fit the holes the last step
+        left, the heap grows, and the holes stay resident and count in RSS until trimmed
+        (docs/monitor.md, "The CPU heap between steps"). Never raises."""
+        try:
+            if self._trim_device is None:
+                from .probes import host_source, resolve_device
+
+                self._trim_device = bool(self.options.trim_heap and host_source() == "linux"
+                                         and resolve_device(self.options.device) == "cpu")
+            if self._trim_device:
+                from .probes import trim_heap
+
+                trim_heap()
+        except Exception:
+            self._trim_device = False
+            self.log.debug("memguard: heap trim off", exc_info=True)
 
     def agreed(self, k: int) -> int:
         """The MAX of ``k`` over ``torch.distributed`` ranks (every rank must cut alike: FSDP /

@@ -93,6 +93,10 @@ class GuardOptions:
         snapshot_steps: optimizer steps at which to dump a CUDA snapshot.
         leak_detector: warn when the process figure at step boundaries rises step after step
             (``memguard_core.leak``; the torch adapters; MLX has its own on active memory).
+        trim_heap: on a CPU device on Linux, hand glibc's free heap back to the kernel
+            (``malloc_trim(0)``) after every optimizer step, so that holes the step's allocation
+            sizes left do not count against the budget in the next (docs/monitor.md, "The CPU heap
+            between steps"). Nothing on CUDA, MPS, MLX or other hosts.
     """
 
     budget_bytes: Optional[int] = None
@@ -112,6 +116,7 @@ class GuardOptions:
     cuda_snapshots: Optional[str] = None
     snapshot_steps: Tuple[int, ...] = ()
     leak_detector: bool = True
+    trim_heap: bool = True
 
     @classmethod
     def from_kwargs(cls, *, budget_bytes: Optional[float] = None, safety_ratio: float = 0.8,
@@ -122,7 +127,7 @@ class GuardOptions:
                     split: Optional[int] = None, budget_gib: Optional[float] = None,
                     log_dir: Optional[str] = None, cuda_snapshots: Optional[str] = None,
                     snapshot_steps: Sequence[int] = (), leak_detector: bool = True,
-                    eval_micro_batches: int = 1) -> "GuardOptions":
+                    eval_micro_batches: int = 1, trim_heap: bool = True) -> "GuardOptions":
         """Validate and normalise. ``split`` is the deprecated name of ``micro_batches``
         (``DeprecationWarning``). ``budget_bytes`` takes an int or a float (bytes, rounded down:
         ``8.5e9``); ``budget_gib`` gives the budget in GiB instead (not both).
@@ -179,15 +184,16 @@ class GuardOptions:
             snapshot_steps = (snapshot_steps,)
         if not all(_positive_int(s) for s in snapshot_steps):
             raise ConfigError("snapshot_steps", "optimizer steps (integers >= 1)", snapshot_steps)
-        if not isinstance(leak_detector, bool):
-            raise ConfigError("leak_detector", "True or False", leak_detector)
+        for name, flag in (("leak_detector", leak_detector), ("trim_heap", trim_heap)):
+            if not isinstance(flag, bool):
+                raise ConfigError(name, "True or False", flag)
         return cls(budget_bytes=budget_bytes, safety_ratio=ratio, thresholds=thresholds or Thresholds(),
                    seq_length=seq_length, apply=tuple(apply), fail_fast=fail_fast, loss_weighting=loss_weighting,
                    micro_batches=micro_batches or 1, monitor_interval_s=float(monitor_interval_s), device=device,
                    preflight=preflight, grow=grow, log_dir=None if log_dir is None else os.fspath(log_dir),
                    cuda_snapshots=None if cuda_snapshots is None else os.fspath(cuda_snapshots),
                    snapshot_steps=tuple(int(s) for s in snapshot_steps), leak_detector=leak_detector,
-                   eval_micro_batches=eval_micro_batches)
+                   eval_micro_batches=eval_micro_batches, trim_heap=trim_heap)
 
 
 #: The keyword names every adapter takes for its :class:`GuardOptions` (those of

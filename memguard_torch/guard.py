@@ -289,6 +289,8 @@ class TorchGuard(RankAgreement, GuardAttributes):
         self._rows_this_step = 0
         self.optimizer_steps += 1
         self._window = []
+        # the step's peak and record now (figures read next are this step's), and the CPU heap trim
+        self.guard.end_step(self.optimizer_steps)
 
     def finish(self, **extra: Any) -> Optional[Dict[str, Any]]:
         """End the run: the run summary (``Guard.finish``: ``split``, ``max_usage``,

@@ -52,14 +52,11 @@ def test_calibration_show_on_a_missing_store_creates_nothing(tmp_path):
     assert not d.exists()
 
 
-def test_calibration_show_on_an_empty_store_says_so(tmp_path):
+def test_calibration_show_on_an_empty_store_says_so(tmp_path, monkeypatch):
     from memguard_core import calibration
 
-    os.environ["MEMGUARD_DATA_DIR"] = str(tmp_path)
-    try:
-        calibration._connect().close()  # the store a guarded run creates, with no run in it
-    finally:
-        del os.environ["MEMGUARD_DATA_DIR"]
+    monkeypatch.setenv("MEMGUARD_DATA_DIR", str(tmp_path))
+    calibration._connect().close()  # the store a guarded run creates, with no run in it
     p = _memguard("calibration", "show", env={"MEMGUARD_DATA_DIR": str(tmp_path)})
     assert p.returncode == 0 and "empty" in p.stdout and "calibration.sqlite3" in p.stdout
     assert "not created yet" not in p.stdout

@@ -123,7 +123,9 @@ def test_lightning_csv_logger_carries_the_figures(tmp_path):
     assert sum(r["type"] == "step" for r in recs) >= 2
 
 
-def test_mlx_report_dicts_carry_the_figures(tmp_path):
+def _mlx_reports(tmp_path, iters: int, every: int) -> list:
+    """A guarded mlx_lm run of the tiny Llama (``iters`` iterations, a loss report every
+    ``every``); the report dicts mlx_lm's callback received."""
     pytest.importorskip("mlx.core")
     import numpy as np
     from mlx_lm.tuner.callbacks import TrainingCallback
@@ -141,12 +143,17 @@ def test_mlx_report_dicts_carry_the_figures(tmp_path):
 
     np.random.seed(0)
     rec = Rec()
-    args = TrainingArgs(batch_size=8, iters=6, steps_per_report=2, steps_per_eval=100, val_batches=1,
+    args = TrainingArgs(batch_size=8, iters=iters, steps_per_report=every, steps_per_eval=100, val_batches=1,
                         steps_per_save=100, max_seq_length=64, adapter_file=str(tmp_path / "a.safetensors"))
     memguard_mlx.train(build_model("llama"), schedule_optimizer(), TokenRows(), None, args=args, training_callback=rec,
                        budget_bytes=BIG_BUDGET, preflight=False, monitor_interval_s=0, log_dir=str(tmp_path / "log"))
-    assert [d["iteration"] for d in rec.train] == [2, 4, 6]
-    for d in rec.train:
+    return rec.train
+
+
+def test_mlx_report_dicts_carry_the_figures(tmp_path):
+    train = _mlx_reports(tmp_path, iters=6, every=2)
+    assert [d["iteration"] for d in train] == [2, 4, 6]
+    for d in train:
         assert {"train_loss", "learning_rate", "peak_memory"} <= set(d)       # mlx_lm's own keys
         assert d["memguard_micro_batches"] == 1 and 0 < d["memguard_budget_gib"] <= 64 and d["memguard_peak_gib"] > 0
     recs = read_events(_log_file(tmp_path / "log"))
@@ -215,30 +222,9 @@ def test_lightning_log_row_of_a_step_carries_that_steps_figures(tmp_path):
 def test_mlx_report_of_an_iteration_carries_that_iterations_figures(tmp_path):
     """Reports at every iteration: the first one has the figures, and each equals the event log's
     record of its own iteration (before, report N held iteration N-1's and the first had none)."""
-    pytest.importorskip("mlx.core")
-    import numpy as np
-    from mlx_lm.tuner.callbacks import TrainingCallback
-    from mlx_lm.tuner.trainer import TrainingArgs
-    from memguard_testing.mlx_tiny import TokenRows, build_model, schedule_optimizer
-
-    import memguard_mlx
-
-    class Rec(TrainingCallback):
-        def __init__(self):
-            self.train = []
-
-        def on_train_loss_report(self, info):
-            self.train.append(dict(info))
-
-    np.random.seed(0)
-    rec = Rec()
-    args = TrainingArgs(batch_size=8, iters=5, steps_per_report=1, steps_per_eval=100, val_batches=1,
-                        steps_per_save=100, max_seq_length=64, adapter_file=str(tmp_path / "a.safetensors"))
-    memguard_mlx.train(build_model("llama"), schedule_optimizer(), TokenRows(), None, args=args,
-                       training_callback=rec, budget_bytes=BIG_BUDGET, preflight=False, monitor_interval_s=0,
-                       log_dir=str(tmp_path / "log"))
+    train = _mlx_reports(tmp_path, iters=5, every=1)
     recs = {r["step"]: r for r in read_events(_log_file(tmp_path / "log")) if r["type"] == "step"}
-    reports = {d["iteration"]: d for d in rec.train}
+    reports = {d["iteration"]: d for d in train}
     assert sorted(reports) == [1, 2, 3, 4, 5] and "memguard_peak_gib" in reports[1]
     for it, d in reports.items():
         assert d["memguard_peak_gib"] == pytest.approx(round(recs[it]["peak_bytes"] / 2**30, 3))

@@ -45,6 +45,16 @@ def _cli(*args, env=None):
                           capture_output=True, text=True, env=e, timeout=300)
 
 
+def _cli_here(capsys, *args):
+    """``memguard estimate *args`` in this process (for cases that need no environment of their
+    own: huggingface_hub reads HF_HOME / HF_HUB_OFFLINE at import): (exit code, stdout, stderr)."""
+    from memguard_core.cli import main
+
+    code = main(["estimate", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_hub_id_resolves_from_the_hf_hub_cache_offline(tmp_path):
     cache = str(tmp_path / "hub")
     _lay_out_cache(cache, "HuggingFaceTB/SmolLM2-135M", SMOL)
@@ -139,11 +149,11 @@ def test_image_tokens_lengthen_the_language_models_sequence():
     assert with_img.train_spec.seq_length == 512 and with_img.train_spec.image_tokens == 256
 
 
-def test_vlm_cli_defaults_to_one_image_per_row(tmp_path):
+def test_vlm_cli_defaults_to_one_image_per_row(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(QWEN2_VL_2B))
-    one = json.loads(_cli(str(path), "--json", "--device", "cuda").stdout)
-    none = json.loads(_cli(str(path), "--json", "--device", "cuda", "--image-tokens", "0").stdout)
+    one = json.loads(_cli_here(capsys, str(path), "--json", "--device", "cuda")[1])
+    none = json.loads(_cli_here(capsys, str(path), "--json", "--device", "cuda", "--image-tokens", "0")[1])
     assert one["train"]["image_tokens"] == 256 and none["train"]["image_tokens"] == 0
     assert one["peak_bytes"] > none["peak_bytes"]
 
@@ -229,19 +239,21 @@ def _write(tmp_path, **over):
     return str(path)
 
 
-def test_heads_not_dividing_hidden_size_is_a_clear_error(tmp_path):
-    p = _cli("--config", _write(tmp_path, num_attention_heads=7, head_dim=None), "--device", "cpu")
-    assert p.returncode == 2 and "num_attention_heads" in p.stderr and "576" in p.stderr
-    assert "Traceback" not in p.stderr
-    p = _cli("--config", _write(tmp_path, num_attention_heads=9, num_key_value_heads=2), "--device", "cpu")
-    assert p.returncode == 2 and "num_key_value_heads" in p.stderr
+def test_heads_not_dividing_hidden_size_is_a_clear_error(tmp_path, capsys):
+    code, _, err = _cli_here(capsys, "--config", _write(tmp_path, num_attention_heads=7, head_dim=None),
+                             "--device", "cpu")
+    assert code == 2 and "num_attention_heads" in err and "576" in err
+    assert "Traceback" not in err
+    code, _, err = _cli_here(capsys, "--config", _write(tmp_path, num_attention_heads=9, num_key_value_heads=2),
+                             "--device", "cpu")
+    assert code == 2 and "num_key_value_heads" in err
 
 
-def test_lora_rank_and_layers_beyond_the_model(tmp_path):
-    p = _cli("--config", SMOL, "--lora-rank", "100000", "--device", "cpu")
-    assert p.returncode == 2 and "--lora-rank" in p.stderr and "Traceback" not in p.stderr
-    p = _cli("--config", SMOL, "--lora-layers", "31", "--device", "cpu")
-    assert p.returncode == 2 and "--lora-layers" in p.stderr and "30 blocks" in p.stderr
+def test_lora_rank_and_layers_beyond_the_model(tmp_path, capsys):
+    code, _, err = _cli_here(capsys, "--config", SMOL, "--lora-rank", "100000", "--device", "cpu")
+    assert code == 2 and "--lora-rank" in err and "Traceback" not in err
+    code, _, err = _cli_here(capsys, "--config", SMOL, "--lora-layers", "31", "--device", "cpu")
+    assert code == 2 and "--lora-layers" in err and "30 blocks" in err
     ms = model_spec_from_hf_config(SMOL)
     # k_proj of SmolLM2-135M is 576 -> 192 (3 KV heads x 64): rank 256 runs, with a warning
     warns = check_train_spec(ms, TrainSpec(lora_rank=256, lora_targets=("all-linear",)))
@@ -249,11 +261,11 @@ def test_lora_rank_and_layers_beyond_the_model(tmp_path):
     assert check_train_spec(ms, TrainSpec(lora_rank=16, lora_targets=("all-linear",))) == []
 
 
-def test_sequence_beyond_the_position_table_warns(tmp_path):
+def test_sequence_beyond_the_position_table_warns(tmp_path, capsys):
     ms = model_spec_from_hf_config(SMOL)
     assert ms.max_position_embeddings == 8192
     est = estimate(ms, TrainSpec(seq_length=9000))
     assert any("max_position_embeddings" in n for n in est.notes)
-    p = _cli("--config", SMOL, "--seq-length", "9000", "--json", "--device", "cpu")
-    assert p.returncode == 0
-    assert any("max_position_embeddings (8192)" in n for n in json.loads(p.stdout)["notes"])
+    code, out, _ = _cli_here(capsys, "--config", SMOL, "--seq-length", "9000", "--json", "--device", "cpu")
+    assert code == 0
+    assert any("max_position_embeddings (8192)" in n for n in json.loads(out)["notes"])

@@ -22,8 +22,15 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/memguard demo
 
+# Tests whose outcome depends on how fast the guard reacts (a co-tenant arriving mid-run under a
+# real cgroup limit, grow-back, a supervisor killing and restarting runs) run alone, after the
+# others; the rest run on 2 workers, one test file per worker at a time (conftest.py: longest first).
+SERIAL := integration_tests/test_containers.py integration_tests/test_grow_back.py \
+          integration_tests/test_supervisor_resume.py tests/test_supervisor.py
+
 test: install
-	$(PY) -m pytest -q tests integration_tests
+	$(PY) -m pytest -q -n 2 --dist loadfile $(addprefix --ignore=,$(SERIAL)) tests integration_tests
+	$(PY) -m pytest -q $(SERIAL)
 	$(VENV)/bin/memguard bench --quick --gate
 
 unit: install

@@ -26,6 +26,15 @@ from memguard_testing.cgroup_harness import MemoryCgroup, cgroups_writable  # no
 from memguard_testing.fakes import FakeTorchCuda  # noqa: E402
 
 
+#: test files that take minutes: collected first, so that under ``make test``'s two workers they do
+#: not start last and run alone at the end
+_LONG_FILES = ("test_full_depth_preflight.py", "test_rlimit_oom.py", "test_lightning_eval_split.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    items.sort(key=lambda item: 0 if item.nodeid.split("::")[0].endswith(_LONG_FILES) else 1)  # stable
+
+
 @pytest.fixture(autouse=True)
 def _own_calibration_store(tmp_path_factory, monkeypatch) -> None:
     """Each test records into a calibration store of its own: with one store for the session, the

@@ -346,10 +346,10 @@ class Guard(WindowRedo):
         (docs/monitor.md, "The CPU heap between steps"). Never raises."""
         try:
             if self._trim_device is None:
-                from .probes import host_source, resolve_device
+                from .probes import resolve_device
 
-                self._trim_device = bool(self.options.trim_heap and host_source() == "linux"
-                                         and resolve_device(self.options.device) == "cpu")
+                # probes.trim_heap itself does nothing off glibc / Linux
+                self._trim_device = bool(self.options.trim_heap and resolve_device(self.options.device) == "cpu")
             if self._trim_device:
                 from .probes import trim_heap
 

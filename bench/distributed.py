@@ -205,6 +205,8 @@ def worker(mode: str, size: str, out: str) -> None:
     stages = []  # VmHWM, VmRSS and glibc's heap after each part of each step: which moment raised the peak
     arenas_bw = []  # malloc_info's per-arena heap at the end of each backward
     steps = int(os.environ.get("MEMGUARD_BENCH_STEPS", STEPS))  # probe runs only; the table uses STEPS
+    trim = os.environ.get("MEMGUARD_BENCH_TRIM", "1") != "0"
+    from memguard_core.probes import trim_heap
     for step in range(steps):
         loss = (engine or model)(input_ids=x, labels=x).loss
         stages.append((step, "forward", _vm("VmHWM"), _vm("VmRSS")) + _heap())
@@ -215,9 +217,11 @@ def worker(mode: str, size: str, out: str) -> None:
         stages.append((step, "step", _vm("VmHWM"), _vm("VmRSS")) + _heap())
         if not engine:
             opt.zero_grad(set_to_none=True)
+        if trim:  # what memguard's guard does at every optimizer step's end on a CPU device
+            trim_heap()
     res = dict(rank=rank, world=world, mode=mode, size=size, vm_hwm=_vm("VmHWM"), setup_hwm=setup_hwm,
                rss_file=_vm("RssFile"), stages=stages, arenas=_arenas(), arenas_bw=arenas_bw, threads=_vm_count("Threads"),
-               malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}, steps=steps, loss=float(loss), step_s=(time.time() - t0) / steps)
+               malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}, steps=steps, trim=trim, loss=float(loss), step_s=(time.time() - t0) / steps)
     with open(out, "w") as f:
         json.dump(res, f)
     dist.barrier()

@@ -370,6 +370,7 @@ def cases() -> List[dict]:
        lora_targets=["q_proj", "k_proj", "v_proj", "o_proj"])
     hf("smollm2-135m", method="full", batch_size=1, seq_length=128)
     hf("smollm2-135m", batch_size=4, seq_length=256, grad_checkpoint=True)
+    hf("smollm2-135m", method="full", batch_size=2, seq_length=256, grad_checkpoint=True)
     for b, s in [(1, 128), (4, 128), (2, 512)]:            # batch / sequence sweep
         hf("smollm2-8l", batch_size=b, seq_length=s)
     hf("smollm2-8l", batch_size=2, seq_length=256, attn_impl="eager")
@@ -384,6 +385,8 @@ def cases() -> List[dict]:
     hf("qwen2.5-0.5b-4l", batch_size=4, seq_length=256, grad_checkpoint=True)
     hf("qwen2.5-0.5b-4l", batch_size=2, seq_length=256, dtype="bf16", lora_targets=["all-linear"])
     hf("qwen2.5-0.5b-4l", method="full", batch_size=1, seq_length=256, dtype="bf16")
+    hf("qwen2.5-0.5b-4l", method="full", batch_size=1, seq_length=256, dtype="bf16", grad_checkpoint=True)
+    hf("smollm2-8l", method="full", batch_size=2, seq_length=256, grad_checkpoint=True)
     hf("tinyllama-2l", batch_size=4, seq_length=256, lora_targets=["all-linear"])
     hf("tinyllama-2l", method="full", batch_size=2, seq_length=128, grad_accum=2)
     hf("mixtral-4l", batch_size=4, seq_length=256)
@@ -638,7 +641,7 @@ def _child_hf(case: dict) -> dict:
     trainer.train()
     peak = read()
     rec = dict(peak_bytes=peak, counter=device, seconds=time.time() - t0, model_spec=spec,
-               resident_file_bytes=resident_file,
+               resident_file_bytes=resident_file, heap_trim=bool(device == "cpu" and case.get("trim_heap", True)),
                model_config=_json_safe(getattr(model, "config", config).to_dict()))
     if cb is not None:
         readings = [cb.pre_train or 0] + cb.steps + cb.gaps + [peak]
@@ -833,7 +836,8 @@ def specs_of(case: dict, rec: dict):
                          lora_layers=kw["lora_layers"], optimizer=kw["optimizer"], dtype=kw["dtype"],
                          mixed_precision=kw["mixed_precision"], grad_checkpoint=kw["grad_checkpoint"],
                          attn_impl=kw["attn_impl"], framework="hf", device=case.get("device", "cpu"),
-                         resident_file_bytes=rec.get("resident_file_bytes"))
+                         resident_file_bytes=rec.get("resident_file_bytes"),
+                         heap_trim=bool(rec.get("heap_trim", case.get("trim_heap", True))))
 
 
 def seed_estimate_bytes(ms, ts) -> Optional[int]:

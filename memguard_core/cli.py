@@ -106,6 +106,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="fp32 weights with autocast to --dtype (HF bf16=True / fp16=True on an fp32 "
                         "model); --dtype defaults to bf16 then")
     t.add_argument("--grad-checkpoint", action="store_true", help="activation (gradient) checkpointing")
+    t.add_argument("--no-heap-trim", action="store_true",
+                   help="cpu: a plain run that does not return glibc's free heap at every optimizer step's "
+                        "end [off: the run as memguard's guard runs it (GuardOptions.trim_heap)]")
     t.add_argument("--attn", default="sdpa", help="eager | sdpa | flash [sdpa]")
     t.add_argument("--double-quant", action="store_true",
                    help="QLoRA with double quantization (4.127 bits); not with --method full")
@@ -385,7 +388,8 @@ def _train_spec(args, model_spec):
                      image_tokens=model_spec.image_tokens if args.image_tokens is None else args.image_tokens,
                      world_size=args.world_size, ranks=args.ranks, sharding=sharding,
                      offload=args.offload, shard_group_size=args.shard_group_size,
-                     bnb_version=getattr(args, "bnb_version", None))
+                     bnb_version=getattr(args, "bnb_version", None),
+                     heap_trim=not getattr(args, "no_heap_trim", False))
     if ts.method != "full" and args.lora_targets is None:
         resolved = with_default_lora_targets(model_spec, ts)
         names = ",".join(resolved.lora_targets)

@@ -195,15 +195,28 @@ MPS_FRAGMENTATION = CUDA_FRAGMENTATION
 #: those the backward leaves. Under PEFT LoRA each LoRA'd linear adds out-sized temporaries
 #: (``LORA_FORWARD_TEMPORARIES``); their holes are refilled by the next blocks' equal requests, so
 #: only ``LORA_TEMP_BLOCKS`` blocks' worth counts, at ``LORA_TEMP_SLACK``. The factors are fitted on
-#: models cut to 2-16 blocks only and scored on full-depth models apart (fitted on the small matrix
-#: and depth sweeps; docs/estimator.md, "CPU heap slack").
+#: the small matrix of ``memguard bench`` (models cut to 2-12 blocks, SmolLM2-135M's 30 at 128-256
+#: tokens), measured as a guarded run runs (the heap trimmed at every optimizer step's end,
+#: ``TrainSpec.heap_trim``), and scored on full-depth models apart (docs/estimator.md, "CPU heap
+#: slack").
 #: ``MALLOC_MMAP_THRESHOLD_=131072`` in the training process's environment removes most of the slack.
 #: Under activation checkpointing no moment holds every block's activations, so the backward's
-#: factor does not apply there: every moment gets the larger of the forward's slack and the last
+#: factor does not apply there: every moment gets the larger of ``CPU_HEAP_SLACK_CHECKPOINTED``'s
+#: slack and the last
 #: step's heap-resident gradients (``_heap_gradient_bytes``; docs/estimator.md, "Gradient
-#: checkpointing on CPU").
-CPU_HEAP_SLACK_FORWARD = {"full": 0.25, "lora": 0.45}
-CPU_HEAP_SLACK_BACKWARD = {"full": 1.0, "lora": 0.9}
+#: checkpointing on CPU"), unless the run trims the heap at every step's end (``TrainSpec.heap_trim``,
+#: the guard's default), which hands those pages back.
+CPU_HEAP_SLACK_FORWARD = {"full": 0.3, "lora": 0.5}
+CPU_HEAP_SLACK_BACKWARD = {"full": 0.95, "lora": 0.9}
+#: Under activation checkpointing: every moment's slack as a multiple of the same un-checkpointed
+#: traffic (``_activation_traffic``) -- no moment holds every block's activations, and the holes are
+#: those of the checkpointed forward and of each block's recompute, a different mix of sizes than
+#: a plain forward's (a full fine-tune recomputes the inputs of its trained linears, LoRA its
+#: adapters' temporaries). Fitted on the six checkpointed cases of the small matrix (OPT-125M,
+#: SmolLM2-135M, Qwen2.5-0.5B cut to 4 blocks, SmolLM2 cut to 8; LoRA and full), with the other
+#: factors on its other cases, all measured with the step-end heap trim (docs/estimator.md, "CPU
+#: heap slack").
+CPU_HEAP_SLACK_CHECKPOINTED = {"full": 0.25, "lora": 0.65}
 MMAP_THRESHOLD_MAX = 32 * MiB
 
 #: Dense V x h gradient tensors beyond ``.grad`` in an HF full fine-tune (torch autograd; see
@@ -1599,11 +1612,15 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
             forward_slack = int(CPU_HEAP_SLACK_FORWARD[kind] * (traffic + small_logits)
                                 + LORA_TEMP_SLACK * lora_traffic)
             if ts.grad_checkpoint:
+                forward_slack = int(CPU_HEAP_SLACK_CHECKPOINTED[kind] * (traffic + small_logits))
                 # the blocks' activations never coexist (one block is recomputed at a time): the
                 # arena is what the forward left, or the holes of the last step's gradients when
                 # those are larger -- the next forward runs inside them and the new gradients
-                # take fresh heap (``_heap_gradient_bytes``); the same at every moment
-                slack = max(forward_slack, _heap_gradient_bytes(ms, ts, grads, pb))
+                # take fresh heap (``_heap_gradient_bytes``); the same at every moment. A run that
+                # trims the heap at every step's end (``ts.heap_trim``, memguard's guard) handed
+                # those pages back after ``zero_grad`` freed the gradients: no such holes remain
+                held = 0 if ts.heap_trim else _heap_gradient_bytes(ms, ts, grads, pb)
+                slack = max(forward_slack, held)
             elif k == "loss":
                 slack = forward_slack
             else:

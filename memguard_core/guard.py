@@ -228,6 +228,8 @@ class Guard(WindowRedo):
         """
         opts = self.options
         model_spec, train_spec = read_specs()
+        # the estimate is of the run as guarded: with or without the step-end heap trim
+        train_spec = train_spec.replace(heap_trim=bool(opts.trim_heap))
         budget = opts.budget_bytes
         if budget is None:
             budget = default_budget(train_spec.device if opts.device == "auto" else opts.device, opts.safety_ratio)

@@ -366,6 +366,11 @@ class TrainSpec:
         image_tokens: image tokens per row of a vision-language model, on top of ``seq_length``
             (the text tokens): the language model's sequence is ``seq_length + image_tokens``
             (images per row x :attr:`ModelSpec.image_tokens`); 0 for text-only rows.
+        heap_trim: ``device="cpu"`` only: True (default) for a run that hands glibc's free heap back
+            to the kernel at every optimizer step's end, as memguard's guard does
+            (``GuardOptions.trim_heap``); False for a plain run, whose later steps also keep
+            resident the pages the last step's freed tensors left (under activation checkpointing
+            the last step's gradients: docs/estimator.md, "Gradient checkpointing on CPU").
         bnb_version: the bitsandbytes version of a QLoRA run (``"0.42.0"``); it decides whether
             each 4-bit linear keeps its input for the backward (before 0.43.2) or not
             (``memguard_core.estimate.bnb_4bit_keeps_input``). ``None`` = unknown: the older rule,
@@ -403,6 +408,7 @@ class TrainSpec:
     fsdp_version: int = 2
     bnb_version: Optional[str] = None
     keeps_last_graph: Optional[bool] = None
+    heap_trim: bool = True
     ranks: dataclasses.InitVar[Optional[int]] = None
 
     def __post_init__(self, ranks: Optional[int] = None) -> None:
@@ -430,6 +436,9 @@ class TrainSpec:
         bv = self.bnb_version
         if bv is not None and not (isinstance(bv, str) and re.match(r"\s*\d+\.\d+", bv)):
             raise ConfigError("bnb_version", "a bitsandbytes version such as '0.42.0', or None", bv)
+        if not isinstance(self.heap_trim, bool):
+            raise ConfigError("heap_trim", "True (the guard returns the free heap at every step's end) or False",
+                              self.heap_trim)
         klg = self.keeps_last_graph
         if klg is not None and not isinstance(klg, bool):
             raise ConfigError("keeps_last_graph", "True, False or None (by framework)", klg)

@@ -47,6 +47,17 @@ def test_estimate_grows_with_batch_and_plans_against_a_budget(capsys):
     assert d["plan"]["changes"]
 
 
+def test_no_heap_trim_estimates_a_plain_checkpointed_run_higher(capsys):
+    # the default is the run as the guard runs it (the heap trimmed at every step's end); a plain
+    # checkpointed full fine-tune on CPU also keeps the last step's gradient holes
+    base = ("estimate", "--config", SMOL, "--method", "full", "--dtype", "fp32", "--batch-size", "1",
+            "--seq-length", "16", "--grad-checkpoint", "--device", "cpu", "--json")
+    _, trimmed, _ = run(capsys, *base)
+    code, plain, _ = run(capsys, *base, "--no-heap-trim")
+    assert code == 0
+    assert json.loads(plain)["peak_bytes"] > json.loads(trimmed)["peak_bytes"]
+
+
 def test_estimate_from_plain_numbers(capsys):
     code, out, _ = run(capsys, "estimate", "--model-params", "9e9", "--model-bits", "4", "--hidden-dim", "4096",
                        "--num-heads", "32", "--num-layers", "32", "--batch-size", "4", "--seq-length", "2048",

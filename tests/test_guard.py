@@ -252,3 +252,18 @@ def test_summary_requested_and_planned_peaks_compare():
     s = g.finish(0)
     assert pf.resident_extra_bytes > 0 and pf.split_factor == 1    # the premise
     assert s["requested_peak_bytes"] == s["estimated_peak_bytes"] == pf.best_peak_bytes
+
+
+def test_the_preflight_estimates_the_run_with_or_without_the_heap_trim():
+    # the guard trims glibc's heap at every step's end by default (GuardOptions.trim_heap): its
+    # preflight estimates that run; with the option off, the plain run's (a checkpointed full
+    # fine-tune then keeps the last step's gradient holes: a larger CPU estimate)
+    ms = model_spec_from_hf_config(SMOL)
+    ts = TrainSpec(batch_size=1, seq_length=16, method="full", dtype="fp32", grad_checkpoint=True, device="cpu")
+    peaks = {}
+    for trim in (True, False):
+        g = _guard(budget_bytes=64 * GiB, trim_heap=trim)
+        pf = g.plan(lambda: (ms, ts))
+        assert pf.train_spec.heap_trim is trim
+        peaks[trim] = pf.estimate.peak_bytes
+    assert peaks[False] > peaks[True]

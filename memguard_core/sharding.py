@@ -93,28 +93,30 @@ DIST_CPU_RUNTIME_BYTES = 0
 #: heap slack").
 DEEPSPEED_CPU_RUNTIME_BYTES = 68 * MiB
 
-#: cpu, FSDP: glibc heap slack beyond the single-process rule, as a multiple of the activation
-#: traffic (``estimate._activation_traffic``), at the end of the backward and the optimizer step.
+#: cpu, FSDP: glibc heap slack beyond the single-process rule, as a multiple of the unsharded
+#: block bytes one step passes through the heap (``_unit_heap_traffic``: every block's all-gather
+#: output and its unsharded gradients), at the end of the backward and the optimizer step.
 #: Why: FSDP2 pushes every block's all-gather output, unsharded parameters, unsharded gradients and
 #: reduce-scatter input (each a block's size, below glibc's 32 MiB mmap threshold, so from the
 #: heap) through the heap between the activations the backward frees, and keeps only the 1/N
-#: gradient shard, so the holes the freed activations leave are not refilled by gradients as in
-#: one process. The live set alone is the module's rule above (checked with
-#: ``MALLOC_MMAP_THRESHOLD_=131072``, which removes the slack). FITTED on the 30M-parameter rows of
-#: ``bench/distributed.py`` (2 and 4 ranks, the heap trimmed at every step's end as the guard does)
-#: and scored on the 135M rows only: 1.75 = the median over the 30M full-shard, grad-op and
-#: CPU-offload rows (one layout on the cpu counter); no-shard (one-rank shards: the gradients are
-#: whole again and refill part of the holes) 0.95, the median of its 30M rows. Hybrid takes the sharded value and FSDP1 the same rule, neither fitted on rows of
-#: its own. ZeRO-3 gathers and releases every module's parameters and reduce-scatters its gradients
-#: through the heap the same way, so it takes the sharded FSDP value: a transfer by mechanism, not a
-#: fit on ZeRO rows. Fit and scores: docs/distributed.md, "cpu fixed cost and heap slack" and
-#: "Measured". Taken as independent of N although it is not: glibc's counters show the heap a rank
-#: holds about the same at 2 and 4 ranks while the sharded state inside it halves, and its extent
-#: differing between ranks that make the same requests (from the first forward on; not glibc's
-#: dynamic thresholds, address randomisation or the timing of gloo's collectives); no source gives that extent, so single ranks can
-#: land under the estimate (docs/distributed.md, "Per-rank spread").
-FSDP_CPU_HEAP_SLACK = {"fsdp-full": 1.75, "fsdp-grad-op": 1.75, "fsdp-hybrid": 1.75, "fsdp-no-shard": 0.95,
-                       "zero3": 1.75}
+#: gradient shard, so the holes they leave are not refilled by gradients as in one process, and
+#: the heap does not shrink with N while the sharded state inside it does. The live set alone is
+#: the module's rule above (checked with ``MALLOC_MMAP_THRESHOLD_=131072``, which removes the
+#: slack). FITTED on the 30M-parameter rows of ``bench/distributed.py`` (2 and 4 ranks, the heap
+#: trimmed at every step's end as the guard does) and scored on the 135M rows only: 1.15 = the
+#: median over the 30M full-shard, grad-op and CPU-offload rows (1.125, to the 0.05 above); no-shard
+#: (one-rank shards: the gradients are whole again and refill part of the holes) 0.6, the median
+#: of its 30M rows. The driver was the activation traffic until 2026-11-26; the block bytes were
+#: chosen after the trimmed 135M 4-rank rows showed the activation-based factor fitted at 30M 6-12 %
+#: under there (the factor itself is fitted on 30M rows only). Hybrid takes the sharded value and
+#: FSDP1 the same rule, neither fitted on rows of its own. ZeRO-3 gathers and releases every
+#: module's parameters and reduce-scatters its gradients through the heap the same way, so it takes
+#: the sharded FSDP value: a transfer by mechanism, not a fit on ZeRO rows. Fit and scores:
+#: docs/distributed.md, "cpu fixed cost and heap slack" and "Measured". Single ranks still differ
+#: from each other (their heaps' extent differs between ranks that make the same requests:
+#: docs/distributed.md, "Per-rank spread").
+FSDP_CPU_HEAP_SLACK = {"fsdp-full": 1.15, "fsdp-grad-op": 1.15, "fsdp-hybrid": 1.15, "fsdp-no-shard": 0.6,
+                       "zero3": 1.15}
 
 #: DDP's first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), bytes.
 DDP_FIRST_BUCKET_BYTES = 1 * MiB
@@ -288,19 +290,19 @@ def apply_sharding(ms, ts, phases: Dict[str, Dict[str, int]], totals: Dict[str, 
     moment; on ``cpu`` the single-process heap slack plus, under FSDP, :data:`FSDP_CPU_HEAP_SLACK`.
     Does nothing for ``sharding="none"``, so a ``none`` estimate equals the single-process one
     exactly."""
-    from .estimate import CUDA_FRAGMENTATION, _activation_traffic
+    from .estimate import CUDA_FRAGMENTATION
 
     s = ts.sharding
     if s == "none":
         return
     slack = {k: v.get("allocator_slack", 0) for k, v in phases.items()}
+    traffic = _unit_heap_traffic(ms, ts, phases) if ts.device == "cpu" and s in FSDP_CPU_HEAP_SLACK else 0
     if s == "ddp":
         _ddp(ts, phases, notes)
     elif s.startswith("fsdp"):
         _fsdp(ms, ts, phases, notes)
     else:
         _zero(ms, ts, phases, notes)
-    traffic = _activation_traffic(ms, ts) if ts.device == "cpu" and s in FSDP_CPU_HEAP_SLACK else 0
     fsdp_slack = FSDP_CPU_HEAP_SLACK.get(s, 0.0)
     for k, v in phases.items():
         if ts.device == "cpu":
@@ -311,6 +313,25 @@ def apply_sharding(ms, ts, phases: Dict[str, Dict[str, int]], totals: Dict[str, 
             v["allocator_slack"] = 0
             v["allocator_slack"] = int(CUDA_FRAGMENTATION * (sum(v.values()) - v["runtime_overhead"]))
         totals[k] = sum(v.values())
+
+
+def _unit_heap_traffic(ms, ts, phases) -> int:
+    """Bytes of unsharded block parameters and gradients one step passes through the heap under
+    FSDP (and ZeRO-3, which gathers and reduce-scatters module by module the same way): every
+    block's all-gather output (its parameters in FSDP's ``param_dtype``) and its unsharded gradients
+    (the reduce-scatter input), each a block's size and so, below glibc's 32 MiB mmap ceiling, from
+    the heap, between the activations the step saves and frees. Read from the whole-model
+    ``phases`` before they are sharded. Drives :data:`FSDP_CPU_HEAP_SLACK`."""
+    from .estimate import DTYPE_BYTES
+
+    total = max(1, ms.params.total)
+    _, block_p = _root_and_block_params(ms)
+    stored = phases["optimizer"]["weights"] / total
+    pd = DTYPE_BYTES[ts.dtype] if ts.mixed_precision else stored
+    g_full = phases["optimizer"]["gradients"]
+    root_p, _ = _root_and_block_params(ms)
+    root_g = int(g_full * root_p / total) if ts.method == "full" else 0
+    return int(ms.num_layers * block_p * pd + (g_full - root_g))
 
 
 def _ddp(ts, phases, notes) -> None:

@@ -91,7 +91,7 @@ DIST_CPU_RUNTIME_BYTES = 0
 #: builds and loads. Calibrated, like the constant above, on the ``tiny`` case (DeepSpeed 0.19.8,
 #: ``DS_ACCELERATOR=cpu``); not fitted on the scored rows (docs/distributed.md, "cpu fixed cost and
 #: heap slack").
-DEEPSPEED_CPU_RUNTIME_BYTES = 68 * MiB
+DEEPSPEED_CPU_RUNTIME_BYTES = 60 * MiB
 
 #: cpu, FSDP: glibc heap slack beyond the single-process rule, as a multiple of the unsharded
 #: block bytes one step passes through the heap (``_unit_heap_traffic``: every block's all-gather

@@ -1071,9 +1071,10 @@ def _full_depth_section(rows: Sequence[dict], baseline: Optional[dict]) -> List[
     dates = sorted({r.get("date") for r in fd if r.get("date")})
     out = ["### Summaries", "",
            "**No constant of the estimator was fitted on the full-depth cases.** The constants were "
-           "measured on the small matrix (`bench/results/bench_cpu.json`: 2-8 blocks of most architectures; "
-           "SmolLM2-135M's 30 and OPT-125M's 12 blocks at 128-256 tokens) and on depth sweeps of 2-16 blocks "
-           "(docs/estimator.md). These cases are held out by scale (every block of the published config; "
+           "fitted on the small matrix (`bench/results/bench_cpu.json`: 2-12 blocks of most architectures; "
+           "SmolLM2-135M's 30 and OPT-125M's 12 blocks at 128-256 tokens; docs/estimator.md, \"Where the "
+           "constants come from\"). HF CPU runs, here and there, return glibc's free heap at every optimizer "
+           "step's end as a guarded run does (`GuardOptions.trim_heap`). These cases are held out by scale (every block of the published config; "
            "512-2048 tokens per micro-batch on HF) and, where the block type is not in the fitted matrix "
            "of that backend (granitemoe on HF, GPT-2 on mlx_lm), by architecture as well. The estimator "
            "scored here is the commit in the machine line.", "",
@@ -1100,15 +1101,14 @@ def _full_depth_section(rows: Sequence[dict], baseline: Optional[dict]) -> List[
             out.append("- " + _summary_line(baseline[k], f"small matrix, {k}"))
     moe = [r["name"] for r in fd if r.get("cpu_backend_effect") == CPU_BF16_MOE]
     if moe:
-        out += ["", f"**MoE in bf16 on the CPU ({', '.join(moe)}): counted in every summary above, and not "
-                    "modelled.** Their peak grows step after step (per-step peaks below): the experts' "
-                    "row slices, bf16-matmul transients and gradients take new sizes every step (tokens per "
-                    "expert follow the routing), and glibc's heap grows with holes the new sizes cannot "
-                    "reuse while the bytes in use stay flat. The same loop in fp32 is flat, mlx_lm runs of "
-                    "the same shapes are flat, and CUDA's caching allocator pools blocks instead. The "
-                    "estimate counts the live tensors and one step's heap slack, not this growth; on a "
-                    "CPU, give a bf16 MoE run the headroom of its last per-step peak over its first "
-                    "(docs/estimator.md, \"MoE in bf16 on CPU\")."]
+        out += ["", f"**MoE in bf16 on the CPU ({', '.join(moe)}): counted in every summary above.** "
+                    "Without the step-end heap trim their peak grows step after step: the experts' row "
+                    "slices, bf16-matmul transients and gradients take new sizes every step (tokens per "
+                    "expert follow the routing), and glibc's heap keeps the holes the last step's sizes "
+                    "left while the bytes in use stay flat. The trim (a guarded run's default, and what "
+                    "these runs did) hands the holes back at every step's end; compare the per-step peaks "
+                    "below (last / first step). A plain run of such a model on a CPU needs the headroom "
+                    "of that growth (docs/estimator.md, \"MoE in bf16 on CPU\")."]
     steps = [r for r in rows if r.get("step_peak_bytes")]
     if steps:
         out += ["", "Per-step peaks (the counter's peak inside each optimizer step, MiB; the whole-run peak "

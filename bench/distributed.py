@@ -23,7 +23,9 @@ Each rank also records, after every forward / backward / optimizer step, glibc's
 (arena, in use, mmapped) and, at the end of each backward, ``malloc_info()``'s heap per arena (the
 main sbrk arena and the per-thread arenas of gloo's worker threads): what tells the live heap from
 its holes (docs/distributed.md, "Per-rank spread"). ``MEMGUARD_BENCH_STEPS`` runs more steps for
-such probes (the table uses ``STEPS``).
+such probes (the table uses ``STEPS``). Every rank returns glibc's free heap at each step's end, as
+memguard's guard does on a CPU device (``GuardOptions.trim_heap``); ``MEMGUARD_BENCH_TRIM=0`` measures
+the plain loop.
 
 The ``tiny`` size is calibration (the fixed cost of a rank), left out of the scores.
 
@@ -397,7 +399,8 @@ def _write(meta: dict, rows: list, s: dict) -> None:
             f.write(f"# Per-rank peak (VmHWM) of multi-process CPU training vs memguard's estimate\n\n"
                     f"{meta['date']}, {meta['machine']}, torch {meta['torch']}, transformers "
                     f"{meta['transformers']}; gloo, {BATCH} x {SEQ} tokens per rank, fp32 full fine-tune, "
-                    f"AdamW(fused=True), {STEPS} steps, one thread per rank (`python bench/distributed.py`). "
+                    f"AdamW(fused=True), {STEPS} steps, one thread per rank, glibc's free heap returned at every "
+                    f"step's end as memguard's guard does (`python bench/distributed.py`). "
                     f"ZeRO rows: deepspeed 0.19.8, DS_ACCELERATOR=cpu (`--merge --modes zero1,zero2,zero3`). "
                     f"Size tiny = calibration rows.\n\n"
                     + table(rows) + "\n\n" + "\n".join(

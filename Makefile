@@ -23,10 +23,13 @@ demo: install
 	$(VENV)/bin/memguard demo
 
 # Tests whose outcome depends on how fast the guard reacts (a co-tenant arriving mid-run under a
-# real cgroup limit, grow-back, a supervisor killing and restarting runs) run alone, after the
-# others; the rest run on 2 workers, one test file per worker at a time (conftest.py: longest first).
+# real cgroup limit, grow-back, a supervisor killing and restarting runs) or on the timing of gloo's
+# threads (the per-rank heap of 2-process runs, scored against the estimate's band) run alone,
+# after the others; the rest run on 2 workers, one test file per worker at a time (conftest.py:
+# longest first).
 SERIAL := integration_tests/test_containers.py integration_tests/test_grow_back.py \
-          integration_tests/test_supervisor_resume.py tests/test_supervisor.py
+          integration_tests/test_supervisor_resume.py tests/test_supervisor.py \
+          integration_tests/test_distributed_estimate.py
 
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile $(addprefix --ignore=,$(SERIAL)) tests integration_tests

@@ -203,6 +203,7 @@ def worker(mode: str, size: str, out: str) -> None:
     g = torch.Generator().manual_seed(1 + rank)
     x = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
     setup_hwm = _vm("VmHWM")
+    rss_file_start = _vm("RssFile")  # the mapped libraries' pages, where a guard's preflight reads them
     t0 = time.time()
     stages = []  # VmHWM, VmRSS and glibc's heap after each part of each step: which moment raised the peak
     arenas_bw = []  # malloc_info's per-arena heap at the end of each backward
@@ -222,7 +223,7 @@ def worker(mode: str, size: str, out: str) -> None:
         if trim:  # what memguard's guard does at every optimizer step's end on a CPU device
             trim_heap()
     res = dict(rank=rank, world=world, mode=mode, size=size, vm_hwm=_vm("VmHWM"), setup_hwm=setup_hwm,
-               rss_file=_vm("RssFile"), stages=stages, arenas=_arenas(), arenas_bw=arenas_bw, threads=_vm_count("Threads"),
+               rss_file=_vm("RssFile"), rss_file_start=rss_file_start, stages=stages, arenas=_arenas(), arenas_bw=arenas_bw, threads=_vm_count("Threads"),
                malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}, steps=steps, trim=trim, loss=float(loss), step_s=(time.time() - t0) / steps)
     with open(out, "w") as f:
         json.dump(res, f)
@@ -273,8 +274,10 @@ def run_case(mode: str, size: str, world: int, timeout: float = 900) -> list:
     return out
 
 
-def estimate_case(mode: str, size: str, world: int):
-    """memguard's per-rank estimate of one case (a MemoryEstimate)."""
+def estimate_case(mode: str, size: str, world: int, resident_file_bytes=None):
+    """memguard's per-rank estimate of one case (a MemoryEstimate); ``resident_file_bytes``: the
+    rank's file-backed resident pages before its first step (``RssFile``, as the guard reads them;
+    a freshly written venv maps its libraries in large folios and reads higher), None = typical."""
     from memguard_core.estimate import estimate
     from memguard_core.spec import TrainSpec, model_spec_from_hf_config
 
@@ -282,7 +285,8 @@ def estimate_case(mode: str, size: str, world: int):
     sharding = "fsdp-full" if mode == "fsdp-offload" else mode
     ts = TrainSpec(batch_size=BATCH, seq_length=SEQ, method="full", dtype="fp32", optimizer="adamw",
                    attn_impl="sdpa", framework="torch", device="cpu", world_size=world, sharding=sharding,
-                   offload="params" if mode == "fsdp-offload" else "none")
+                   offload="params" if mode == "fsdp-offload" else "none",
+                   resident_file_bytes=resident_file_bytes)
     return estimate(ms, ts)
 
 
@@ -355,8 +359,9 @@ def main(argv=None) -> int:
                         continue
                 else:
                     ranks = run_case(mode, size, world)
-                est = estimate_case(mode, size, world)
                 for r in ranks:
+                    # rows measured before rss_file_start was recorded: the typical figure, as calibrated
+                    est = estimate_case(mode, size, world, r.get("rss_file_start"))
                     r["estimate"] = int(est.peak_bytes)
                     r["phase"] = est.phase
                     r["breakdown"] = {k: int(v) for k, v in est.breakdown.items()}

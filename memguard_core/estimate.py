@@ -97,8 +97,8 @@ def runtime_overhead_bytes(ts: TrainSpec) -> int:
     """Runtime overhead of the counter ``ts.device`` (bytes): ``RUNTIME_OVERHEAD_BYTES``, plus
     ``HF_DATASETS_IMPORT_BYTES`` for an HF ``Trainer`` on CPU when ``datasets`` is importable here
     (checked once with ``importlib.util.find_spec``, nothing is imported), with the measured
-    ``ts.resident_file_bytes`` in place of ``CPU_FILE_PAGES_AT_START_BYTES`` when given on CPU (the
-    HF and Lightning adapters pass it; a Lightning run of a transformers model reads about the HF
+    ``ts.resident_file_bytes`` in place of ``CPU_FILE_PAGES_AT_START_BYTES`` when given on CPU, for
+    every framework (the HF, Lightning and plain-loop adapters pass it; a Lightning run of a transformers model reads about the HF
     figure at ``on_train_start``: docs/estimator.md, "Runtime overhead")."""
     global _DATASETS_INSTALLED
     b = RUNTIME_OVERHEAD_BYTES[ts.device]
@@ -112,8 +112,9 @@ def runtime_overhead_bytes(ts: TrainSpec) -> int:
                 _DATASETS_INSTALLED = False
         if _DATASETS_INSTALLED:
             b += HF_DATASETS_IMPORT_BYTES
-        if ts.resident_file_bytes is not None:
-            b += int(ts.resident_file_bytes) - CPU_FILE_PAGES_AT_START_BYTES
+    if ts.device == "cpu" and ts.resident_file_bytes is not None:
+        # every framework's process maps its libraries: the measured figure replaces the typical one
+        b += int(ts.resident_file_bytes) - CPU_FILE_PAGES_AT_START_BYTES
     return max(0, b)
 
 

@@ -29,7 +29,7 @@ demo: install
 # longest first).
 SERIAL := integration_tests/test_containers.py integration_tests/test_grow_back.py \
           integration_tests/test_supervisor_resume.py tests/test_supervisor.py \
-          integration_tests/test_distributed_estimate.py
+          integration_tests/test_distributed_estimate.py integration_tests/test_lightning_ddp_redo.py
 
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile $(addprefix --ignore=,$(SERIAL)) tests integration_tests

@@ -1613,7 +1613,6 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
             forward_slack = int(CPU_HEAP_SLACK_FORWARD[kind] * (traffic + small_logits)
                                 + LORA_TEMP_SLACK * lora_traffic)
             if ts.grad_checkpoint:
-                forward_slack = int(CPU_HEAP_SLACK_CHECKPOINTED[kind] * (traffic + small_logits))
                 # the blocks' activations never coexist (one block is recomputed at a time): the
                 # arena is what the forward left, or the holes of the last step's gradients when
                 # those are larger -- the next forward runs inside them and the new gradients
@@ -1621,7 +1620,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
                 # trims the heap at every step's end (``ts.heap_trim``, memguard's guard) handed
                 # those pages back after ``zero_grad`` freed the gradients: no such holes remain
                 held = 0 if ts.heap_trim else _heap_gradient_bytes(ms, ts, grads, pb)
-                slack = max(forward_slack, held)
+                slack = max(int(CPU_HEAP_SLACK_CHECKPOINTED[kind] * (traffic + small_logits)), held)
             elif k == "loss":
                 slack = forward_slack
             else:

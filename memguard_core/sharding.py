@@ -325,11 +325,10 @@ def _unit_heap_traffic(ms, ts, phases) -> int:
     from .estimate import DTYPE_BYTES
 
     total = max(1, ms.params.total)
-    _, block_p = _root_and_block_params(ms)
+    root_p, block_p = _root_and_block_params(ms)
     stored = phases["optimizer"]["weights"] / total
     pd = DTYPE_BYTES[ts.dtype] if ts.mixed_precision else stored
     g_full = phases["optimizer"]["gradients"]
-    root_p, _ = _root_and_block_params(ms)
     root_g = int(g_full * root_p / total) if ts.method == "full" else 0
     return int(ms.num_layers * block_p * pd + (g_full - root_g))
 

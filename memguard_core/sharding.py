@@ -315,6 +315,25 @@ def apply_sharding(ms, ts, phases: Dict[str, Dict[str, int]], totals: Dict[str, 
         totals[k] = sum(v.values())
 
 
+def _unit_bytes(ms, ts, phases) -> Tuple[float, int, int, int, int]:
+    """Per-unit bytes of an FSDP (or ZeRO-3) run, read from the whole-model ``phases`` before they
+    are sharded: ``(pd, root_w, block_w, root_g, block_g)`` -- bytes per parameter as gathered (the
+    compute dtype under mixed precision, FSDP's ``MixedPrecisionPolicy(param_dtype=...)``, else the
+    stored dtype, LoRA adapters included), the root unit's and one block unit's unsharded weights,
+    and their unsharded gradients (a full fine-tune's in proportion to the parameters; LoRA trains
+    blocks only, so the root has none)."""
+    from .estimate import DTYPE_BYTES
+
+    total = max(1, ms.params.total)
+    root_p, block_p = _root_and_block_params(ms)
+    g_full = phases["optimizer"]["gradients"]
+    stored = phases["optimizer"]["weights"] / total
+    pd = DTYPE_BYTES[ts.dtype] if ts.mixed_precision else stored
+    root_g = int(g_full * root_p / total) if ts.method == "full" else 0
+    block_g = int((g_full - root_g) / max(1, ms.num_layers))
+    return pd, int(root_p * pd), int(block_p * pd), root_g, block_g
+
+
 def _unit_heap_traffic(ms, ts, phases) -> int:
     """Bytes of unsharded block parameters and gradients one step passes through the heap under
     FSDP (and ZeRO-3, which gathers and reduce-scatters module by module the same way): every
@@ -322,15 +341,9 @@ def _unit_heap_traffic(ms, ts, phases) -> int:
     (the reduce-scatter input), each a block's size and so, below glibc's 32 MiB mmap ceiling, from
     the heap, between the activations the step saves and frees. Read from the whole-model
     ``phases`` before they are sharded. Drives :data:`FSDP_CPU_HEAP_SLACK`."""
-    from .estimate import DTYPE_BYTES
-
-    total = max(1, ms.params.total)
-    root_p, block_p = _root_and_block_params(ms)
-    stored = phases["optimizer"]["weights"] / total
-    pd = DTYPE_BYTES[ts.dtype] if ts.mixed_precision else stored
-    g_full = phases["optimizer"]["gradients"]
-    root_g = int(g_full * root_p / total) if ts.method == "full" else 0
-    return int(ms.num_layers * block_p * pd + (g_full - root_g))
+    pd, _, _, root_g, _ = _unit_bytes(ms, ts, phases)
+    _, block_p = _root_and_block_params(ms)
+    return int(ms.num_layers * block_p * pd + (phases["optimizer"]["gradients"] - root_g))
 
 
 def _ddp(ts, phases, notes) -> None:
@@ -353,25 +366,10 @@ def _div(x: int, n: int) -> int:
 
 
 def _fsdp(ms, ts, phases, notes) -> None:
-    from .estimate import DTYPE_BYTES
-
     n = shard_group(ts)
-    total = max(1, ms.params.total)
-    root_p, block_p = _root_and_block_params(ms)
-    w_full = phases["optimizer"]["weights"]
     g_full = phases["optimizer"]["gradients"]
-    stored = w_full / total  # bytes per parameter as stored (sharded) -- LoRA adapters included
-    # MixedPrecisionPolicy(param_dtype=compute dtype) when mixed precision, else the stored dtype;
-    # the all-gathered copies replace autocast's copies of the weights
-    pd = DTYPE_BYTES[ts.dtype] if ts.mixed_precision else stored
-    root_w = int(root_p * pd)
-    block_w = int(block_p * pd)
-    # gradients per unit: full fine-tune in proportion to the parameters; LoRA trains blocks only
-    if ts.method == "full":
-        root_g = int(g_full * root_p / total)
-    else:
-        root_g = 0
-    block_g = int((g_full - root_g) / max(1, ms.num_layers))
+    # the all-gathered copies (FSDP's param_dtype) replace autocast's copies of the weights
+    _, root_w, block_w, root_g, block_g = _unit_bytes(ms, ts, phases)
     grad_op = ts.sharding == "fsdp-grad-op"
     copyout = block_w if ts.fsdp_version == 2 else 0  # FSDP2 all-gather output before copy-out
     for k, v in phases.items():

@@ -32,8 +32,8 @@ SERIAL := integration_tests/test_containers.py integration_tests/test_grow_back.
           integration_tests/test_distributed_estimate.py integration_tests/test_lightning_ddp_redo.py
 
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile $(addprefix --ignore=,$(SERIAL)) tests integration_tests
-	$(PY) -m pytest -q $(SERIAL)
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile $(addprefix --ignore=,$(SERIAL)) tests integration_tests
+	$(PY) -m pytest -q --durations=10 $(SERIAL)
 	$(VENV)/bin/memguard bench --quick --gate
 
 unit: install

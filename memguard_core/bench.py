@@ -74,6 +74,11 @@ HF_ARCHS: Dict[str, dict] = {
                        num_hidden_layers=8, num_attention_heads=9, num_key_value_heads=3,
                        tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-5,
                        rope_theta=100000.0),
+    # HuggingFaceTB/SmolLM2-360M (hidden 960, GQA 15/5, vocab 49152, tied), 8 of its 32 layers
+    "smollm2-360m-8l": dict(model_type="llama", vocab_size=49152, hidden_size=960, intermediate_size=2560,
+                            num_hidden_layers=8, num_attention_heads=15, num_key_value_heads=5,
+                            tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                            rope_theta=100000.0),
     # openai-community/gpt2, 4 of its 12 layers
     "gpt2-4l": dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=4, n_head=12,
                     n_positions=1024),
@@ -389,6 +394,9 @@ def cases() -> List[dict]:
     hf("smollm2-8l", method="full", batch_size=2, seq_length=256, grad_checkpoint=True)
     hf("tinyllama-2l", batch_size=4, seq_length=256, lora_targets=["all-linear"])
     hf("tinyllama-2l", method="full", batch_size=2, seq_length=128, grad_accum=2)
+    # checkpointed at 2 k tokens per micro-batch, truncated (the long-row checkpointed fit points)
+    hf("smollm2-360m-8l", method="full", batch_size=2, seq_length=1024, dtype="bf16", grad_checkpoint=True)
+    hf("tinyllama-2l", batch_size=1, seq_length=2048, dtype="bf16", grad_checkpoint=True)
     hf("mixtral-4l", batch_size=4, seq_length=256)
     hf("mixtral-4l", method="full", batch_size=4, seq_length=256)
     hf("pythia-160m-6l", method="full", batch_size=2, seq_length=256)
@@ -1072,7 +1080,8 @@ def _full_depth_section(rows: Sequence[dict], baseline: Optional[dict]) -> List[
     out = ["### Summaries", "",
            "**No constant of the estimator was fitted on the full-depth cases.** The constants were "
            "fitted on the small matrix (`bench/results/bench_cpu.json`: 2-12 blocks of most architectures; "
-           "SmolLM2-135M's 30 and OPT-125M's 12 blocks at 128-256 tokens; docs/estimator.md, \"Where the "
+           "SmolLM2-135M's 30 and OPT-125M's 12 blocks at 128-256 tokens; two checkpointed cases cut to 2 "
+           "and 8 blocks at 2048 tokens; docs/estimator.md, \"Where the "
            "constants come from\"). HF CPU runs, here and there, return glibc's free heap at every optimizer "
            "step's end as a guarded run does (`GuardOptions.trim_heap`). These cases are held out by scale (every block of the published config; "
            "512-2048 tokens per micro-batch on HF) and, where the block type is not in the fitted matrix "

@@ -218,6 +218,18 @@ CPU_HEAP_SLACK_BACKWARD = {"full": 0.95, "lora": 0.9}
 #: factors on its other cases, all measured with the step-end heap trim (docs/estimator.md, "CPU
 #: heap slack").
 CPU_HEAP_SLACK_CHECKPOINTED = {"full": 0.25, "lora": 0.65}
+#: A checkpointed full fine-tune at the ``loss`` moment, in a run that trims the heap at every
+#: step's end (``TrainSpec.heap_trim``): slack in units of ONE block's un-checkpointed traffic
+#: (``_activation_traffic`` / the blocks the backward passes through), not of all blocks'. Measured
+#: with ``mallinfo2`` beside ``VmRSS`` (docs/estimator.md, "Gradient checkpointing on CPU"): the
+#: arena of such a run is as large as the last backward made it (its gradients and the recompute
+#: took heap), and the trim handed its free pages back; the next checkpointed forward frees each
+#: block's temporaries before the next block asks for the same sizes, so it makes resident again
+#: about one block's working set, and the rest of the arena only when the backward reaches it.
+#: The later moments keep ``CPU_HEAP_SLACK_CHECKPOINTED``. LoRA runs do not behave so: their arena
+#: is what the forward's own temporaries fragmented, and the next forward touches all of it. Fitted
+#: with the other factors on the small matrix (its long-row checkpointed cases included).
+CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS = 1.0
 MMAP_THRESHOLD_MAX = 32 * MiB
 
 #: Dense V x h gradient tensors beyond ``.grad`` in an HF full fine-tune (torch autograd; see
@@ -1620,7 +1632,12 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
                 # trims the heap at every step's end (``ts.heap_trim``, memguard's guard) handed
                 # those pages back after ``zero_grad`` freed the gradients: no such holes remain
                 held = 0 if ts.heap_trim else _heap_gradient_bytes(ms, ts, grads, pb)
-                slack = max(int(CPU_HEAP_SLACK_CHECKPOINTED[kind] * (traffic + small_logits)), held)
+                if kind == "full" and k == "loss" and ts.heap_trim:
+                    one = traffic / max(1, _grad_layers(ms, ts))
+                    slack = int(CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS * one
+                                + CPU_HEAP_SLACK_CHECKPOINTED[kind] * small_logits)
+                else:
+                    slack = max(int(CPU_HEAP_SLACK_CHECKPOINTED[kind] * (traffic + small_logits)), held)
             elif k == "loss":
                 slack = forward_slack
             else:

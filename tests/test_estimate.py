@@ -432,8 +432,12 @@ def test_checkpointed_slack_is_the_forward_heap_or_the_last_steps_gradient_holes
     # also keeps the holes of the last step's gradients (freed by zero_grad(set_to_none=True); the
     # next forward runs inside them and the new gradients, the same sizes, take fresh heap) when
     # they are larger; a run that trims the heap at each step's end (the guard) handed them back
-    from memguard_core.estimate import (CPU_HEAP_SLACK_BACKWARD, CPU_HEAP_SLACK_CHECKPOINTED, _activation_traffic,
-                                        _heap_gradient_bytes)
+    # A trimmed full fine-tune's loss moment is the exception: one block's traffic, scaled by
+    # CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS (the trim handed the last backward's heap back and the
+    # checkpointed forward touches about one block's working set again).
+    from memguard_core.estimate import (CPU_HEAP_SLACK_BACKWARD, CPU_HEAP_SLACK_CHECKPOINTED,
+                                        CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS, _activation_traffic,
+                                        _grad_layers, _heap_gradient_bytes)
     m = tiny()
     for method, tokens in (("full", (1, 16)), ("full", (4, 256)), ("lora", (4, 256))):
         for trim in (False, True):
@@ -447,8 +451,12 @@ def test_checkpointed_slack_is_the_forward_heap_or_the_last_steps_gradient_holes
             # the fitted checkpointed factor of the un-checkpointed traffic and the logits' working
             # set (small here, so on the heap); no LoRA temporaries under checkpointing
             forward = int(CPU_HEAP_SLACK_CHECKPOINTED[kind] * (_activation_traffic(m, t) + pb["loss"]["logits"]))
+            one_block = _activation_traffic(m, t) / _grad_layers(m, t)
             for k in ("loss", "backward", "optimizer"):
                 want = forward if trim else max(forward, heap_grads)
+                if trim and kind == "full" and k == "loss":
+                    want = int(CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS * one_block
+                               + CPU_HEAP_SLACK_CHECKPOINTED[kind] * pb["loss"]["logits"])
                 assert pb[k]["allocator_slack"] == want, (method, tokens, trim, k)
     # a short row of a plain full fine-tune: the gradients' holes dominate; a long one: the forward's
     short = estimate(m, ts(method="full", batch_size=1, seq_length=16, grad_checkpoint=True, heap_trim=False))

@@ -18,12 +18,15 @@ default ``adamw_torch_fused`` also runs --, a plain PyTorch loop, ``STEPS`` step
 FSDP models are built on the meta device, sharded, then materialised (``to_empty``) and
 initialised, as FSDP2's docs recommend; DDP builds the model whole on every rank. Every rank reports
 its ``VmHWM`` (/proc/self/status) at the end; the table scores memguard's per-rank estimate
-(``device="cpu"``, ``framework="torch"``) against each rank. Nothing is fitted on these rows.
+(``device="cpu"``, ``framework="torch"``) against each rank. The ``tiny`` rows calibrate the fixed
+cost of a rank and the 30M rows the FSDP heap factor (docs/distributed.md); the 135M rows are scored
+held out by scale.
 Each rank also records, after every forward / backward / optimizer step, glibc's ``mallinfo2()``
 (arena, in use, mmapped) and, at the end of each backward, ``malloc_info()``'s heap per arena (the
 main sbrk arena and the per-thread arenas of gloo's worker threads): what tells the live heap from
 its holes (docs/distributed.md, "Per-rank spread"). ``MEMGUARD_BENCH_STEPS`` runs more steps for
-such probes (the table uses ``STEPS``). Every rank returns glibc's free heap at each step's end, as
+the table's 135M DDP / FSDP2 rows (6: their ranks' peaks still rise through steps 4-6) and for
+probes; the other rows run ``STEPS``. Every rank returns glibc's free heap at each step's end, as
 memguard's guard does on a CPU device (``GuardOptions.trim_heap``); ``MEMGUARD_BENCH_TRIM=0`` measures
 the plain loop.
 
@@ -207,7 +210,8 @@ def worker(mode: str, size: str, out: str) -> None:
     t0 = time.time()
     stages = []  # VmHWM, VmRSS and glibc's heap after each part of each step: which moment raised the peak
     arenas_bw = []  # malloc_info's per-arena heap at the end of each backward
-    steps = int(os.environ.get("MEMGUARD_BENCH_STEPS", STEPS))  # probe runs only; the table uses STEPS
+    # the table's 135M DDP / FSDP2 rows run 6: their ranks' peaks still rise through steps 4-6
+    steps = int(os.environ.get("MEMGUARD_BENCH_STEPS", STEPS))
     trim = os.environ.get("MEMGUARD_BENCH_TRIM", "1") != "0"
     from memguard_core.probes import trim_heap
     for step in range(steps):
@@ -292,11 +296,11 @@ def estimate_case(mode: str, size: str, world: int, resident_file_bytes=None):
 
 def table(rows: list) -> str:
     MiB = 1 << 20
-    lines = ["| size | mode | world | rank | measured VmHWM (MiB) | estimate (MiB) | error | phase |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| size | mode | world | rank | steps | measured VmHWM (MiB) | estimate (MiB) | error | phase |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['size']} | {r['mode']} | {r['world']} | {r['rank']} | {r['vm_hwm'] / MiB:.0f} | "
-                     f"{r['estimate'] / MiB:.0f} | {r['error_pct']:+.1f} % | {r['phase']} |")
+        lines.append(f"| {r['size']} | {r['mode']} | {r['world']} | {r['rank']} | {r.get('steps', STEPS)} | "
+                     f"{r['vm_hwm'] / MiB:.0f} | {r['estimate'] / MiB:.0f} | {r['error_pct']:+.1f} % | {r['phase']} |")
     return "\n".join(lines)
 
 
@@ -404,7 +408,8 @@ def _write(meta: dict, rows: list, s: dict) -> None:
             f.write(f"# Per-rank peak (VmHWM) of multi-process CPU training vs memguard's estimate\n\n"
                     f"{meta['date']}, {meta['machine']}, torch {meta['torch']}, transformers "
                     f"{meta['transformers']}; gloo, {BATCH} x {SEQ} tokens per rank, fp32 full fine-tune, "
-                    f"AdamW(fused=True), {STEPS} steps, one thread per rank, glibc's free heap returned at every "
+                    f"AdamW(fused=True), {STEPS} steps (more where the steps column says so: "
+                    f"`MEMGUARD_BENCH_STEPS`), one thread per rank, glibc's free heap returned at every "
                     f"step's end as memguard's guard does (`python bench/distributed.py`). "
                     f"ZeRO rows: deepspeed 0.19.8, DS_ACCELERATOR=cpu (`--merge --modes zero1,zero2,zero3`). "
                     f"Size tiny = calibration rows.\n\n"

@@ -1123,7 +1123,8 @@ def _full_depth_section(rows: Sequence[dict], baseline: Optional[dict]) -> List[
                     "these runs did) hands the holes back at every step's end; compare the per-step peaks "
                     "below (last / first step). A plain run of such a model on a CPU needs the headroom "
                     "of that growth (docs/estimator.md, \"MoE in bf16 on CPU\")."]
-    return out + _per_step_table(rows)
+    steps = _per_step_table(rows)
+    return out + ([""] + steps if steps else [])
 
 
 def _per_step_table(rows: Sequence[dict]) -> List[str]:
@@ -1131,7 +1132,7 @@ def _per_step_table(rows: Sequence[dict]) -> List[str]:
     steps = [r for r in rows if r.get("step_peak_bytes")]
     if not steps:
         return []
-    out = ["", "Per-step peaks (the counter's peak inside each optimizer step, MiB; the whole-run peak "
+    out = ["Per-step peaks (the counter's peak inside each optimizer step, MiB; the whole-run peak "
                "is the largest of these and the readings before, between and after the steps):", "",
            "| case | steps | per-step peak MiB | whole run MiB | last / first step |", "|---|---|---|---|---|"]
     for r in steps:
@@ -1192,14 +1193,14 @@ def markdown_report(rows: Sequence[dict], fingerprint: Optional[dict] = None, *,
     if elapsed_s:
         out.append(f"- wall time {elapsed_s / 60:.1f} min")
     out.append("")
-    if not any(r.get("full_depth") for r in rows) and _per_step_table(rows):
-        out += _per_step_table(rows)[1:] + [""]
     if any(r.get("full_depth") for r in rows):
         out += _full_depth_section(rows, baseline) + [""]
         for r in rows:
             if "error" not in r:
                 out.append(f"- {r['name']} failed: {str(r.get('failure', ''))[-300:]}")
         out.append("")
+    else:  # (the full-depth section carries its own)
+        out += _per_step_table(rows) + [""] if any(r.get("step_peak_bytes") for r in rows) else []
     return "\n".join(out)
 
 

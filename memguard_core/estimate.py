@@ -1622,8 +1622,6 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
             slack = int(frag * (totals[k] - overhead))
         elif ts.device == "cpu":
             small_logits = logits_peak if logits_tensor < MMAP_THRESHOLD_MAX else 0
-            forward_slack = int(CPU_HEAP_SLACK_FORWARD[kind] * (traffic + small_logits)
-                                + LORA_TEMP_SLACK * lora_traffic)
             if ts.grad_checkpoint:
                 # the blocks' activations never coexist (one block is recomputed at a time): the
                 # arena is what the forward left, or the holes of the last step's gradients when
@@ -1639,7 +1637,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
                 else:
                     slack = max(int(CPU_HEAP_SLACK_CHECKPOINTED[kind] * (traffic + small_logits)), held)
             elif k == "loss":
-                slack = forward_slack
+                slack = int(CPU_HEAP_SLACK_FORWARD[kind] * (traffic + small_logits) + LORA_TEMP_SLACK * lora_traffic)
             else:
                 slack = int(CPU_HEAP_SLACK_BACKWARD[kind] * traffic)
         else:

@@ -71,6 +71,9 @@ def test_fsdp2_split_equals_hf_unsplit_run(tmp_path):
     assert _diff(split_p[0], split_p[1]) == 0                 # the gathered parameters, equal on both ranks
     rows = split[1]["forward_rows"]
     assert rows == split[0]["forward_rows"] and min(rows) < max(rows)   # rank 1 followed rank 0's split
+    for r in (0, 1):   # the preflight read FSDP2 full shard from the Trainer's accelerator
+        assert split[r]["layout"] == {"world_size": 2, "sharding": "fsdp-full", "fsdp_version": 2,
+                                      "offload": "none", "applied": [], "split": 1}
 
 
 def test_fsdp2_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path):

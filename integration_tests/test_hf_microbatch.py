@@ -142,6 +142,10 @@ def test_ddp_gloo_two_ranks_agree(tmp_path):
         assert s["samples_per_step"] == b["samples_per_step"]
     # both ranks cut alike although only rank 0 asked
     assert outs["split"][0]["forward_rows"] == outs["split"][1]["forward_rows"]
+    # the preflight of the base run read DDP and its bucket size from the Trainer (a per-rank estimate)
+    for r in (0, 1):
+        assert outs["base"][r]["layout"] == {"world_size": 2, "sharding": "ddp", "bucket_cap_mb": 10,
+                                             "gradient_as_bucket_view": False, "applied": [], "split": 1}
     assert min(outs["split"][1]["forward_rows"]) < max(outs["split"][1]["forward_rows"])
 
 

@@ -229,6 +229,8 @@ def test_lightning_ddp_gloo_two_ranks_agree(tmp_path):
         assert s["returned_losses"] == pytest.approx(b["returned_losses"], rel=1e-5)
         worst = max((s["params"][n] - b["params"][n]).abs().max().item() for n in b["params"])
         assert worst < 2e-5
+        # the base run's preflight read DDP and its bucket size from the strategy (a per-rank estimate)
+        assert b["layout"] == {"world_size": 2, "sharding": "ddp", "bucket_cap_mb": 10, "applied": [], "split": 1}
     # DDP kept the ranks' replicas identical
     p0, p1 = out[("split", 0)]["params"], out[("split", 1)]["params"]
     assert max((p0[n] - p1[n]).abs().max().item() for n in p0) == 0.0

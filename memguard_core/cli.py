@@ -39,7 +39,7 @@ FLAG_OF = {
     "vocab_size": "--vocab-size", "intermediate_size": "--intermediate-size",
     "budget_bytes": "--budget-gib", "safety_ratio": "--safety-ratio", "ranks": "--ranks",
     "world_size": "--world-size", "sharding": "--sharding", "offload": "--offload",
-    "shard_group_size": "--shard-group-size",
+    "shard_group_size": "--shard-group-size", "deepspeed": "--deepspeed", "zero_buckets": "--deepspeed",
 }
 
 GiB = 2**30
@@ -137,6 +137,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--offload", default="none",
                    help="none | optimizer (ZeRO offload_optimizer) | params (FSDP CPU offload, ZeRO-3 "
                         "offload_param) [none]")
+    t.add_argument("--deepspeed", default=None, metavar="DS_CONFIG_JSON",
+                   help="a DeepSpeed config file: the ZeRO stage (--sharding zero1-3; stage 0 as ddp), "
+                        "offload_optimizer / offload_param (--offload) and the bucket sizes it gives as "
+                        "numbers (\"auto\" ones follow --framework); not with --sharding / --offload")
     t.add_argument("--shard-group-size", type=int, default=None,
                    help="ranks per shard group; only with --sharding fsdp-hybrid [--world-size]")
     t.add_argument("--ranks", type=int, default=None, help=argparse.SUPPRESS)  # deprecated: --world-size
@@ -335,7 +339,8 @@ def _train_spec(args, model_spec):
     Raises:
         ConfigError (naming the flag): LoRA flags with ``--method full``; ``--image-tokens`` on a
             text-only config; ``--shard-group-size`` without ``--sharding fsdp-hybrid``;
-            ``--trace`` with a per-rank estimate; ``--safety-ratio`` outside (0, 1];
+            ``--trace`` with a per-rank estimate; ``--safety-ratio`` outside (0, 1]; ``--deepspeed``
+            with ``--sharding`` / ``--offload``, or a config it cannot read (naming the key);
             ``--budget-gib`` together with ``--available-gib``.
     """
     from .spec import DEFAULT_LORA_TARGETS, TrainSpec, with_default_lora_targets
@@ -360,7 +365,15 @@ def _train_spec(args, model_spec):
         raise ConfigError("--budget-gib", "not given together with --available-gib (one budget: --budget-gib "
                           "as is, or --available-gib x --safety-ratio)", args.budget_gib)
     world = args.ranks if args.ranks is not None else args.world_size
-    sharding = args.sharding
+    sharding, offload, zero_buckets = args.sharding, args.offload, None
+    if getattr(args, "deepspeed", None):
+        from .sharding_settings import zero_settings
+
+        for flag, value, default in (("--sharding", args.sharding, None), ("--offload", args.offload, "none")):
+            if value != default:
+                raise ConfigError(flag, "not given together with --deepspeed (the config sets it)", value)
+        ds = zero_settings(args.deepspeed)
+        sharding, offload, zero_buckets = ds["sharding"], ds.get("offload", "none"), ds.get("zero_buckets")
     if sharding is None:
         sharding = "none"
         if isinstance(world, int) and world > 1 and str(args.framework).strip().lower() != "mlx":
@@ -387,7 +400,7 @@ def _train_spec(args, model_spec):
                      device=args.device or default_device(args.framework),
                      image_tokens=model_spec.image_tokens if args.image_tokens is None else args.image_tokens,
                      world_size=args.world_size, ranks=args.ranks, sharding=sharding,
-                     offload=args.offload, shard_group_size=args.shard_group_size,
+                     offload=offload, shard_group_size=args.shard_group_size, zero_buckets=zero_buckets,
                      bnb_version=getattr(args, "bnb_version", None),
                      heap_trim=not getattr(args, "no_heap_trim", False))
     if ts.method != "full" and args.lora_targets is None:

@@ -70,7 +70,7 @@ Rules (N = the shard group: ``world_size``, or ``shard_group_size`` under ``fsdp
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .errors import ConfigError
 
@@ -136,17 +136,20 @@ ZERO_BUCKETS = {
 }
 
 
-def zero_buckets(hidden_size: int, framework: str) -> Dict[str, int]:
+def zero_buckets(hidden_size: int, framework: str, overrides: Optional[Dict[str, int]] = None) -> Dict[str, int]:
     """DeepSpeed's bucket sizes (elements) as ``framework`` sets them: HF "auto" values for ``hf``
     (transformers ``integrations/deepspeed.py``: ``reduce_bucket_size = h*h``,
     ``stage3_prefetch_bucket_size = int(0.9*h*h)``, ``stage3_param_persistence_threshold = 10*h``;
-    the rest DeepSpeed's defaults), Lightning's ``DeepSpeedStrategy`` defaults, else DeepSpeed's."""
+    the rest DeepSpeed's defaults), Lightning's ``DeepSpeedStrategy`` defaults, else DeepSpeed's;
+    then the values a config sets explicitly (``overrides``: ``TrainSpec.zero_buckets``)."""
     if framework == "hf":
         b = dict(ZERO_BUCKETS["deepspeed"])
         b.update(reduce=hidden_size * hidden_size, prefetch=int(0.9 * hidden_size * hidden_size),
                  persistence=10 * hidden_size)
-        return b
-    return dict(ZERO_BUCKETS["lightning" if framework == "lightning" else "deepspeed"])
+    else:
+        b = dict(ZERO_BUCKETS["lightning" if framework == "lightning" else "deepspeed"])
+    b.update(overrides or {})
+    return b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,6 +259,18 @@ def validate_sharding(ts) -> None:
         raise ConfigError("fsdp_version", "1 (FullyShardedDataParallel) or 2 (fully_shard)", ts.fsdp_version)
     if s != "none" and ts.framework == "mlx":
         raise ConfigError("sharding", "'none' with framework='mlx' (mlx_lm has no DDP/FSDP/ZeRO)", s)
+    zb = ts.zero_buckets
+    if zb is not None:
+        if not s.startswith("zero"):
+            raise ConfigError("zero_buckets", f"None unless sharding is zero1/zero2/zero3 (sharding={s!r})", zb)
+        keys = tuple(ZERO_BUCKETS["deepspeed"])
+        if not isinstance(zb, dict) or any(k not in keys for k in zb):
+            raise ConfigError("zero_buckets", f"a dict with keys among {', '.join(keys)}", zb)
+        for k, v in zb.items():
+            ok = isinstance(v, bool) if k == "overlap_comm" else (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+            if not ok:
+                raise ConfigError(f"zero_buckets[{k!r}]", "True or False" if k == "overlap_comm"
+                                  else "an integer number of elements >= 0", v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,7 +434,7 @@ def _zero(ms, ts, phases, notes) -> None:
     states32 = _fp32_states_per_param(ts) * trainable
     master32 = 4 * trainable
     grads32 = 4 * trainable
-    b = zero_buckets(ms.hidden_size, ts.framework)
+    b = zero_buckets(ms.hidden_size, ts.framework, ts.zero_buckets)
     overlap = b["overlap_comm"] or stage == 3
     # on the cpu counter only the pages DeepSpeed writes are resident (torch.empty maps them lazily),
     # and it writes at most the gradients it holds; a device allocator reserves the whole bucket

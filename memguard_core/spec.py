@@ -19,7 +19,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from .errors import ConfigError, require_choice, require_positive_int
 
@@ -358,6 +358,10 @@ class TrainSpec:
         bucket_cap_mb: DDP ``bucket_cap_mb`` (MiB, default 25 as in ``DistributedDataParallel``).
         gradient_as_bucket_view: DDP ``gradient_as_bucket_view`` (``.grad`` are views of the buckets).
         fsdp_version: 2 (``fully_shard``) | 1 (``FullyShardedDataParallel``, flat parameters).
+        zero_buckets: DeepSpeed bucket sizes a config sets explicitly (elements), overriding the
+            framework's values (``memguard_core.sharding.zero_buckets``): keys ``reduce``,
+            ``allgather``, ``prefetch``, ``max_live``, ``persistence`` (integers >= 0) and
+            ``overlap_comm`` (bool); only with ``zero1``..``zero3``. ``None`` = none set.
         resident_file_bytes: this process's file-backed resident pages (``RssFile``: mapped
             libraries) when training starts, bytes, as the adapters read it on Linux; ``None`` =
             the typical figure of :data:`memguard_core.estimate.CPU_FILE_PAGES_AT_START_BYTES`. It
@@ -406,6 +410,7 @@ class TrainSpec:
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
     fsdp_version: int = 2
+    zero_buckets: Optional[Dict[str, Any]] = dataclasses.field(default=None, hash=False)
     bnb_version: Optional[str] = None
     keeps_last_graph: Optional[bool] = None
     heap_trim: bool = True

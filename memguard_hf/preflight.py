@@ -6,6 +6,11 @@ The mapping:
 
 * micro-batch = ``per_device_train_batch_size``; accumulation = ``gradient_accumulation_steps``;
   ``world_size`` = ``args.world_size``;
+* the data-parallel layout (:func:`layout_of_trainer`) from the ``Trainer``'s accelerator, which
+  ``TrainingArguments`` configured (``deepspeed`` -> ZeRO stage, offload and bucket sizes; ``fsdp`` /
+  ``fsdp_config`` -> FSDP version, ``reshard_after_forward`` or FSDP1 strategy, ``cpu_offload``;
+  otherwise, with more than one process, DDP with ``ddp_bucket_cap_mb``): the settings as given,
+  which hold for every wrapper the ``Trainer`` may build (DDP, FSDP1 / FSDP2, a DeepSpeed engine);
 * sequence length = given, else ``args.max_length`` / ``max_seq_length`` (TRL ``SFTConfig``), else
   the longest ``input_ids`` among the first 2048 training rows;
 * method = ``qlora`` for 4-bit weights, ``lora`` for a PEFT model, else ``full``;
@@ -19,12 +24,15 @@ The mapping:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from types import SimpleNamespace
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from memguard_core import torch_train as tt
 from memguard_core.preflight import attn_impl_from, method_and_lora
+from memguard_core.sharding_settings import (accelerate_settings, ddp_handler_settings, fsdp_plugin_settings,
+                                             zero_settings)
 from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
 from memguard_core.versions import installed_version
 
@@ -32,6 +40,31 @@ from . import _compat
 
 #: ``TrainingArguments`` / TRL ``SFTConfig`` fields that give the sequence length.
 SEQ_LENGTH_ARGS = ("max_length", "max_seq_length")
+
+
+def layout_of_trainer(trainer: Any, world: int) -> Dict[str, Any]:
+    """``TrainSpec`` layout keywords of a ``Trainer`` run by ``world`` processes: from
+    ``trainer.accelerator`` (``memguard_core.sharding_settings.accelerate_settings``), else, for a
+    trainer without one, from ``TrainingArguments`` (``hf_deepspeed_config`` / ``deepspeed``,
+    ``fsdp_plugin_args``, ``ddp_bucket_cap_mb``); ``{"sharding": "none"}`` for one process without
+    DeepSpeed (which counts at any world size).
+
+    Raises:
+        ConfigError: a DeepSpeed or FSDP setting that cannot be read (naming it).
+    """
+    acc = getattr(trainer, "accelerator", None)
+    if acc is not None:
+        return accelerate_settings(acc, world) or {"sharding": "none"}
+    args = trainer.args
+    ds = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or getattr(args, "deepspeed", None)
+    if ds:
+        return zero_settings(ds)
+    if world <= 1:
+        return {"sharding": "none"}
+    fsdp = getattr(args, "fsdp_plugin_args", None)
+    if getattr(args, "fsdp", None) and isinstance(fsdp, dict):
+        return fsdp_plugin_settings(SimpleNamespace(**fsdp), world)
+    return ddp_handler_settings(SimpleNamespace(bucket_cap_mb=getattr(args, "ddp_bucket_cap_mb", None)))
 
 
 def trainspec_from_trainer(trainer: Any, model_spec: ModelSpec, *, seq_length: Optional[int] = None,
@@ -55,11 +88,12 @@ def trainspec_from_trainer(trainer: Any, model_spec: ModelSpec, *, seq_length: O
                  or tt.checkpointing_on(model))
     device = tt.counter_device(device, weights_device)
     seq = tt.infer_seq_length(seq_length, [(args, SEQ_LENGTH_ARGS)], getattr(trainer, "train_dataset", None))
+    world = max(1, int(getattr(args, "world_size", 1)))
     return TrainSpec(batch_size=args.per_device_train_batch_size, seq_length=seq,
                      grad_accum=args.gradient_accumulation_steps, method=method,
                      optimizer=tt.optimizer_name(args.optim), dtype=dtype, mixed_precision=mixed,
                      grad_checkpoint=gc_on, attn_impl=attn_impl_from(_compat.attn_implementation(model)),
-                     framework="hf", device=device, world_size=max(1, int(getattr(args, "world_size", 1))),
+                     framework="hf", device=device, world_size=world, **layout_of_trainer(trainer, world),
                      bnb_version=installed_version("bitsandbytes") if method == "qlora" else None,
                      **tt.file_pages_kwargs(device, kwargs))
 

@@ -10,6 +10,10 @@ estimates, plans and applies (see docs/lifecycle.md).
 * micro-batch = rows of the first batch that reaches ``training_step`` (or the dataloader's
   ``batch_size`` when larger: the first batch is full unless the epoch has a single short batch);
   accumulation = ``trainer.accumulate_grad_batches``; ``world_size`` = ``trainer.world_size``;
+* the data-parallel layout (:func:`layout_of_strategy`) from ``trainer.strategy``: DeepSpeed's
+  ``config`` (ZeRO stage, offload, bucket sizes), ``FSDPStrategy``'s ``sharding_strategy`` and
+  ``cpu_offload`` (FSDP1), else the wrapped model as the strategy built it (DDP's buckets,
+  ``fully_shard``-ed modules under ``ModelParallelStrategy``);
 * sequence length = given, else ``hparams.max_length`` / ``max_seq_length`` / ``seq_length`` /
   ``block_size``, else the longest ``input_ids`` (dict rows) or first element (tuple rows) of the
   first 2048 rows of the training dataset, else the first batch's dimension 1. The dataloader is
@@ -26,12 +30,14 @@ estimates, plans and applies (see docs/lifecycle.md).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from types import SimpleNamespace
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from memguard_core import torch_train as tt
 from memguard_core.preflight import attn_impl_from, method_and_lora
+from memguard_core.sharding_settings import fsdp_plugin_settings, zero_settings
 from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
 
 from .batch import batch_units
@@ -65,6 +71,36 @@ def precision_settings(precision: Any, weight_dtype) -> tuple:
     return "fp32", False
 
 
+def layout_of_strategy(trainer, pl_module, world: int) -> Dict[str, Any]:
+    """``TrainSpec`` layout keywords of a Lightning run on ``world`` processes, from its strategy:
+    ``DeepSpeedStrategy.config`` (``memguard_core.sharding_settings.zero_settings``);
+    ``FSDPStrategy`` (FSDP1): ``sharding_strategy`` (``HYBRID_SHARD`` shards within a node:
+    ``num_processes`` ranks), ``cpu_offload``; otherwise the model as the strategy wrapped it
+    (``memguard_torch.preflight.layout_of``: ``DistributedDataParallel``'s bucket settings,
+    ``fully_shard``-ed modules). For one process, DeepSpeed's layout only, else ``none``.
+
+    Raises:
+        ConfigError: a DeepSpeed config or FSDP strategy that cannot be read (naming it).
+    """
+    strategy = getattr(trainer, "strategy", None)
+    name = type(strategy).__name__
+    if "DeepSpeed" in name and getattr(strategy, "config", None) is not None:
+        return zero_settings(strategy.config)
+    if world <= 1:
+        return {"sharding": "none"}
+    if name.startswith("FSDP") and getattr(strategy, "sharding_strategy", None) is not None:
+        out = fsdp_plugin_settings(SimpleNamespace(fsdp_version=1, sharding_strategy=strategy.sharding_strategy,
+                                                   cpu_offload=getattr(strategy, "cpu_offload", None)), world)
+        per_node = getattr(strategy, "num_processes", None)
+        if out["sharding"] == "fsdp-hybrid" and isinstance(per_node, int) and 1 <= per_node <= world \
+                and world % per_node == 0:
+            out["shard_group_size"] = per_node
+        return out
+    from memguard_torch.preflight import layout_of
+
+    return layout_of(getattr(strategy, "model", None) or pl_module, None, world)
+
+
 def trainspec_from_lightning(trainer, pl_module, batch: Any, model_spec: ModelSpec, *,
                              seq_length: Optional[int] = None, device: str = "auto") -> TrainSpec:
     """The ``TrainSpec`` of a Lightning run from the trainer, the module and its first batch.
@@ -84,6 +120,7 @@ def trainspec_from_lightning(trainer, pl_module, batch: Any, model_spec: ModelSp
     if isinstance(dl_bs, int) and dl_bs > rows:
         rows = dl_bs
     opts = getattr(trainer, "optimizers", None) or []
+    world = max(1, int(trainer.world_size))
     dataset = getattr(getattr(trainer, "train_dataloader", None), "dataset", None)
     seq = tt.infer_seq_length(seq_length, [(getattr(pl_module, "hparams", None) or {}, SEQ_LENGTH_HPARAMS)],
                               dataset, batch)
@@ -91,7 +128,8 @@ def trainspec_from_lightning(trainer, pl_module, batch: Any, model_spec: ModelSp
                      method=method, optimizer=tt.optimizer_name(opts[0]) if opts else "adamw", dtype=dtype,
                      mixed_precision=mixed, grad_checkpoint=target is not None and tt.checkpointing_on(target),
                      attn_impl=attn_impl, framework="lightning", device=device,
-                     world_size=max(1, int(trainer.world_size)), **tt.file_pages_kwargs(device, kwargs))
+                     world_size=world, **layout_of_strategy(trainer, pl_module, world),
+                     **tt.file_pages_kwargs(device, kwargs))
 
 
 def read_specs(trainer, pl_module, batch: Any, *, seq_length: Optional[int] = None,

@@ -122,16 +122,18 @@ class SwitchSplit(TrainerCallback):
 def make_trainer(out_dir: str, *, guard=None, extra_callbacks=(), mean_loss: bool = False,
                  grad_checkpoint: bool = False, batch_size: int = 8, grad_accum: int = 2,
                  max_steps: int = 6, collate=pad_collate, n_rows: int = 96, optim: str = "adamw_torch",
-                 seed: int = 0) -> Trainer:
+                 seed: int = 0, **args_kw) -> Trainer:
     """A real ``Trainer`` on CPU over ``RowsDataset``; linear LR schedule with warmup so the LR
     sequence is informative. ``mean_loss=True`` makes the model compute a per-forward mean loss
-    (the path where chunk weights matter) by telling the Trainer it accepts no loss kwargs."""
+    (the path where chunk weights matter) by telling the Trainer it accepts no loss kwargs.
+    ``args_kw``: further ``TrainingArguments`` fields (e.g. ``ddp_bucket_cap_mb``)."""
     args = TrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=batch_size, gradient_accumulation_steps=grad_accum,
         max_steps=max_steps, learning_rate=5e-3, warmup_steps=2, lr_scheduler_type="linear",
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=seed, data_seed=seed,
         dataloader_num_workers=0, gradient_checkpointing=grad_checkpoint, optim=optim,
         max_grad_norm=1.0, disable_tqdm=True, ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
+        **args_kw,
     )
     model = tiny_llama(seed)
     callbacks = list(extra_callbacks)

@@ -24,6 +24,9 @@ NAMES = ("FSDPModule._get_fsdp_state()._fsdp_param_groups[].fsdp_params[].unshar
          "unsharded_accumulated_grad",
          "FSDPParamGroup._all_gather_comm / _reduce_scatter_comm (the comms set_custom_* replaces)",
          "FSDPState._is_root",
+         "FSDPParamGroup.post_forward_mesh_info / offload_policy / mesh_info.shard_mesh_size (the layout "
+         "fully_shard was given: reshard_after_forward, offload_policy, the shard mesh dimension)",
+         "DistributedDataParallel.bucket_bytes_cap / gradient_as_bucket_view (set in __init__, undocumented)",
          "DistributedDataParallel.require_forward_param_sync (undocumented)",
          "torch.autograd.Variable._execution_engine.queue_callback")
 
@@ -183,3 +186,50 @@ def restore_fsdp_comms(module: Any, comms: tuple) -> None:
         module.set_custom_reduce_scatter(comms[1])
     except Exception:
         logger.debug("memguard: cannot restore the FSDP comms", exc_info=True)
+
+
+def ddp_layout(ddp: Any) -> dict:
+    """``TrainSpec`` keywords of a live ``DistributedDataParallel``: ``sharding="ddp"``, its
+    ``bucket_cap_mb`` (from ``bucket_bytes_cap``, bytes) and ``gradient_as_bucket_view``; only
+    ``sharding`` when the attributes are gone."""
+    out: dict = {"sharding": "ddp"}
+    try:
+        cap = int(ddp.bucket_bytes_cap)
+        if cap > 0:
+            out["bucket_cap_mb"] = cap / (1 << 20)
+        if isinstance(ddp.gradient_as_bucket_view, bool):
+            out["gradient_as_bucket_view"] = ddp.gradient_as_bucket_view
+    except Exception:
+        logger.debug("memguard: cannot read DDP's bucket settings", exc_info=True)
+    return out
+
+
+def fsdp2_layout(model: Any, world_size: int) -> dict:
+    """``TrainSpec`` keywords of a ``fully_shard``-ed model, read from its parameter groups before
+    the first forward: ``fsdp-grad-op`` when a non-root unit keeps its parameters unsharded after
+    forward (``reshard_after_forward=False``: no ``post_forward_mesh_info``; the root's is cleared
+    at FSDP's lazy init whatever it was given, so it does not count), ``fsdp-hybrid`` with
+    ``shard_group_size`` when the shard mesh dimension is smaller than ``world_size`` (HSDP),
+    else ``fsdp-full``; ``offload="params"`` under ``CPUOffloadPolicy``. ``{}`` without FSDP2
+    modules; ``fsdp-full`` alone when the private names are gone."""
+    mods = fsdp_modules(model)
+    if not mods:
+        return {}
+    out: dict = {"sharding": "fsdp-full", "fsdp_version": 2}
+    try:
+        groups = []
+        for i, m in enumerate(mods):
+            for g in m._get_fsdp_state()._fsdp_param_groups:
+                groups.append((i, g))
+        if any(i > 0 and g.post_forward_mesh_info is None for i, g in groups):
+            out["sharding"] = "fsdp-grad-op"
+        shard = min((int(g.mesh_info.shard_mesh_size) for _, g in groups), default=world_size)
+        if shard == 1 and world_size > 1:
+            out["sharding"] = "fsdp-no-shard"  # a replicate-only mesh: every rank holds everything
+        elif 1 < shard < world_size and world_size % shard == 0:
+            out.update(sharding="fsdp-hybrid", shard_group_size=shard)
+        if any(type(g.offload_policy).__name__ == "CPUOffloadPolicy" for _, g in groups):
+            out["offload"] = "params"
+    except Exception:
+        logger.debug("memguard: cannot read fully_shard's settings; assuming full shard", exc_info=True)
+    return out

@@ -8,8 +8,11 @@ first batch of a plain PyTorch / accelerate loop to a ``ModelSpec`` / ``TrainSpe
   shapes are the full (unsharded) ones;
 * micro-batch = rows (packed: sequences) of the first batch; accumulation = ``grad_accum`` given,
   else the accelerator's ``gradient_accumulation_steps``, else 1; ``world_size`` =
-  ``torch.distributed``'s; ``sharding`` = ``ddp`` for a ``DistributedDataParallel`` model,
-  ``fsdp-full`` for an FSDP2 model, else ``none``;
+  ``torch.distributed``'s; the layout (:func:`layout_of`) from the live model -- a
+  ``DistributedDataParallel`` wrapper (``ddp``, its bucket size and ``gradient_as_bucket_view``) or
+  ``fully_shard``-ed modules (``fsdp-full`` / ``fsdp-grad-op`` / ``fsdp-hybrid`` /
+  ``fsdp-no-shard``, CPU offload) -- else from the accelerator's plugins (DeepSpeed ZeRO, FSDP1:
+  ``memguard_core.sharding_settings.accelerate_settings``), else ``none``;
 * sequence length = ``seq_length`` given, else the first batch's dimension 1 (the loop's data
   loader is never iterated);
 * optimizer from the optimizer object (``memguard_core.torch_train.optimizer_name``);
@@ -20,10 +23,11 @@ first batch of a plain PyTorch / accelerate loop to a ``ModelSpec`` / ``TrainSpe
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from memguard_core import torch_train as tt
 from memguard_core.preflight import attn_impl_from, method_and_lora
+from memguard_core.sharding_settings import accelerate_settings
 from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
 
 from . import _compat
@@ -37,13 +41,28 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def sharding_of(model: Any) -> str:
-    """``TrainSpec.sharding`` of a live model: ``ddp``, ``fsdp-full`` or ``none``."""
-    if _compat.find_ddp(model) is not None:
-        return "ddp"
-    if _compat.fsdp_modules(model):
-        return "fsdp-full"
-    return "none"
+def layout_of(model: Any, accelerator: Any = None, world: Optional[int] = None) -> Dict[str, Any]:
+    """``TrainSpec`` layout keywords (``sharding``, ``offload``, ``shard_group_size``,
+    ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``fsdp_version``, ``zero_buckets``) of a live
+    model run by ``world`` processes (default: ``torch.distributed``'s): what its wrappers were
+    given (``_compat.ddp_layout`` / ``_compat.fsdp2_layout``), else what ``accelerator``'s state
+    says (``memguard_core.sharding_settings.accelerate_settings``: DeepSpeed, FSDP1), else
+    ``{"sharding": "none"}``; for one process, DeepSpeed's layout only (its fp32 partitions and
+    buckets exist with one rank too), else ``none``.
+
+    Raises:
+        ConfigError: the accelerator holds a DeepSpeed / FSDP setting that cannot be read.
+    """
+    world = world_size() if world is None else world
+    if world <= 1:
+        return accelerate_settings(accelerator, world) or {"sharding": "none"}
+    out = _compat.fsdp2_layout(model, world)
+    if not out:
+        ddp = _compat.find_ddp(model)
+        out = _compat.ddp_layout(ddp) if ddp is not None else {}
+    if not out:
+        out = accelerate_settings(accelerator, world) if accelerator is not None else {}
+    return out or {"sharding": "none"}
 
 
 def read_specs(model: Any, optimizer: Any, batch: Any, *, seq_length: Optional[int] = None,
@@ -70,12 +89,12 @@ def read_specs(model: Any, optimizer: Any, batch: Any, *, seq_length: Optional[i
     target = tt.checkpoint_target(inner)
     device = tt.counter_device(device, weights_device)
     world = world_size()
-    sharding = sharding_of(model) if world > 1 else "none"
+    layout = layout_of(model, accelerator, world)
     seq = tt.infer_seq_length(seq_length, [], None, batch)
     return ms, TrainSpec(batch_size=max(1, batch_units(batch)), seq_length=seq, grad_accum=max(1, int(accum)),
                          method=method, optimizer=tt.optimizer_name(optimizer) if optimizer is not None else "adamw",
                          dtype=dtype, mixed_precision=mixed_precision,
                          grad_checkpoint=target is not None and tt.checkpointing_on(target),
                          attn_impl=attn_impl_from(tt.attn_implementation(inner)), framework="torch",
-                         device=device, world_size=world, sharding=sharding,
+                         device=device, world_size=world, **layout,
                          **tt.file_pages_kwargs(device, kwargs))

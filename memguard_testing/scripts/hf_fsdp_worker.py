@@ -7,7 +7,8 @@ Modes:
 
 * ``plain``: unguarded, HF's own FSDP2 run (the reference of ``split``).
 * ``split``: guarded; rank 0 alone asks for k=2 at step 1 and k=4 after step 2's first batch
-  (``memguard_testing.hf_tiny.SwitchSplit``), rank 1 follows through the all-reduce.
+  (``memguard_testing.hf_tiny.SwitchSplit``), rank 1 follows through the all-reduce. Its preflight
+  runs (a 16 GiB budget: it changes nothing) and ``layout`` records what it read of FSDP.
 * ``oom-ref``: unguarded, no limit, longer rows (eager attention: activations dominate a rank's
   growth); records VmSize at train begin and VmPeak at the end (the test places its limit from them).
 * ``oom:HEADROOM`` / ``oom-none:HEADROOM``: as ``oom-ref``, but rank 1 alone sets ``RLIMIT_AS`` to its
@@ -53,6 +54,16 @@ def fsdp_on_cpu() -> None:
 
 
 
+def _layout(guard):
+    """The layout the preflight read (``None`` without one) and what it applied."""
+    pf = guard.preflight if guard is not None else None
+    if pf is None:
+        return None
+    ts = pf.train_spec
+    return {"world_size": ts.world_size, "sharding": ts.sharding, "fsdp_version": ts.fsdp_version,
+            "offload": ts.offload, "applied": [c.reason for c in pf.applied], "split": pf.split_factor}
+
+
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
     if os.environ.get("MEMGUARD_TEST_DUMP_AFTER_S"):
@@ -91,7 +102,7 @@ def main() -> None:
 
             # the step sample would read the limit and split before the failure
             MemoryMonitor.step_sample = lambda self, step=None: Action.NONE
-        guard = MemGuardCallback(preflight=False, budget_bytes=16 * 2**30, monitor_interval_s=0,
+        guard = MemGuardCallback(preflight=kind == "split", budget_bytes=16 * 2**30, monitor_interval_s=0,
                                  leak_detector=False)
         callbacks.append(guard)
         if kind == "split":
@@ -132,7 +143,8 @@ def main() -> None:
                    "forward_rows": [int(r) for r in guard.micro_batch_rows] if guard else [],
                    "samples_per_step": guard.samples_per_step if guard else [],
                    "oom_retries": guard.oom_retries if guard else 0,
-                   "oom_errors": guard.oom_errors if guard else []}, f)
+                   "oom_errors": guard.oom_errors if guard else [],
+                   "layout": _layout(guard)}, f)
     torch.distributed.barrier()
     # leave without tearing the gloo group down: its teardown can abort the process after every
     # result is written

@@ -7,10 +7,12 @@ usage: python -m torch.distributed.run --nproc_per_node=2 lightning_ddp_worker.p
 Runs each MODE's fit in turn in the same processes (one interpreter start-up for all) and saves
 ``OUT_DIR/{MODE}_rank{r}.pt`` (``:`` and ``,`` in a MODE become ``_``). Default modes: ``base split``.
 
-Tiny model (``memguard_testing.lightning_tiny``: batch 4 per rank, accumulation 2, 4 optimizer steps):
+Tiny model (``memguard_testing.lightning_tiny``: batch 4 per rank, accumulation 2, 4 optimizer steps,
+``DDPStrategy(bucket_cap_mb=10)``):
 
 * ``plain``: unguarded (Lightning's own DDP all-reduce).
-* ``base``: unsplit, guarded (no preflight, a 64 GiB budget: the guard never splits by itself).
+* ``base``: unsplit, guarded (a 64 GiB budget: the guard never splits by itself; its preflight
+  records the layout it read from the strategy, ``layout`` in the saved results).
 * ``split``: rank 0 alone asks for the switches k=2 (batch 1, mid window) and k=4 (batch 4).
 * ``hook:K0:CALLS``: ``K0`` micro-batches from the start; on rank 1 alone the backward calls
   ``CALLS`` (1-based, comma-separated) through the first decoder block raise the CPU allocator's
@@ -47,7 +49,17 @@ def _guard_stats(guard) -> dict:
             "samples_per_step": list(guard.samples_per_step),
             "split": guard.monitor.split if guard.monitor is not None else None,
             "ddp_averages": guard.step.ddp_averages,
-            "messages": [str(e.get("message", "")) for e in guard.events]}
+            "messages": [str(e.get("message", "")) for e in guard.events],
+            "layout": _layout(guard.preflight)}
+
+
+def _layout(pf):
+    """What the preflight read of the data-parallel layout, and whether it changed anything."""
+    if pf is None:
+        return None
+    ts = pf.train_spec
+    return {"world_size": ts.world_size, "sharding": ts.sharding, "bucket_cap_mb": ts.bucket_cap_mb,
+            "applied": [c.reason for c in pf.applied], "split": pf.split_factor}
 
 
 
@@ -58,7 +70,8 @@ def run_tiny(mode: str, out: str) -> None:
     k0 = int(parts[1]) if parts[0] == "hook" else 1
     guard = None
     if mode != "plain":
-        guard = MemGuardCallback(preflight=False, budget_bytes=64 * 2**30, monitor_interval_s=0, micro_batches=k0)
+        guard = MemGuardCallback(preflight=mode == "base", budget_bytes=64 * 2**30, monitor_interval_s=0,
+                                 micro_batches=k0)
     rec = Recorder()
     cbs = [c for c in (guard, rec) if c is not None]
     if mode == "split":
@@ -66,7 +79,7 @@ def run_tiny(mode: str, out: str) -> None:
         cbs.append(SwitchSplit(guard, {1: 2, 4: 4}, ranks=[0]))
     module = TinyLM(total_steps=4)
     trainer = make_trainer(callbacks=cbs, max_steps=4, accumulate=2, devices=2,
-                           strategy=DDPStrategy(process_group_backend="gloo"))
+                           strategy=DDPStrategy(process_group_backend="gloo", bucket_cap_mb=10))
     if parts[0] == "hook" and int(os.environ.get("RANK", "0")) == 1:
         module.model.model.layers[0].register_full_backward_hook(
             alloc_fails_at({int(c) for c in parts[2].split(",")}))

@@ -1,0 +1,279 @@
+"""Reading the data-parallel layout from where users set it (memguard_core/sharding_settings.py and
+the adapters' readers): DeepSpeed configs, accelerate's real plugin objects, HF ``TrainingArguments``,
+live DDP / ``fully_shard`` wrappers in a real one-process gloo group.
+
+Fakes: an ``Accelerator`` running FSDP or DeepSpeed cannot be built on this CPU-only machine (its
+FSDP and DeepSpeed paths need a GPU accelerator), so those tests hand the reader a namespace holding
+the real plugin objects and the real ``DistributedType`` -- the attributes ``Accelerator`` exposes,
+nothing else. Real multi-process runs through HF ``Trainer`` DDP are in integration_tests/
+(test_hf_microbatch.py, test_distributed_estimate.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from memguard_core.errors import ConfigError
+from memguard_core.sharding_settings import (accelerate_settings, fsdp1_sharding, fsdp_plugin_settings,
+                                             zero_settings)
+from memguard_core.spec import TrainSpec
+
+
+def _zo(**zo):
+    return {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": zo}
+
+
+# --- DeepSpeed configs ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zo,want", [
+    (dict(stage=1), dict(sharding="zero1", offload="none")),
+    (dict(stage=2, offload_optimizer={"device": "cpu", "pin_memory": True}),
+     dict(sharding="zero2", offload="optimizer")),
+    # offload_param counts under stage 3 only, as in DeepSpeed
+    (dict(stage=2, offload_param={"device": "cpu"}), dict(sharding="zero2", offload="none")),
+    (dict(stage=3, offload_optimizer={"device": "cpu"}, offload_param={"device": "nvme"}),
+     dict(sharding="zero3", offload="params")),
+    (dict(stage=3, offload_optimizer={"device": "none"}), dict(sharding="zero3", offload="none")),
+    (dict(stage="3"), dict(sharding="zero3", offload="none")),
+])
+def test_zero_stage_and_offload(zo, want):
+    assert zero_settings(_zo(**zo)) == want
+
+
+def test_zero_stage_0_and_no_zero_section_are_plain_data_parallel():
+    assert zero_settings(_zo(stage=0)) == {"sharding": "ddp"}
+    assert zero_settings({"bf16": {"enabled": True}}) == {"sharding": "ddp"}
+
+
+def test_zero_bucket_numbers_are_kept_and_auto_values_left_to_the_framework():
+    got = zero_settings(_zo(stage=3, reduce_bucket_size=5e8, stage3_prefetch_bucket_size="auto",
+                            stage3_param_persistence_threshold="1e4", stage3_max_live_parameters=10**9,
+                            overlap_comm=True, contiguous_gradients=True))
+    assert got["zero_buckets"] == {"reduce": 500_000_000, "persistence": 10_000, "max_live": 10**9,
+                                   "overlap_comm": True}
+    assert "zero_buckets" not in zero_settings(_zo(stage=2, reduce_bucket_size="auto", overlap_comm="auto"))
+
+
+def test_zero_buckets_change_the_estimate():
+    from memguard_core.estimate import estimate
+    from memguard_core.spec import model_spec_from_hf_config
+
+    with open(os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")) as f:
+        ms = model_spec_from_hf_config({k: v for k, v in json.load(f).items() if not k.startswith("_")})
+    base = dict(batch_size=2, seq_length=128, method="full", dtype="bf16", framework="hf", device="cuda",
+                world_size=2)
+    auto = estimate(ms, TrainSpec(**base, **zero_settings(_zo(stage=2, reduce_bucket_size="auto"))))
+    big = estimate(ms, TrainSpec(**base, **zero_settings(_zo(stage=2, reduce_bucket_size=5e8))))
+    # "auto" under HF: hidden_size**2 elements; 5e8 given: 5e8 bf16 gradients more of reduce buffer
+    grow = big.phase_breakdowns["backward"]["backward_transients"] - auto.phase_breakdowns["backward"]["backward_transients"]
+    assert grow == (500_000_000 - ms.hidden_size ** 2) * 2
+
+
+def test_zero_config_from_a_json_file(tmp_path):
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps(_zo(stage=2, offload_optimizer={"device": "cpu"})))
+    assert zero_settings(str(p)) == {"sharding": "zero2", "offload": "optimizer"}
+
+
+@pytest.mark.parametrize("cfg,field", [
+    (_zo(stage=4), "zero_optimization.stage"),
+    (_zo(stage=True), "zero_optimization.stage"),
+    (_zo(stage=2, reduce_bucket_size="big"), "zero_optimization.reduce_bucket_size"),
+    (_zo(stage=2, reduce_bucket_size=-1), "zero_optimization.reduce_bucket_size"),
+    (_zo(stage=2, overlap_comm="yes"), "zero_optimization.overlap_comm"),
+    ({"zero_optimization": [2]}, "zero_optimization"),
+    ([1, 2], "deepspeed"),
+    ("/nonexistent/ds_config.json", "deepspeed"),
+])
+def test_bad_deepspeed_config_names_the_key(cfg, field):
+    with pytest.raises(ConfigError) as e:
+        zero_settings(cfg)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(sharding="ddp", zero_buckets={"reduce": 10}), "zero_buckets"),
+    (dict(sharding="zero2", zero_buckets={"bucket": 10}), "zero_buckets"),
+    (dict(sharding="zero2", zero_buckets={"reduce": 1.5}), "zero_buckets['reduce']"),
+    (dict(sharding="zero2", zero_buckets={"overlap_comm": 1}), "zero_buckets['overlap_comm']"),
+])
+def test_bad_zero_buckets_name_the_field(kw, field):
+    with pytest.raises(ConfigError) as e:
+        TrainSpec(batch_size=1, seq_length=8, world_size=2, **kw)
+    assert e.value.field == field
+
+
+# --- FSDP: strategy names and accelerate's real plugin -------------------------------------------
+
+
+def test_fsdp1_strategy_names_enums_and_accelerate_numbers():
+    torch = pytest.importorskip("torch")
+    from torch.distributed.fsdp import ShardingStrategy
+
+    assert fsdp1_sharding(ShardingStrategy.SHARD_GRAD_OP) == "fsdp-grad-op"
+    assert fsdp1_sharding(ShardingStrategy._HYBRID_SHARD_ZERO2) == "fsdp-hybrid"
+    assert fsdp1_sharding("full_shard") == "fsdp-full"
+    assert fsdp1_sharding(3) == "fsdp-no-shard"  # accelerate's FSDP_SHARDING_STRATEGY order, 1-based
+    assert fsdp1_sharding("4") == "fsdp-hybrid"
+    with pytest.raises(ConfigError) as e:
+        fsdp1_sharding("ZERO3")
+    assert e.value.field == "sharding_strategy"
+    assert torch  # imported for the enum
+
+
+def test_accelerate_fsdp2_plugin(monkeypatch):
+    pytest.importorskip("accelerate")
+    from accelerate.utils import FullyShardedDataParallelPlugin as Plugin
+
+    assert fsdp_plugin_settings(Plugin(fsdp_version=2)) == dict(fsdp_version=2, sharding="fsdp-full", offload="none")
+    assert fsdp_plugin_settings(Plugin(fsdp_version=2, reshard_after_forward=False, cpu_offload=True)) == \
+        dict(fsdp_version=2, sharding="fsdp-grad-op", offload="params")
+
+
+def test_accelerate_fsdp1_plugin_as_prepare_model_reads_it(monkeypatch):
+    pytest.importorskip("accelerate")
+    from accelerate.utils import FullyShardedDataParallelPlugin as Plugin
+
+    got = fsdp_plugin_settings(Plugin(fsdp_version=1, sharding_strategy="SHARD_GRAD_OP", cpu_offload=True), 8)
+    assert got == dict(fsdp_version=1, sharding="fsdp-grad-op", offload="params")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    got = fsdp_plugin_settings(Plugin(fsdp_version=1, sharding_strategy="HYBRID_SHARD"), 8)
+    assert got == dict(fsdp_version=1, sharding="fsdp-hybrid", shard_group_size=4, offload="none")
+    TrainSpec(batch_size=1, seq_length=8, world_size=8, **got)  # a valid spec
+
+
+def test_accelerate_state_by_distributed_type():
+    pytest.importorskip("accelerate")
+    from accelerate.utils import (DeepSpeedPlugin, DistributedDataParallelKwargs, DistributedType,
+                                  FullyShardedDataParallelPlugin)
+
+    # see the module docstring: the Accelerator's attributes, holding real plugin objects
+    ddp = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU,
+                          ddp_handler=DistributedDataParallelKwargs(bucket_cap_mb=50, gradient_as_bucket_view=True),
+                          state=SimpleNamespace())
+    assert accelerate_settings(ddp, 2) == dict(sharding="ddp", bucket_cap_mb=50, gradient_as_bucket_view=True)
+    assert accelerate_settings(ddp, 1) == {}
+    plain = SimpleNamespace(distributed_type=DistributedType.MULTI_GPU, ddp_handler=None, state=SimpleNamespace())
+    assert accelerate_settings(plain, 4) == {"sharding": "ddp"}
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, parallelism_config=None,
+                           state=SimpleNamespace(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)))
+    assert accelerate_settings(fsdp, 4)["sharding"] == "fsdp-full"
+    fsdp.parallelism_config = SimpleNamespace(dp_replicate_size=2, dp_shard_size=4)
+    assert accelerate_settings(fsdp, 8) == dict(fsdp_version=2, sharding="fsdp-hybrid", shard_group_size=4,
+                                                offload="none")
+    ds = DeepSpeedPlugin(hf_ds_config=_zo(stage=3, offload_param={"device": "cpu"}))
+    zero = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, state=SimpleNamespace(deepspeed_plugin=ds))
+    assert accelerate_settings(zero, 2) == dict(sharding="zero3", offload="params")
+
+
+# --- HF TrainingArguments (a trainer without an accelerator) --------------------------------------
+
+
+def test_hf_training_arguments_fallback(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from memguard_hf.preflight import layout_of_trainer
+
+    def layout(world, **kw):
+        args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
+        return layout_of_trainer(SimpleNamespace(args=args), world)
+
+    assert layout(1, ddp_bucket_cap_mb=10) == {"sharding": "none"}
+    assert layout(2, ddp_bucket_cap_mb=10) == {"sharding": "ddp", "bucket_cap_mb": 10}
+    assert layout(2, fsdp=True, fsdp_config={"reshard_after_forward": False, "cpu_offload": True}) == \
+        dict(fsdp_version=2, sharding="fsdp-grad-op", offload="params")
+    assert layout(4, fsdp=True, fsdp_config={"version": 1, "reshard_after_forward": "no_shard"}) == \
+        dict(fsdp_version=1, sharding="fsdp-no-shard", offload="none")
+
+
+# --- live wrappers in a real one-process gloo group ----------------------------------------------
+
+
+@pytest.fixture
+def gloo_group():
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield torch
+    finally:
+        dist.destroy_process_group()
+
+
+def _net(torch):
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Linear(8, 8)),
+                               torch.nn.Sequential(torch.nn.Linear(8, 8)))
+
+
+def test_live_ddp_bucket_settings(gloo_group):
+    torch = gloo_group
+    from memguard_torch import _compat
+    from memguard_torch.preflight import layout_of
+
+    ddp = torch.nn.parallel.DistributedDataParallel(_net(torch), bucket_cap_mb=5, gradient_as_bucket_view=True)
+    assert _compat.ddp_layout(ddp) == dict(sharding="ddp", bucket_cap_mb=5.0, gradient_as_bucket_view=True)
+    # through the layout reader, with the world size the run would have
+    assert layout_of(ddp, None, 2) == dict(sharding="ddp", bucket_cap_mb=5.0, gradient_as_bucket_view=True)
+    assert layout_of(ddp, None, 1) == {"sharding": "none"}
+
+
+@pytest.mark.parametrize("reshard,offload,want", [
+    (True, False, dict(sharding="fsdp-full", fsdp_version=2)),
+    (False, False, dict(sharding="fsdp-grad-op", fsdp_version=2)),
+    (True, True, dict(sharding="fsdp-full", fsdp_version=2, offload="params")),
+])
+def test_live_fully_shard_settings(gloo_group, reshard, offload, want):
+    torch = gloo_group
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from memguard_torch import _compat
+
+    net = _net(torch)
+    kw = dict(reshard_after_forward=reshard, offload_policy=CPUOffloadPolicy(pin_memory=False) if offload else None)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    for block in (net[1], net[2]):
+        fully_shard(block, **kw)
+    fully_shard(net, **kw)
+    assert _compat.fsdp2_layout(net, 1) == want
+    # the same one-rank shard mesh in a larger world is a replicate-only layout
+    assert _compat.fsdp2_layout(net, 2)["sharding"] == "fsdp-no-shard"
+
+
+# --- the CLI's --deepspeed ----------------------------------------------------------------------
+
+
+def test_cli_deepspeed_config(tmp_path, capsys):
+    from memguard_core.cli import main
+
+    smol = os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")
+
+    def run(*a, rc=0):
+        assert main(["estimate", "--config", smol, "--method", "full", "--dtype", "bf16", "--batch-size", "2",
+                     "--seq-length", "128", "--framework", "hf", "--device", "cuda", "--world-size", "2",
+                     "--json", *a]) == rc
+        out, err = capsys.readouterr()
+        return json.loads(out) if rc == 0 else err
+
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps(_zo(stage=3, offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"},
+                                 reduce_bucket_size="auto", stage3_prefetch_bucket_size=5e7)))
+    got = run("--deepspeed", str(ds))
+    assert (got["train"]["sharding"], got["train"]["offload"]) == ("zero3", "params")
+    assert got["train"]["zero_buckets"] == {"prefetch": 50_000_000}
+    flags = run("--sharding", "zero3", "--offload", "params")
+    # the config's explicit 5e7-element prefetch bucket is larger than HF's "auto" 0.9 x hidden^2
+    assert got["peak_bytes"] > flags["peak_bytes"]
+    assert "--sharding" in run("--deepspeed", str(ds), "--sharding", "zero2", rc=2)
+    ds.write_text(json.dumps(_zo(stage=5)))
+    assert "zero_optimization.stage" in run("--deepspeed", str(ds), rc=2)

@@ -5,6 +5,7 @@
 """
 
 from .callback import MemGuardCallback, is_oom_error
+from .plan_args import plan_training_arguments
 from .resume import RESUME_ENV, resume_checkpoint
 
-__all__ = ["MemGuardCallback", "is_oom_error", "resume_checkpoint", "RESUME_ENV"]
+__all__ = ["MemGuardCallback", "is_oom_error", "plan_training_arguments", "resume_checkpoint", "RESUME_ENV"]

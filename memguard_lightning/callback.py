@@ -45,8 +45,10 @@ Not split (a warning says so and what to do instead; preflight and the monitor s
 * **DeepSpeed** (``strategy.handles_gradient_accumulation``): the engine counts micro-steps; extra
   backward calls would break its accumulation. Apply the plan instead: dataloader batch size / k,
   ``accumulate_grad_batches`` x k (the exact numbers are logged).
-* **FSDP**: the chunks would run inside the root FSDP forward before its backward hooks exist;
-  not validated here. Same alternative as DeepSpeed.
+* **FSDP1** (``FSDPStrategy``): the chunks would run inside the root FSDP forward before its
+  backward hooks exist; not validated here. Same alternative as DeepSpeed. FSDP2
+  (``ModelParallelStrategy``) splits in place: each chunk's backward reduce-scatters; an OOM there
+  is re-raised, not redone (docs/lightning.md, "Limits").
 
 Lightning-private names are in ``memguard_lightning._compat``.
 """

@@ -92,3 +92,20 @@ def test_deepspeed_config_numbers_follow_the_plan(tmp_path):
     # "auto" stays "auto" in the planned config; HF fills it from the planned arguments
     assert new.deepspeed["gradient_accumulation_steps"] == "auto"
     assert got["gradient_accumulation_steps"] == new.gradient_accumulation_steps > 2
+
+
+def test_planned_checkpointing_reaches_the_arguments(tmp_path):
+    # transformers 5 reads ``activation_checkpointing``; a copy that sets only its deprecated alias
+    # ``gradient_checkpointing`` is overwritten by the copied ``activation_checkpointing=False``
+    model, ds = _model_and_rows()
+    args = _args(tmp_path)
+    ms, ts = read_specs(SimpleNamespace(args=args, model=model, train_dataset=ds))
+    ts = ts.replace(heap_trim=True)
+    budget = budget_that_fits(ms, ts.replace(grad_checkpoint=True), resident_bytes=resident_bytes_for(ts))
+    assert budget_that_fits(ms, ts, resident_bytes=resident_bytes_for(ts)) > budget
+    new, pf = plan_training_arguments(model, args, train_dataset=ds, budget_bytes=budget, apply=("grad_checkpoint",))
+    assert pf.plan.train_spec.grad_checkpoint and not args.gradient_checkpointing
+    assert new.gradient_checkpointing is True
+    assert getattr(new, "activation_checkpointing", True) is True
+    # what the Trainer and the callback's preflight read from the planned arguments
+    assert read_specs(SimpleNamespace(args=new, model=model, train_dataset=ds))[1].grad_checkpoint

@@ -95,7 +95,11 @@ def plan_training_arguments(model: Any, args: Any, *, train_dataset: Any = None,
     if new.batch_size != old.batch_size or new.grad_accum != old.grad_accum:
         changes.update(per_device_train_batch_size=new.batch_size, gradient_accumulation_steps=new.grad_accum)
     if new.grad_checkpoint and not old.grad_checkpoint:
-        changes["gradient_checkpointing"] = True
+        # transformers >= 5 reads ``activation_checkpointing``; its deprecated alias
+        # ``gradient_checkpointing`` alone is overwritten in __post_init__ by the copied new name
+        fields = {f.name for f in dataclasses.fields(args)}
+        changes.update({name: True for name in ("activation_checkpointing", "gradient_checkpointing")
+                        if name in fields})
     if not changes:
         return args, pf
     ds = _deepspeed_dict(getattr(args, "deepspeed", None))

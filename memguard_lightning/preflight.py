@@ -74,8 +74,8 @@ def precision_settings(precision: Any, weight_dtype) -> tuple:
 def layout_of_strategy(trainer, pl_module, world: int) -> Dict[str, Any]:
     """``TrainSpec`` layout keywords of a Lightning run on ``world`` processes, from its strategy:
     ``DeepSpeedStrategy.config`` (``memguard_core.sharding_settings.zero_settings``);
-    ``FSDPStrategy`` (FSDP1): ``sharding_strategy`` (``HYBRID_SHARD`` shards within a node:
-    ``num_processes`` ranks), ``cpu_offload``; otherwise the model as the strategy wrapped it
+    ``FSDPStrategy`` (FSDP1): ``sharding_strategy`` (``HYBRID_SHARD``: the sharding size of its
+    ``device_mesh``, else the ``num_processes`` of one node), ``cpu_offload``; otherwise the model as the strategy wrapped it
     (``memguard_torch.preflight.layout_of``: ``DistributedDataParallel``'s bucket settings,
     ``fully_shard``-ed modules). For one process, DeepSpeed's layout only, else ``none``.
 
@@ -91,14 +91,29 @@ def layout_of_strategy(trainer, pl_module, world: int) -> Dict[str, Any]:
     if name.startswith("FSDP") and getattr(strategy, "sharding_strategy", None) is not None:
         out = fsdp_plugin_settings(SimpleNamespace(fsdp_version=1, sharding_strategy=strategy.sharding_strategy,
                                                    cpu_offload=getattr(strategy, "cpu_offload", None)), world)
-        per_node = getattr(strategy, "num_processes", None)
-        if out["sharding"] == "fsdp-hybrid" and isinstance(per_node, int) and 1 <= per_node <= world \
-                and world % per_node == 0:
-            out["shard_group_size"] = per_node
+        if out["sharding"] == "fsdp-hybrid":
+            group = _hybrid_shard_size(strategy)
+            if isinstance(group, int) and 1 <= group <= world and world % group == 0:
+                out["shard_group_size"] = group
         return out
     from memguard_torch.preflight import layout_of
 
     return layout_of(getattr(strategy, "model", None) or pl_module, None, world)
+
+
+def _hybrid_shard_size(strategy) -> Any:
+    """Ranks per shard group of ``FSDPStrategy(sharding_strategy="HYBRID_SHARD")``: the sharding size
+    of its ``device_mesh`` (the tuple ``(replication, sharding)`` or a ``DeviceMesh``'s last
+    dimension), else the devices of one node (FSDP1 shards within a node by default)."""
+    mesh = (getattr(strategy, "kwargs", None) or {}).get("device_mesh")
+    try:
+        if isinstance(mesh, tuple) and mesh:
+            return int(mesh[-1])
+        if mesh is not None:
+            return int(mesh.shape[-1])
+    except Exception:
+        pass
+    return getattr(strategy, "num_processes", None)
 
 
 def trainspec_from_lightning(trainer, pl_module, batch: Any, model_spec: ModelSpec, *,

@@ -277,3 +277,38 @@ def test_cli_deepspeed_config(tmp_path, capsys):
     assert "--sharding" in run("--deepspeed", str(ds), "--sharding", "zero2", rc=2)
     ds.write_text(json.dumps(_zo(stage=5)))
     assert "zero_optimization.stage" in run("--deepspeed", str(ds), rc=2)
+
+
+# --- Lightning strategies (real strategy objects; their runs need a GPU, their constructors do not) --
+
+
+def test_lightning_fsdp_strategy_settings():
+    pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from memguard_lightning.preflight import layout_of_strategy
+
+    def layout(strategy, world):
+        return layout_of_strategy(SimpleNamespace(strategy=strategy), None, world)
+
+    assert layout(FSDPStrategy(sharding_strategy="SHARD_GRAD_OP"), 4) == \
+        dict(fsdp_version=1, sharding="fsdp-grad-op", offload="none")
+    assert layout(FSDPStrategy(sharding_strategy="HYBRID_SHARD", cpu_offload=True, device_mesh=(2, 4)), 8) == \
+        dict(fsdp_version=1, sharding="fsdp-hybrid", shard_group_size=4, offload="params")
+    assert layout(FSDPStrategy(), 1) == {"sharding": "none"}
+
+
+def test_lightning_deepspeed_strategy_settings():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("lightning")
+    pytest.importorskip("deepspeed")
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from memguard_lightning.preflight import layout_of_strategy
+
+    got = layout_of_strategy(SimpleNamespace(strategy=DeepSpeedStrategy(stage=2)), None, 2)
+    # Lightning writes its own bucket defaults into the config it builds
+    assert got == dict(sharding="zero2", offload="none",
+                       zero_buckets={"reduce": 200_000_000, "allgather": 200_000_000, "overlap_comm": True})
+    got = layout_of_strategy(SimpleNamespace(strategy=DeepSpeedStrategy(stage=3, offload_parameters=True)), None, 1)
+    assert (got["sharding"], got["offload"]) == ("zero3", "params")   # one process: still ZeRO

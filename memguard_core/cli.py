@@ -140,7 +140,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--deepspeed", default=None, metavar="DS_CONFIG_JSON",
                    help="a DeepSpeed config file: the ZeRO stage (--sharding zero1-3; stage 0 as ddp), "
                         "offload_optimizer / offload_param (--offload) and the bucket sizes it gives as "
-                        "numbers (\"auto\" ones follow --framework); not with --sharding / --offload")
+                        "numbers (\"auto\" ones follow --framework, missing ones DeepSpeed's defaults); "
+                        "not with --sharding / --offload")
     t.add_argument("--shard-group-size", type=int, default=None,
                    help="ranks per shard group; only with --sharding fsdp-hybrid [--world-size]")
     t.add_argument("--ranks", type=int, default=None, help=argparse.SUPPRESS)  # deprecated: --world-size

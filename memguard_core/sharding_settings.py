@@ -27,6 +27,7 @@ import os
 from typing import Any, Dict, Mapping, Optional
 
 from .errors import ConfigError
+from .sharding import ZERO_BUCKETS
 
 #: FSDP1 ``ShardingStrategy`` -> ``TrainSpec.sharding`` (``torch/distributed/fsdp/api.py``;
 #: accelerate numbers them 1-5 in this order: ``accelerate/utils/constants.py``
@@ -39,10 +40,13 @@ FSDP1_STRATEGIES = {"FULL_SHARD": "fsdp-full", "SHARD_GRAD_OP": "fsdp-grad-op", 
 _FSDP1_BY_NUMBER = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
 #: DeepSpeed ``zero_optimization`` keys -> ``TrainSpec.zero_buckets`` keys
-#: (``deepspeed/runtime/zero/config.py``, 0.19.8).
+#: (``deepspeed/runtime/zero/config.py``, 0.19.8; its model takes a field's name as well as its
+#: ``stage3_`` alias, ``populate_by_name``; the alias first).
 ZERO_BUCKET_KEYS = {"reduce_bucket_size": "reduce", "allgather_bucket_size": "allgather",
-                    "stage3_prefetch_bucket_size": "prefetch", "stage3_max_live_parameters": "max_live",
-                    "stage3_param_persistence_threshold": "persistence", "overlap_comm": "overlap_comm"}
+                    "stage3_prefetch_bucket_size": "prefetch", "prefetch_bucket_size": "prefetch",
+                    "stage3_max_live_parameters": "max_live", "max_live_parameters": "max_live",
+                    "stage3_param_persistence_threshold": "persistence", "param_persistence_threshold": "persistence",
+                    "overlap_comm": "overlap_comm"}
 
 _OFFLOAD_DEVICES = ("cpu", "nvme")
 
@@ -85,8 +89,10 @@ def zero_settings(config: Any) -> Dict[str, Any]:
     """``TrainSpec`` keywords of a DeepSpeed config: ``sharding`` (``zero1``..``zero3``; stage 0,
     DeepSpeed's plain data parallelism, as ``ddp``), ``offload`` (``offload_optimizer`` /
     ``offload_param`` with ``device`` cpu or nvme; ``offload_param`` counts under stage 3 only, as
-    in DeepSpeed) and ``zero_buckets`` (the bucket sizes the config gives as numbers; "auto" values
-    are left to the framework's rule, ``memguard_core.sharding.zero_buckets``).
+    in DeepSpeed) and ``zero_buckets`` (elements: the bucket sizes the config gives as numbers, and
+    DeepSpeed's defaults, ``memguard_core.sharding.ZERO_BUCKETS["deepspeed"]``, for those it leaves
+    out -- HF and accelerate fill "auto" values only; "auto" values are left to the framework's
+    rule, ``memguard_core.sharding.zero_buckets``).
 
     ``config`` is the dict (HF's ``HfTrainerDeepSpeedConfig.config``, accelerate's
     ``deepspeed_config``, Lightning's ``DeepSpeedStrategy.config``) or a path to its JSON file.
@@ -122,9 +128,11 @@ def zero_settings(config: Any) -> Dict[str, Any]:
 
     offload = "params" if stage == 3 and device("offload_param") else "optimizer" if device("offload_optimizer") else "none"
     buckets: Dict[str, Any] = {}
+    given = set()
     for key, ours in ZERO_BUCKET_KEYS.items():
-        if key not in zo:
+        if key not in zo or ours in given:
             continue
+        given.add(ours)
         if ours == "overlap_comm":
             v = zo[key]
             if isinstance(v, str) and v.strip().lower() == "auto":
@@ -136,6 +144,11 @@ def zero_settings(config: Any) -> Dict[str, Any]:
             n = _number(key, zo[key])
             if n is not None:
                 buckets[ours] = n
+    # a key the config leaves out takes DeepSpeed's default, whatever the framework (overlap_comm:
+    # None -> stage 3, the model's validator)
+    for ours, default in ZERO_BUCKETS["deepspeed"].items():
+        if ours not in given:
+            buckets[ours] = stage == 3 if ours == "overlap_comm" else default
     out: Dict[str, Any] = {"sharding": f"zero{stage}", "offload": offload}
     if buckets:
         out["zero_buckets"] = buckets

@@ -358,7 +358,8 @@ class TrainSpec:
         bucket_cap_mb: DDP ``bucket_cap_mb`` (MiB, default 25 as in ``DistributedDataParallel``).
         gradient_as_bucket_view: DDP ``gradient_as_bucket_view`` (``.grad`` are views of the buckets).
         fsdp_version: 2 (``fully_shard``) | 1 (``FullyShardedDataParallel``, flat parameters).
-        zero_buckets: DeepSpeed bucket sizes a config sets explicitly (elements), overriding the
+        zero_buckets: DeepSpeed bucket sizes a config sets (elements: its numbers, DeepSpeed's
+            defaults for the keys it leaves out; not its "auto" ones), overriding the
             framework's values (``memguard_core.sharding.zero_buckets``): keys ``reduce``,
             ``allgather``, ``prefetch``, ``max_live``, ``persistence`` (integers >= 0) and
             ``overlap_comm`` (bool); only with ``zero1``..``zero3``. ``None`` = none set.

@@ -28,6 +28,13 @@ def _zo(**zo):
     return {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": zo}
 
 
+#: DeepSpeed's defaults (deepspeed/runtime/zero/config.py, 0.19.8), for the keys a config leaves out
+_DS_DEFAULTS = dict(reduce=500_000_000, allgather=500_000_000, prefetch=50_000_000, max_live=1_000_000_000,
+                    persistence=100_000)
+_ALL_BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                    "stage3_max_live_parameters", "stage3_param_persistence_threshold", "overlap_comm")
+
+
 # --- DeepSpeed configs ---------------------------------------------------------------------------
 
 
@@ -43,7 +50,9 @@ def _zo(**zo):
     (dict(stage="3"), dict(sharding="zero3", offload="none")),
 ])
 def test_zero_stage_and_offload(zo, want):
-    assert zero_settings(_zo(**zo)) == want
+    got = zero_settings(_zo(**zo))
+    assert got.pop("zero_buckets") == _DS_DEFAULTS | {"overlap_comm": got["sharding"] == "zero3"}
+    assert got == want
 
 
 def test_zero_stage_0_and_no_zero_section_are_plain_data_parallel():
@@ -56,8 +65,33 @@ def test_zero_bucket_numbers_are_kept_and_auto_values_left_to_the_framework():
                             stage3_param_persistence_threshold="1e4", stage3_max_live_parameters=10**9,
                             overlap_comm=True, contiguous_gradients=True))
     assert got["zero_buckets"] == {"reduce": 500_000_000, "persistence": 10_000, "max_live": 10**9,
-                                   "overlap_comm": True}
-    assert "zero_buckets" not in zero_settings(_zo(stage=2, reduce_bucket_size="auto", overlap_comm="auto"))
+                                   "overlap_comm": True, "allgather": 500_000_000}
+    assert "zero_buckets" not in zero_settings(_zo(stage=2, **{k: "auto" for k in _ALL_BUCKET_KEYS}))
+
+
+def test_zero_bucket_keys_left_out_are_deepspeeds_defaults_and_field_names_count():
+    # HF and accelerate fill "auto" values only; DeepSpeed gives a missing key its own default
+    assert zero_settings(_zo(stage=2))["zero_buckets"] == _DS_DEFAULTS | {"overlap_comm": False}
+    assert zero_settings(_zo(stage=3))["zero_buckets"] == _DS_DEFAULTS | {"overlap_comm": True}
+    # DeepSpeed's model takes a field's name as well as its stage3_ alias
+    got = zero_settings(_zo(stage=3, prefetch_bucket_size=1000, max_live_parameters=2000,
+                            param_persistence_threshold=3000))["zero_buckets"]
+    assert (got["prefetch"], got["max_live"], got["persistence"]) == (1000, 2000, 3000)
+
+
+def test_zero_config_without_bucket_sizes_is_estimated_with_deepspeeds_buckets():
+    from memguard_core.estimate import estimate
+    from memguard_core.spec import model_spec_from_hf_config
+
+    with open(os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")) as f:
+        ms = model_spec_from_hf_config({k: v for k, v in json.load(f).items() if not k.startswith("_")})
+    base = dict(batch_size=2, seq_length=128, method="full", dtype="bf16", framework="hf", device="cuda",
+                world_size=2)
+    bare = estimate(ms, TrainSpec(**base, **zero_settings(_zo(stage=2))))
+    auto = estimate(ms, TrainSpec(**base, **zero_settings(_zo(stage=2, reduce_bucket_size="auto"))))
+    # no reduce_bucket_size: DeepSpeed's 5e8 elements, not HF's "auto" hidden_size**2
+    grow = bare.phase_breakdowns["backward"]["backward_transients"] - auto.phase_breakdowns["backward"]["backward_transients"]
+    assert grow == (500_000_000 - ms.hidden_size ** 2) * 2
 
 
 def test_zero_buckets_change_the_estimate():
@@ -78,7 +112,8 @@ def test_zero_buckets_change_the_estimate():
 def test_zero_config_from_a_json_file(tmp_path):
     p = tmp_path / "ds.json"
     p.write_text(json.dumps(_zo(stage=2, offload_optimizer={"device": "cpu"})))
-    assert zero_settings(str(p)) == {"sharding": "zero2", "offload": "optimizer"}
+    got = zero_settings(str(p))
+    assert (got["sharding"], got["offload"], got["zero_buckets"]["reduce"]) == ("zero2", "optimizer", 500_000_000)
 
 
 @pytest.mark.parametrize("cfg,field", [
@@ -169,7 +204,8 @@ def test_accelerate_state_by_distributed_type():
                                                 offload="none")
     ds = DeepSpeedPlugin(hf_ds_config=_zo(stage=3, offload_param={"device": "cpu"}))
     zero = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, state=SimpleNamespace(deepspeed_plugin=ds))
-    assert accelerate_settings(zero, 2) == dict(sharding="zero3", offload="params")
+    got = accelerate_settings(zero, 2)
+    assert (got["sharding"], got["offload"]) == ("zero3", "params")
 
 
 # --- HF TrainingArguments (a trainer without an accelerator) --------------------------------------
@@ -270,7 +306,8 @@ def test_cli_deepspeed_config(tmp_path, capsys):
                                  reduce_bucket_size="auto", stage3_prefetch_bucket_size=5e7)))
     got = run("--deepspeed", str(ds))
     assert (got["train"]["sharding"], got["train"]["offload"]) == ("zero3", "params")
-    assert got["train"]["zero_buckets"] == {"prefetch": 50_000_000}
+    assert got["train"]["zero_buckets"]["prefetch"] == 50_000_000
+    assert "reduce" not in got["train"]["zero_buckets"]   # "auto": HF's rule (--framework hf)
     flags = run("--sharding", "zero3", "--offload", "params")
     # the config's explicit 5e7-element prefetch bucket is larger than HF's "auto" 0.9 x hidden^2
     assert got["peak_bytes"] > flags["peak_bytes"]
@@ -309,6 +346,7 @@ def test_lightning_deepspeed_strategy_settings():
     got = layout_of_strategy(SimpleNamespace(strategy=DeepSpeedStrategy(stage=2)), None, 2)
     # Lightning writes its own bucket defaults into the config it builds
     assert got == dict(sharding="zero2", offload="none",
-                       zero_buckets={"reduce": 200_000_000, "allgather": 200_000_000, "overlap_comm": True})
+                       zero_buckets=_DS_DEFAULTS | {"reduce": 200_000_000, "allgather": 200_000_000,
+                                                    "overlap_comm": True})
     got = layout_of_strategy(SimpleNamespace(strategy=DeepSpeedStrategy(stage=3, offload_parameters=True)), None, 1)
     assert (got["sharding"], got["offload"]) == ("zero3", "params")   # one process: still ZeRO

@@ -208,7 +208,8 @@ def fsdp2_layout(model: Any, world_size: int) -> dict:
     """``TrainSpec`` keywords of a ``fully_shard``-ed model, read from its parameter groups before
     the first forward: ``fsdp-grad-op`` when a non-root unit keeps its parameters unsharded after
     forward (``reshard_after_forward=False``: no ``post_forward_mesh_info``; the root's is cleared
-    at FSDP's lazy init whatever it was given, so it does not count), ``fsdp-hybrid`` with
+    at FSDP's lazy init when left to its default, ``FSDPState._auto_reshard_after_forward``, so it
+    does not count), ``fsdp-hybrid`` with
     ``shard_group_size`` when the shard mesh dimension is smaller than ``world_size`` (HSDP),
     else ``fsdp-full``; ``offload="params"`` under ``CPUOffloadPolicy``. ``{}`` without FSDP2
     modules; ``fsdp-full`` alone when the private names are gone."""

@@ -113,6 +113,8 @@ def zero_settings(config: Any) -> Dict[str, Any]:
     if not isinstance(config, Mapping):
         raise ConfigError("deepspeed", "a DeepSpeed config dict or JSON file path", config)
     zo = config.get("zero_optimization") or {}
+    if zo is True:  # DeepSpeed's deprecated boolean form: stage 1 (deepspeed/runtime/zero/config.py)
+        zo = {"stage": 1}
     if not isinstance(zo, Mapping):
         raise ConfigError("zero_optimization", "a mapping", zo)
     stage = zo.get("stage", 0)

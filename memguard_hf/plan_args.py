@@ -62,9 +62,11 @@ def plan_training_arguments(model: Any, args: Any, *, train_dataset: Any = None,
         train_dataset: rows the sequence length is read from when ``args`` and ``seq_length`` do
             not give it (the longest ``input_ids`` of the first 2048).
         seq_length: tokens per row, overriding what is read.
-        **options: ``MemGuardCallback`` options that shape the plan: ``budget_bytes`` (default: the
-            process's memory plus what is available, x ``safety_ratio``), ``safety_ratio``,
-            ``thresholds`` (the plan targets the warning level), ``apply``, ``device``.
+        **options: ``MemGuardCallback`` options that shape the plan (:data:`PLAN_OPTIONS`):
+            ``budget_bytes`` / ``budget_gib`` (default: the process's memory plus what is
+            available, x ``safety_ratio``), ``safety_ratio``, ``thresholds`` (the plan targets the
+            warning level), ``apply``, ``device``, ``trim_heap`` (CPU: the run trims its heap at
+            every step's end, as the callback does by default).
 
     Returns:
         ``(new_args, preflight)``: ``new_args`` is ``args`` itself when the plan changes nothing,

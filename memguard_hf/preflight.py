@@ -24,6 +24,7 @@ The mapping:
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 from typing import Any, Dict, Optional, Tuple
 
@@ -63,7 +64,14 @@ def layout_of_trainer(trainer: Any, world: int) -> Dict[str, Any]:
         return {"sharding": "none"}
     fsdp = getattr(args, "fsdp_plugin_args", None)
     if getattr(args, "fsdp", None) and isinstance(fsdp, dict):
-        return fsdp_plugin_settings(SimpleNamespace(**fsdp), world)
+        # as the plugin the Trainer builds from them decides (it cannot be built here without a
+        # GPU-like device): accelerate 1.15 FullyShardedDataParallelPlugin.__post_init__ fills an FSDP1
+        # sharding_strategy from FSDP_SHARDING_STRATEGY (default FULL_SHARD), and
+        # Accelerator.prepare_model prefers it to the reshard_after_forward HF passes
+        fields = dict(fsdp)
+        if str(fields.get("fsdp_version", 1)) == "1" and fields.get("sharding_strategy") is None:
+            fields["sharding_strategy"] = os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
+        return fsdp_plugin_settings(SimpleNamespace(**fields), world)
     return ddp_handler_settings(SimpleNamespace(bucket_cap_mb=getattr(args, "ddp_bucket_cap_mb", None)))
 
 

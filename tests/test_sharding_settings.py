@@ -211,7 +211,7 @@ def test_accelerate_state_by_distributed_type():
 # --- HF TrainingArguments (a trainer without an accelerator) --------------------------------------
 
 
-def test_hf_training_arguments_fallback(tmp_path):
+def test_hf_training_arguments_fallback(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from transformers import TrainingArguments
 
@@ -225,8 +225,13 @@ def test_hf_training_arguments_fallback(tmp_path):
     assert layout(2, ddp_bucket_cap_mb=10) == {"sharding": "ddp", "bucket_cap_mb": 10}
     assert layout(2, fsdp=True, fsdp_config={"reshard_after_forward": False, "cpu_offload": True}) == \
         dict(fsdp_version=2, sharding="fsdp-grad-op", offload="params")
+    # FSDP1: accelerate 1.15's plugin fills sharding_strategy (FULL_SHARD, or FSDP_SHARDING_STRATEGY)
+    # and Accelerator.prepare_model prefers it to the reshard_after_forward HF passes: what runs
+    monkeypatch.delenv("FSDP_SHARDING_STRATEGY", raising=False)
     assert layout(4, fsdp=True, fsdp_config={"version": 1, "reshard_after_forward": "no_shard"}) == \
-        dict(fsdp_version=1, sharding="fsdp-no-shard", offload="none")
+        dict(fsdp_version=1, sharding="fsdp-full", offload="none")
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP")
+    assert layout(4, fsdp=True, fsdp_config={"version": 1})["sharding"] == "fsdp-grad-op"
 
 
 # --- live wrappers in a real one-process gloo group ----------------------------------------------
@@ -350,3 +355,8 @@ def test_lightning_deepspeed_strategy_settings():
                                                     "overlap_comm": True})
     got = layout_of_strategy(SimpleNamespace(strategy=DeepSpeedStrategy(stage=3, offload_parameters=True)), None, 1)
     assert (got["sharding"], got["offload"]) == ("zero3", "params")   # one process: still ZeRO
+
+
+def test_deprecated_boolean_zero_optimization_is_stage_1():
+    assert zero_settings({"zero_optimization": True})["sharding"] == "zero1"
+    assert zero_settings({"zero_optimization": False}) == {"sharding": "ddp"}

@@ -73,15 +73,17 @@ def fsdp1_sharding(strategy: Any) -> str:
 
 
 def _number(key: str, v: Any) -> Optional[int]:
-    """A DeepSpeed size (int, float such as 5e8, or numeric string); None for "auto"."""
+    """A DeepSpeed size (int, float such as 5e8, or numeric string); None for "auto". >= 0, and
+    ``reduce_bucket_size`` > 0, as DeepSpeed's config model requires (``gt=0`` / ``ge=0``)."""
     if isinstance(v, str) and v.strip().lower() == "auto":
         return None
     try:
         f = float(v)
     except (TypeError, ValueError):
         f = float("nan")
-    if isinstance(v, bool) or not f >= 0 or f == float("inf"):
-        raise ConfigError(f"zero_optimization.{key}", "a number of elements >= 0 or \"auto\"", v)
+    low = 1 if key == "reduce_bucket_size" else 0
+    if isinstance(v, bool) or not f >= low or f == float("inf"):
+        raise ConfigError(f"zero_optimization.{key}", f"a number of elements >= {low} or \"auto\"", v)
     return int(f)
 
 
@@ -126,7 +128,11 @@ def zero_settings(config: Any) -> Dict[str, Any]:
 
     def device(key: str) -> bool:
         o = zo.get(key) or {}
-        return isinstance(o, Mapping) and str(o.get("device", "none")).strip().lower() in _OFFLOAD_DEVICES
+        if isinstance(o, Mapping) and str(o.get("device", "none")).strip().lower() in _OFFLOAD_DEVICES:
+            return True
+        # DeepSpeed's deprecated booleans: cpu_offload -> offload_optimizer, cpu_offload_param ->
+        # offload_param, both on the cpu (deepspeed/runtime/zero/config.py, their new_param_fn)
+        return zo.get({"offload_optimizer": "cpu_offload", "offload_param": "cpu_offload_param"}[key]) is True
 
     offload = "params" if stage == 3 and device("offload_param") else "optimizer" if device("offload_optimizer") else "none"
     buckets: Dict[str, Any] = {}

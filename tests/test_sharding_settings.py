@@ -360,3 +360,14 @@ def test_lightning_deepspeed_strategy_settings():
 def test_deprecated_boolean_zero_optimization_is_stage_1():
     assert zero_settings({"zero_optimization": True})["sharding"] == "zero1"
     assert zero_settings({"zero_optimization": False}) == {"sharding": "ddp"}
+
+
+def test_deprecated_offload_booleans_and_bucket_bounds():
+    assert zero_settings(_zo(stage=2, cpu_offload=True))["offload"] == "optimizer"
+    assert zero_settings(_zo(stage=3, cpu_offload=True, cpu_offload_param=True))["offload"] == "params"
+    assert zero_settings(_zo(stage=2, cpu_offload=False))["offload"] == "none"
+    # DeepSpeed's model: reduce_bucket_size > 0, the others >= 0
+    with pytest.raises(ConfigError) as e:
+        zero_settings(_zo(stage=2, reduce_bucket_size=0))
+    assert e.value.field == "zero_optimization.reduce_bucket_size"
+    assert zero_settings(_zo(stage=3, stage3_param_persistence_threshold=0))["zero_buckets"]["persistence"] == 0

@@ -108,6 +108,7 @@ class Guard(WindowRedo):
         self._boundaries = 0         # micro_batches_for_step calls: the step records' path is in use
         self._ended_step: Optional[int] = None   # end_step sampled this step's last batch already
         self._trim_device: Optional[bool] = None   # trim_heap applies here (resolved at the first step end)
+        self._unrecorded_end = 0   # end_step without batch boundaries: the last step count it trimmed at
 
     # ------------------------------------------------------------------ start
     def start(self, *, rows: int, read_specs: Optional[SpecReader] = None,
@@ -323,12 +324,20 @@ class Guard(WindowRedo):
         before. The decision stays at the next batch boundary, once per batch as without this
         call, on the budget as it is then and this peak. ``step``: accepted for the adapters'
         calls (MLX passes the next iteration's); the decision's step number is the boundary's.
-        A no-op before the first batch boundary, when
-        the adapter samples outside :meth:`micro_batches_for_step` (nothing would be recorded),
-        and when ``completed`` was already closed (Lightning's hook after a batch inside an
+        When the adapter samples outside :meth:`micro_batches_for_step` (no batch boundary:
+        nothing would be recorded) only the heap trim runs, once per new ``completed``; a no-op
+        when ``completed`` was already closed (Lightning's hook after a batch inside an
         accumulation window). Never raises."""
         mon = self.monitor
-        if mon is None or completed is None or not self._boundaries:
+        if mon is None or completed is None:
+            return
+        if not self._boundaries:
+            # the adapter samples outside micro_batches_for_step (Lightning's non-splitting paths):
+            # nothing to record, but an optimizer step that ended still trims the heap, as the
+            # preflight's estimate of a guarded run assumes (TrainSpec.heap_trim)
+            if completed != self._unrecorded_end:
+                self._unrecorded_end = completed
+                self._trim_step_heap()
             return
         try:
             if self._ended_step == completed or completed == self.recorder.closed_step:

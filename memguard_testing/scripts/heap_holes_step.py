@@ -3,7 +3,10 @@
 the heap, and the kept ones stop the freed ones from merging or reaching the top). Prints one JSON
 line: RSS before and after ``step_end`` and the per-step figures recorded.
 
-usage: python heap_holes_step.py on|off
+usage: python heap_holes_step.py on|off|unsampled
+
+``unsampled``: the core ``Guard`` started without a batch boundary (as Lightning's non-splitting
+paths run it: memory sampled outside ``micro_batches_for_step``); ``end_step(1)`` must still trim.
 """
 
 import json
@@ -15,7 +18,26 @@ from memguard_testing.train_scripts import proc_status_bytes
 from memguard_torch import TorchGuard
 
 
+def unsampled() -> None:
+    from memguard_core.guard import Guard
+    from memguard_core.options import GuardOptions
+
+    guard = Guard(GuardOptions.from_kwargs(budget_bytes=64 * 2**30, monitor_interval_s=0, preflight=False,
+                                           leak_detector=False, device="cpu"))
+    guard.start(rows=1)
+    blocks = [torch.ones(16384) for _ in range(2000)]
+    kept = blocks[::2]
+    del blocks
+    before = proc_status_bytes("VmRSS")
+    guard.end_step(1)
+    after = proc_status_bytes("VmRSS")
+    guard.stop()
+    print("RESULT " + json.dumps({"before": before, "after": after, "kept": len(kept), "steps": 1}))
+
+
 def main() -> None:
+    if sys.argv[1] == "unsampled":
+        return unsampled()
     trim = sys.argv[1] == "on"
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 1)

@@ -1200,7 +1200,8 @@ def markdown_report(rows: Sequence[dict], fingerprint: Optional[dict] = None, *,
                 out.append(f"- {r['name']} failed: {str(r.get('failure', ''))[-300:]}")
         out.append("")
     else:  # (the full-depth section carries its own)
-        out += _per_step_table(rows) + [""] if any(r.get("step_peak_bytes") for r in rows) else []
+        steps = _per_step_table(rows)
+        out += steps + [""] if steps else []
     return "\n".join(out)
 
 

@@ -87,6 +87,26 @@ def _number(key: str, v: Any) -> Optional[int]:
     return int(f)
 
 
+def deepspeed_config(config: Any) -> Mapping:
+    """A DeepSpeed config as the mapping it is, or read from its JSON file when a path (``str`` /
+    ``os.PathLike``), as ``TrainingArguments.deepspeed`` and ``memguard estimate --deepspeed`` take it.
+
+    Raises:
+        ConfigError: an unreadable file, or anything else than a mapping or a path (``deepspeed``).
+    """
+    if isinstance(config, (str, os.PathLike)):
+        import json
+
+        try:
+            with open(config, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError("deepspeed", "a readable DeepSpeed JSON config file", f"{config} ({e})") from None
+    if not isinstance(config, Mapping):
+        raise ConfigError("deepspeed", "a DeepSpeed config dict or JSON file path", config)
+    return config
+
+
 def zero_settings(config: Any) -> Dict[str, Any]:
     """``TrainSpec`` keywords of a DeepSpeed config: ``sharding`` (``zero1``..``zero3``; stage 0,
     DeepSpeed's plain data parallelism, as ``ddp``), ``offload`` (``offload_optimizer`` /
@@ -104,16 +124,7 @@ def zero_settings(config: Any) -> Dict[str, Any]:
         ConfigError: an unreadable file, a config that is not a mapping, a stage outside 0-3 or a
             bucket size that is not a number (naming the key).
     """
-    if isinstance(config, (str, os.PathLike)):
-        import json
-
-        try:
-            with open(config, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ConfigError("deepspeed", "a readable DeepSpeed JSON config file", f"{config} ({e})") from None
-    if not isinstance(config, Mapping):
-        raise ConfigError("deepspeed", "a DeepSpeed config dict or JSON file path", config)
+    config = deepspeed_config(config)
     zo = config.get("zero_optimization") or {}
     if zo is True:  # DeepSpeed's deprecated boolean form: stage 1 (deepspeed/runtime/zero/config.py)
         zo = {"stage": 1}

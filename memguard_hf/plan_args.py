@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
-import os
 from types import SimpleNamespace
 from typing import Any, Optional, Tuple
 
@@ -24,6 +22,7 @@ from memguard_core.errors import ConfigError
 from memguard_core.guard import Guard
 from memguard_core.options import GuardOptions
 from memguard_core.preflight import Preflight
+from memguard_core.sharding_settings import deepspeed_config
 
 from .preflight import read_specs
 
@@ -31,21 +30,6 @@ logger = logging.getLogger("memguard.hf")
 
 #: ``MemGuardCallback`` options :func:`plan_training_arguments` takes (those that shape a plan).
 PLAN_OPTIONS = ("budget_bytes", "budget_gib", "safety_ratio", "thresholds", "apply", "device", "trim_heap")
-
-
-def _deepspeed_dict(ds: Any) -> Optional[dict]:
-    """A copy of ``TrainingArguments.deepspeed`` as a dict (read from its JSON file when a path)."""
-    if not ds:
-        return None
-    if isinstance(ds, (str, os.PathLike)):
-        try:
-            with open(ds, encoding="utf-8") as f:
-                return json.load(f)
-        except (OSError, ValueError) as e:
-            raise ConfigError("deepspeed", "a readable DeepSpeed JSON config file", f"{ds} ({e})") from None
-    if isinstance(ds, dict):
-        return copy.deepcopy(ds)
-    raise ConfigError("deepspeed", "a DeepSpeed config dict or JSON file path", ds)
 
 
 def plan_training_arguments(model: Any, args: Any, *, train_dataset: Any = None, seq_length: Optional[int] = None,
@@ -104,8 +88,8 @@ def plan_training_arguments(model: Any, args: Any, *, train_dataset: Any = None,
                         if name in fields})
     if not changes:
         return args, pf
-    ds = _deepspeed_dict(getattr(args, "deepspeed", None))
-    if ds is not None:
+    if getattr(args, "deepspeed", None):
+        ds = copy.deepcopy(dict(deepspeed_config(args.deepspeed)))
         for key, value in (("train_micro_batch_size_per_gpu", new.batch_size),
                            ("gradient_accumulation_steps", new.grad_accum),
                            ("train_batch_size", new.batch_size * new.grad_accum * new.world_size)):

@@ -91,6 +91,20 @@ def proc_status_bytes(field: str) -> int:
     return 0
 
 
+def preflight_layout(pf, *fields: str):
+    """What a guard's preflight (``Preflight`` or None) read of the data-parallel layout --
+    ``world_size``, ``sharding`` and the ``TrainSpec`` ``fields`` named -- and whether it changed
+    anything (``applied`` reasons, ``split``); None without a preflight. The multi-process workers
+    save it for their tests."""
+    if pf is None:
+        return None
+    ts = pf.train_spec
+    out = {"world_size": ts.world_size, "sharding": ts.sharding}
+    out.update({name: getattr(ts, name) for name in fields})
+    out.update(applied=[c.reason for c in pf.applied], split=pf.split_factor)
+    return out
+
+
 def vm_hwm_bytes() -> int:
     """This process's peak resident set (``VmHWM`` of /proc/self/status, proc(5)); 0 if absent."""
     return proc_status_bytes("VmHWM")

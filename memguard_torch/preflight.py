@@ -61,7 +61,7 @@ def layout_of(model: Any, accelerator: Any = None, world: Optional[int] = None) 
         ddp = _compat.find_ddp(model)
         out = _compat.ddp_layout(ddp) if ddp is not None else {}
     if not out:
-        out = accelerate_settings(accelerator, world) if accelerator is not None else {}
+        out = accelerate_settings(accelerator, world)
     return out or {"sharding": "none"}
 
 

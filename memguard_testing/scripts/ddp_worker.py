@@ -17,17 +17,7 @@ import torch
 
 from memguard_hf import MemGuardCallback
 from memguard_testing.hf_tiny import SwitchSplit, lr_sequence, make_trainer, params
-
-
-def _layout(guard):
-    """What the preflight read of the data-parallel layout, and whether it changed anything."""
-    pf = guard.preflight
-    if pf is None:
-        return None
-    ts = pf.train_spec
-    return {"world_size": ts.world_size, "sharding": ts.sharding, "bucket_cap_mb": ts.bucket_cap_mb,
-            "gradient_as_bucket_view": ts.gradient_as_bucket_view, "applied": [c.reason for c in pf.applied],
-            "split": pf.split_factor}
+from memguard_testing.train_scripts import preflight_layout
 
 
 def main() -> None:
@@ -52,7 +42,7 @@ def main() -> None:
     torch.save({"global_step": trainer.state.global_step, "lr": lr_sequence(trainer),
                 "params": params(trainer), "forward_rows": guard.micro_batch_rows,
                 "samples_per_step": guard.samples_per_step, "oom_retries": guard.oom_retries,
-                "layout": _layout(guard)},
+                "layout": preflight_layout(guard.preflight, "bucket_cap_mb", "gradient_as_bucket_view")},
                os.path.join(out, f"rank{rank}.pt"))
 
 

@@ -30,7 +30,7 @@ import os
 import resource
 import sys
 
-from memguard_testing.train_scripts import proc_status_bytes
+from memguard_testing.train_scripts import preflight_layout, proc_status_bytes
 
 
 def fsdp_on_cpu() -> None:
@@ -52,16 +52,6 @@ def fsdp_on_cpu() -> None:
     st.AcceleratorState.__init__ = init
 
 
-
-
-def _layout(guard):
-    """The layout the preflight read (``None`` without one) and what it applied."""
-    pf = guard.preflight if guard is not None else None
-    if pf is None:
-        return None
-    ts = pf.train_spec
-    return {"world_size": ts.world_size, "sharding": ts.sharding, "fsdp_version": ts.fsdp_version,
-            "offload": ts.offload, "applied": [c.reason for c in pf.applied], "split": pf.split_factor}
 
 
 def main() -> None:
@@ -144,7 +134,7 @@ def main() -> None:
                    "samples_per_step": guard.samples_per_step if guard else [],
                    "oom_retries": guard.oom_retries if guard else 0,
                    "oom_errors": guard.oom_errors if guard else [],
-                   "layout": _layout(guard)}, f)
+                   "layout": preflight_layout(guard.preflight if guard else None, "fsdp_version", "offload")}, f)
     torch.distributed.barrier()
     # leave without tearing the gloo group down: its teardown can abort the process after every
     # result is written

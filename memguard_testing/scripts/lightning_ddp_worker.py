@@ -40,7 +40,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from memguard_lightning import MemGuardCallback
-from memguard_testing.train_scripts import alloc_fails_at
+from memguard_testing.train_scripts import alloc_fails_at, preflight_layout
 from memguard_testing.lightning_tiny import Recorder, SwitchSplit, TinyLM, make_loader, make_trainer, params
 
 
@@ -50,16 +50,7 @@ def _guard_stats(guard) -> dict:
             "split": guard.monitor.split if guard.monitor is not None else None,
             "ddp_averages": guard.step.ddp_averages,
             "messages": [str(e.get("message", "")) for e in guard.events],
-            "layout": _layout(guard.preflight)}
-
-
-def _layout(pf):
-    """What the preflight read of the data-parallel layout, and whether it changed anything."""
-    if pf is None:
-        return None
-    ts = pf.train_spec
-    return {"world_size": ts.world_size, "sharding": ts.sharding, "bucket_cap_mb": ts.bucket_cap_mb,
-            "applied": [c.reason for c in pf.applied], "split": pf.split_factor}
+            "layout": preflight_layout(guard.preflight, "bucket_cap_mb")}
 
 
 

@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from memguard_lightning import MemGuardCallback
 from memguard_testing.lightning_tiny import Recorder, SwitchSplit, TinyLM, make_loader, make_trainer
+from memguard_testing.train_scripts import preflight_layout
 
 
 class ShardedLM(TinyLM):
@@ -59,11 +60,8 @@ def main() -> None:
     params = full_params(module)
     r = {"params": params, "batches": rec.batches, "lr": rec.lrs, "global_step": trainer.global_step}
     if guard is not None:
-        pf = guard.preflight
-        ts = pf.train_spec
         r.update(split_disabled=guard.split_disabled_reason, samples_per_step=list(guard.samples_per_step),
-                 layout={"world_size": ts.world_size, "sharding": ts.sharding, "fsdp_version": ts.fsdp_version,
-                         "applied": [c.reason for c in pf.applied], "split": pf.split_factor})
+                 layout=preflight_layout(guard.preflight, "fsdp_version"))
     os.makedirs(out, exist_ok=True)
     torch.save(r, os.path.join(out, f"{mode}_rank{trainer.global_rank}.pt"))
 

@@ -3,11 +3,13 @@ real gloo CPU ranks (memguard_testing/scripts/lightning_fsdp2_worker.py): the gu
 in place -- every chunk's backward reduce-scatters (Lightning's ``block_backward_sync`` has no
 ``no_sync`` for FSDP2, so no unsharded gradients are accumulated) -- both ranks cut alike when only
 rank 0 asks, and the run ends with the parameters of Lightning's own unsplit FSDP2 run. The
-preflight reads the layout from the sharded modules (per-rank FSDP2 full shard)."""
+preflight reads the layout from the sharded modules (per-rank FSDP2 full shard). A REAL allocator
+failure on rank 1 only (``RLIMIT_AS`` in that rank's process) is survived by both ranks with no
+hang, while the unguarded twin under the same limit dies. Nothing is faked here."""
 
 from __future__ import annotations
 
-import os
+import socket
 import subprocess
 import sys
 
@@ -19,18 +21,39 @@ pytest.importorskip("lightning")
 import memguard_testing  # noqa: E402
 
 
-def _run(tmp_path, mode: str, port: int) -> list:
-    env = memguard_testing.script_env(OMP_NUM_THREADS="1")
+ATOL = 2e-5
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, mode: str, port: int, timeout: int = 420):
+    """The worker on 2 gloo ranks; (torchrun's return code, output). A hang ends in the workers'
+    faulthandler watchdog (stacks dumped, exit) before the test's own timeout."""
+    env = memguard_testing.script_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_ARENA_MAX="1",
+                                      MEMGUARD_TEST_DUMP_AFTER_S=str(timeout - 60))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
                            str(port), memguard_testing.script("lightning_fsdp2_worker.py"), mode, str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=420)   # a hang ends in the timeout
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(tmp_path / f"{mode}_rank{r}.pt") for r in (0, 1)]
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _run(tmp_path, mode: str, port: int) -> list:
+    rc, log = _launch(tmp_path, mode, port)
+    assert rc == 0, log[-6000:]
+    kind = mode.partition(":")[0]
+    return [torch.load(tmp_path / f"{kind}_rank{r}.pt") for r in (0, 1)]
+
+
+def _diff(a, b) -> float:
+    return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
 def test_fsdp2_split_in_place_equals_the_unsplit_run(tmp_path):
-    port = 29200 + (os.getpid() % 500) * 2
-    plain, split = _run(tmp_path, "plain", port), _run(tmp_path, "split", port + 1)
+    plain, split = _run(tmp_path, "plain", _port()), _run(tmp_path, "split", _port())
     expected = [[4], [2, 2], [2, 2], [2, 2]] + [[1, 1, 1, 1]] * 4
     for r in (0, 1):
         p, s = plain[r], split[r]
@@ -46,3 +69,29 @@ def test_fsdp2_split_in_place_equals_the_unsplit_run(tmp_path):
                                "split": 1}
     # the gathered parameters are the same on both ranks
     assert max((split[0]["params"][n] - split[1]["params"][n]).abs().max().item() for n in split[0]["params"]) == 0
+
+
+def test_fsdp2_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path):
+    """Rank 1 alone gets an address-space limit (RLIMIT_AS) of its VmSize at train start plus 70 % of
+    what the unlimited unsplit run added to its VmPeak: its allocator really fails at the unsplit
+    size. The unguarded twin dies; the guarded run (the monitor's step sample off, so the OOM path
+    acts) finishes every step on both ranks within the timeout (a rank left in a collective would
+    hang), rank 1's errors are the allocator's own, rank 0 learnt of them at a sync point or at the
+    end of the micro-batch, both ranks redid the window at the same cut, and the parameters are the
+    unlimited run's."""
+    ref = _run(tmp_path / "ref", "oom-ref", _port())
+    headroom = int(0.7 * (ref[1]["vmpeak"] - ref[1]["base_vmsize"]))
+    rc, log = _launch(tmp_path / "none", f"oom-none:{headroom}", _port())
+    assert rc != 0 and "can't allocate memory" in log, log[-6000:]
+    oom = _run(tmp_path / "oom", f"oom:{headroom}", _port())
+    errors = oom[1]["oom_errors"]
+    assert errors and all("can't allocate memory" in e for e in errors), errors
+    assert all(e.startswith("PeerOutOfMemoryError") for e in oom[0]["oom_errors"]), oom[0]["oom_errors"]
+    for r in (0, 1):
+        assert oom[r]["global_step"] == ref[r]["global_step"] == 3
+        assert oom[r]["lr"] == pytest.approx(ref[r]["lr"], rel=1e-12)
+        assert oom[r]["oom_retries"] >= 1
+        assert oom[r]["samples_per_step"] == [16] * 3
+        assert oom[r]["forward_rows"] == oom[0]["forward_rows"]
+        assert min(oom[r]["forward_rows"]) < 8          # the window was redone at a finer cut
+        assert _diff(ref[r]["params"], oom[r]["params"]) < ATOL

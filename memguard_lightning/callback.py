@@ -47,8 +47,8 @@ Not split (a warning says so and what to do instead; preflight and the monitor s
   ``accumulate_grad_batches`` x k (the exact numbers are logged).
 * **FSDP1** (``FSDPStrategy``): the chunks would run inside the root FSDP forward before its
   backward hooks exist; not validated here. Same alternative as DeepSpeed. FSDP2
-  (``ModelParallelStrategy``) splits in place: each chunk's backward reduce-scatters; an OOM there
-  is re-raised, not redone (docs/lightning.md, "Limits").
+  (``ModelParallelStrategy``) splits in place: each chunk's backward reduce-scatters, and an OOM
+  on one rank is redone by every rank (``memguard_lightning.split_step``, "Under FSDP2").
 
 Lightning-private names are in ``memguard_lightning._compat``.
 """

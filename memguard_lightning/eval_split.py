@@ -197,4 +197,8 @@ def eval_split_reason(trainer) -> Optional[str]:
         return "DeepSpeed runs the module inside its engine (not validated)"
     if "FSDP" in name:
         return "FSDP: chunks would run inside the root FSDP forward (not validated)"
+    if int(getattr(trainer, "world_size", 1) or 1) > 1 and "ModelParallel" in name:
+        # FSDP2 / tensor parallel: every forward runs collectives, so a rank retrying a batch at a
+        # finer cut alone would leave the others waiting
+        return "ModelParallelStrategy with several ranks: every evaluation forward runs collectives"
     return None

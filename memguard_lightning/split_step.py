@@ -90,6 +90,25 @@ rule, docs/lifecycle.md "Ranks agree"; docs/lightning.md "Under DDP"):
   averaged once (``memguard_core.torch_train.average_ddp_gradients``) before ``on_after_backward``
   and clipping, and DDP's buffer broadcast is armed for the next forward.
 
+Under FSDP2: every micro-batch between the OOM sync points
+---------------------------------------------------------
+With several ranks and ``fully_shard`` modules (``ModelParallelStrategy``) every forward and
+backward runs FSDP collectives, so a rank that retries alone would leave the others waiting. Every
+batch, k = 1 included, goes through ``_fsdp_step``: the micro-batches agreed by every rank
+(``memguard_torch.ranks.agreed_ranges``), each between the sync points of
+``memguard_torch.sync`` (``OomSync``; ``FsdpSyncHooks`` inside FSDP's all-gathers and
+reduce-scatters, as the HF adapter does: docs/hf_fsdp.md), every backward reduce-scattering (the
+strategy has no ``no_sync`` for FSDP2). The non-final micro-batches end in ``training_step``
+(``OomSync.end``); the final one's forward is returned and its micro-batch ends in the wrapped
+``backward`` once Lightning's backward of it is done (``_fsdp_backward``). Between the two
+Lightning runs only its zero_grad and hooks, no FSDP collective. When any rank failed, every rank
+resets FSDP's iteration state (``fsdp_after_abort``) and redoes the window through this batch at
+2k, wherever it learnt of it: in ``training_step`` (the batch's ``self.log`` values recorded from
+the redo; the redone loss is returned detached and Lightning's backward of it skipped, its
+zero_grad of the window start too) or in ``backward``. The redo's micro-batches run between the
+sync points as well, so a failure during a redo is redone again by every rank, and a
+``WindowOOMError`` is raised by every rank alike.
+
 The optimizer step: AdamW's states are allocated before the first forward
 (``memguard_core.optim_state.preallocate_optimizer_state``, see ``prepare_optimizers``), so the
 first step does not allocate them; an OOM inside the update itself is never redone (it may have
@@ -124,6 +143,9 @@ from memguard_core.guard import Guard
 from memguard_core.microbatch import without_frames as _without_frames
 from memguard_core.optim_state import prepare_optimizer
 from memguard_core.options import GuardOptions
+from memguard_torch import _compat as torch_compat
+from memguard_torch.ranks import agreed_ranges, fsdp_after_abort
+from memguard_torch.sync import FsdpSyncHooks, OomSync, PeerOutOfMemoryError
 
 from . import _compat
 from .batch import LabelKey, LightningBatchSplitter, batch_units
@@ -232,10 +254,13 @@ def _with_loss(out: Any, loss: torch.Tensor) -> Any:
 def is_oom(exc: BaseException) -> bool:
     """True for an out-of-memory error of torch that a re-split may get past: Lightning's
     ``is_oom_error`` (CUDA OOM, cuDNN's not-supported snafu, the CPU allocator's "can't allocate
-    memory") or ``torch.OutOfMemoryError``; never memguard's own errors (a ``WindowOOMError``
-    quotes the allocator's message but means that splitting has already failed)."""
+    memory"), ``torch.OutOfMemoryError``, or another FSDP2 rank's (``PeerOutOfMemoryError``,
+    raised at a sync point); never memguard's own errors (a ``WindowOOMError`` quotes the
+    allocator's message but means that splitting has already failed)."""
     if isinstance(exc, MemGuardError):
         return False
+    if isinstance(exc, PeerOutOfMemoryError):
+        return True
     oom_type = getattr(torch, "OutOfMemoryError", None)
     return (oom_type is not None and isinstance(exc, oom_type)) or is_oom_error(exc)
 
@@ -297,12 +322,23 @@ class SplitStep:
         self._ddp_found: Any = None     # the fit's DDP module (False: none, or not averaged by memguard)
         self._sync_was: Optional[bool] = None  # DDP's require_backward_grad_sync before memguard turned it off
         self._pending: Optional[BaseException] = None  # a chunk's backward OOM awaiting the ranks' agreement
+        self._fsdp_sync: Optional[OomSync] = None  # FSDP2 with several ranks: the run's OOM sync points
+        self._fsdp_hooks: Optional[FsdpSyncHooks] = None
+        self._fsdp_checked = False
+        self._fsdp_final = False        # the batch's last micro-batch ends in Lightning's backward
+        self._skip_backward = False     # the batch was redone in training_step: Lightning's backward is not run
+        self._redone_loss = None        # the current batch's loss from a redo (_redo_window(log_current=True))
+        self.oom_errors: List[str] = []  # out-of-memory errors met under FSDP2 (this rank's, or a peer's)
 
     # ------------------------------------------------------------------ bookkeeping
     def end_batch(self) -> None:
         """After a batch: check that Lightning's zero_grad came where its rule said it would."""
         self._restore_sync()
         self._pending = None
+        self._fsdp_final = self._skip_backward = False
+        self._redone_loss = None
+        if self._fsdp_sync is not None:
+            self._fsdp_sync.inside = False   # a final micro-batch whose backward Lightning skipped
         if self._zero_armed_for is not None:
             self._zero_armed_for = None
             self.disable_split("Lightning did not zero the gradients after training_step on a batch where "
@@ -395,6 +431,10 @@ class SplitStep:
         self._window_ok = False
         self._ddp = self._pending = None
         self._ddp_found = None
+        if self._fsdp_hooks is not None:
+            self._fsdp_hooks.remove()     # FSDP gets its comms back
+        self._fsdp_sync = self._fsdp_hooks = None
+        self._fsdp_checked = self._fsdp_final = self._skip_backward = False
 
     def can_redo(self) -> Optional[str]:
         """Why the accumulation window cannot be redone now (None: it can)."""
@@ -403,7 +443,7 @@ class SplitStep:
             return "not in a guarded training step"
         if self.guard.split_disabled_reason is not None:
             return "in-place micro-batching is off"
-        if int(getattr(trainer, "world_size", 1) or 1) > 1 and self._ddp is None:
+        if int(getattr(trainer, "world_size", 1) or 1) > 1 and self._ddp is None and self._fsdp_sync is None:
             return ("several processes without memguard's DDP gradient average: the other ranks are inside the "
                     "gradient all-reduce of this backward or would run a different number of backwards")
         if not self._window_ok:
@@ -411,15 +451,18 @@ class SplitStep:
         return None
 
     def _redo_window(self, failure: Optional[BaseException], k: int, *, through_current: bool,
-                     phase: Optional[str] = None) -> int:
+                     phase: Optional[str] = None, log_current: bool = False) -> int:
         """After an out-of-memory error that left the window's gradients partly summed (``failure``;
         None: another rank's): zero them, free memory, raise k (``Guard.after_window_oom``, the new k
         agreed over the ranks) and run the window's kept batches again, all their micro-batches'
         forwards and backwards by memguard: the earlier batches, and the current one too when
-        ``through_current`` (a failure in Lightning's own backward of it, or any failure under DDP).
-        After each attempt the ranks agree whether every one went through (``Guard.agree_redo``;
-        this rank's own answer in one process); if not, all redo again at a larger k.
-        ``WindowOOMError`` at the floor or cap. Returns the k used."""
+        ``through_current`` (a failure in Lightning's own backward of it, or any failure under DDP
+        or FSDP2). After each attempt the ranks agree whether every one went through
+        (``Guard.agree_redo``; this rank's own answer in one process); if not, all redo again at a
+        larger k. ``log_current``: the current batch's ``self.log`` values (not logged yet: its first
+        attempt failed in ``training_step``) are recorded in the attempt that goes through and
+        logged once; its weighted loss is kept in ``_redone_loss``. ``WindowOOMError`` at the floor
+        or cap. Returns the k used."""
         last = len(self._window) if through_current else len(self._window) - 1
         rows = max([batch_units(b) for b, _, _ in self._window] + [1])
         phase = phase or self._phase
@@ -427,42 +470,76 @@ class SplitStep:
             self.pl_module.zero_grad(set_to_none=True)
             k = self.guard.after_window_oom(failure, k, rows, self.trainer.global_step,
                                             redos=self.window_redos, phase=phase)
-            failure = None
+            failure = recorder = None
             self.window_redos += 1
             self.rows_this_step = 0
+            self._redone_loss = None
             try:
-                for batch, args, kwargs in self._window[:last]:
-                    self._run_whole(batch, args, kwargs, k)
+                for i, (batch, args, kwargs) in enumerate(self._window[:last]):
+                    current = log_current and i == last - 1
+                    recorder = _LogRecorder(self.pl_module.log) if current else None
+                    loss = self._run_whole(batch, args, kwargs, k, recorder)
+                    if current:
+                        self._redone_loss = loss
             except Exception as exc:
                 if not is_oom(exc):
                     raise
                 failure = _without_frames(exc)
                 phase = self._phase
             if not self.guard.agree_redo(failure is not None):
+                if recorder is not None:
+                    recorder.flush()
                 return k
 
-    def _run_whole(self, batch, args, kwargs, k: int) -> None:
-        """Forward and backward of every micro-batch of a kept window batch (its logs discarded:
-        they were logged when it first ran)."""
+    def _run_whole(self, batch, args, kwargs, k: int, recorder: Optional[_LogRecorder] = None):
+        """Forward and backward of every micro-batch of a kept window batch; its logs discarded
+        (they were logged when it first ran), or kept in ``recorder``. Under FSDP2 with several
+        ranks every micro-batch runs between the OOM sync points (:meth:`_chunk_begin` /
+        :meth:`_chunk_end`), the chunks agreed by every rank. Returns the batch's loss (the chunks'
+        weighted sum, detached; None when the step returns no loss)."""
         accum, optimizer, orig = self._accum(), self._optimizer(), self.orig_training_step
+        sync = self._fsdp_sync
         try:
             sp = self.splitter(batch) if k > 1 else None
         except ValueError:
             sp = None
-        pieces = [(batch, 1.0, batch_units(batch))] if sp is None else \
-            (sp.chunk(u0, u1) for u0, u1 in sp.ranges(k))
-        self.pl_module.log = _Discard()
+        if sp is None:
+            pieces = [(batch, 1.0, batch_units(batch))]
+        elif sync is not None:
+            pieces = (sp.chunk(u0, u1) for u0, u1 in agreed_ranges(sp, k, 0, sync.group))
+        else:
+            pieces = (sp.chunk(u0, u1) for u0, u1 in sp.ranges(k))
+        self.pl_module.log = recorder if recorder is not None else _Discard()
+        total = None
         try:
             for chunk, w, units in pieces:
                 self._phase = "forward"
                 self.guard.micro_batch_rows.append(units)
-                loss = _loss_of(orig(chunk, *args, **kwargs))
-                if loss is not None:
-                    self._backward(loss * (w / accum), optimizer)
-                loss = None
+                exc = None
+                self._chunk_begin()
+                try:
+                    loss = _loss_of(orig(chunk, *args, **kwargs))
+                    if loss is not None:
+                        self._backward(loss * (w / accum), optimizer)
+                        part = loss.detach() * w
+                        total = part if total is None else total + part
+                except Exception as e:
+                    if sync is None or not is_oom(e):
+                        self._chunk_abandoned()
+                        raise
+                    exc = _without_frames(e)
+                loss = chunk = None
+                failure = self._chunk_end(exc)
+                if failure is not None:
+                    if recorder is not None:
+                        recorder.end_chunk(0.0, commit=False)   # its values may hold the failed graph
+                    raise failure
+                if recorder is not None:
+                    recorder.end_chunk(w, commit=True)
                 self.rows_this_step += units
         finally:
             self.pl_module.__dict__.pop("log", None)
+        return total
 
     def _backward(self, loss, optimizer) -> None:
         """A backward memguard runs itself: through ``strategy.backward`` (the precision plugin's
@@ -558,6 +635,159 @@ class SplitStep:
             self.ddp_averages += 1
         return None
 
+    # ------------------------------------------------------------------ FSDP2
+    def _fsdp_for_fit(self) -> Optional[OomSync]:
+        """The fit's ``OomSync`` when the module holds ``fully_shard`` modules and the fit runs on
+        several ranks (``ModelParallelStrategy``), else None. At the first call (the first guarded
+        training batch, on every rank alike: the flag group is made collectively) the sync points go
+        into FSDP's comms (``memguard_torch.sync.FsdpSyncHooks``); ``release`` takes them out."""
+        if not self._fsdp_checked:
+            self._fsdp_checked = True
+            if int(getattr(self.trainer, "world_size", 1) or 1) > 1 and torch_compat.fsdp_modules(self.pl_module):
+                self._fsdp_sync = OomSync(flag_group())
+                self._fsdp_hooks = FsdpSyncHooks(self.pl_module, self._fsdp_sync)
+        return self._fsdp_sync
+
+    def _chunk_begin(self) -> None:
+        """A micro-batch begins between the FSDP2 sync points (a no-op without them)."""
+        sync = self._fsdp_sync
+        if sync is None:
+            return
+        sync.grads_added = False
+        self._fsdp_hooks.new_chunk()
+        sync.inside = sync.group is not None
+
+    def _chunk_abandoned(self) -> None:
+        """An error other than out-of-memory left a micro-batch: it propagates (the run ends), and
+        the sync points stop answering."""
+        if self._fsdp_sync is not None:
+            self._fsdp_sync.inside = False
+
+    def _chunk_end(self, exc: Optional[BaseException]) -> Optional[BaseException]:
+        """The end of a micro-batch under FSDP2 with several ranks: ``exc`` this rank's
+        out-of-memory error (None: it went through); every rank learns whether any failed
+        (``OomSync.end``). Returns None when none did, else the failure to redo the window for
+        (this rank's error, or a ``PeerOutOfMemoryError``), FSDP's state reset and memory freed
+        (``fsdp_after_abort``). Without the sync points: ``exc``."""
+        sync = self._fsdp_sync
+        if sync is None:
+            return exc
+        sync.inside = False
+        if exc is not None:
+            self.oom_errors.append(f"{type(exc).__name__}: {str(exc)[:300]}")
+        top, _low = sync.end(0 if exc is None else (2 if sync.grads_added else 1))
+        if top == 0:
+            return None
+        fsdp_after_abort(self.pl_module)
+        return exc if exc is not None else PeerOutOfMemoryError("at the end of a micro-batch")
+
+    def _fsdp_step(self, batch, args, kwargs, k: int, batch_idx: int):
+        """The batch under FSDP2 with several ranks (module doc, "Under FSDP2"): its micro-batches
+        agreed by every rank (``agreed_ranges``), each forward and backward between the OOM sync
+        points, every backward reduce-scattering; the last micro-batch's backward is Lightning's,
+        ended in :meth:`_fsdp_backward`. An out-of-memory error on any rank, learnt by every rank at
+        the end of the micro-batch, makes every rank redo the window, this batch included (here,
+        or in :meth:`_fsdp_backward` on a rank that had already returned); the batch's loss is then
+        the redone one, detached, and Lightning's backward of it is skipped (its gradients are in)."""
+        trainer, pl_module, orig, sync = self.trainer, self.pl_module, self.orig_training_step, self._fsdp_sync
+        try:
+            sp = self.splitter(batch) if k > 1 else None
+        except ValueError:
+            sp = None
+        ranges = [(0, batch_units(batch))] if sp is None else agreed_ranges(sp, k, 0, sync.group)
+        accum, optimizer = self._accum(), self._optimizer()
+        if len(ranges) > 1 and self.zero_grad_coming(batch_idx):
+            # Lightning would zero after this training_step, wiping the chunks' gradients: zero now
+            self.orig_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+            self._zero_armed_for = batch_idx
+        recorder = _LogRecorder(pl_module.log)
+        earlier = failure = None
+        try:
+            for i, (u0, u1) in enumerate(ranges):
+                chunk, w, units = (batch, 1.0, batch_units(batch)) if sp is None else sp.chunk(u0, u1)
+                final = i == len(ranges) - 1
+                self._phase = "forward"
+                self.guard.micro_batch_rows.append(units)
+                pl_module.log = recorder
+                exc = out = loss = None
+                self._chunk_begin()
+                try:
+                    out = orig(chunk, *args, **kwargs)
+                    loss = _loss_of(out)
+                    if loss is not None and not final:
+                        self._chunk_grads_for = batch_idx
+                        self._backward(loss * (w / accum), optimizer)
+                        part = loss.detach() * w
+                        earlier = part if earlier is None else earlier + part
+                except Exception as e:
+                    if not is_oom(e):
+                        self._chunk_abandoned()
+                        raise
+                    exc = _without_frames(e)
+                pl_module.__dict__.pop("log", None)
+                chunk = None
+                if final and exc is None and loss is not None:
+                    # this micro-batch ends in Lightning's backward of the returned loss
+                    recorder.end_chunk(w, commit=True)
+                    recorder.flush()
+                    self.rows_this_step += units
+                    self._fsdp_final = True
+                    return _with_loss(out, loss * w if earlier is None else loss * w + earlier)
+                loss = None
+                failure = self._chunk_end(exc)
+                if failure is not None:
+                    out = None
+                    break
+                recorder.end_chunk(w, commit=True)
+                self.rows_this_step += units
+                if final:
+                    recorder.flush()
+                    return out   # the step returned no loss: Lightning runs no backward
+                out = None
+        finally:
+            pl_module.__dict__.pop("log", None)
+        recorder = earlier = None   # logged values may hold the failed micro-batch's graph
+        why = self.can_redo()
+        if why is not None:
+            logger.error("memguard: out of memory under FSDP2; the accumulation window cannot be redone (%s)", why)
+            raise failure
+        self._redo_window(failure, k, through_current=True, log_current=True,
+                          phase="backward" if sync.grads_added else "forward")
+        if self.zero_grad_coming(batch_idx):
+            self._zero_armed_for = batch_idx   # Lightning's zero_grad would wipe the redone gradients
+        self._skip_backward = True
+        loss, self._redone_loss = self._redone_loss, None
+        return loss
+
+    def _fsdp_backward(self, loss, *args, **kwargs):
+        """Lightning's backward of the batch's last micro-batch under FSDP2 with several ranks, still
+        between the sync points its forward began: at its end every rank learns whether any failed;
+        on a failure every rank redoes the window, this batch included (its values were logged
+        when its forward went through), and Lightning goes on with complete gradients."""
+        self._fsdp_final = False
+        self._phase = "backward"
+        exc = None
+        try:
+            self.orig_backward(loss, *args, **kwargs)
+        except Exception as e:
+            if not is_oom(e):
+                self._chunk_abandoned()
+                raise
+            exc = _without_frames(e)
+        if exc is not None:
+            _release_graph(loss)
+        loss = None
+        failure = self._chunk_end(exc)
+        if failure is None:
+            return None
+        why = self.can_redo()
+        if why is not None:
+            logger.error("memguard: out of memory under FSDP2; the accumulation window cannot be redone (%s)", why)
+            raise failure
+        mon = self.guard.monitor
+        self._redo_window(failure, mon.split if mon is not None else 1, through_current=True, phase="backward")
+        return None
+
     # ------------------------------------------------------------------ wrapped module methods
     def zero_grad(self, epoch, batch_idx, optimizer, *args, **kwargs):
         if self._zero_armed_for is not None and self._zero_armed_for == batch_idx:
@@ -572,9 +802,14 @@ class SplitStep:
         """``LightningModule.backward``: Lightning's own backward of the batch's (final micro-batch's)
         loss. An out-of-memory error there redoes the window's batches, this one included, at a
         larger k, all by memguard; Lightning then goes on with the gradients complete (under DDP
-        with every rank: ``_ddp_backward``)."""
+        with every rank: ``_ddp_backward``; under FSDP2: ``_fsdp_backward``)."""
         if self._own_backward:
             return self.orig_backward(loss, *args, **kwargs)
+        if self._skip_backward:
+            self._skip_backward = False   # redone in training_step, gradients complete
+            return None
+        if self._fsdp_final:
+            return self._fsdp_backward(loss, *args, **kwargs)
         if self._ddp is not None:
             return self._ddp_backward(loss, *args, **kwargs)
         if self.can_redo() is not None:
@@ -607,6 +842,8 @@ class SplitStep:
         k = self.guard.micro_batches_for_step(trainer.global_step)
         batch_idx = self._batch_idx(args, kwargs)
         self._remember(batch, args, kwargs, batch_idx)
+        if self._fsdp_for_fit() is not None:
+            return self._fsdp_step(batch, args, kwargs, k, batch_idx)
         ddp = self._ddp_for_window()
         if ddp is not None:
             self._ddp = self._sync_off(ddp)

@@ -2,18 +2,26 @@
 ``configure_model`` applies ``fully_shard`` to every decoder block and the model over the
 ``data_parallel`` mesh dimension), for integration_tests/test_lightning_fsdp2.py.
 
-usage: python -m torch.distributed.run --nproc_per_node=2 lightning_fsdp2_worker.py plain|split OUT_DIR
+usage: python -m torch.distributed.run --nproc_per_node=2 lightning_fsdp2_worker.py MODE OUT_DIR
 
 * ``plain``: unguarded, Lightning's own FSDP2 run (batch 4 per rank, accumulation 2, 4 steps,
   gradient clipping at norm 1).
 * ``split``: guarded (its preflight on with a 64 GiB budget: it changes nothing, and ``layout``
   records what it read); rank 0 alone asks for k=2 at batch 1 (mid window) and k=4 at batch 4.
+* ``oom-ref``: unguarded, no limit, a wider model and rows up to 256 tokens (eager attention:
+  activations dominate a rank's growth), batch 8 per rank, 3 steps; records VmSize at train start
+  and VmPeak at the end (the test places its limit from them).
+* ``oom:HEADROOM`` / ``oom-none:HEADROOM``: as ``oom-ref``, but rank 1 alone sets ``RLIMIT_AS`` to
+  its VmSize at train start plus HEADROOM bytes, so torch's CPU allocator really fails there;
+  guarded (the monitor's step sample off, so the OOM path is what acts) or unguarded.
 
-Saves ``OUT_DIR/{mode}_rank{r}.pt``: the full (all-gathered) parameters, the forward sizes per
-batch, the LR per step, the global step and, guarded, the guard's figures.
+Saves ``OUT_DIR/{mode}_rank{r}.pt`` (mode without its headroom): the full (all-gathered)
+parameters, the forward sizes per batch, the LR per step, the global step and, guarded, the
+guard's figures. ``MEMGUARD_TEST_DUMP_AFTER_S``: a hang dumps every thread's stack and exits.
 """
 
 import os
+import resource
 import sys
 
 import lightning.pytorch as pl
@@ -21,8 +29,9 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from memguard_lightning import MemGuardCallback
+from memguard_testing.hf_tiny import VOCAB, RowsDataset, llama, pad_collate
 from memguard_testing.lightning_tiny import Recorder, SwitchSplit, TinyLM, make_loader, make_trainer
-from memguard_testing.train_scripts import preflight_layout
+from memguard_testing.train_scripts import preflight_layout, proc_status_bytes
 
 
 class ShardedLM(TinyLM):
@@ -44,26 +53,71 @@ def full_params(module) -> dict:
     return out
 
 
+class Limit(pl.Callback):
+    """VmSize at train start (after ``configure_model`` sharded the model); rank 1's RLIMIT_AS."""
+
+    def __init__(self, headroom: int):
+        self.headroom = headroom
+        self.base = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.base = proc_status_bytes("VmSize")
+        if self.headroom and trainer.global_rank == 1:
+            # the soft limit only: an unprivileged process can raise it back to the hard one
+            resource.setrlimit(resource.RLIMIT_AS, (self.base + self.headroom,
+                                                    resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
+    if os.environ.get("MEMGUARD_TEST_DUMP_AFTER_S"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["MEMGUARD_TEST_DUMP_AFTER_S"]), exit=True)
+    kind, _, headroom = mode.partition(":")
+    long_rows = kind.startswith("oom")
+    steps = 3 if long_rows else 4
     pl.seed_everything(0, verbose=False)
+    torch.set_num_threads(1)
     guard = None
     rec = Recorder()
     cbs = [rec]
-    if mode == "split":
+    if kind == "split":
         guard = MemGuardCallback(budget_bytes=64 * 2**30, monitor_interval_s=0)
         cbs = [guard, rec, SwitchSplit(guard, {1: 2, 4: 4}, ranks=[0])]
-    module = ShardedLM(total_steps=4)
-    trainer = make_trainer(callbacks=cbs, max_steps=4, accumulate=2, devices=2,
+    elif kind == "oom":
+        from memguard_core.monitor import Action, MemoryMonitor
+
+        # the step sample would read the limit and split before the failure
+        MemoryMonitor.step_sample = lambda self, step=None: Action.NONE
+        guard = MemGuardCallback(preflight=False, budget_bytes=16 * 2**30, monitor_interval_s=0,
+                                 leak_detector=False)
+        cbs = [guard, rec]
+    limit = Limit(int(headroom or 0))
+    cbs.append(limit)
+    module = ShardedLM(total_steps=steps)
+    loader = make_loader(batch_size=4)
+    if long_rows:
+        module.model = llama(VOCAB, hidden=64, layers=4, max_positions=256, seed=0)
+        module.model.config._attn_implementation = "eager"
+        g = torch.Generator().manual_seed(0)
+        loader = torch.utils.data.DataLoader(RowsDataset(96, max_len=256), batch_size=8, shuffle=True, generator=g,
+                                             collate_fn=pad_collate, num_workers=0)
+    trainer = make_trainer(callbacks=cbs, max_steps=steps, accumulate=2, devices=2,
                            strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
-    trainer.fit(module, make_loader(batch_size=4))
+    trainer.fit(module, loader)
+    peak = proc_status_bytes("VmPeak")
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
     params = full_params(module)
-    r = {"params": params, "batches": rec.batches, "lr": rec.lrs, "global_step": trainer.global_step}
+    r = {"params": params, "batches": rec.batches, "lr": rec.lrs, "global_step": trainer.global_step,
+         "base_vmsize": limit.base, "vmpeak": peak}
     if guard is not None:
         r.update(split_disabled=guard.split_disabled_reason, samples_per_step=list(guard.samples_per_step),
-                 layout=preflight_layout(guard.preflight, "fsdp_version"))
+                 layout=preflight_layout(guard.preflight, "fsdp_version"), oom_retries=guard.oom_retries,
+                 oom_errors=list(guard.step.oom_errors), forward_rows=[int(x) for x in guard.micro_batch_rows])
     os.makedirs(out, exist_ok=True)
-    torch.save(r, os.path.join(out, f"{mode}_rank{trainer.global_rank}.pt"))
+    torch.save(r, os.path.join(out, f"{kind}_rank{trainer.global_rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -76,6 +76,27 @@ def test_fsdp2_split_equals_hf_unsplit_run(tmp_path):
                                       "offload": "none", "applied": [], "split": 1}
 
 
+def test_fsdp1_split_reduce_scatters_every_chunk_and_equals_hf_unsplit_run(tmp_path):
+    """Under FSDP1 (``fsdp_version: 1``) the Trainer runs a window's earlier batches under FSDP1's
+    ``no_sync`` (unsharded gradients kept until the window's last backward); memguard's chunks
+    reduce-scatter every time instead: FSDP1 issues one reduce-scatter per unit per forward of the
+    guarded run, against one per unit per optimizer step unguarded. Rank 0 alone asks for k=2 then
+    k=4; both ranks cut alike and the parameters equal HF's own unsplit FSDP1 run."""
+    base_p, base = _run(tmp_path / "plain", "plain1")
+    split_p, split = _run(tmp_path / "split", "split1")
+    for r in (0, 1):
+        assert split[r]["global_step"] == base[r]["global_step"] == 4
+        assert split[r]["lr"] == pytest.approx(base[r]["lr"])
+        assert _diff(base_p[r], split_p[r]) < ATOL
+        assert split[r]["samples_per_step"] == [16] * 4
+        units = base[r]["reduce_scatters"] / 4                     # per backward that reduces
+        assert units == int(units) and units >= 5                  # 4 decoder layers + the root
+        assert split[r]["reduce_scatters"] == units * len(split[r]["forward_rows"])
+        assert split[r]["layout"]["fsdp_version"] == 1 and split[r]["layout"]["sharding"] == "fsdp-full"
+    rows = split[1]["forward_rows"]
+    assert rows == split[0]["forward_rows"] and min(rows) < max(rows)
+
+
 def test_fsdp2_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path):
     """Rank 1 alone gets an address-space limit (RLIMIT_AS) of its VmSize at train begin plus 70 % of
     what the unlimited unsplit run added to its VmPeak: its allocator really fails at the unsplit

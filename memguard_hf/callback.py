@@ -16,7 +16,8 @@ What it does:
   Under DDP every chunk runs under ``accelerator.no_sync`` and memguard averages the gradients once
   the ranks agreed the window went through. Under FSDP2 (accelerate's ``fsdp_version: 2``) every
   chunk reduce-scatters (``no_sync`` would keep unsharded gradients and cost the memory being
-  saved), between the OOM sync points of ``memguard_torch.sync`` (docs/hf_fsdp.md).
+  saved), between the OOM sync points of ``memguard_torch.sync`` (docs/hf_fsdp.md). Under FSDP1
+  every chunk reduce-scatters too (FSDP1's sync flag on for each chunk); an OOM there is re-raised.
 * **Runtime guard**: the guard's ``MemoryMonitor`` samples at each micro-batch (cheap counters) and
   in a background thread; it cleans caches and doubles k under pressure.
 * **OOM catch and retry**: an out-of-memory error raised in a chunk's *forward* (CUDA

@@ -114,7 +114,7 @@ class GuardedStep:
                         self._step_batch(model, earlier, num_items_in_batch, k, False, args, kwargs)
                 loss = self._step_batch(model, inputs, num_items_in_batch, k, True, args, kwargs)
             except Exception as exc:
-                if not (is_oom_error(exc) and in_window) or "FSDP" in self._distributed_type():
+                if not (is_oom_error(exc) and in_window) or self._under_fsdp(model):
                     raise
                 failure = _without_frames(exc)
             if not self.guard.agree_redo(failure is not None):
@@ -330,7 +330,7 @@ class GuardedStep:
 
     def _after_oom(self, exc: BaseException, k: int, units_left: int) -> int:
         """Free memory after a forward OOM and return the doubled split; re-raise if none helps."""
-        if "FSDP" in self._distributed_type():
+        if self._under_fsdp():
             # every FSDP forward all-gathers parameters: a retry on one rank alone would hang the others
             logger.error("memguard: out of memory under FSDP; an in-place retry on one rank would "
                          "desynchronise the all-gathers, so it is re-raised (%s)", exc)
@@ -340,13 +340,18 @@ class GuardedStep:
         return self.guard.after_oom(exc, k, units_left, self.trainer.state.global_step)
 
     def _run_chunk(self, model, inputs, num_items_in_batch, weight, last, args, kwargs):
-        """One micro-batch's forward and backward; ``last`` False runs it under ``no_sync``."""
+        """One micro-batch's forward and backward; ``last`` False runs it under ``no_sync`` (DDP).
+        Under FSDP1 every chunk reduce-scatters (``memguard_torch._compat.fsdp1_sync_on``)."""
         rows = self._rows_of(inputs)
         self.guard.micro_batch_rows.append(rows)
         self._loss_scale = weight
         self._oom_in_forward = False
         ctx = contextlib.nullcontext()
-        if not last or self._manual_ddp is not None:
+        if self._under_fsdp(model):
+            # FSDP1 (FSDP2 runs _fsdp_training_step): every chunk reduce-scatters, also inside the
+            # Trainer's no_sync of a window's earlier batches, which would keep unsharded gradients
+            ctx = torch_compat.fsdp1_sync_on(model)
+        elif not last or self._manual_ddp is not None:
             ctx = self._no_sync(model)
         try:
             with ctx:
@@ -356,9 +361,21 @@ class GuardedStep:
         finally:
             self._loss_scale = 1.0
 
+    _fsdp_seen = False
+    _fsdp_looked_at = None
+
+    def _under_fsdp(self, model=None) -> bool:
+        """The run is sharded by FSDP (1 or 2): accelerate's distributed type says so, or ``model``
+        holds FSDP1 ``FullyShardedDataParallel`` or FSDP2 modules (looked for once per model: the
+        walk over its modules would cost every micro-batch otherwise)."""
+        if model is not None and self._fsdp_looked_at != id(model):
+            self._fsdp_looked_at = id(model)
+            self._fsdp_seen = bool(torch_compat.fsdp1_modules(model) or torch_compat.fsdp_modules(model))
+        return self._fsdp_seen or "FSDP" in self._distributed_type()
+
     def _no_sync(self, model):
         accel = getattr(self.trainer, "accelerator", None)
-        if accel is None or "FSDP" in self._distributed_type():
+        if accel is None or self._under_fsdp(model):
             return contextlib.nullcontext()  # no_sync keeps unsharded grads under FSDP
         return accel.no_sync(model)
 

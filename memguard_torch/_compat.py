@@ -9,6 +9,7 @@ public in 2.13. What memguard still reads privately is listed in :data:`NAMES`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Iterator, List, Optional
 
@@ -28,7 +29,8 @@ NAMES = ("FSDPModule._get_fsdp_state()._fsdp_param_groups[].fsdp_params[].unshar
          "fully_shard was given: reshard_after_forward, offload_policy, the shard mesh dimension)",
          "DistributedDataParallel.bucket_bytes_cap / gradient_as_bucket_view (set in __init__, undocumented)",
          "DistributedDataParallel.require_forward_param_sync (undocumented)",
-         "torch.autograd.Variable._execution_engine.queue_callback")
+         "torch.autograd.Variable._execution_engine.queue_callback",
+         "FullyShardedDataParallel._sync_gradients (FSDP1: the flag its no_sync context clears)")
 
 
 def check_version() -> bool:
@@ -54,6 +56,39 @@ def fsdp_modules(model: Any) -> List[Any]:
     if cls is None or model is None:
         return []
     return [m for m in model.modules() if isinstance(m, cls)]
+
+
+def fsdp1_modules(model: Any) -> List[Any]:
+    """The FSDP1 ``FullyShardedDataParallel`` modules of ``model`` (itself included; public
+    ``FullyShardedDataParallel.fsdp_modules``); [] without them."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return list(FullyShardedDataParallel.fsdp_modules(model)) if model is not None else []
+    except Exception:
+        return []
+
+
+@contextlib.contextmanager
+def fsdp1_sync_on(model: Any) -> Iterator[int]:
+    """Inside: every FSDP1 (``FullyShardedDataParallel``) module of ``model`` reduce-scatters its
+    gradients in the backward, also inside FSDP1's ``no_sync`` (which clears ``_sync_gradients`` on
+    every FSDP module and would keep unsharded gradients until the window's last backward; torch
+    ``distributed/fsdp/fully_sharded_data_parallel.py``, checked on :data:`CHECKED`). The flags are
+    put back on exit (``no_sync``'s own exit asserts they are still cleared). Yields the number of
+    FSDP1 modules set; 0 without FSDP1 or where the flag is gone (nothing changed)."""
+    saved = []
+    for m in fsdp1_modules(model):
+        if not hasattr(m, "_sync_gradients"):
+            logger.debug("memguard: FSDP1 module without _sync_gradients; its sync left as it is")
+            continue
+        saved.append((m, m._sync_gradients))
+        m._sync_gradients = True
+    try:
+        yield len(saved)
+    finally:
+        for m, was in saved:
+            m._sync_gradients = was
 
 
 def fsdp_root(model: Any) -> Optional[Any]:

@@ -11,6 +11,10 @@ default ``adamw_torch_fused`` also runs --, a plain PyTorch loop, ``STEPS`` step
 * ``fsdp-grad-op``  the same with ``reshard_after_forward=False``;
 * ``fsdp-no-shard`` FSDP2 on a 2-D mesh (replicate = world, shard = 1): HSDP with one-rank shards;
 * ``fsdp-offload``  ``fsdp-full`` with ``CPUOffloadPolicy(pin_memory=False)`` (pinning needs CUDA);
+* ``fsdp1-full|fsdp1-grad-op`` (``--modes``) FSDP1 ``FullyShardedDataParallel`` (``FULL_SHARD`` /
+  ``SHARD_GRAD_OP``) wrapping every decoder block and the root (``transformer_auto_wrap_policy``),
+  ``use_orig_params=True``, the model built whole on every rank first (its setup peak stays below
+  the step's);
 * ``zero1|zero2|zero3`` (``--modes``, when deepspeed is importable) DeepSpeed ZeRO with its CPU
   accelerator (``DS_ACCELERATOR=cpu``), the model built whole, the same AdamW passed as the client
   optimizer (``zero_allow_untested_optimizer``), DeepSpeed's default buckets.
@@ -175,6 +179,20 @@ def worker(mode: str, size: str, out: str) -> None:
                 "zero_optimization": {"stage": int(mode[-1])}, "zero_allow_untested_optimizer": True}
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), config=conf)
+    elif mode.startswith("fsdp1"):
+        import functools
+
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        # built whole, then wrapped: FSDP1's per-module param_init_fn (to_empty(recurse=False)) would
+        # materialise a tied embedding and LM head as two tensors and shard both
+        model = LlamaForCausalLM(cfg)
+        strategy = ShardingStrategy.SHARD_GRAD_OP if mode == "fsdp1-grad-op" else ShardingStrategy.FULL_SHARD
+        model = FSDP(model, sharding_strategy=strategy, device_id=torch.device("cpu"), use_orig_params=True,
+                     auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                        transformer_layer_cls={LlamaDecoderLayer}))
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -286,9 +304,10 @@ def estimate_case(mode: str, size: str, world: int, resident_file_bytes=None):
     from memguard_core.spec import TrainSpec, model_spec_from_hf_config
 
     ms = model_spec_from_hf_config(config_dict(size), name=size)
-    sharding = "fsdp-full" if mode == "fsdp-offload" else mode
+    sharding = "fsdp-full" if mode == "fsdp-offload" else mode.replace("fsdp1-", "fsdp-")
     ts = TrainSpec(batch_size=BATCH, seq_length=SEQ, method="full", dtype="fp32", optimizer="adamw",
                    attn_impl="sdpa", framework="torch", device="cpu", world_size=world, sharding=sharding,
+                   fsdp_version=1 if mode.startswith("fsdp1") else 2,
                    offload="params" if mode == "fsdp-offload" else "none",
                    resident_file_bytes=resident_file_bytes)
     return estimate(ms, ts)
@@ -306,7 +325,7 @@ def table(rows: list) -> str:
 
 def summary(rows: list) -> dict:
     """Error statistics over the scored rows (the ``tiny`` calibration rows left out): all of them,
-    and per family (``torch``: DDP / FSDP2; ``deepspeed``: ZeRO)."""
+    and per family (``torch``: DDP / FSDP1 / FSDP2; ``deepspeed``: ZeRO)."""
     out = _stats([r for r in rows if r["size"] != "tiny"])
     for fam, pred in (("torch", lambda m: not m.startswith("zero")), ("deepspeed", lambda m: m.startswith("zero"))):
         sub = [r for r in rows if r["size"] != "tiny" and pred(r["mode"])]

@@ -1,6 +1,6 @@
 """Real 2-process training (gloo, CPU): each rank's VmHWM against memguard's per-rank estimate.
 
-Runs ``bench/distributed.py``'s cases for DDP and FSDP2 full shard on the 30M-parameter Llama shape
+Runs ``bench/distributed.py``'s cases for DDP, FSDP2 and FSDP1 full shard on the 30M-parameter Llama shape
 (2 ranks, one thread each, 2 x 128 tokens per rank, fp32 full fine-tune, AdamW, 3 steps): about a
 minute on 2 cores. Bounds: ``CI_LOW`` / ``CI_HIGH`` per rank, the issue's -5 % / +15 % widened by
 5 points each way: one run of a rank on a shared 2-core host spreads by about that much (its glibc
@@ -36,7 +36,7 @@ def _harness():
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="VmHWM needs Linux /proc")
-@pytest.mark.parametrize("mode", ["ddp", "fsdp-full"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp-full", "fsdp1-full"])
 def test_two_ranks_within_the_band(mode):
     import torch.distributed as dist
 

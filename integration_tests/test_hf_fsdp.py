@@ -97,18 +97,22 @@ def test_fsdp1_split_reduce_scatters_every_chunk_and_equals_hf_unsplit_run(tmp_p
     assert rows == split[0]["forward_rows"] and min(rows) < max(rows)
 
 
-def test_fsdp2_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path):
-    """Rank 1 alone gets an address-space limit (RLIMIT_AS) of its VmSize at train begin plus 70 % of
-    what the unlimited unsplit run added to its VmPeak: its allocator really fails at the unsplit
-    size. The unguarded twin dies; the guarded run (monitor's step sample off, so the OOM path acts)
-    finishes every step on both ranks within the timeout (a rank left in a collective would hang),
-    rank 1's errors are the allocator's own, rank 0 learnt of them at a sync point before one of its
-    FSDP collectives, and the parameters are the unlimited run's."""
-    ref_p, ref = _run(tmp_path / "ref", "oom-ref")
+@pytest.mark.parametrize("version", ["2", "1"])
+def test_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version):
+    """FSDP2, and FSDP1 (its sync points: each handle's all-gather after its allocation, and a
+    communication hook before each reduce-scatter; its state reset after the abort). Rank 1 alone
+    gets an address-space limit (RLIMIT_AS) of its VmSize at train begin plus 70 % of what the
+    unlimited unsplit run added to its VmPeak: its allocator really fails at the unsplit size. The
+    unguarded twin dies; the guarded run (monitor's step sample off, so the OOM path acts) finishes
+    every step on both ranks within the timeout (a rank left in a collective would hang), rank 1's
+    errors are the allocator's own, rank 0 learnt of them at a sync point before one of its FSDP
+    collectives, and the parameters are the unlimited run's."""
+    v = "" if version == "2" else "1"
+    ref_p, ref = _run(tmp_path / "ref", f"oom-ref{v}")
     headroom = int(0.7 * (ref[1]["vmpeak"] - ref[1]["base_vmsize"]))
-    rc, log = _launch(tmp_path / "none", f"oom-none:{headroom}")
+    rc, log = _launch(tmp_path / "none", f"oom-none{v}:{headroom}")
     assert rc != 0 and "can't allocate memory" in log, log[-6000:]
-    oom_p, oom = _run(tmp_path / "oom", f"oom:{headroom}")
+    oom_p, oom = _run(tmp_path / "oom", f"oom{v}:{headroom}")
     errors = oom[1]["oom_errors"]
     assert errors and all("can't allocate memory" in e for e in errors), errors
     assert oom[0]["oom_errors"] and all(e.startswith("PeerOutOfMemoryError") for e in oom[0]["oom_errors"])

@@ -157,22 +157,23 @@ def _diff(a, b) -> float:
 def references(tmp_path_factory):
     """The unsplit, unguarded 2-rank runs (DDP and FSDP2), computed once."""
     root = tmp_path_factory.mktemp("torch-loop-ref")
-    return {mode: _run(root / mode, "--mode", mode, "--plain") for mode in ("ddp", "fsdp")}
+    return {mode: _run(root / mode, "--mode", mode, "--plain") for mode in ("ddp", "fsdp", "fsdp1")}
 
 
 # ddp: chunks under no_sync, the guard averages; ddp --no-oom-sync: DDP reduces in the last chunk's
-# backward; fsdp: sync points in FSDP's comms; fsdp --module-hooks: the module-hook fallback
-VARIANTS = [("ddp", ()), ("ddp", ("--no-oom-sync",)), ("fsdp", ()), ("fsdp", ("--module-hooks",))]
+# backward; fsdp: sync points in FSDP's comms; fsdp --module-hooks: the module-hook fallback;
+# fsdp1: FSDP1, sync points in its all-gathers and a communication hook
+VARIANTS = [("ddp", ()), ("ddp", ("--no-oom-sync",)), ("fsdp", ()), ("fsdp", ("--module-hooks",)), ("fsdp1", ())]
 
 
-@pytest.mark.parametrize("mode, extra", VARIANTS, ids=["ddp", "ddp-no-oom-sync", "fsdp", "fsdp-module-hooks"])
+@pytest.mark.parametrize("mode, extra", VARIANTS, ids=["ddp", "ddp-no-oom-sync", "fsdp", "fsdp-module-hooks", "fsdp1"])
 def test_two_rank_split_equals_unsplit(mode, extra, references, tmp_path):
     params, ranks, _ = _run(tmp_path, "--mode", mode, "--k", 3, *extra)
     assert _diff(references[mode][0], params) < ATOL
     for r in ranks:
         assert r["micro_batch_rows"] == [3, 2, 3] * 3 and r["optimizer_steps"] == 3 and r["oom_retries"] == 0
         # the preflight read the sharding from the live model (per-rank estimate, docs/distributed.md)
-        assert r["preflight_sharding"] == {"ddp": "ddp", "fsdp": "fsdp-full"}[mode]
+        assert r["preflight_sharding"] == {"ddp": "ddp", "fsdp": "fsdp-full", "fsdp1": "fsdp-full"}[mode]
 
 
 def test_one_rank_asks_for_more_micro_batches(references, tmp_path):
@@ -215,11 +216,11 @@ OOM_ARGS = ("--seq", 256, "--attn", "eager")   # eager attention: activations do
 def oom_references(tmp_path_factory):
     """The unsplit, unguarded 2-rank runs of the out-of-memory tests (longer rows), computed once."""
     root = tmp_path_factory.mktemp("torch-loop-oom-ref")
-    return {mode: _run(root / mode, "--mode", mode, "--plain", *OOM_ARGS) for mode in ("ddp", "fsdp")}
+    return {mode: _run(root / mode, "--mode", mode, "--plain", *OOM_ARGS) for mode in ("ddp", "fsdp", "fsdp1")}
 
 
-@pytest.mark.parametrize("mode, extra", [("fsdp", ()), ("fsdp", ("--module-hooks",)), ("ddp", ())],
-                         ids=["fsdp", "fsdp-module-hooks", "ddp"])
+@pytest.mark.parametrize("mode, extra", [("fsdp", ()), ("fsdp", ("--module-hooks",)), ("ddp", ()), ("fsdp1", ())],
+                         ids=["fsdp", "fsdp-module-hooks", "ddp", "fsdp1"])
 def test_one_rank_out_of_memory_is_survived_by_every_rank(mode, extra, oom_references, tmp_path):
     """Rank 1 alone gets an address-space limit (RLIMIT_AS) of its VmSize before training plus 70 %
     of what the unsplit step added to its VmPeak in the reference run: its allocator really fails
@@ -238,7 +239,7 @@ def test_one_rank_out_of_memory_is_survived_by_every_rank(mode, extra, oom_refer
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     errors = ranks[1]["oom_errors"]
     assert errors and all("can't allocate memory" in e for e in errors), errors   # real allocator failures
-    if mode == "fsdp":
+    if mode.startswith("fsdp"):
         # rank 0 learnt of it at a sync point before one of its collectives (DDP's chunks have none:
         # rank 0 finishes its chunk and meets rank 1 at the chunk's end)
         assert ranks[0]["oom_errors"] and all(e.startswith("PeerOutOfMemoryError") for e in ranks[0]["oom_errors"])

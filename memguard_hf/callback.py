@@ -16,8 +16,8 @@ What it does:
   Under DDP every chunk runs under ``accelerator.no_sync`` and memguard averages the gradients once
   the ranks agreed the window went through. Under FSDP2 (accelerate's ``fsdp_version: 2``) every
   chunk reduce-scatters (``no_sync`` would keep unsharded gradients and cost the memory being
-  saved), between the OOM sync points of ``memguard_torch.sync`` (docs/hf_fsdp.md). Under FSDP1
-  every chunk reduce-scatters too (FSDP1's sync flag on for each chunk); an OOM there is re-raised.
+  saved), between the OOM sync points of ``memguard_torch.sync`` (docs/hf_fsdp.md); under FSDP1
+  too (FSDP1's sync flag on for each chunk, ``Fsdp1SyncHooks``).
 * **Runtime guard**: the guard's ``MemoryMonitor`` samples at each micro-batch (cheap counters) and
   in a background thread; it cleans caches and doubles k under pressure.
 * **OOM catch and retry**: an out-of-memory error raised in a chunk's *forward* (CUDA
@@ -36,8 +36,8 @@ What it does:
   ``evaluate()`` / ``predict()`` return what the unsplit evaluation returns; an OOM there redoes the
   batch in smaller chunks. Its split is its own: it never changes the training micro-batches.
 * **Ranks agree**: under ``torch.distributed`` the k of each batch is all-reduced (MAX) so
-  every rank cuts alike (FSDP gathers would hang otherwise); under FSDP2 an OOM on one rank is
-  learnt by every rank at a sync point before its next collective, and all redo together.
+  every rank cuts alike (FSDP gathers would hang otherwise); under FSDP2 and FSDP1 an OOM on one
+  rank is learnt by every rank at a sync point before its next collective, and all redo together.
 
 How the callback finds the trainer: HF passes no trainer to callbacks. ``on_init_end`` (callback
 given to ``Trainer(callbacks=[...])``) and ``on_train_begin`` (``trainer.add_callback``) are both
@@ -101,7 +101,7 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
     Attributes (the guard's, see ``memguard_core.guard.Guard``): ``guard``, ``monitor``,
     ``preflight``, ``events``, ``micro_batch_rows``, ``samples_per_step``, ``oom_retries``,
     ``split_disabled_reason``, ``summary``, ``budget_bytes``; ``oom_errors`` (the out-of-memory
-    errors caught on this rank under FSDP2, ``type: message``, a peer's as
+    errors caught on this rank under FSDP2 or FSDP1, ``type: message``, a peer's as
     ``PeerOutOfMemoryError``). The evaluation split's
     (``memguard_hf.eval_split.GuardedEval``): ``eval_micro_batches`` and ``split_evaluation`` (settable),
     ``eval_oom_retries``, ``eval_micro_batch_rows``.

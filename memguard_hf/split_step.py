@@ -1,6 +1,6 @@
 """The guarded training step of the HF adapter: each batch cut into micro-batches inside
 ``Trainer.training_step``, the forward OOM retry and the accumulation-window redo
-(docs/lifecycle.md, "Redoing the accumulation window"); under FSDP2 every micro-batch runs between
+(docs/lifecycle.md, "Redoing the accumulation window"); under FSDP2 and FSDP1 every micro-batch runs between
 the OOM sync points of ``memguard_torch.sync`` (docs/hf_fsdp.md). A mixin of
 :class:`memguard_hf.callback.MemGuardCallback`, which binds these methods onto the trainer's instance;
 kept apart so the callback holds only the hooks.
@@ -19,7 +19,7 @@ from memguard_core.microbatch import without_frames as _without_frames
 from memguard_core.optim_state import prepare_optimizer
 from memguard_torch import _compat as torch_compat
 from memguard_torch.ranks import agreed_ranges, fsdp_after_abort
-from memguard_torch.sync import FsdpSyncHooks, OomSync, PeerOutOfMemoryError
+from memguard_torch.sync import Fsdp1SyncHooks, FsdpSyncHooks, OomSync, PeerOutOfMemoryError
 
 from . import _compat
 
@@ -96,7 +96,7 @@ class GuardedStep:
         # another way gets the forward-only retry (a backward OOM is then re-raised)
         in_window = window is not None and pos < len(window) and window[pos] is inputs
         k = self.guard.micro_batches_for_step(self.trainer.state.global_step)
-        if self._fsdp2_sync(model) is not None:
+        if self._fsdp_sync_for(model) is not None:
             return self._fsdp_training_step(model, inputs, num_items_in_batch, k, pos if in_window else None,
                                             args, kwargs)
         # under DDP every micro-batch runs under no_sync and the gradients are averaged once every
@@ -127,23 +127,34 @@ class GuardedStep:
             k = self._redo_window(model, failure, k, self._units_of(inputs))
             redo = True
 
-    # ------------------------------------------------------------------ FSDP2
+    # ------------------------------------------------------------------ FSDP2 and FSDP1
     _fsdp_sync = None
     _fsdp_hooks = None
     _fsdp_checked = False
+    _fsdp_v1 = False
 
-    def _fsdp2_sync(self, model):
-        """The run's ``OomSync`` when ``model`` is an FSDP2 (``fully_shard``) model, else None. At
-        the first call on an FSDP2 model (the first training step, on every rank alike: the flag
-        group is made collectively) the sync points go into FSDP's comms (``FsdpSyncHooks``)."""
+    def _fsdp_sync_for(self, model):
+        """The run's ``OomSync`` when ``model`` is an FSDP2 (``fully_shard``) or FSDP1 model, else
+        None. At the first call (the first training step, on every rank alike: the flag group is
+        made collectively) the sync points go into FSDP's comms (``FsdpSyncHooks``; FSDP1:
+        ``Fsdp1SyncHooks``, None where they cannot be placed: an OOM is then re-raised)."""
         if not self._fsdp_checked:
             self._fsdp_checked = True
-            if torch_compat.fsdp_modules(model):
+            v2, v1 = torch_compat.fsdp_modules(model), torch_compat.fsdp1_modules(model)
+            if v2 or v1:
                 from memguard_core.distributed import flag_group
                 from memguard_torch.preflight import world_size
 
                 self._fsdp_sync = OomSync(flag_group() if world_size() > 1 else None)
-                self._fsdp_hooks = FsdpSyncHooks(model, self._fsdp_sync)
+                if v2:
+                    self._fsdp_hooks = FsdpSyncHooks(model, self._fsdp_sync)
+                else:
+                    self._fsdp_hooks = Fsdp1SyncHooks(model, self._fsdp_sync)
+                    self._fsdp_v1 = True
+                    if not self._fsdp_hooks.installed:
+                        logger.warning("memguard: FSDP1 without OOM sync points (a hybrid sharding strategy or "
+                                       "a communication hook of its own): an out-of-memory error is re-raised")
+                        self._fsdp_hooks = self._fsdp_sync = None
         return self._fsdp_sync
 
     def _remove_fsdp_hooks(self) -> None:
@@ -152,10 +163,10 @@ class GuardedStep:
             self._fsdp_hooks.remove()
             self._fsdp_hooks = None
         self._fsdp_sync = None
-        self._fsdp_checked = False
+        self._fsdp_checked = self._fsdp_v1 = False
 
     def _fsdp_training_step(self, model, inputs, num_items_in_batch, k: int, pos, args, kwargs):
-        """One ``training_step`` call under FSDP2: the batch in ``k`` micro-batches (k and the
+        """One ``training_step`` call under FSDP (2, or 1 with its sync points): the batch in ``k`` micro-batches (k and the
         number of chunks agreed by every rank), each reduce-scattering its gradients, each ending
         with every rank learning whether any failed (``OomSync.end``). A failure that added no
         gradient on any rank re-cuts the rows not yet processed; else, when ``pos`` (the call's
@@ -181,7 +192,7 @@ class GuardedStep:
             redo = True
 
     def _fsdp_batch(self, model, inputs, num_items_in_batch, k: int, args, kwargs):
-        """One batch in ``k`` chunks under FSDP2 (see :meth:`_fsdp_training_step`); returns
+        """One batch in ``k`` chunks under FSDP (see :meth:`_fsdp_training_step`); returns
         ``(loss, None)``, or ``(None, error)`` (this rank's, or a ``PeerOutOfMemoryError``) when the
         window must be redone."""
         token_norm = self._loss_is_token_normalised(num_items_in_batch)
@@ -233,10 +244,15 @@ class GuardedStep:
         sync.grads_added = False
         exc = loss = None
         self._fsdp_hooks.new_chunk()
-        model.set_requires_gradient_sync(True)
+        if self._fsdp_v1:
+            ctx = torch_compat.fsdp1_sync_on(model)   # every chunk reduce-scatters, also inside no_sync
+        else:
+            ctx = contextlib.nullcontext()
+            model.set_requires_gradient_sync(True)
         sync.inside = sync.group is not None
         try:
-            loss = self._orig_training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+            with ctx:
+                loss = self._orig_training_step(model, inputs, num_items_in_batch, *args, **kwargs)
         except Exception as e:
             if not is_oom_error(e):
                 raise

@@ -30,7 +30,13 @@ NAMES = ("FSDPModule._get_fsdp_state()._fsdp_param_groups[].fsdp_params[].unshar
          "DistributedDataParallel.bucket_bytes_cap / gradient_as_bucket_view (set in __init__, undocumented)",
          "DistributedDataParallel.require_forward_param_sync (undocumented)",
          "torch.autograd.Variable._execution_engine.queue_callback",
-         "FullyShardedDataParallel._sync_gradients (FSDP1: the flag its no_sync context clears)")
+         "FullyShardedDataParallel._sync_gradients (FSDP1: the flag its no_sync context clears)",
+         "FSDP1 FlatParamHandle._all_gather_flat_param (called by unshard() after the allocation)",
+         "FSDP1 state._comm_hook / _comm_hook_state / _gradient_predivide_factor / "
+         "_gradient_postdivide_factor / process_group / sharding_strategy / _is_root",
+         "FSDP1 torch.distributed.fsdp._runtime_utils._post_backward_final_callback, "
+         "FlatParamHandle._free_unsharded_flat_param / uses_sharded_strategy and the "
+         "FlatParameter's .grad / _saved_grad_shard / _post_backward_called")
 
 
 def check_version() -> bool:
@@ -89,6 +95,145 @@ def fsdp1_sync_on(model: Any) -> Iterator[int]:
     finally:
         for m, was in saved:
             m._sync_gradients = was
+
+
+class _Fsdp1Reduce:
+    """The state of memguard's FSDP1 communication hook: the process group and FSDP1's own pre- /
+    post-division factors, so the hook reduces exactly as FSDP1's default path does
+    (``_runtime_utils._reduce_grad`` / ``_reduce_grad_no_shard``: divide, collective, divide)."""
+
+    def __init__(self, root: Any, before):
+        self.group = root.process_group
+        self.pre = float(getattr(root, "_gradient_predivide_factor", 1.0))
+        self.post = float(getattr(root, "_gradient_postdivide_factor", 1.0))
+        self.before = before
+
+
+def _fsdp1_hook(cs: "_Fsdp1Reduce", grad: Any, output: Any = None) -> None:
+    """FSDP1's gradient reduction with ``cs.before(kind)`` right before the collective: the
+    buffers are allocated by then (``_get_reduce_scatter_tensors`` ran). ``output`` None: the
+    ``NO_SHARD`` all-reduce (FSDP1's hook signature 1), else the reduce-scatter (signature 2)."""
+    import torch.distributed as dist
+
+    cs.before("reduce-scatter" if output is not None else "all-reduce")
+    if cs.pre > 1:
+        grad.div_(cs.pre)
+    if output is None:
+        dist.all_reduce(grad, group=cs.group)
+        target = grad
+    else:
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter(output, grad, group=cs.group)
+        target = output
+    if cs.post > 1:
+        target.div_(cs.post)
+
+
+def sync_fsdp1_comms(model: Any, before) -> Optional[tuple]:
+    """Put ``before(kind)`` right before each collective of an FSDP1 model's forward and backward,
+    after its buffers are allocated: each handle's all-gather (an instance attribute over
+    ``FlatParamHandle._all_gather_flat_param``, which ``unshard()`` calls after allocating the
+    unsharded flat parameter) and each gradient reduction (a communication hook, FSDP1's public
+    ``register_comm_hook``, doing what FSDP1's default path does). Returns what
+    :func:`restore_fsdp1_comms` needs, or None (nothing changed) without FSDP1 modules, under a
+    hybrid strategy (FSDP1 refuses comm hooks there), or when a communication hook is already
+    registered (the user's). Never raises."""
+    mods = fsdp1_modules(model)
+    if not mods:
+        return None
+    try:
+        root = mods[0]
+        if not root.check_is_root():
+            return None
+        from torch.distributed.fsdp._init_utils import HYBRID_SHARDING_STRATEGIES
+
+        if any(m.sharding_strategy in HYBRID_SHARDING_STRATEGIES or m._comm_hook is not None for m in mods):
+            return None
+        root.register_comm_hook(_Fsdp1Reduce(root, before), _fsdp1_hook)
+    except Exception:
+        logger.debug("memguard: cannot register the FSDP1 communication hook", exc_info=True)
+        return None
+    handles = []
+    for m in mods:
+        h = getattr(m, "_handle", None)
+        if h is None or "_all_gather_flat_param" in vars(h):
+            continue
+        orig = h._all_gather_flat_param
+
+        def all_gather(padded_unsharded_flat_param, _orig=orig):
+            before("all-gather")
+            return _orig(padded_unsharded_flat_param)
+
+        h._all_gather_flat_param = all_gather
+        handles.append(h)
+    return mods, handles
+
+
+def restore_fsdp1_comms(token: tuple) -> None:
+    """Undo :func:`sync_fsdp1_comms`. Never raises."""
+    mods, handles = token
+    for h in handles:
+        h.__dict__.pop("_all_gather_flat_param", None)
+    for m in mods:
+        try:
+            m._comm_hook = None
+            m._comm_hook_state = None
+        except Exception:
+            logger.debug("memguard: cannot take the FSDP1 communication hook off", exc_info=True)
+
+
+def reset_fsdp1_after_abort(model: Any) -> bool:
+    """After an exception aborted an FSDP1 forward or backward (a peer stopped mid-way too): each
+    flat parameter's gradient put back to the sharded sum of the chunks that completed (FSDP1's
+    pre-backward moved it to ``_saved_grad_shard``; an unsharded ``.grad`` the aborted backward
+    computed but did not reduce-scatter is dropped), then FSDP1's own end-of-backward cleanup
+    (``_post_backward_final_callback`` on the root: reshards every handle still unsharded, removes
+    the aborted iteration's post-backward hook state, resets the training states, the prefetch
+    flags and the execution-order tracker, and lets the next backward queue its callback again),
+    the unsharded storage an unshard allocated before its all-gather freed, and the original
+    parameters' gradient views rebuilt. A chunk whose reduce-scatter ran on some rank has added to
+    the sums: the caller then zeroes them and redoes the window. Returns False without FSDP1
+    modules or when the cleanup failed (logged). Never raises."""
+    mods = fsdp1_modules(model)
+    if not mods:
+        return False
+    try:
+        from torch.distributed.fsdp._runtime_utils import _post_backward_final_callback
+
+        kept = {}
+        for m in mods:
+            h = getattr(m, "_handle", None)
+            if h is None:
+                continue
+            fp = h.flat_param
+            shard = None
+            if hasattr(fp, "_saved_grad_shard"):
+                shard = fp._saved_grad_shard
+                delattr(fp, "_saved_grad_shard")
+            elif fp.grad is not None and fp.grad.size() == fp._local_shard.size():
+                shard = fp.grad
+            # an unsharded .grad is this chunk's, never reduced: dropped
+            fp.grad = None          # put back once the handle uses its shard again (sizes must match)
+            fp._post_backward_called = False
+            kept[id(h)] = shard
+        root = next((m for m in mods if getattr(m, "_is_root", False)), mods[0])
+        _post_backward_final_callback(root, root)
+        for m in mods:
+            h = getattr(m, "_handle", None)
+            if h is None:
+                continue
+            if h.uses_sharded_strategy:
+                # an unshard stopped between its allocation and its all-gather leaves the unsharded
+                # storage allocated while the handle still uses its shard: the next unshard would
+                # take it for gathered and skip the all-gather its peers run (needs_unshard())
+                h._free_unsharded_flat_param()
+            h.flat_param.grad = kept.get(id(h))
+            if getattr(h, "_use_orig_params", False):
+                h._use_sharded_grad_views()
+        return True
+    except Exception:
+        logger.error("memguard: FSDP1's state could not be reset after the aborted step", exc_info=True)
+        return False
 
 
 def fsdp_root(model: Any) -> Optional[Any]:
@@ -268,4 +413,28 @@ def fsdp2_layout(model: Any, world_size: int) -> dict:
             out["offload"] = "params"
     except Exception:
         logger.debug("memguard: cannot read fully_shard's settings; assuming full shard", exc_info=True)
+    return out
+
+
+def fsdp1_layout(model: Any, world_size: int) -> dict:
+    """``TrainSpec`` keywords of an FSDP1 (``FullyShardedDataParallel``) model: ``sharding`` from the
+    root's public ``sharding_strategy`` (``memguard_core.sharding_settings.fsdp1_sharding``),
+    ``fsdp_version`` 1, ``offload="params"`` under ``CPUOffload(offload_params=True)``, and for a
+    hybrid strategy ``shard_group_size`` = the size of the root's (intra-node) ``process_group``.
+    ``{}`` without FSDP1 modules; ``fsdp-full`` when the strategy cannot be read."""
+    mods = fsdp1_modules(model)
+    if not mods:
+        return {}
+    out: dict = {"sharding": "fsdp-full", "fsdp_version": 1}
+    try:
+        from memguard_core.sharding_settings import fsdp1_sharding
+
+        root = mods[0]
+        out["sharding"] = fsdp1_sharding(root.sharding_strategy)
+        if out["sharding"] == "fsdp-hybrid":
+            out["shard_group_size"] = int(root.process_group.size())
+        if getattr(getattr(root, "cpu_offload", None), "offload_params", False):
+            out["offload"] = "params"
+    except Exception:
+        logger.debug("memguard: cannot read FSDP1's settings; assuming full shard", exc_info=True)
     return out

@@ -38,7 +38,7 @@ from . import _compat
 from .batch import LoopBatch as _Batch, batch_units
 from .preflight import read_specs, world_size
 from .ranks import RankAgreement
-from .sync import FsdpSyncHooks, OomSync, PeerOutOfMemoryError
+from .sync import Fsdp1SyncHooks, FsdpSyncHooks, OomSync, PeerOutOfMemoryError
 
 logger = logging.getLogger("memguard.torch")
 
@@ -133,7 +133,9 @@ class TorchGuard(RankAgreement, GuardAttributes):
         self.oom_errors: List[str] = []
         self._grads_added = False
         self._handles: List[Any] = []
-        self._fsdp_hooks: Optional[FsdpSyncHooks] = None
+        self._fsdp_hooks: Optional[Any] = None          # FsdpSyncHooks, or Fsdp1SyncHooks
+        self._fsdp1 = bool(_compat.fsdp1_modules(model))
+        self._fsdp1_unsynced = False
         self._ddp = _compat.find_ddp(model)
         self._manual_reduce = False
 
@@ -148,10 +150,18 @@ class TorchGuard(RankAgreement, GuardAttributes):
             self.sync = OomSync(flag_group())   # collective: every rank's first chunks() call
             if model is not None and _compat.fsdp_modules(model):
                 self._fsdp_hooks = FsdpSyncHooks(model, self.sync)
+            elif model is not None and _compat.fsdp1_modules(model):
+                hooks = Fsdp1SyncHooks(model, self.sync)
+                if hooks.installed:
+                    self._fsdp_hooks = hooks
+                else:
+                    self._fsdp1_unsynced = True
+                    logger.warning("memguard: FSDP1 without OOM sync points (a hybrid sharding strategy or a "
+                                   "communication hook of its own): an out-of-memory error is raised, not redone")
         self._manual_reduce = self._ddp is not None and self.sync.group is not None
         # with more than one rank and no sync points, a redo on one rank alone would leave the
         # others in a collective: the error is raised instead (the run ends, as without memguard)
-        self._can_recover = world_size() <= 1 or self.sync.group is not None
+        self._can_recover = world_size() <= 1 or (self.sync.group is not None and not self._fsdp1_unsynced)
         can_checkpoint = model is not None and tt.checkpoint_target(model) is not None
         self.guard.start(
             rows=batch_units(batch),
@@ -171,10 +181,6 @@ class TorchGuard(RankAgreement, GuardAttributes):
                     "an accumulation boundary; ZeRO keeps the window's gradients in its own buffers, which "
                     "an OOM redo cannot zero). Apply memguard's plan instead: train_micro_batch_size_per_gpu "
                     "/ k and gradient_accumulation_steps x k (docs/torch_loop.md)")
-        if "FullyShardedDataParallel" in name or accel == "DistributedType.FSDP" and not _compat.fsdp_modules(self.model):
-            return ("FSDP1 (FullyShardedDataParallel) is not validated with in-place chunks; use FSDP2 "
-                    "(torch.distributed.fsdp.fully_shard), or apply memguard's plan as batch size / k and "
-                    "accumulation x k")
         return None
 
     def _watch_gradients(self) -> None:
@@ -371,8 +377,14 @@ class TorchGuard(RankAgreement, GuardAttributes):
         self.guard.micro_batch_rows.append(rows)
         self._failure, self._grads_added = None, False
         self.sync.grads_added = False
-        ctx = self._ddp.no_sync() if (self._ddp is not None and (not last or self._manual_reduce)) \
-            else contextlib.nullcontext()
+        if self._fsdp1:
+            # every chunk reduce-scatters, also inside an ambient no_sync (accelerator.accumulate),
+            # which would keep FSDP1's unsharded gradients until the window's last backward
+            ctx = _compat.fsdp1_sync_on(self.model)
+        elif self._ddp is not None and (not last or self._manual_reduce):
+            ctx = self._ddp.no_sync()
+        else:
+            ctx = contextlib.nullcontext()
         self._in_chunk = True
         self.sync.inside = self.sync.group is not None
         if self._fsdp_hooks is not None:

@@ -45,8 +45,8 @@ def layout_of(model: Any, accelerator: Any = None, world: Optional[int] = None) 
     """``TrainSpec`` layout keywords (``sharding``, ``offload``, ``shard_group_size``,
     ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``fsdp_version``, ``zero_buckets``) of a live
     model run by ``world`` processes (default: ``torch.distributed``'s): what its wrappers were
-    given (``_compat.ddp_layout`` / ``_compat.fsdp2_layout``), else what ``accelerator``'s state
-    says (``memguard_core.sharding_settings.accelerate_settings``: DeepSpeed, FSDP1), else
+    given (``_compat.ddp_layout`` / ``_compat.fsdp2_layout`` / ``_compat.fsdp1_layout``), else what
+    ``accelerator``'s state says (``memguard_core.sharding_settings.accelerate_settings``: DeepSpeed), else
     ``{"sharding": "none"}``; for one process, DeepSpeed's layout only (its fp32 partitions and
     buckets exist with one rank too), else ``none``.
 
@@ -56,7 +56,7 @@ def layout_of(model: Any, accelerator: Any = None, world: Optional[int] = None) 
     world = world_size() if world is None else world
     if world <= 1:
         return accelerate_settings(accelerator, world) or {"sharding": "none"}
-    out = _compat.fsdp2_layout(model, world)
+    out = _compat.fsdp2_layout(model, world) or _compat.fsdp1_layout(model, world)
     if not out:
         ddp = _compat.find_ddp(model)
         out = _compat.ddp_layout(ddp) if ddp is not None else {}

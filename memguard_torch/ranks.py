@@ -56,9 +56,13 @@ def agreed_ranges(sp: BatchSplitter, k: int, start: int, group=None) -> List[Tup
 def fsdp_after_abort(model) -> None:
     """After a chunk that failed on some rank, on every rank: FSDP2's iteration state reset and the
     unsharded gradients of the aborted backward dropped (``_compat.reset_fsdp_after_abort``; a peer
-    stopped mid-forward or mid-backward too), then memory freed (``free_after_oom``). Never raises."""
+    stopped mid-forward or mid-backward too), or FSDP1's (``_compat.reset_fsdp1_after_abort``: every
+    gradient of the window dropped, the caller redoes it), then memory freed (``free_after_oom``).
+    Never raises."""
     if model is not None and _compat.fsdp_modules(model):
         _compat.reset_fsdp_after_abort(model)
+    elif model is not None and _compat.fsdp1_modules(model):
+        _compat.reset_fsdp1_after_abort(model)
     free_after_oom()
 
 

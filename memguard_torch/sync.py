@@ -42,7 +42,7 @@ from . import _compat
 
 logger = logging.getLogger("memguard.torch")
 
-__all__ = ["PeerOutOfMemoryError", "OomSync", "FsdpSyncHooks"]
+__all__ = ["PeerOutOfMemoryError", "OomSync", "FsdpSyncHooks", "Fsdp1SyncHooks"]
 
 
 class PeerOutOfMemoryError(RuntimeError):
@@ -259,3 +259,40 @@ class FsdpSyncHooks:
         self._callback_queued = False
         self.sync.point("before FSDP's root post-backward")
         self.sync.grads_added = True
+
+
+class Fsdp1SyncHooks:
+    """Sync points in an FSDP1 (``FullyShardedDataParallel``) model's collectives: each handle's
+    all-gather, after FSDP1 allocated the unsharded flat parameter, and each gradient reduction,
+    after its buffers were allocated, through a communication hook doing what FSDP1's default path
+    does (``memguard_torch._compat.sync_fsdp1_comms``). FSDP1 issues no other collective in a
+    forward and backward (hybrid strategies, which all-reduce across nodes too, are not hooked).
+
+    Args:
+        model: the model holding the FSDP1 modules (the root one first).
+        sync: the run's :class:`OomSync`.
+
+    Attributes:
+        installed: False when the sync points could not be placed (a hybrid strategy, a
+            communication hook the user registered): the run then has none under FSDP1.
+    """
+
+    def __init__(self, model: Any, sync: OomSync):
+        self.sync = sync
+        self._token = _compat.sync_fsdp1_comms(model, self._before_collective)
+        self.installed = self._token is not None
+
+    def new_chunk(self) -> None:
+        """A chunk begins (nothing to reset under FSDP1: its end-of-backward callback is reset
+        by ``memguard_torch.ranks.fsdp_after_abort`` after a failure)."""
+
+    def remove(self) -> None:
+        """Give FSDP1 its all-gathers and default reduction back."""
+        if self._token is not None:
+            _compat.restore_fsdp1_comms(self._token)
+            self._token = None
+
+    def _before_collective(self, kind: str) -> None:
+        self.sync.point(f"before an FSDP1 {kind}")
+        if kind != "all-gather" and self.sync.inside:
+            self.sync.grads_added = True

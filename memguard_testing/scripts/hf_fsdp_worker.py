@@ -1,14 +1,11 @@
 """One rank of a 2-rank gloo HF ``Trainer`` run under FSDP2 (accelerate's ``fsdp_version: 2``,
-``fully_shard`` per ``LlamaDecoderLayer`` and the root) on CPU, for integration_tests/test_hf_fsdp.py.
+``fully_shard`` per ``LlamaDecoderLayer`` and the root) or FSDP1 on CPU, for integration_tests/test_hf_fsdp.py.
 
 usage: python -m torch.distributed.run --nproc_per_node=2 hf_fsdp_worker.py MODE OUT_DIR
 
 Modes:
 
 * ``plain``: unguarded, HF's own FSDP2 run (the reference of ``split``).
-* ``plain1`` / ``split1``: as ``plain`` / ``split``, under FSDP1 (``fsdp_version: 1``, accelerate's
-  ``FullyShardedDataParallel`` wrapping with ``use_orig_params``); ``reduce_scatters`` counts the
-  gradient reduce-scatters FSDP1 issued on the rank.
 * ``split``: guarded; rank 0 alone asks for k=2 at step 1 and k=4 after step 2's first batch
   (``memguard_testing.hf_tiny.SwitchSplit``), rank 1 follows through the all-reduce. Its preflight
   runs (a 16 GiB budget: it changes nothing) and ``layout`` records what it read of FSDP.
@@ -17,6 +14,9 @@ Modes:
 * ``oom:HEADROOM`` / ``oom-none:HEADROOM``: as ``oom-ref``, but rank 1 alone sets ``RLIMIT_AS`` to its
   VmSize at train begin plus HEADROOM bytes, so torch's CPU allocator really fails there; guarded
   (the monitor's step sample off, so the OOM path is what acts) or unguarded (the twin that dies).
+* a ``1`` after any mode's name (``plain1``, ``split1``, ``oom-ref1``, ``oom1:HEADROOM``, ...): the
+  same under FSDP1 (``fsdp_version: 1``, accelerate's ``FullyShardedDataParallel`` wrapping with
+  ``use_orig_params``); ``reduce_scatters`` counts the gradient reduce-scatters FSDP1 issued.
 
 The fakes (this machine has no GPU): accelerate 1.15 sets ``DistributedType.FSDP`` and keeps the
 FSDP plugin only in ``AcceleratorState.__init__``'s branch for MULTI_GPU / NPU / XPU / ... devices

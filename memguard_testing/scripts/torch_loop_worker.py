@@ -1,6 +1,7 @@
 """One rank of a 2-rank (or more) plain-loop training run on CPU with gloo, for
-integration_tests/test_torch_loop.py: a tiny Llama (hidden 64) under DDP or FSDP2
-(``fully_shard`` per decoder block and the root), AdamW, a few steps of each rank's own rows,
+integration_tests/test_torch_loop.py: a tiny Llama (hidden 64) under DDP, FSDP2 (``fully_shard``
+per decoder block and the root) or FSDP1 (``FullyShardedDataParallel``, ``use_orig_params``, every
+decoder block and the root wrapped), AdamW, a few steps of each rank's own rows,
 either unguarded and unsplit (``--plain``: the reference) or through ``memguard_torch.TorchGuard``
 (``--k``: micro-batches from the start). Rank 0 writes the final full parameters, every rank a JSON
 of its figures (rows of each forward, OOM retries, VmSize before training, VmPeak after, the
@@ -37,7 +38,7 @@ def _vm(field: str) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("ddp", "fsdp"), required=True)
+    ap.add_argument("--mode", choices=("ddp", "fsdp", "fsdp1"), required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--plain", action="store_true")
     ap.add_argument("--k", type=int, default=1)
@@ -80,6 +81,16 @@ def main(argv=None) -> int:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         train_model = DDP(model)
+    elif a.mode == "fsdp1":
+        import functools
+
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        train_model = FullyShardedDataParallel(
+            model, device_id=torch.device("cpu"), use_orig_params=True,
+            auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}))
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -153,7 +164,13 @@ def main(argv=None) -> int:
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
     summary = guard.finish() if guard is not None else None
     full = {}
-    for name, p in model.named_parameters():
+    if a.mode == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(train_model):   # an all-gather on every rank
+            full = {name.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+                    for name, p in train_model.named_parameters()}
+    for name, p in ([] if a.mode == "fsdp1" else model.named_parameters()):
         t = p.detach()
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()

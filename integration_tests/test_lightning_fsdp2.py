@@ -76,7 +76,8 @@ def test_fsdp2_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path):
     what the unlimited unsplit run added to its VmPeak: its allocator really fails at the unsplit
     size. The unguarded twin dies; the guarded run (the monitor's step sample off, so the OOM path
     acts) finishes every step on both ranks within the timeout (a rank left in a collective would
-    hang), rank 1's errors are the allocator's own, rank 0 learnt of them at a sync point or at the
+    hang; the loss is logged with ``sync_dist=True``, a collective too), rank 1's errors are the
+    allocator's own, rank 0 learnt of them at a sync point or at the
     end of the micro-batch, both ranks redid the window at the same cut, and the parameters are the
     unlimited run's."""
     ref = _run(tmp_path / "ref", "oom-ref", _port())
@@ -94,4 +95,7 @@ def test_fsdp2_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path):
         assert oom[r]["samples_per_step"] == [16] * 3
         assert oom[r]["forward_rows"] == oom[0]["forward_rows"]
         assert min(oom[r]["forward_rows"]) < 8          # the window was redone at a finer cut
+        # each batch's loss logged once, with sync_dist (an all-reduce): a rank logging while its peer
+        # was stopped would have hung; a redone batch logs its redo's value, the unsplit batch loss
+        assert oom[r]["logged"] == pytest.approx(ref[r]["logged"], rel=1e-4) and len(ref[r]["logged"]) == 6
         assert _diff(ref[r]["params"], oom[r]["params"]) < ATOL

@@ -99,6 +99,8 @@ class GuardedStep:
         if self._fsdp_sync_for(model) is not None:
             return self._fsdp_training_step(model, inputs, num_items_in_batch, k, pos if in_window else None,
                                             args, kwargs)
+        if self.guard.split_disabled_reason is not None:   # found at the first step (FSDP1 offload)
+            return self._orig_training_step(model, inputs, num_items_in_batch, *args, **kwargs)
         # under DDP every micro-batch runs under no_sync and the gradients are averaged once every
         # rank's window went through: an OOM in the last backward cannot leave the others waiting
         # in DDP's all-reduce (docs/lifecycle.md, "Ranks agree")
@@ -141,7 +143,13 @@ class GuardedStep:
         if not self._fsdp_checked:
             self._fsdp_checked = True
             v2, v1 = torch_compat.fsdp_modules(model), torch_compat.fsdp1_modules(model)
-            if v2 or v1:
+            if v1 and not v2 and torch_compat.fsdp1_offloads_params(model):
+                self.guard.split_disabled_reason = (
+                    "FSDP1 with CPU offload (offload_params) cannot sum the gradients of several synchronised "
+                    "backwards; apply memguard's plan instead (per_device_train_batch_size / k, "
+                    "gradient_accumulation_steps x k: memguard_hf.plan_training_arguments)")
+                logger.warning("memguard: in-place micro-batching disabled: %s", self.guard.split_disabled_reason)
+            elif v2 or v1:
                 from memguard_core.distributed import flag_group
                 from memguard_torch.preflight import world_size
 

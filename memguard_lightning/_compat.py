@@ -5,8 +5,9 @@ once outside them. Each function says what it falls back to when the name is gon
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from memguard_core.versions import warn_outside
 
@@ -15,7 +16,7 @@ logger = logging.getLogger("memguard.lightning")
 #: lightning versions (major.minor, inclusive) these names were checked on.
 CHECKED = ("2.6", "2.6")
 #: The private names below.
-NAMES = ("Trainer._logger_connector.should_update_logs",
+NAMES = ("Trainer._logger_connector.should_update_logs", "LightningModule._current_fx_name",
          "fit_loop.epoch_loop.automatic_optimization._skip_backward",
          "fit_loop._should_accumulate",
          "DDPStrategy._ddp_comm_hook", "DDPStrategy._ddp_comm_state", "DDPStrategy._model_averaging_period")
@@ -108,3 +109,33 @@ def ddp_buffers_at_next_forward(ddp: Any) -> None:
         ddp.require_forward_param_sync = True
     except Exception:
         logger.debug("memguard: cannot set DDP's forward sync flag", exc_info=True)
+
+
+@contextlib.contextmanager
+def logging_as(pl_module: Any, fx_name: str) -> Iterator[None]:
+    """``self.log`` calls inside are filed as made from hook ``fx_name``: Lightning files logged
+    values under the hook being run (``LightningModule._current_fx_name``, set by its
+    ``_call_strategy_hook``; inside Lightning's backward it is ``backward``), so a
+    ``training_step``'s values replayed from the wrapped ``backward`` are filed as the unguarded
+    run files them. The previous name is put back on exit. Never raises."""
+    was = getattr(pl_module, "_current_fx_name", None)
+    try:
+        pl_module._current_fx_name = fx_name
+    except Exception:
+        logger.debug("memguard: cannot set the module's current hook name", exc_info=True)
+    try:
+        yield
+    finally:
+        try:
+            pl_module._current_fx_name = was
+        except Exception:
+            logger.debug("memguard: cannot restore the module's current hook name", exc_info=True)
+
+
+def tensor_parallel_size(strategy: Any) -> Optional[int]:
+    """The size of ``ModelParallelStrategy``'s ``tensor_parallel`` mesh dimension (its public
+    ``device_mesh``); None when it cannot be read."""
+    try:
+        return int(strategy.device_mesh["tensor_parallel"].size())
+    except Exception:
+        return None

@@ -92,8 +92,10 @@ rule, docs/lifecycle.md "Ranks agree"; docs/lightning.md "Under DDP"):
 
 Under FSDP2: every micro-batch between the OOM sync points
 ---------------------------------------------------------
-With several ranks and ``fully_shard`` modules (``ModelParallelStrategy``) every forward and
-backward runs FSDP collectives, so a rank that retries alone would leave the others waiting. Every
+With several ranks and ``fully_shard`` modules (``ModelParallelStrategy`` with a tensor-parallel
+size of 1: tensor-parallel collectives have no sync points, and there an OOM is re-raised) every
+forward and backward runs FSDP collectives, so a rank that retries alone would leave the others
+waiting. Every
 batch, k = 1 included, goes through ``_fsdp_step``: the micro-batches agreed by every rank
 (``memguard_torch.ranks.agreed_ranges``), each between the sync points of
 ``memguard_torch.sync`` (``OomSync``; ``FsdpSyncHooks`` inside FSDP's all-gathers and
@@ -101,11 +103,13 @@ reduce-scatters, as the HF adapter does: docs/hf_fsdp.md), every backward reduce
 strategy has no ``no_sync`` for FSDP2). The non-final micro-batches end in ``training_step``
 (``OomSync.end``); the final one's forward is returned and its micro-batch ends in the wrapped
 ``backward`` once Lightning's backward of it is done (``_fsdp_backward``). Between the two
-Lightning runs only its zero_grad and hooks, no FSDP collective. When any rank failed, every rank
+Lightning runs only its zero_grad and hooks, no FSDP collective. The batch's ``self.log`` values
+are replayed after that end, when every rank knows the batch went through (a ``sync_dist`` value is
+a collective of its own), filed under ``training_step`` (``_compat.logging_as``); after a failure
+every rank logs them from the redo, at the same point. When any rank failed, every rank
 resets FSDP's iteration state (``fsdp_after_abort``) and redoes the window through this batch at
-2k, wherever it learnt of it: in ``training_step`` (the batch's ``self.log`` values recorded from
-the redo; the redone loss is returned detached and Lightning's backward of it skipped, its
-zero_grad of the window start too) or in ``backward``. The redo's micro-batches run between the
+2k, wherever it learnt of it: in ``training_step`` (the redone loss is returned detached and
+Lightning's backward of it skipped, its zero_grad of the window start too) or in ``backward``. The redo's micro-batches run between the
 sync points as well, so a failure during a redo is redone again by every rank, and a
 ``WindowOOMError`` is raised by every rank alike.
 
@@ -328,6 +332,7 @@ class SplitStep:
         self._fsdp_final = False        # the batch's last micro-batch ends in Lightning's backward
         self._skip_backward = False     # the batch was redone in training_step: Lightning's backward is not run
         self._redone_loss = None        # the current batch's loss from a redo (_redo_window(log_current=True))
+        self._final_recorder: Optional[_LogRecorder] = None  # FSDP2: the batch's values, logged after its backward
         self.oom_errors: List[str] = []  # out-of-memory errors met under FSDP2 (this rank's, or a peer's)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -336,7 +341,7 @@ class SplitStep:
         self._restore_sync()
         self._pending = None
         self._fsdp_final = self._skip_backward = False
-        self._redone_loss = None
+        self._redone_loss = self._final_recorder = None
         if self._fsdp_sync is not None:
             self._fsdp_sync.inside = False   # a final micro-batch whose backward Lightning skipped
         if self._zero_armed_for is not None:
@@ -488,7 +493,8 @@ class SplitStep:
                 phase = self._phase
             if not self.guard.agree_redo(failure is not None):
                 if recorder is not None:
-                    recorder.flush()
+                    with _compat.logging_as(self.pl_module, "training_step"):
+                        recorder.flush()
                 return k
 
     def _run_whole(self, batch, args, kwargs, k: int, recorder: Optional[_LogRecorder] = None):
@@ -644,9 +650,23 @@ class SplitStep:
         if not self._fsdp_checked:
             self._fsdp_checked = True
             if int(getattr(self.trainer, "world_size", 1) or 1) > 1 and torch_compat.fsdp_modules(self.pl_module):
-                self._fsdp_sync = OomSync(flag_group())
-                self._fsdp_hooks = FsdpSyncHooks(self.pl_module, self._fsdp_sync)
+                tp = _compat.tensor_parallel_size(self.trainer.strategy)
+                if "ModelParallel" in type(self.trainer.strategy).__name__ and tp != 1:
+                    # tensor-parallel collectives have no sync points: an OOM is raised, not redone
+                    logger.warning("memguard: tensor parallelism (size %s) under ModelParallelStrategy: its "
+                                   "collectives have no OOM sync points, so an out-of-memory error is raised, "
+                                   "not redone", tp if tp is not None else "unknown")
+                else:
+                    self._fsdp_sync = OomSync(flag_group())
+                    self._fsdp_hooks = FsdpSyncHooks(self.pl_module, self._fsdp_sync)
         return self._fsdp_sync
+
+    def _collectives_unsynced(self) -> bool:
+        """Several ranks whose forwards run collectives (FSDP2, tensor parallelism) without memguard's
+        sync points: a rank retrying a forward alone would leave its peers waiting."""
+        if self._fsdp_sync is not None or int(getattr(self.trainer, "world_size", 1) or 1) <= 1:
+            return False
+        return bool(torch_compat.fsdp_modules(self.pl_module)) or "ModelParallel" in type(self.trainer.strategy).__name__
 
     def _chunk_begin(self) -> None:
         """A micro-batch begins between the FSDP2 sync points (a no-op without them)."""
@@ -727,13 +747,17 @@ class SplitStep:
                 pl_module.__dict__.pop("log", None)
                 chunk = None
                 if final and exc is None and loss is not None:
-                    # this micro-batch ends in Lightning's backward of the returned loss
+                    # this micro-batch ends in Lightning's backward of the returned loss; its values
+                    # are logged there, once every rank knows it went through (a sync_dist log is a
+                    # collective: logged here, it could wait for a rank that failed)
                     recorder.end_chunk(w, commit=True)
-                    recorder.flush()
+                    self._final_recorder = recorder
                     self.rows_this_step += units
                     self._fsdp_final = True
                     return _with_loss(out, loss * w if earlier is None else loss * w + earlier)
                 loss = None
+                if exc is not None:
+                    out = None   # the failed chunk's graph goes before memory is freed
                 failure = self._chunk_end(exc)
                 if failure is not None:
                     out = None
@@ -778,14 +802,21 @@ class SplitStep:
             _release_graph(loss)
         loss = None
         failure = self._chunk_end(exc)
+        recorder, self._final_recorder = self._final_recorder, None
         if failure is None:
+            if recorder is not None:
+                with _compat.logging_as(self.pl_module, "training_step"):
+                    recorder.flush()
             return None
+        recorder = None
         why = self.can_redo()
         if why is not None:
             logger.error("memguard: out of memory under FSDP2; the accumulation window cannot be redone (%s)", why)
             raise failure
         mon = self.guard.monitor
-        self._redo_window(failure, mon.split if mon is not None else 1, through_current=True, phase="backward")
+        # every rank logs this batch's values from the redo, at the same point (after the ranks agreed)
+        self._redo_window(failure, mon.split if mon is not None else 1, through_current=True, phase="backward",
+                          log_current=True)
         return None
 
     # ------------------------------------------------------------------ wrapped module methods
@@ -951,7 +982,13 @@ class SplitStep:
             pl_module.__dict__.pop("log", None)
 
     def _after_oom(self, exc: BaseException, k: int, units_left: int) -> int:
-        """Free memory after a forward OOM and return the doubled split; re-raise if none helps."""
+        """Free memory after a forward OOM and return the doubled split; re-raise if none helps, or
+        when the forwards run collectives without sync points (a retry on one rank would hang)."""
+        if self._collectives_unsynced():
+            logger.error("memguard: out of memory with several ranks whose forwards run collectives without "
+                         "OOM sync points; a retry on one rank alone would leave the others waiting, so it is "
+                         "re-raised (%s)", exc)
+            raise exc
         return self.guard.after_oom(exc, k, units_left, self.trainer.global_step)
 
     # ------------------------------------------------------------------ the optimizer

@@ -147,8 +147,9 @@ def sync_fsdp1_comms(model: Any, before) -> Optional[tuple]:
             return None
         from torch.distributed.fsdp._init_utils import HYBRID_SHARDING_STRATEGIES
 
-        if any(m.sharding_strategy in HYBRID_SHARDING_STRATEGIES or m._comm_hook is not None for m in mods):
-            return None
+        if any(m.sharding_strategy in HYBRID_SHARDING_STRATEGIES or m._comm_hook is not None
+               or m.process_group is not root.process_group for m in mods):
+            return None   # the hook reduces over the root's group with its factors
         root.register_comm_hook(_Fsdp1Reduce(root, before), _fsdp1_hook)
     except Exception:
         logger.debug("memguard: cannot register the FSDP1 communication hook", exc_info=True)
@@ -180,6 +181,14 @@ def restore_fsdp1_comms(token: tuple) -> None:
             m._comm_hook_state = None
         except Exception:
             logger.debug("memguard: cannot take the FSDP1 communication hook off", exc_info=True)
+
+
+def fsdp1_offloads_params(model: Any) -> bool:
+    """Whether an FSDP1 module of ``model`` offloads its parameters (``CPUOffload(offload_params=
+    True)``): FSDP1 then cannot sum the gradients of several synchronised backwards (its offloaded
+    ``_cpu_grad`` is overwritten by each reduce-scatter; torch's ``FullyShardedDataParallel``
+    docstring lists gradient accumulation under CPU offload as unsupported)."""
+    return any(getattr(getattr(m, "cpu_offload", None), "offload_params", False) for m in fsdp1_modules(model))
 
 
 def reset_fsdp1_after_abort(model: Any) -> bool:
@@ -217,7 +226,10 @@ def reset_fsdp1_after_abort(model: Any) -> bool:
             fp._post_backward_called = False
             kept[id(h)] = shard
         root = next((m for m in mods if getattr(m, "_is_root", False)), mods[0])
-        _post_backward_final_callback(root, root)
+        # with the sync flag on, as in the chunk: the callback then waits for the post-backward
+        # stream (an accelerator's in-flight reduce-scatter) before the window is touched
+        with fsdp1_sync_on(model):
+            _post_backward_final_callback(root, root)
         for m in mods:
             h = getattr(m, "_handle", None)
             if h is None:

@@ -134,7 +134,7 @@ class TorchGuard(RankAgreement, GuardAttributes):
         self._grads_added = False
         self._handles: List[Any] = []
         self._fsdp_hooks: Optional[Any] = None          # FsdpSyncHooks, or Fsdp1SyncHooks
-        self._fsdp1 = bool(_compat.fsdp1_modules(model))
+        self._fsdp1 = False             # set at the first chunks(): the model may be wrapped after __init__
         self._fsdp1_unsynced = False
         self._ddp = _compat.find_ddp(model)
         self._manual_reduce = False
@@ -143,6 +143,7 @@ class TorchGuard(RankAgreement, GuardAttributes):
     def _start(self, batch: Any) -> None:
         self._started = True
         model, opts = self.model, self.options
+        self._fsdp1 = bool(_compat.fsdp1_modules(model))
         self.guard.split_disabled_reason = self._why_no_split()
         if self.guard.split_disabled_reason is not None:
             logger.warning("memguard: in-place micro-batching is off: %s", self.guard.split_disabled_reason)
@@ -181,6 +182,13 @@ class TorchGuard(RankAgreement, GuardAttributes):
                     "an accumulation boundary; ZeRO keeps the window's gradients in its own buffers, which "
                     "an OOM redo cannot zero). Apply memguard's plan instead: train_micro_batch_size_per_gpu "
                     "/ k and gradient_accumulation_steps x k (docs/torch_loop.md)")
+        if accel == "DistributedType.FSDP" and not (_compat.fsdp_modules(self.model)
+                                                    or _compat.fsdp1_modules(self.model)):
+            return ("the accelerator runs FSDP but the model given to TorchGuard holds no FSDP module (pass "
+                    "the model accelerator.prepare returned)")
+        if _compat.fsdp1_offloads_params(self.model):
+            return ("FSDP1 with CPUOffload(offload_params=True) cannot sum the gradients of several "
+                    "synchronised backwards; apply memguard's plan as batch size / k and accumulation x k")
         return None
 
     def _watch_gradients(self) -> None:
@@ -225,7 +233,7 @@ class TorchGuard(RankAgreement, GuardAttributes):
         optimizer step are yielded again at a doubled k). Under DDP every chunk runs under
         ``no_sync`` and the gradients are averaged over the ranks once the batch's last chunk has
         succeeded on every rank (the ambient ``no_sync`` / ``accelerator.accumulate`` is honoured);
-        under FSDP2 every chunk reduce-scatters (docs/torch_loop.md).
+        under FSDP2 and FSDP1 every chunk reduce-scatters (docs/torch_loop.md).
 
         Raises:
             WindowOOMError: the window failed at one row per forward, or too often (every rank).

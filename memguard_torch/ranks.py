@@ -56,13 +56,19 @@ def agreed_ranges(sp: BatchSplitter, k: int, start: int, group=None) -> List[Tup
 def fsdp_after_abort(model) -> None:
     """After a chunk that failed on some rank, on every rank: FSDP2's iteration state reset and the
     unsharded gradients of the aborted backward dropped (``_compat.reset_fsdp_after_abort``; a peer
-    stopped mid-forward or mid-backward too), or FSDP1's (``_compat.reset_fsdp1_after_abort``: every
-    gradient of the window dropped, the caller redoes it), then memory freed (``free_after_oom``).
-    Never raises."""
+    stopped mid-forward or mid-backward too), or FSDP1's (``_compat.reset_fsdp1_after_abort``: the
+    completed chunks' sharded gradients kept, this chunk's dropped), then memory freed
+    (``free_after_oom``).
+
+    Raises:
+        RuntimeError: FSDP1's state could not be reset (logged there).
+    """
     if model is not None and _compat.fsdp_modules(model):
         _compat.reset_fsdp_after_abort(model)
-    elif model is not None and _compat.fsdp1_modules(model):
-        _compat.reset_fsdp1_after_abort(model)
+    elif model is not None and _compat.fsdp1_modules(model) and not _compat.reset_fsdp1_after_abort(model):
+        # this rank's FSDP1 state is unknown: going on would desynchronise its collectives from its
+        # peers'; ending the rank lets the launcher end the others
+        raise RuntimeError("memguard: FSDP1's state could not be reset after an out-of-memory error")
     free_after_oom()
 
 

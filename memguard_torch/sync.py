@@ -265,8 +265,10 @@ class Fsdp1SyncHooks:
     """Sync points in an FSDP1 (``FullyShardedDataParallel``) model's collectives: each handle's
     all-gather, after FSDP1 allocated the unsharded flat parameter, and each gradient reduction,
     after its buffers were allocated, through a communication hook doing what FSDP1's default path
-    does (``memguard_torch._compat.sync_fsdp1_comms``). FSDP1 issues no other collective in a
-    forward and backward (hybrid strategies, which all-reduce across nodes too, are not hooked).
+    does (``memguard_torch._compat.sync_fsdp1_comms``). These are FSDP1's collectives in a forward
+    and backward (hybrid strategies, which all-reduce across nodes too, are not hooked; with
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` its first iteration also all-gathers an order check, which
+    has no sync point).
 
     Args:
         model: the model holding the FSDP1 modules (the root one first).
@@ -293,6 +295,10 @@ class Fsdp1SyncHooks:
             self._token = None
 
     def _before_collective(self, kind: str) -> None:
+        if kind == "all-reduce" and self.sync.inside:
+            # NO_SHARD: autograd has already added this chunk's local gradient into the window's
+            # .grad in place, so even a stop here leaves the sum changed
+            self.sync.grads_added = True
         self.sync.point(f"before an FSDP1 {kind}")
-        if kind != "all-gather" and self.sync.inside:
+        if kind == "reduce-scatter" and self.sync.inside:
             self.sync.grads_added = True

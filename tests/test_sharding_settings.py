@@ -291,6 +291,38 @@ def test_live_fully_shard_settings(gloo_group, reshard, offload, want):
     assert _compat.fsdp2_layout(net, 2)["sharding"] == "fsdp-no-shard"
 
 
+@pytest.mark.parametrize("offload,want", [
+    (False, dict(sharding="fsdp-no-shard", fsdp_version=1)),
+    (True, dict(sharding="fsdp-no-shard", fsdp_version=1, offload="params")),
+])
+def test_live_fsdp1_settings(gloo_group, offload, want):
+    """A live FSDP1 ``FullyShardedDataParallel`` model: the layout from the root's strategy (in a
+    one-process group FSDP1 itself switches FULL_SHARD to NO_SHARD, which is what runs and what is
+    read; the 2-rank FULL_SHARD case is in integration_tests/test_torch_loop.py) and offload; under
+    parameter offload TorchGuard does not split (FSDP1 cannot sum the gradients of several
+    synchronised backwards there) and says why."""
+    strategy = "FULL_SHARD"
+    torch = gloo_group
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, ShardingStrategy
+
+    from memguard_torch import TorchGuard, _compat
+    from memguard_torch.preflight import layout_of
+
+    net = _net(torch)
+    kw = dict(sharding_strategy=getattr(ShardingStrategy, strategy), device_id=torch.device("cpu"),
+              use_orig_params=True, cpu_offload=CPUOffload(offload_params=offload))
+    net[1], net[2] = FSDP(net[1], **kw), FSDP(net[2], **kw)
+    model = FSDP(net, **kw)
+    assert _compat.fsdp1_layout(model, 2) == want
+    assert layout_of(model, None, 2) == want
+    assert _compat.fsdp1_layout(net[0], 2) == {}          # a plain module holds no FSDP1 unit
+    assert _compat.fsdp1_offloads_params(model) is offload
+    guard = TorchGuard(model, torch.optim.AdamW(model.parameters()), budget_gib=16, monitor_interval_s=0,
+                       preflight=False, leak_detector=False)
+    why = guard._why_no_split()
+    assert (why is not None and "offload" in why) if offload else why is None
+
+
 # --- the CLI's --deepspeed ----------------------------------------------------------------------
 
 

@@ -9,8 +9,9 @@ usage: python -m torch.distributed.run --nproc_per_node=2 lightning_fsdp2_worker
 * ``split``: guarded (its preflight on with a 64 GiB budget: it changes nothing, and ``layout``
   records what it read); rank 0 alone asks for k=2 at batch 1 (mid window) and k=4 at batch 4.
 * ``oom-ref``: unguarded, no limit, a wider model and rows up to 256 tokens (eager attention:
-  activations dominate a rank's growth), batch 8 per rank, 3 steps; records VmSize at train start
-  and VmPeak at the end (the test places its limit from them).
+  activations dominate a rank's growth), batch 8 per rank, 3 steps, the loss logged with
+  ``sync_dist=True``; records VmSize at train start, VmPeak at the end (the test places its limit
+  from them) and the loss logged after each batch.
 * ``oom:HEADROOM`` / ``oom-none:HEADROOM``: as ``oom-ref``, but rank 1 alone sets ``RLIMIT_AS`` to
   its VmSize at train start plus HEADROOM bytes, so torch's CPU allocator really fails there;
   guarded (the monitor's step sample off, so the OOM path is what acts) or unguarded.
@@ -42,6 +43,16 @@ class ShardedLM(TinyLM):
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+
+
+class SyncLoggedLM(ShardedLM):
+    """Logs its loss with ``sync_dist=True`` (an all-reduce on the default group at each log call):
+    a rank that logged while a peer was stopped by an OOM would wait for it."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.compute_loss(batch)
+        self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+        return loss
 
 
 def full_params(module) -> dict:
@@ -95,7 +106,7 @@ def main() -> None:
         cbs = [guard, rec]
     limit = Limit(int(headroom or 0))
     cbs.append(limit)
-    module = ShardedLM(total_steps=steps)
+    module = (SyncLoggedLM if long_rows else ShardedLM)(total_steps=steps)
     loader = make_loader(batch_size=4)
     if long_rows:
         module.model = llama(VOCAB, hidden=64, layers=4, max_positions=256, seed=0)
@@ -111,7 +122,7 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
     params = full_params(module)
     r = {"params": params, "batches": rec.batches, "lr": rec.lrs, "global_step": trainer.global_step,
-         "base_vmsize": limit.base, "vmpeak": peak}
+         "base_vmsize": limit.base, "vmpeak": peak, "logged": rec.logged_losses}
     if guard is not None:
         r.update(split_disabled=guard.split_disabled_reason, samples_per_step=list(guard.samples_per_step),
                  layout=preflight_layout(guard.preflight, "fsdp_version"), oom_retries=guard.oom_retries,

@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from memguard_core.stats import process_file_resident_bytes
 from memguard_lightning import MemGuardCallback
 from memguard_testing.scripts.preflight_run import BATCH, STEPS, Rows
 
@@ -53,6 +54,7 @@ def main() -> None:
         "measured_peak": guard.summary["measured_peak_bytes"], "final_split": guard.monitor.split,
         "global_step": trainer.global_step, "samples_per_step": guard.samples_per_step,
         "forward_rows": sorted(set(guard.micro_batch_rows)), "events": guard.events,
+        "file_at_preflight": pf.plan.train_spec.resident_file_bytes, "file_at_end": process_file_resident_bytes(),
     }))
 
 

@@ -13,6 +13,7 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
+from memguard_core.stats import process_file_resident_bytes
 from memguard_hf import MemGuardCallback
 
 ROWS, SEQ, BATCH, STEPS = 96, 256, 16, 3
@@ -52,6 +53,7 @@ def main() -> None:
         "measured_peak": guard.summary["measured_peak_bytes"], "final_split": guard.monitor.split,
         "global_step": trainer.state.global_step, "samples_per_step": guard.samples_per_step,
         "forward_rows": sorted(set(guard.micro_batch_rows)), "events": guard.events,
+        "file_at_preflight": pf.plan.train_spec.resident_file_bytes, "file_at_end": process_file_resident_bytes(),
     }))
 
 

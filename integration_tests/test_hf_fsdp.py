@@ -106,12 +106,15 @@ def test_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version):
     unguarded twin dies; the guarded run (monitor's step sample off, so the OOM path acts) finishes
     every step on both ranks within the timeout (a rank left in a collective would hang), rank 1's
     errors are the allocator's own, rank 0 learnt of them at a sync point before one of its FSDP
-    collectives, and the parameters are the unlimited run's."""
+    collectives, and the parameters are the unlimited run's. (The unguarded twin runs under FSDP2
+    only, to keep CI's time: under FSDP1 rank 1's errors, the allocator's own, show the limit
+    bites.)"""
     v = "" if version == "2" else "1"
     ref_p, ref = _run(tmp_path / "ref", f"oom-ref{v}")
     headroom = int(0.7 * (ref[1]["vmpeak"] - ref[1]["base_vmsize"]))
-    rc, log = _launch(tmp_path / "none", f"oom-none{v}:{headroom}")
-    assert rc != 0 and "can't allocate memory" in log, log[-6000:]
+    if version == "2":
+        rc, log = _launch(tmp_path / "none", f"oom-none{v}:{headroom}")
+        assert rc != 0 and "can't allocate memory" in log, log[-6000:]
     oom_p, oom = _run(tmp_path / "oom", f"oom{v}:{headroom}")
     errors = oom[1]["oom_errors"]
     assert errors and all("can't allocate memory" in e for e in errors), errors

@@ -45,10 +45,15 @@ Not split (a warning says so and what to do instead; preflight and the monitor s
 * **DeepSpeed** (``strategy.handles_gradient_accumulation``): the engine counts micro-steps; extra
   backward calls would break its accumulation. Apply the plan instead: dataloader batch size / k,
   ``accumulate_grad_batches`` x k (the exact numbers are logged).
-* **FSDP1** (``FSDPStrategy``): the chunks would run inside the root FSDP forward before its
-  backward hooks exist; not validated here. Same alternative as DeepSpeed. FSDP2
-  (``ModelParallelStrategy``) splits in place: each chunk's backward reduce-scatters, and an OOM
-  on one rank is redone by every rank (``memguard_lightning.split_step``, "Under FSDP2").
+* **FSDP1 with parameter offload** (``FSDPStrategy(cpu_offload=True)``): FSDP1 keeps one offloaded
+  gradient per step, so chunks that each reduce-scatter would overwrite each other's. Same
+  alternative as DeepSpeed.
+
+FSDP2 (``ModelParallelStrategy``) and FSDP1 (``FSDPStrategy``) split in place: each chunk's
+backward reduce-scatters, and an OOM on one rank is redone by every rank
+(``memguard_lightning.split_step``, "Under FSDP"). Under ``FSDPStrategy`` Lightning runs
+``training_step`` inside the root FSDP1 module's forward, so memguard wraps the strategy's
+``training_step`` instead of the module's: each micro-batch is a forward of the root of its own.
 
 Lightning-private names are in ``memguard_lightning._compat``.
 """
@@ -153,7 +158,12 @@ class MemGuardCallback(GuardAttributes, Callback):
             return
         step = self.step
         if step.orig_training_step is None:
-            step.orig_training_step = pl_module.training_step
+            # under FSDP1 the module's training_step runs inside the root FSDP forward (Lightning's
+            # forward redirection); each micro-batch must be a root forward of its own, so the
+            # strategy's training_step is the one wrapped there
+            owner = trainer.strategy if _is_fsdp1_strategy(trainer.strategy) else pl_module
+            step.step_owner = owner
+            step.orig_training_step = owner.training_step
             step.orig_zero_grad = pl_module.optimizer_zero_grad
             step.orig_backward = pl_module.backward
 
@@ -164,7 +174,7 @@ class MemGuardCallback(GuardAttributes, Callback):
                 return self._guarded_zero_grad(epoch, batch_idx, optimizer, *args, **kwargs)
 
             # functools: Lightning reads the signature of the original through __wrapped__
-            pl_module.training_step = functools.update_wrapper(training_step, step.orig_training_step)
+            owner.training_step = functools.update_wrapper(training_step, step.orig_training_step)
             pl_module.optimizer_zero_grad = functools.update_wrapper(optimizer_zero_grad, step.orig_zero_grad)
 
             def backward(loss, *args, **kwargs):
@@ -180,7 +190,10 @@ class MemGuardCallback(GuardAttributes, Callback):
         if self.step.orig_training_step is not None:
             for name in ("training_step", "optimizer_zero_grad", "backward"):
                 pl_module.__dict__.pop(name, None)  # back to the class's methods
+            if self.step.step_owner is not None:
+                self.step.step_owner.__dict__.pop("training_step", None)
             self.step.orig_training_step = self.step.orig_zero_grad = self.step.orig_backward = None
+            self.step.step_owner = None
         self.step.release()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
@@ -198,10 +211,13 @@ class MemGuardCallback(GuardAttributes, Callback):
             return ("DeepSpeed counts micro-steps inside its engine; extra backward calls would break its "
                     "gradient accumulation. Apply memguard's plan instead: dataloader batch_size / k and "
                     "accumulate_grad_batches x k (logged by the preflight)")
-        if "FSDP" in name:
-            return ("FSDP: chunks would run inside the root FSDP forward, before its backward hooks exist "
-                    "(not validated). Apply memguard's plan instead: dataloader batch_size / k and "
-                    "accumulate_grad_batches x k (logged by the preflight)")
+        if _is_fsdp1_strategy(strategy) and getattr(getattr(strategy, "cpu_offload", None), "offload_params", False):
+            return ("FSDP1 with parameter offload keeps one offloaded gradient per step, which micro-batches "
+                    "that each reduce-scatter would overwrite. Apply memguard's plan instead: dataloader "
+                    "batch_size / k and accumulate_grad_batches x k (logged by the preflight)")
+        if "FSDP" in name and not _is_fsdp1_strategy(strategy):
+            return ("an FSDP strategy memguard does not know (%s). Apply memguard's plan instead: dataloader "
+                    "batch_size / k and accumulate_grad_batches x k (logged by the preflight)" % name)
         return None
 
     # ------------------------------------------------------------------ start (first batch)
@@ -237,7 +253,7 @@ class MemGuardCallback(GuardAttributes, Callback):
         if not self._started:
             self._start(trainer, pl_module, batch)
         if self.step.orig_training_step is None and self.guard.monitor is not None:
-            # not splitting (manual optimization, DeepSpeed, FSDP): still sample memory and count
+            # not splitting (manual optimization, DeepSpeed, FSDP1 offload): still sample memory and count
             # rows per optimizer step
             self.guard.monitor.step_sample(trainer.global_step)
             self.step.rows_this_step += batch_units(batch)
@@ -299,3 +315,12 @@ class MemGuardCallback(GuardAttributes, Callback):
 
     def _guarded_zero_grad(self, epoch, batch_idx, optimizer, *args, **kwargs):
         return self.step.zero_grad(epoch, batch_idx, optimizer, *args, **kwargs)
+
+
+def _is_fsdp1_strategy(strategy: Any) -> bool:
+    """Lightning's ``FSDPStrategy`` (FSDP1, ``FullyShardedDataParallel``) or a subclass of it."""
+    try:
+        from lightning.pytorch.strategies import FSDPStrategy
+    except Exception:
+        return False
+    return isinstance(strategy, FSDPStrategy)

@@ -196,7 +196,9 @@ def eval_split_reason(trainer) -> Optional[str]:
     if getattr(trainer.strategy, "handles_gradient_accumulation", False) or "DeepSpeed" in name:
         return "DeepSpeed runs the module inside its engine (not validated)"
     if "FSDP" in name:
-        return "FSDP: chunks would run inside the root FSDP forward (not validated)"
+        # every evaluation forward all-gathers; an evaluation OOM retried on one rank would leave the
+        # others waiting, and the split has no OOM sync points
+        return "FSDPStrategy: every evaluation forward runs FSDP collectives (not validated)"
     if int(getattr(trainer, "world_size", 1) or 1) > 1 and "ModelParallel" in name:
         # FSDP2 / tensor parallel: every forward runs collectives, so a rank retrying a batch at a
         # finer cut alone would leave the others waiting

@@ -90,8 +90,8 @@ rule, docs/lifecycle.md "Ranks agree"; docs/lightning.md "Under DDP"):
   averaged once (``memguard_core.torch_train.average_ddp_gradients``) before ``on_after_backward``
   and clipping, and DDP's buffer broadcast is armed for the next forward.
 
-Under FSDP2: every micro-batch between the OOM sync points
----------------------------------------------------------
+Under FSDP: every micro-batch between the OOM sync points
+--------------------------------------------------------
 With several ranks and ``fully_shard`` modules (``ModelParallelStrategy`` with a tensor-parallel
 size of 1: tensor-parallel collectives have no sync points, and there an OOM is re-raised) every
 forward and backward runs FSDP collectives, so a rank that retries alone would leave the others
@@ -112,6 +112,18 @@ resets FSDP's iteration state (``fsdp_after_abort``) and redoes the window throu
 Lightning's backward of it skipped, its zero_grad of the window start too) or in ``backward``. The redo's micro-batches run between the
 sync points as well, so a failure during a redo is redone again by every rank, and a
 ``WindowOOMError`` is raised by every rank alike.
+
+FSDP1 (``FSDPStrategy``) runs the same step, with two differences. Lightning calls
+``training_step`` inside the root ``FullyShardedDataParallel``'s forward (its forward redirection):
+a micro-batch's backward there would fire the root's post-backward hook before the root's
+pre-backward hook ran (FSDP1 asserts on it) and reshard parameters the next micro-batch's forward
+still uses. The callback therefore wraps the strategy's ``training_step`` (``step_owner``), so each
+micro-batch is one root forward, and the step's "original" is the strategy's method. And Lightning
+runs a window's earlier batches in ``strategy.block_backward_sync()``, FSDP1's ``no_sync`` for an
+FSDP1 root: each micro-batch turns FSDP1's gradient sync back on (``_fsdp1_sync``), so every
+micro-batch reduce-scatters; the sync points are ``Fsdp1SyncHooks``, the reset after an abort
+``fsdp_after_abort`` on the root, which holds flat parameters of its own (the redo zeroes the
+root's gradients, not only the module's). One process runs the same step without flags.
 
 The optimizer step: AdamW's states are allocated before the first forward
 (``memguard_core.optim_state.preallocate_optimizer_state``, see ``prepare_optimizers``), so the
@@ -149,7 +161,7 @@ from memguard_core.optim_state import prepare_optimizer
 from memguard_core.options import GuardOptions
 from memguard_torch import _compat as torch_compat
 from memguard_torch.ranks import agreed_ranges, fsdp_after_abort
-from memguard_torch.sync import FsdpSyncHooks, OomSync, PeerOutOfMemoryError
+from memguard_torch.sync import Fsdp1SyncHooks, FsdpSyncHooks, OomSync, PeerOutOfMemoryError
 
 from . import _compat
 from .batch import LabelKey, LightningBatchSplitter, batch_units
@@ -258,7 +270,7 @@ def _with_loss(out: Any, loss: torch.Tensor) -> Any:
 def is_oom(exc: BaseException) -> bool:
     """True for an out-of-memory error of torch that a re-split may get past: Lightning's
     ``is_oom_error`` (CUDA OOM, cuDNN's not-supported snafu, the CPU allocator's "can't allocate
-    memory"), ``torch.OutOfMemoryError``, or another FSDP2 rank's (``PeerOutOfMemoryError``,
+    memory"), ``torch.OutOfMemoryError``, or another FSDP rank's (``PeerOutOfMemoryError``,
     raised at a sync point); never memguard's own errors (a ``WindowOOMError`` quotes the
     allocator's message but means that splitting has already failed)."""
     if isinstance(exc, MemGuardError):
@@ -311,6 +323,7 @@ class SplitStep:
         self.trainer = None
         self.pl_module = None
         self.orig_training_step = None
+        self.step_owner = None          # what training_step was wrapped on: the module, or the FSDP1 strategy
         self.orig_zero_grad = None
         self.orig_backward = None
         self.rows_this_step = 0
@@ -326,14 +339,16 @@ class SplitStep:
         self._ddp_found: Any = None     # the fit's DDP module (False: none, or not averaged by memguard)
         self._sync_was: Optional[bool] = None  # DDP's require_backward_grad_sync before memguard turned it off
         self._pending: Optional[BaseException] = None  # a chunk's backward OOM awaiting the ranks' agreement
-        self._fsdp_sync: Optional[OomSync] = None  # FSDP2 with several ranks: the run's OOM sync points
-        self._fsdp_hooks: Optional[FsdpSyncHooks] = None
+        self._fsdp_sync: Optional[OomSync] = None  # FSDP with several ranks: the run's OOM sync points
+        self._fsdp_hooks: Any = None    # FsdpSyncHooks (FSDP2) or Fsdp1SyncHooks
+        self._fsdp_model: Any = None    # what FSDP's reset after an abort walks: the module, or FSDP1's root
+        self._fsdp_v1 = False           # FSDP1 under FSDPStrategy: every micro-batch with FSDP1's sync on
         self._fsdp_checked = False
         self._fsdp_final = False        # the batch's last micro-batch ends in Lightning's backward
         self._skip_backward = False     # the batch was redone in training_step: Lightning's backward is not run
         self._redone_loss = None        # the current batch's loss from a redo (_redo_window(log_current=True))
-        self._final_recorder: Optional[_LogRecorder] = None  # FSDP2: the batch's values, logged after its backward
-        self.oom_errors: List[str] = []  # out-of-memory errors met under FSDP2 (this rank's, or a peer's)
+        self._final_recorder: Optional[_LogRecorder] = None  # FSDP: the batch's values, logged after its backward
+        self.oom_errors: List[str] = []  # out-of-memory errors met under FSDP (this rank's, or a peer's)
 
     # ------------------------------------------------------------------ bookkeeping
     def end_batch(self) -> None:
@@ -438,8 +453,8 @@ class SplitStep:
         self._ddp_found = None
         if self._fsdp_hooks is not None:
             self._fsdp_hooks.remove()     # FSDP gets its comms back
-        self._fsdp_sync = self._fsdp_hooks = None
-        self._fsdp_checked = self._fsdp_final = self._skip_backward = False
+        self._fsdp_sync = self._fsdp_hooks = self._fsdp_model = None
+        self._fsdp_checked = self._fsdp_final = self._skip_backward = self._fsdp_v1 = False
 
     def can_redo(self) -> Optional[str]:
         """Why the accumulation window cannot be redone now (None: it can)."""
@@ -462,7 +477,7 @@ class SplitStep:
         agreed over the ranks) and run the window's kept batches again, all their micro-batches'
         forwards and backwards by memguard: the earlier batches, and the current one too when
         ``through_current`` (a failure in Lightning's own backward of it, or any failure under DDP
-        or FSDP2). After each attempt the ranks agree whether every one went through
+        or FSDP). After each attempt the ranks agree whether every one went through
         (``Guard.agree_redo``; this rank's own answer in one process); if not, all redo again at a
         larger k. ``log_current``: the current batch's ``self.log`` values (not logged yet: its first
         attempt failed in ``training_step``) are recorded in the attempt that goes through and
@@ -472,7 +487,8 @@ class SplitStep:
         rows = max([batch_units(b) for b, _, _ in self._window] + [1])
         phase = phase or self._phase
         while True:
-            self.pl_module.zero_grad(set_to_none=True)
+            # FSDP1's root holds flat parameters of its own, outside the LightningModule it wraps
+            (self._fsdp_model or self.pl_module).zero_grad(set_to_none=True)
             k = self.guard.after_window_oom(failure, k, rows, self.trainer.global_step,
                                             redos=self.window_redos, phase=phase)
             failure = recorder = None
@@ -499,7 +515,7 @@ class SplitStep:
 
     def _run_whole(self, batch, args, kwargs, k: int, recorder: Optional[_LogRecorder] = None):
         """Forward and backward of every micro-batch of a kept window batch; its logs discarded
-        (they were logged when it first ran), or kept in ``recorder``. Under FSDP2 with several
+        (they were logged when it first ran), or kept in ``recorder``. Under FSDP with several
         ranks every micro-batch runs between the OOM sync points (:meth:`_chunk_begin` /
         :meth:`_chunk_end`), the chunks agreed by every rank. Returns the batch's loss (the chunks'
         weighted sum, detached; None when the step returns no loss)."""
@@ -524,9 +540,11 @@ class SplitStep:
                 exc = None
                 self._chunk_begin()
                 try:
-                    loss = _loss_of(orig(chunk, *args, **kwargs))
+                    with self._fsdp1_sync():
+                        loss = _loss_of(orig(chunk, *args, **kwargs))
+                        if loss is not None:
+                            self._backward(loss * (w / accum), optimizer)
                     if loss is not None:
-                        self._backward(loss * (w / accum), optimizer)
                         part = loss.detach() * w
                         total = part if total is None else total + part
                 except Exception as e:
@@ -549,11 +567,12 @@ class SplitStep:
 
     def _backward(self, loss, optimizer) -> None:
         """A backward memguard runs itself: through ``strategy.backward`` (the precision plugin's
-        loss scaling, the backward hooks), under ``no_sync``."""
+        loss scaling, the backward hooks), under ``no_sync`` (DDP); under FSDP1 with FSDP1's
+        gradient sync on instead (:meth:`_fsdp1_sync`)."""
         self._phase = "backward"
         self._own_backward = True
         try:
-            with _no_sync(self.trainer.strategy):
+            with self._fsdp1_sync() if self._fsdp_v1 else _no_sync(self.trainer.strategy):
                 self.trainer.strategy.backward(loss, optimizer)
         finally:
             self._own_backward = False
@@ -641,15 +660,36 @@ class SplitStep:
             self.ddp_averages += 1
         return None
 
-    # ------------------------------------------------------------------ FSDP2
+    # ------------------------------------------------------------------ FSDP
     def _fsdp_for_fit(self) -> Optional[OomSync]:
-        """The fit's ``OomSync`` when the module holds ``fully_shard`` modules and the fit runs on
-        several ranks (``ModelParallelStrategy``), else None. At the first call (the first guarded
-        training batch, on every rank alike: the flag group is made collectively) the sync points go
-        into FSDP's comms (``memguard_torch.sync.FsdpSyncHooks``); ``release`` takes them out."""
+        """The fit's ``OomSync`` when the fit runs on several ranks and the module holds
+        ``fully_shard`` modules (``ModelParallelStrategy``) or the strategy wrapped it in FSDP1
+        (``FSDPStrategy``), else None. At the first call (the first guarded training batch, on
+        every rank alike: the flag group is made collectively) the sync points go into FSDP's comms
+        (``memguard_torch.sync.FsdpSyncHooks`` / ``Fsdp1SyncHooks``); ``release`` takes them out.
+        FSDP1 without sync points (a hybrid strategy, a communication hook of the user's): None,
+        and an OOM is re-raised (``_collectives_unsynced``)."""
         if not self._fsdp_checked:
             self._fsdp_checked = True
-            if int(getattr(self.trainer, "world_size", 1) or 1) > 1 and torch_compat.fsdp_modules(self.pl_module):
+            several = int(getattr(self.trainer, "world_size", 1) or 1) > 1
+            root = getattr(self.trainer.strategy, "model", None)
+            if self.step_owner is self.trainer.strategy and torch_compat.fsdp1_modules(root):
+                self._fsdp_model, self._fsdp_v1 = root, True
+                if not several:
+                    # one process: no flags to exchange, but the same step (an aborted FSDP1
+                    # backward is reset before the window is redone)
+                    self._fsdp_sync = OomSync(None)
+                else:
+                    sync = OomSync(flag_group())
+                    hooks = Fsdp1SyncHooks(root, sync)
+                    if hooks.installed:
+                        self._fsdp_sync, self._fsdp_hooks = sync, hooks
+                    else:
+                        logger.warning("memguard: FSDP1 without OOM sync points (a hybrid sharding strategy or a "
+                                       "communication hook of its own): an out-of-memory error is raised, not "
+                                       "redone")
+            elif several and torch_compat.fsdp_modules(self.pl_module):
+                self._fsdp_model = self.pl_module
                 tp = _compat.tensor_parallel_size(self.trainer.strategy)
                 if "ModelParallel" in type(self.trainer.strategy).__name__ and tp != 1:
                     # tensor-parallel collectives have no sync points: an OOM is raised, not redone
@@ -662,19 +702,30 @@ class SplitStep:
         return self._fsdp_sync
 
     def _collectives_unsynced(self) -> bool:
-        """Several ranks whose forwards run collectives (FSDP2, tensor parallelism) without memguard's
-        sync points: a rank retrying a forward alone would leave its peers waiting."""
+        """Several ranks whose forwards run collectives (FSDP2, FSDP1, tensor parallelism) without
+        memguard's sync points: a rank retrying a forward alone would leave its peers waiting."""
         if self._fsdp_sync is not None or int(getattr(self.trainer, "world_size", 1) or 1) <= 1:
             return False
-        return bool(torch_compat.fsdp_modules(self.pl_module)) or "ModelParallel" in type(self.trainer.strategy).__name__
+        return (self._fsdp_model is not None or bool(torch_compat.fsdp_modules(self.pl_module))
+                or "ModelParallel" in type(self.trainer.strategy).__name__)
+
+    def _fsdp1_sync(self):
+        """Under FSDP1: FSDP1's gradient sync on for a micro-batch (``torch_compat.fsdp1_sync_on``).
+        Lightning runs a window's earlier batches inside ``strategy.block_backward_sync()``, which
+        for an FSDP1 root is FSDP1's ``no_sync`` (Lightning's ``DistributedDataParallel`` protocol
+        matches any module with a ``no_sync``): unsharded gradients kept until the window's last
+        backward, the memory a split is meant to save. With it on, every micro-batch
+        reduce-scatters. A no-op otherwise."""
+        return torch_compat.fsdp1_sync_on(self._fsdp_model) if self._fsdp_v1 else contextlib.nullcontext()
 
     def _chunk_begin(self) -> None:
-        """A micro-batch begins between the FSDP2 sync points (a no-op without them)."""
+        """A micro-batch begins between the FSDP sync points (a no-op without them)."""
         sync = self._fsdp_sync
         if sync is None:
             return
         sync.grads_added = False
-        self._fsdp_hooks.new_chunk()
+        if self._fsdp_hooks is not None:
+            self._fsdp_hooks.new_chunk()
         sync.inside = sync.group is not None
 
     def _chunk_abandoned(self) -> None:
@@ -684,7 +735,7 @@ class SplitStep:
             self._fsdp_sync.inside = False
 
     def _chunk_end(self, exc: Optional[BaseException]) -> Optional[BaseException]:
-        """The end of a micro-batch under FSDP2 with several ranks: ``exc`` this rank's
+        """The end of a micro-batch under FSDP with several ranks: ``exc`` this rank's
         out-of-memory error (None: it went through); every rank learns whether any failed
         (``OomSync.end``). Returns None when none did, else the failure to redo the window for
         (this rank's error, or a ``PeerOutOfMemoryError``), FSDP's state reset and memory freed
@@ -698,12 +749,12 @@ class SplitStep:
         top, _low = sync.end(0 if exc is None else (2 if sync.grads_added else 1))
         if top == 0:
             return None
-        fsdp_after_abort(self.pl_module)
+        fsdp_after_abort(self._fsdp_model)
         return exc if exc is not None else PeerOutOfMemoryError("at the end of a micro-batch")
 
     def _fsdp_step(self, batch, args, kwargs, k: int, batch_idx: int):
-        """The batch under FSDP2 with several ranks (module doc, "Under FSDP2"): its micro-batches
-        agreed by every rank (``agreed_ranges``), each forward and backward between the OOM sync
+        """The batch under FSDP with several ranks (FSDP1: one rank too; module doc, "Under FSDP"):
+        its micro-batches agreed by every rank (``agreed_ranges``), each forward and backward between the OOM sync
         points, every backward reduce-scattering; the last micro-batch's backward is Lightning's,
         ended in :meth:`_fsdp_backward`. An out-of-memory error on any rank, learnt by every rank at
         the end of the micro-batch, makes every rank redo the window, this batch included (here,
@@ -732,11 +783,13 @@ class SplitStep:
                 exc = out = loss = None
                 self._chunk_begin()
                 try:
-                    out = orig(chunk, *args, **kwargs)
-                    loss = _loss_of(out)
+                    with self._fsdp1_sync():
+                        out = orig(chunk, *args, **kwargs)
+                        loss = _loss_of(out)
+                        if loss is not None and not final:
+                            self._chunk_grads_for = batch_idx
+                            self._backward(loss * (w / accum), optimizer)
                     if loss is not None and not final:
-                        self._chunk_grads_for = batch_idx
-                        self._backward(loss * (w / accum), optimizer)
                         part = loss.detach() * w
                         earlier = part if earlier is None else earlier + part
                 except Exception as e:
@@ -773,7 +826,7 @@ class SplitStep:
         recorder = earlier = None   # logged values may hold the failed micro-batch's graph
         why = self.can_redo()
         if why is not None:
-            logger.error("memguard: out of memory under FSDP2; the accumulation window cannot be redone (%s)", why)
+            logger.error("memguard: out of memory under FSDP; the accumulation window cannot be redone (%s)", why)
             raise failure
         self._redo_window(failure, k, through_current=True, log_current=True,
                           phase="backward" if sync.grads_added else "forward")
@@ -784,7 +837,7 @@ class SplitStep:
         return loss
 
     def _fsdp_backward(self, loss, *args, **kwargs):
-        """Lightning's backward of the batch's last micro-batch under FSDP2 with several ranks, still
+        """Lightning's backward of the batch's last micro-batch under FSDP with several ranks, still
         between the sync points its forward began: at its end every rank learns whether any failed;
         on a failure every rank redoes the window, this batch included (its values were logged
         when its forward went through), and Lightning goes on with complete gradients."""
@@ -792,7 +845,8 @@ class SplitStep:
         self._phase = "backward"
         exc = None
         try:
-            self.orig_backward(loss, *args, **kwargs)
+            with self._fsdp1_sync():
+                self.orig_backward(loss, *args, **kwargs)
         except Exception as e:
             if not is_oom(e):
                 self._chunk_abandoned()
@@ -811,7 +865,7 @@ class SplitStep:
         recorder = None
         why = self.can_redo()
         if why is not None:
-            logger.error("memguard: out of memory under FSDP2; the accumulation window cannot be redone (%s)", why)
+            logger.error("memguard: out of memory under FSDP; the accumulation window cannot be redone (%s)", why)
             raise failure
         mon = self.guard.monitor
         # every rank logs this batch's values from the redo, at the same point (after the ranks agreed)
@@ -833,7 +887,7 @@ class SplitStep:
         """``LightningModule.backward``: Lightning's own backward of the batch's (final micro-batch's)
         loss. An out-of-memory error there redoes the window's batches, this one included, at a
         larger k, all by memguard; Lightning then goes on with the gradients complete (under DDP
-        with every rank: ``_ddp_backward``; under FSDP2: ``_fsdp_backward``)."""
+        with every rank: ``_ddp_backward``; under FSDP: ``_fsdp_backward``)."""
         if self._own_backward:
             return self.orig_backward(loss, *args, **kwargs)
         if self._skip_backward:

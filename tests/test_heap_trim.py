@@ -37,7 +37,7 @@ def test_step_end_returns_the_holes_of_the_heap():
 
 
 def test_step_end_trims_when_the_adapter_samples_outside_batch_boundaries():
-    # Lightning's non-splitting paths (DeepSpeed, FSDPStrategy, manual optimization) sample memory
+    # Lightning's non-splitting paths (DeepSpeed, FSDP1 offload, manual optimization) sample memory
     # themselves; their step ends must still return the holes, as the estimate assumes
     got = _step("unsampled")
     assert got["before"] - got["after"] > 40 * 2**20

@@ -43,3 +43,24 @@ def test_sync_flags_set_and_put_back():
     assert _compat.ddp_sync_off(object()) is None          # no flag: nothing changed, memguard does not average
     _compat.ddp_sync_restore(object.__new__(object), True)  # never raises
     _compat.ddp_buffers_at_next_forward(object())
+
+
+def test_fsdp_strategies_split_or_name_the_plan():
+    """Lightning's real strategy objects: ``FSDPStrategy`` (FSDP1) splits in place (its
+    ``training_step`` is the one wrapped, integration_tests/test_lightning_fsdp.py), except with
+    parameter offload, where the reason names the plan; DDP splits."""
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    from memguard_lightning.callback import MemGuardCallback, _is_fsdp1_strategy
+
+    module = types.SimpleNamespace(automatic_optimization=True)
+
+    def why(strategy):
+        return MemGuardCallback._why_no_split(types.SimpleNamespace(strategy=strategy), module)
+
+    assert _is_fsdp1_strategy(FSDPStrategy()) and not _is_fsdp1_strategy(DDPStrategy())
+    assert why(FSDPStrategy()) is None
+    assert why(FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")) is None
+    reason = why(FSDPStrategy(cpu_offload=True))
+    assert "parameter offload" in reason and "accumulate_grad_batches x k" in reason
+    assert why(DDPStrategy()) is None

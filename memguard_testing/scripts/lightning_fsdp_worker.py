@@ -1,11 +1,14 @@
-"""One rank of a 2-process gloo Lightning fit under ``ModelParallelStrategy`` (FSDP2: the module's
-``configure_model`` applies ``fully_shard`` to every decoder block and the model over the
-``data_parallel`` mesh dimension), for integration_tests/test_lightning_fsdp2.py.
+"""One rank of a 2-process gloo Lightning fit under FSDP, for integration_tests/test_lightning_fsdp.py:
+``ModelParallelStrategy`` (FSDP2: the module's ``configure_model`` applies ``fully_shard`` to every
+decoder block and the model over the ``data_parallel`` mesh dimension), or, with
+``MEMGUARD_TEST_FSDP_VERSION=1``, ``FSDPStrategy`` (FSDP1: every decoder layer auto-wrapped, the
+model wrapped at the root, full shard; Lightning's defaults otherwise, ``use_orig_params=True``
+included; no gradient clipping, which ``FSDPPrecision`` refuses by norm).
 
-usage: python -m torch.distributed.run --nproc_per_node=2 lightning_fsdp2_worker.py MODE OUT_DIR
+usage: python -m torch.distributed.run --nproc_per_node=2 lightning_fsdp_worker.py MODE OUT_DIR
 
-* ``plain``: unguarded, Lightning's own FSDP2 run (batch 4 per rank, accumulation 2, 4 steps,
-  gradient clipping at norm 1).
+* ``plain``: unguarded, Lightning's own FSDP run (batch 4 per rank, accumulation 2, 4 steps,
+  gradient clipping at norm 1 under FSDP2).
 * ``split``: guarded (its preflight on with a 64 GiB budget: it changes nothing, and ``layout``
   records what it read); rank 0 alone asks for k=2 at batch 1 (mid window) and k=4 at batch 4.
 * ``oom-ref``: unguarded, no limit, a wider model and rows up to 256 tokens (eager attention:
@@ -17,8 +20,9 @@ usage: python -m torch.distributed.run --nproc_per_node=2 lightning_fsdp2_worker
   guarded (the monitor's step sample off, so the OOM path is what acts) or unguarded.
 
 Saves ``OUT_DIR/{mode}_rank{r}.pt`` (mode without its headroom): the full (all-gathered)
-parameters, the forward sizes per batch, the LR per step, the global step and, guarded, the
-guard's figures. ``MEMGUARD_TEST_DUMP_AFTER_S``: a hang dumps every thread's stack and exits.
+parameters, the forward sizes per batch, the LR per step, the global step, the gradient
+reduce-scatters FSDP1 issued and, guarded, the guard's figures. ``MEMGUARD_TEST_DUMP_AFTER_S``: a
+hang dumps every thread's stack and exits.
 """
 
 import os
@@ -27,7 +31,7 @@ import sys
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from memguard_lightning import MemGuardCallback
 from memguard_testing.hf_tiny import VOCAB, RowsDataset, llama, pad_collate
@@ -45,19 +49,55 @@ class ShardedLM(TinyLM):
         fully_shard(self.model, mesh=mesh)
 
 
-class SyncLoggedLM(ShardedLM):
-    """Logs its loss with ``sync_dist=True`` (an all-reduce on the default group at each log call):
-    a rank that logged while a peer was stopped by an OOM would wait for it."""
+class CpuFSDPStrategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` on CPU ranks: the thinnest stand-in for a GPU found. Lightning's
+    accelerator connector refuses an ``FSDPStrategy`` on a non-CUDA accelerator
+    (``_check_strategy_and_fallback`` tests ``type(strategy) is FSDPStrategy``; a subclass passes),
+    and ``_setup_model`` passes ``device_id=root_device.index``, which is a GPU's index and None on
+    CPU, where FSDP1 then refuses ("FSDP needs a non-CPU accelerator device"): here the wrap gets
+    ``torch.device("cpu")`` instead, everything else is Lightning's and FSDP1's own."""
 
-    def training_step(self, batch, batch_idx):
-        loss = self.compute_loss(batch)
-        self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
-        return loss
+    def _setup_model(self, model):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        init = FSDP.__init__
+
+        def cpu_init(fsdp, *args, **kwargs):
+            if kwargs.get("device_id") is None:
+                kwargs["device_id"] = torch.device("cpu")
+            init(fsdp, *args, **kwargs)
+
+        FSDP.__init__ = cpu_init
+        try:
+            return super()._setup_model(model)
+        finally:
+            FSDP.__init__ = init
 
 
-def full_params(module) -> dict:
-    """Every parameter whole (``DTensor.full_tensor()``: an all-gather on every rank)."""
+def _sync_logged(base):
+    class SyncLoggedLM(base):
+        """Logs its loss with ``sync_dist=True`` (an all-reduce on the default group at each log
+        call): a rank that logged while a peer was stopped by an OOM would wait for it."""
+
+        def training_step(self, batch, batch_idx):
+            loss = self.compute_loss(batch)
+            self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+            return loss
+    return SyncLoggedLM
+
+
+def full_params(module, trainer) -> dict:
+    """Every parameter whole: FSDP2's ``DTensor.full_tensor()`` (an all-gather on every rank), or
+    FSDP1's ``summon_full_params`` of the root."""
     out = {}
+    root = trainer.strategy.model
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(root, FSDP):
+        with FSDP.summon_full_params(root, writeback=False):
+            for name, p in root.named_parameters():
+                out[name] = p.detach().clone()
+        return out
     for name, p in module.named_parameters():
         t = p.detach()
         out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
@@ -106,7 +146,9 @@ def main() -> None:
         cbs = [guard, rec]
     limit = Limit(int(headroom or 0))
     cbs.append(limit)
-    module = (SyncLoggedLM if long_rows else ShardedLM)(total_steps=steps)
+    fsdp1 = os.environ.get("MEMGUARD_TEST_FSDP_VERSION") == "1"
+    base = TinyLM if fsdp1 else ShardedLM
+    module = (_sync_logged(base) if long_rows else base)(total_steps=steps)
     loader = make_loader(batch_size=4)
     if long_rows:
         module.model = llama(VOCAB, hidden=64, layers=4, max_positions=256, seed=0)
@@ -114,15 +156,35 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         loader = torch.utils.data.DataLoader(RowsDataset(96, max_len=256), batch_size=8, shuffle=True, generator=g,
                                              collate_fn=pad_collate, num_workers=0)
-    trainer = make_trainer(callbacks=cbs, max_steps=steps, accumulate=2, devices=2,
-                           strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+    if fsdp1:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        strategy = CpuFSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}, sharding_strategy="FULL_SHARD")
+        extra = {"gradient_clip_val": None}   # FSDPPrecision refuses clipping by norm
+    else:
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        extra = {}
+    scatters = [0]
+    if fsdp1:
+        import torch.distributed as dist
+
+        orig_scatter = dist.reduce_scatter_single
+
+        def counting_scatter(*a, **kw):
+            # an observation only: FSDP1 (and memguard's comm hook doing its default reduction)
+            # looks the collective up here at each gradient reduction
+            scatters[0] += 1
+            return orig_scatter(*a, **kw)
+
+        dist.reduce_scatter_single = counting_scatter
+    trainer = make_trainer(callbacks=cbs, max_steps=steps, accumulate=2, devices=2, strategy=strategy, **extra)
     trainer.fit(module, loader)
     peak = proc_status_bytes("VmPeak")
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
-    params = full_params(module)
+    params = full_params(module, trainer)
     r = {"params": params, "batches": rec.batches, "lr": rec.lrs, "global_step": trainer.global_step,
-         "base_vmsize": limit.base, "vmpeak": peak, "logged": rec.logged_losses}
+         "base_vmsize": limit.base, "vmpeak": peak, "logged": rec.logged_losses, "reduce_scatters": scatters[0]}
     if guard is not None:
         r.update(split_disabled=guard.split_disabled_reason, samples_per_step=list(guard.samples_per_step),
                  layout=preflight_layout(guard.preflight, "fsdp_version"), oom_retries=guard.oom_retries,

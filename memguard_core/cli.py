@@ -32,7 +32,7 @@ FLAG_OF = {
     "config": "--config", "model": "MODEL", "image_tokens": "--image-tokens", "revision": "--revision",
     "batch_size": "--batch-size", "seq_length": "--seq-length", "grad_accum": "--grad-accum",
     "method": "--method", "lora_rank": "--lora-rank", "lora_targets": "--lora-targets",
-    "lora_layers": "--lora-layers", "optimizer": "--optimizer", "dtype": "--dtype",
+    "lora_layers": "--lora-layers", "lora_dropout": "--lora-dropout", "optimizer": "--optimizer", "dtype": "--dtype",
     "attn_impl": "--attn", "framework": "--framework", "device": "--device", "bnb_version": "--bnb-version",
     "model_params": "--model-params", "hidden_dim": "--hidden-dim", "num_layers": "--num-layers",
     "num_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "model_bits": "--model-bits",
@@ -84,6 +84,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps [1]")
     t.add_argument("--method", default="lora", help="full | lora | qlora [lora]")
     t.add_argument("--lora-rank", type=int, default=None, help="LoRA rank r (lora / qlora) [8]")
+    t.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="PEFT LoraConfig.lora_dropout (lora / qlora); above 0 each LoRA'd linear also keeps "
+                        "its dropout's output and mask for the backward [0.0, PEFT's default]")
     t.add_argument("--lora-targets", default=None,
                    help="comma list of module names, or all-linear (lora / qlora) [what PEFT picks for "
                         "LoraConfig(target_modules=None): its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_"
@@ -348,7 +351,8 @@ def _train_spec(args, model_spec):
 
     full = str(args.method).strip().lower() == "full"
     if full:
-        for flag, value in (("lora_rank", args.lora_rank), ("lora_targets", args.lora_targets)):
+        for flag, value in (("lora_rank", args.lora_rank), ("lora_targets", args.lora_targets),
+                            ("lora_dropout", args.lora_dropout or None)):
             if value is not None:
                 raise ConfigError(FLAG_OF[flag], "no value with --method full (it applies to lora / qlora)", value)
         if args.double_quant:
@@ -394,7 +398,7 @@ def _train_spec(args, model_spec):
     dtype = resolve_dtype(args.dtype, args.mixed_precision, model_spec)
     ts = TrainSpec(batch_size=args.batch_size, seq_length=args.seq_length, grad_accum=args.grad_accum,
                      method=args.method, lora_rank=8 if args.lora_rank is None else args.lora_rank,
-                     lora_targets=targets,
+                     lora_targets=targets, lora_dropout=args.lora_dropout,
                      lora_layers=args.lora_layers, optimizer=args.optimizer, dtype=dtype,
                      mixed_precision=args.mixed_precision, grad_checkpoint=args.grad_checkpoint,
                      attn_impl=args.attn, framework=args.framework,

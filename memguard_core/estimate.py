@@ -837,11 +837,7 @@ def _block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tr
         if trainable_block:
             return 2 * fin * len(present) if amp else e * fin
         lo = [n for n in present if n in lora_names]
-        if not lo:
-            return 0.0
-        if amp:
-            return 2 * fin * len(lo)
-        return e * fin if e == 4 else 4 * fin * len(lo)
+        return _lora_input_bytes(ts, len(lo), fin, e, amp)
 
     if ms.model_type in _PLAIN_MLP_ARCHS:
         return _plain_mlp_block_act(ms, ts, a, lora_names, trainable_block, e, r, amp)
@@ -849,22 +845,29 @@ def _block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tr
         # transformers 5.x ``modeling_gpt2.py``; saved tensors per ``derivatives.yaml`` (checked with
         # ``saved_tensors_hooks`` on GPT-2 blocks; docs/estimator.md, "Attention and dropout rules")
         n_res = 2 if ms.residual_dropout > 0 else 0  # after the attention's c_proj and the MLP
+        def lora_in(name: str, fin: int) -> float:
+            """A linear's saved input: ``e x fin``; a LoRA'd frozen one's under LoRA dropout as
+            ``_lora_input_bytes`` says."""
+            if ts.lora_dropout > 0 and not trainable_block and name in lora_names:
+                return _lora_input_bytes(ts, 1, fin, e, amp)
+            return e * fin
+
         a.hidden += r * h                       # ln_1 input (native_layer_norm: input, mean, rstd)
         if saves("c_attn"):
-            a.hidden += e * h                   # c_attn input (ln_1 output)
+            a.hidden += lora_in("c_attn", h)    # c_attn input (ln_1 output)
         core_h, core_s = _attention_core(ms, ts, e, views_of_one_buffer=True)
         a.hidden += core_h
         a.scores += core_s
         if saves("c_proj"):
-            a.hidden += e * h                   # merged heads (a contiguous copy), c_proj's input
+            a.hidden += lora_in("c_proj", h)    # merged heads (a contiguous copy), c_proj's input
         a.hidden += n_res / 2 * h * _dropout_bytes(ts, e)
         a.hidden += r * h                       # ln_2 input
         i = ms.intermediate_size
         if saves("c_fc"):
-            a.hidden += e * h
+            a.hidden += lora_in("c_fc", h)
         a.hidden += 4 * e * i                   # gelu_new in Python: x, tanh(.), 0.5 x, 1 + tanh(.)
         if trainable_block or "c_proj" in lora_names:
-            a.hidden += e * i                   # mlp c_proj input
+            a.hidden += lora_in("c_proj", i)    # mlp c_proj input
         a.hidden += n_res / 2 * h * _dropout_bytes(ts, e)
         return a
 
@@ -921,6 +924,32 @@ def _block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tr
     a.hidden += 3 * e * i                       # gate, up, act
     a.hidden += group_input(("down_proj",), i)
     return a
+
+
+def _lora_input_bytes(ts: TrainSpec, n_lora: int, fin: int, e: int, amp: bool) -> float:
+    """Bytes per token that ``n_lora`` LoRA'd frozen linears reading one shared input of ``fin``
+    features save for their adapters (PEFT ``peft/tuners/lora/layer.py`` ``Linear.forward``:
+    ``x = self._cast_input_dtype(x, lora_A.weight.dtype)``, then ``lora_A(dropout(x))``):
+
+    * ``lora_dropout`` 0 (``nn.Identity``): ``lora_A`` saves its input -- the shared tensor itself
+      when it is already in the adapter's dtype (fp32 weights: one e x fin for the group), a
+      separate fp32 copy per linear when the base is half (PEFT's ``autocast_adapter_dtype``
+      keeps the adapters in fp32), a bf16 autocast copy per linear under autocast;
+    * ``lora_dropout`` > 0: per linear, the dropout's output (fp32, or the autocast copy ``lora_A``
+      saves in its place) and the dropout's mask on an fp32 input: on CPU / mps the ``noise``
+      tensor ``_dropout_impl`` multiplies by (4 bytes), on CUDA ``native_dropout``'s 1-byte mask
+      (``_dropout_bytes``). The dropout saves its mask only when its input requires grad, which
+      is every LoRA'd linear but those ahead of the first trainable one (the first block's
+      q/k/v); they are counted alike (a slight over-estimate, one block's worth at most).
+    """
+    if n_lora <= 0:
+        return 0.0
+    per = 2 if amp else 4          # lora_A's saved input: the autocast copy, or fp32
+    if ts.lora_dropout > 0:
+        return (per + _dropout_bytes(ts, 4)) * fin * n_lora
+    if amp:
+        return 2 * fin * n_lora
+    return e * fin if e == 4 else 4 * fin * n_lora
 
 
 def _hidden_norms_per_block(ms: ModelSpec) -> int:
@@ -1075,14 +1104,22 @@ def _plain_mlp_block_act(ms: ModelSpec, ts: TrainSpec, a: _Act, lora_names: set,
     mlp_in = role_saves(lambda ls: ls.kind != "attention" and ls.in_features == h)
     mlp_out = role_saves(lambda ls: ls.kind != "attention" and ls.in_features != h)
 
+    def dropped(n: int, fin: int, saved: float) -> float:
+        """An out projection's input, ``saved`` as modelled without LoRA dropout; with it, what
+        the LoRA'd frozen ones save instead (``_lora_input_bytes``)."""
+        if ts.lora_dropout > 0 and not trainable_block:
+            return _lora_input_bytes(ts, n, fin, e, amp)
+        return saved
+
     def inp(n: int) -> float:
-        """A shared input saved by n linears: one tensor, or one autocast copy per linear."""
+        """A shared input saved by n linears: one tensor, or one autocast copy per linear; LoRA'd
+        frozen linears as ``_lora_input_bytes`` says."""
         if not n:
             return 0.0
+        if not trainable_block:
+            return _lora_input_bytes(ts, n, h, e, amp)
         if amp:
             return 2 * h * n
-        if e < 4 and not trainable_block:
-            return 4 * h * n                    # PEFT's fp32 cast per LoRA'd linear (``group_input``)
         return e * h
 
     a.hidden += r * h                           # input LayerNorm: its input
@@ -1094,14 +1131,16 @@ def _plain_mlp_block_act(ms: ModelSpec, ts: TrainSpec, a: _Act, lora_names: set,
         a.hidden += e * h                       # SDPA output
         a.scores += _sdpa_lse_per_token(ms, ts, cuda_sdpa_backend(ms, ts) if ts.device == "cuda" else "flash")
     if attn_out:
-        a.hidden += e * h                       # merged heads, the out projection's input
+        a.hidden += dropped(attn_out, h, e * h)  # merged heads, the out projection's input
     a.hidden += n_drop * h * _dropout_bytes(ts, e)  # dropout noise / mask
     if not parallel:
         a.hidden += r * h                       # post-attention LayerNorm input (the residual)
     a.hidden += inp(mlp_in)
     a.hidden += e * i                           # relu's result / gelu's input
     if act != "relu" and mlp_out:
-        a.hidden += e * i                       # gelu's output, the MLP out projection's input
+        a.hidden += dropped(mlp_out, i, e * i)  # gelu's output, the MLP out projection's input
+    elif mlp_out and ts.lora_dropout > 0 and not trainable_block:
+        a.hidden += dropped(mlp_out, i, 0.0)    # relu's result is saved anyway; the adapters' own
     return a
 
 

@@ -212,8 +212,9 @@ def attn_impl_from(name: Optional[str]) -> str:
 def method_and_lora(model: Any, model_spec: ModelSpec) -> tuple:
     """``(method, lora_kwargs)`` of a live torch module for a ``TrainSpec``: ``qlora`` when the block
     weights are 4-bit, ``lora`` when PEFT adapters are on it (a ``peft_config`` or ``lora_A``
-    parameters), else ``full``; ``lora_kwargs`` holds ``lora_rank`` (found on the model, else 8) and
-    ``lora_targets`` (PEFT's ``target_modules``, else the names of the adapted modules).
+    parameters), else ``full``; ``lora_kwargs`` holds ``lora_rank`` (found on the model, else 8),
+    ``lora_targets`` (PEFT's ``target_modules``, else the names of the adapted modules) and, from a
+    PEFT config, ``lora_dropout``.
 
     Reads ``model.named_parameters()`` only: no framework import.
     """
@@ -226,6 +227,9 @@ def method_and_lora(model: Any, model_spec: ModelSpec) -> tuple:
     targets = None
     cfg = getattr(model, "peft_config", None)
     if isinstance(cfg, dict) and cfg:
+        p = getattr(next(iter(cfg.values())), "lora_dropout", None)
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 <= p < 1.0:
+            kwargs["lora_dropout"] = float(p)
         t = getattr(next(iter(cfg.values())), "target_modules", None)
         if isinstance(t, str):
             targets = ("all-linear",) if t == "all-linear" else (t,)

@@ -325,6 +325,9 @@ class TrainSpec:
             ``estimate`` / ``plan`` (:func:`with_default_lora_targets`); ``q_proj, v_proj`` for a
             model from plain numbers.
         lora_layers: LoRA on the last N blocks only (mlx_lm's ``num_layers``); ``None`` = all.
+        lora_dropout: PEFT ``LoraConfig.lora_dropout``, a probability in [0, 1). With p > 0 each
+            LoRA'd linear runs ``lora_A(dropout(x))``: ``lora_A`` saves the dropout's output (a
+            tensor per linear) and the dropout its mask (``estimate._lora_input_bytes``).
         optimizer: ``adam`` | ``adamw`` | ``sgd`` (no momentum, as HF's ``sgd``) | ``sgd-momentum`` |
             ``adafactor`` | ``adamw-8bit`` | ``paged-adamw-8bit`` | ``paged-adamw-32bit`` (bitsandbytes
             paged AdamW: the states of tensors from 1e5 elements on live in CUDA unified memory,
@@ -395,6 +398,7 @@ class TrainSpec:
     lora_rank: int = 8
     lora_targets: tuple = DEFAULT_LORA_TARGETS
     lora_layers: Optional[int] = None
+    lora_dropout: float = 0.0
     optimizer: str = "adamw"
     dtype: str = "bf16"
     mixed_precision: bool = False
@@ -459,6 +463,10 @@ class TrainSpec:
             require_positive_int("lora_rank", self.lora_rank)
         if self.lora_layers is not None:
             require_positive_int("lora_layers", self.lora_layers)
+        ld = self.lora_dropout
+        if isinstance(ld, bool) or not isinstance(ld, (int, float)) or not 0.0 <= float(ld) < 1.0:
+            raise ConfigError("lora_dropout", "a probability p with 0 <= p < 1 (PEFT LoraConfig.lora_dropout)", ld)
+        object.__setattr__(self, "lora_dropout", float(ld))
         targets = self.lora_targets
         if isinstance(targets, _PeftDefaultTargets):
             return  # PEFT's default, resolved against the model (with_default_lora_targets)

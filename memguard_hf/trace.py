@@ -439,7 +439,8 @@ def _lora(model, cfg, ts: TrainSpec):
                         "num_hidden_layers"))
         kw["layers_to_transform"] = list(range(max(n - ts.lora_layers, 0), n))
     try:
-        return get_peft_model(model, LoraConfig(r=ts.lora_rank, target_modules=tm, task_type="CAUSAL_LM", **kw))
+        return get_peft_model(model, LoraConfig(r=ts.lora_rank, target_modules=tm, task_type="CAUSAL_LM",
+                                                lora_dropout=ts.lora_dropout, **kw))
     except ValueError as exc:
         raise ConfigError("lora_targets", "module names of this model (or all-linear)",
                           f"{','.join(targets)} ({exc})") from None

@@ -62,7 +62,7 @@ def test_method_and_lora_read_from_live_modules():
     assert method_and_lora(base, model_spec_from_module(base)) == ("full", {})
     lora = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     method, kw = method_and_lora(lora, model_spec_from_module(lora))
-    assert method == "lora" and kw == {"lora_rank": 4, "lora_targets": ("q_proj", "v_proj")}
+    assert method == "lora" and kw == {"lora_rank": 4, "lora_targets": ("q_proj", "v_proj"), "lora_dropout": 0.0}
     assert [attn_impl_from(n) for n in ("eager", "sdpa", "flash_attention_2", None)] == \
         ["eager", "sdpa", "flash", "sdpa"]
 

@@ -320,7 +320,7 @@ def num_layers_of(arch: dict) -> int:
 
 _DEFAULTS = dict(method="lora", batch_size=2, seq_length=128, dtype="fp32", optimizer="adamw",
                  attn_impl="sdpa", grad_checkpoint=False, lora_rank=8, lora_targets=None,
-                 mixed_precision=False, grad_accum=1, lora_layers=None)
+                 mixed_precision=False, grad_accum=1, lora_layers=None, lora_dropout=0.0)
 
 
 def _case(backend: str, arch: str, quick: bool = False, held_out: bool = False, *, full_depth: bool = False,
@@ -347,6 +347,8 @@ def _case(backend: str, arch: str, quick: bool = False, held_out: bool = False, 
         parts.append(f"ga{t['grad_accum']}")
     if t["lora_layers"]:
         parts.append(f"last{t['lora_layers']}")
+    if t["method"] != "full" and t.get("lora_dropout"):
+        parts.append(f"drop{t['lora_dropout']:g}")
     default_t = ["q_proj", "v_proj"] if backend == "hf" else ["all-linear"]
     if t["method"] != "full" and t["lora_targets"] != default_t:
         parts.append("+".join(t["lora_targets"]))
@@ -466,6 +468,9 @@ def full_depth_cases() -> List[dict]:
     hf("smollm2-360m-32l", t=300, method="full", batch_size=2, seq_length=1024, dtype="bf16", grad_checkpoint=True)
     hf("qwen2.5-0.5b-24l", t=300, batch_size=2, seq_length=1024, dtype="bf16", lora_rank=64,
        lora_targets=["all-linear"])
+    # LoRA dropout as PEFT / TRL examples set it: each LoRA'd linear keeps its dropout's output and mask
+    hf("qwen2.5-0.5b-24l", t=300, batch_size=2, seq_length=512, dtype="bf16", lora_rank=16,
+       lora_targets=["all-linear"], lora_dropout=0.05)
     hf("qwen2.5-0.5b-24l", t=240, method="full", batch_size=1, seq_length=1024, dtype="bf16", grad_checkpoint=True)
     hf("qwen2.5-0.5b-24l", t=480, method="full", batch_size=1, seq_length=1024)     # fp32 AdamW: 16 B/param
     hf("tinyllama-1.1b-22l", t=540, batch_size=1, seq_length=2048, dtype="bf16", lora_rank=16, grad_checkpoint=True)
@@ -604,7 +609,7 @@ def _child_hf(case: dict) -> dict:
         from peft import LoraConfig, get_peft_model
 
         targets = kw["lora_targets"]
-        lc = LoraConfig(r=kw["lora_rank"], lora_alpha=2 * kw["lora_rank"], lora_dropout=0.0,
+        lc = LoraConfig(r=kw["lora_rank"], lora_alpha=2 * kw["lora_rank"], lora_dropout=kw.get("lora_dropout", 0.0),
                         target_modules="all-linear" if targets == ["all-linear"] else targets,
                         task_type="CAUSAL_LM")
         model = get_peft_model(model, lc)
@@ -846,7 +851,8 @@ def specs_of(case: dict, rec: dict):
     kw = case["train"]
     return ms, TrainSpec(batch_size=kw["batch_size"], seq_length=kw["seq_length"], grad_accum=kw["grad_accum"],
                          method=kw["method"], lora_rank=kw["lora_rank"], lora_targets=tuple(kw["lora_targets"]),
-                         lora_layers=kw["lora_layers"], optimizer=kw["optimizer"], dtype=kw["dtype"],
+                         lora_layers=kw["lora_layers"], lora_dropout=kw.get("lora_dropout", 0.0),
+                         optimizer=kw["optimizer"], dtype=kw["dtype"],
                          mixed_precision=kw["mixed_precision"], grad_checkpoint=kw["grad_checkpoint"],
                          attn_impl=kw["attn_impl"], framework="hf", device=case.get("device", "cpu"),
                          resident_file_bytes=rec.get("resident_file_bytes"),

@@ -17,6 +17,7 @@ logger = logging.getLogger("memguard.lightning")
 CHECKED = ("2.6", "2.6")
 #: The private names below.
 NAMES = ("Trainer._logger_connector.should_update_logs", "LightningModule._current_fx_name",
+         "Strategy._forward_redirection (patches LightningModule.forward)",
          "fit_loop.epoch_loop.automatic_optimization._skip_backward",
          "fit_loop._should_accumulate",
          "DDPStrategy._ddp_comm_hook", "DDPStrategy._ddp_comm_state", "DDPStrategy._model_averaging_period")
@@ -130,6 +131,32 @@ def logging_as(pl_module: Any, fx_name: str) -> Iterator[None]:
             pl_module._current_fx_name = was
         except Exception:
             logger.debug("memguard: cannot restore the module's current hook name", exc_info=True)
+
+
+_NO_ATTR = object()
+
+
+@contextlib.contextmanager
+def forward_patch_undone_on_error(pl_module: Any) -> Iterator[None]:
+    """Around a call of the strategy's ``training_step``: if it raises, the module's ``forward`` is
+    put back as it was. Lightning's forward redirection (``strategies/strategy.py``
+    ``_ForwardRedirection.__call__``) sets ``pl_module.forward`` to a function that calls
+    ``training_step`` and only that function puts the real ``forward`` back; an error in the
+    wrapper's forward before it reaches the module (an FSDP1 root's unshard running out of memory,
+    a peer's failure at the root's all-gather) leaves the patch, and the next redirection would keep
+    it as the "original" (a later ``self(...)`` would run ``training_step``). Never raises itself."""
+    was = pl_module.__dict__.get("forward", _NO_ATTR)
+    try:
+        yield
+    except BaseException:
+        try:
+            if was is _NO_ATTR:
+                pl_module.__dict__.pop("forward", None)
+            else:
+                pl_module.__dict__["forward"] = was
+        except Exception:
+            logger.debug("memguard: cannot put the module's forward back", exc_info=True)
+        raise
 
 
 def tensor_parallel_size(strategy: Any) -> Optional[int]:

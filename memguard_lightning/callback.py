@@ -187,6 +187,11 @@ class MemGuardCallback(GuardAttributes, Callback):
         if stage != "fit":
             return
         self.guard.stop()
+        self._uninstall(pl_module)
+
+    def _uninstall(self, pl_module) -> None:
+        """The module's (and under FSDP1 the strategy's) methods back to their own, FSDP's comms
+        back to FSDP's."""
         if self.step.orig_training_step is not None:
             for name in ("training_step", "optimizer_zero_grad", "backward"):
                 pl_module.__dict__.pop(name, None)  # back to the class's methods
@@ -197,7 +202,14 @@ class MemGuardCallback(GuardAttributes, Callback):
         self.step.release()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # Lightning runs no teardown hook after an exception: take memguard's wrappers and FSDP
+        # hooks off here, so a later fit of the same module and strategy starts clean
         self.guard.stop()
+        try:
+            self.evals.uninstall(pl_module)
+            self._uninstall(pl_module)
+        except Exception:
+            logger.debug("memguard: could not take the wrappers off after the exception", exc_info=True)
 
     @staticmethod
     def _why_no_split(trainer, pl_module) -> Optional[str]:

@@ -122,8 +122,9 @@ micro-batch is one root forward, and the step's "original" is the strategy's met
 runs a window's earlier batches in ``strategy.block_backward_sync()``, FSDP1's ``no_sync`` for an
 FSDP1 root: each micro-batch turns FSDP1's gradient sync back on (``_fsdp1_sync``), so every
 micro-batch reduce-scatters; the sync points are ``Fsdp1SyncHooks``, the reset after an abort
-``fsdp_after_abort`` on the root, which holds flat parameters of its own (the redo zeroes the
-root's gradients, not only the module's). One process runs the same step without flags.
+``fsdp_after_abort`` on the root. A failure inside the root's forward before it reached the module
+(its unshard) leaves Lightning's ``forward`` patch on the module, which memguard undoes
+(``_step``). One process runs the same step without flags.
 
 The optimizer step: AdamW's states are allocated before the first forward
 (``memguard_core.optim_state.preallocate_optimizer_state``, see ``prepare_optimizers``), so the
@@ -487,7 +488,7 @@ class SplitStep:
         rows = max([batch_units(b) for b, _, _ in self._window] + [1])
         phase = phase or self._phase
         while True:
-            # FSDP1's root holds flat parameters of its own, outside the LightningModule it wraps
+            # under FSDP1 the root: every parameter of the run, flat or original, is under it
             (self._fsdp_model or self.pl_module).zero_grad(set_to_none=True)
             k = self.guard.after_window_oom(failure, k, rows, self.trainer.global_step,
                                             redos=self.window_redos, phase=phase)
@@ -519,7 +520,7 @@ class SplitStep:
         ranks every micro-batch runs between the OOM sync points (:meth:`_chunk_begin` /
         :meth:`_chunk_end`), the chunks agreed by every rank. Returns the batch's loss (the chunks'
         weighted sum, detached; None when the step returns no loss)."""
-        accum, optimizer, orig = self._accum(), self._optimizer(), self.orig_training_step
+        accum, optimizer = self._accum(), self._optimizer()
         sync = self._fsdp_sync
         try:
             sp = self.splitter(batch) if k > 1 else None
@@ -541,7 +542,7 @@ class SplitStep:
                 self._chunk_begin()
                 try:
                     with self._fsdp1_sync():
-                        loss = _loss_of(orig(chunk, *args, **kwargs))
+                        loss = _loss_of(self._step(chunk, args, kwargs, outside_step=True))
                         if loss is not None:
                             self._backward(loss * (w / accum), optimizer)
                     if loss is not None:
@@ -564,6 +565,22 @@ class SplitStep:
         finally:
             self.pl_module.__dict__.pop("log", None)
         return total
+
+    def _step(self, batch, args, kwargs, *, outside_step: bool = False):
+        """The user's ``training_step`` on ``batch`` (a micro-batch), through what was wrapped: the
+        module's method, or under FSDP1 the strategy's (a root FSDP1 forward, in the precision
+        plugin's ``train_step_context``), its forward patch undone if it fails before reaching the
+        module (``_compat.forward_patch_undone_on_error``). ``outside_step``: the call may come from
+        Lightning's backward (a window redo), outside the strategy's ``training_step``, so the
+        module's method runs in ``train_step_context`` too (autocast under ``*-mixed``; nested in
+        the strategy's own it changes nothing)."""
+        if self.step_owner is not None and self.step_owner is not self.pl_module:
+            with _compat.forward_patch_undone_on_error(self.pl_module):
+                return self.orig_training_step(batch, *args, **kwargs)
+        if outside_step:
+            with self.trainer.strategy.precision_plugin.train_step_context():
+                return self.orig_training_step(batch, *args, **kwargs)
+        return self.orig_training_step(batch, *args, **kwargs)
 
     def _backward(self, loss, optimizer) -> None:
         """A backward memguard runs itself: through ``strategy.backward`` (the precision plugin's
@@ -760,7 +777,7 @@ class SplitStep:
         the end of the micro-batch, makes every rank redo the window, this batch included (here,
         or in :meth:`_fsdp_backward` on a rank that had already returned); the batch's loss is then
         the redone one, detached, and Lightning's backward of it is skipped (its gradients are in)."""
-        trainer, pl_module, orig, sync = self.trainer, self.pl_module, self.orig_training_step, self._fsdp_sync
+        trainer, pl_module, sync = self.trainer, self.pl_module, self._fsdp_sync
         try:
             sp = self.splitter(batch) if k > 1 else None
         except ValueError:
@@ -784,7 +801,7 @@ class SplitStep:
                 self._chunk_begin()
                 try:
                     with self._fsdp1_sync():
-                        out = orig(chunk, *args, **kwargs)
+                        out = self._step(chunk, args, kwargs)
                         loss = _loss_of(out)
                         if loss is not None and not final:
                             self._chunk_grads_for = batch_idx
@@ -828,8 +845,9 @@ class SplitStep:
         if why is not None:
             logger.error("memguard: out of memory under FSDP; the accumulation window cannot be redone (%s)", why)
             raise failure
+        # one process has no sync points to set grads_added: its own phase tells
         self._redo_window(failure, k, through_current=True, log_current=True,
-                          phase="backward" if sync.grads_added else "forward")
+                          phase="backward" if sync.grads_added or self._phase == "backward" else "forward")
         if self.zero_grad_coming(batch_idx):
             self._zero_armed_for = batch_idx   # Lightning's zero_grad would wipe the redone gradients
         self._skip_backward = True
@@ -898,11 +916,13 @@ class SplitStep:
         if self._ddp is not None:
             return self._ddp_backward(loss, *args, **kwargs)
         if self.can_redo() is not None:
-            return self.orig_backward(loss, *args, **kwargs)
+            with self._fsdp1_sync():   # FSDP1 without sync points: still reduce-scatter this micro-batch
+                return self.orig_backward(loss, *args, **kwargs)
         self._phase = "backward"
         failure = None
         try:
-            return self.orig_backward(loss, *args, **kwargs)
+            with self._fsdp1_sync():
+                return self.orig_backward(loss, *args, **kwargs)
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -938,7 +958,7 @@ class SplitStep:
             failure = None
             try:
                 self._phase = "forward"
-                out = orig(batch, *args, **kwargs)
+                out = self._step(batch, args, kwargs)
                 self.rows_this_step += units
                 return out
             except Exception as exc:
@@ -991,7 +1011,7 @@ class SplitStep:
                         self._phase = "forward"
                         self.guard.micro_batch_rows.append(units)
                         with torch.no_grad() if self._pending is not None else contextlib.nullcontext():
-                            out = orig(chunk, *args, **kwargs)
+                            out = self._step(chunk, args, kwargs)
                         loss = _loss_of(out)
                         if u1 == sp.units:
                             recorder.end_chunk(w, commit=True)

@@ -199,10 +199,11 @@ def reset_fsdp1_after_abort(model: Any) -> bool:
     (``_post_backward_final_callback`` on the root: reshards every handle still unsharded, removes
     the aborted iteration's post-backward hook state, resets the training states, the prefetch
     flags and the execution-order tracker, and lets the next backward queue its callback again),
-    the unsharded storage an unshard allocated before its all-gather freed, and the original
-    parameters' gradient views rebuilt. A chunk whose reduce-scatter ran on some rank has added to
-    the sums: the caller then zeroes them and redoes the window. Returns False without FSDP1
-    modules or when the cleanup failed (logged). Never raises."""
+    the unsharded storage an unshard allocated before its all-gather freed, and
+    (``use_orig_params``) the original parameters and their gradient views put back in the
+    modules. A chunk whose reduce-scatter ran on some rank has added to the sums: the caller then
+    zeroes them and redoes the window. Returns False without FSDP1 modules or when the cleanup
+    failed (logged). Never raises."""
     mods = fsdp1_modules(model)
     if not mods:
         return False
@@ -241,6 +242,13 @@ def reset_fsdp1_after_abort(model: Any) -> bool:
                 h._free_unsharded_flat_param()
             h.flat_param.grad = kept.get(id(h))
             if getattr(h, "_use_orig_params", False):
+                # a forward aborted inside a unit left that unit's original parameters replaced by
+                # plain tensor views (FSDP1's ``_use_unsharded_views(as_params=False)`` in the
+                # forward; its post-forward reshard would have put the parameters back). The final
+                # callback's reshard does that for sharded handles, but skips a NO_SHARD handle (its
+                # data is its local shard already: ``_catch_all_reshard``'s early return), which is
+                # every handle in one process: put the parameters back for every handle
+                h._use_sharded_views()
                 h._use_sharded_grad_views()
         return True
     except Exception:

@@ -64,3 +64,47 @@ def test_fsdp_strategies_split_or_name_the_plan():
     reason = why(FSDPStrategy(cpu_offload=True))
     assert "parameter offload" in reason and "accumulate_grad_batches x k" in reason
     assert why(DDPStrategy()) is None
+
+
+def test_forward_patch_undone_when_the_wrapper_fails_before_the_module():
+    """Lightning's real forward redirection (what ``FSDPStrategy.training_step`` runs): a wrapper
+    that fails before calling the module (an FSDP1 root whose unshard ran out of memory) leaves
+    the module's ``forward`` patched to call ``training_step``; ``forward_patch_undone_on_error``
+    puts it back."""
+    import torch
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+    class Module(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+        def training_step(self, x):
+            return self(x) * 2
+
+    class Root(torch.nn.Module):
+        """Stands for the FSDP1 root: fails once before it reaches the wrapped module."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.fail = inner, True
+
+        def forward(self, *args):
+            if self.fail:
+                self.fail = False
+                raise torch.OutOfMemoryError("before the wrapped module")
+            return self.inner(*args)
+
+    one = torch.ones(1)
+    # without it, the patch stays: the module's forward now runs training_step
+    bare = Module()
+    with pytest.raises(torch.OutOfMemoryError):
+        _ForwardRedirection()(Root(bare), bare, "training_step", one)
+    assert bare(one).item() == 4
+    m = Module()
+    root = Root(m)
+    with pytest.raises(torch.OutOfMemoryError):
+        with _compat.forward_patch_undone_on_error(m):
+            _ForwardRedirection()(root, m, "training_step", one)
+    assert m(one).item() == 2
+    assert _ForwardRedirection()(root, m, "training_step", one).item() == 4   # (1 + 1) * 2
+    assert m(one).item() == 2

@@ -323,6 +323,46 @@ def test_live_fsdp1_settings(gloo_group, offload, want):
     assert (why is not None and "offload" in why) if offload else why is None
 
 
+def test_fsdp1_reset_after_an_aborted_forward_gives_the_modules_their_parameters_back(gloo_group):
+    """One process: FSDP1 runs NO_SHARD. A forward that an error stops inside a unit leaves that
+    unit's original parameters replaced by plain tensor views (FSDP1 puts them back in its
+    post-forward, which never ran); ``reset_fsdp1_after_abort`` must put them back, or the optimizer
+    would step parameters the model no longer uses. The error is raised by a forward hook: what
+    is checked is the reset after an aborted forward, whatever stopped it."""
+    torch = gloo_group
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+    from memguard_torch import _compat
+
+    torch.manual_seed(0)
+    net = _net(torch)
+    kw = dict(sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=torch.device("cpu"), use_orig_params=True)
+    net[1], net[2] = FSDP(net[1], **kw), FSDP(net[2], **kw)
+    model = FSDP(net, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    registered = {id(p) for p in model.parameters()}
+    x = torch.randn(4, 8)
+    model(x).sum().backward()               # a first step (lazy init, gradients)
+    opt.step()
+    opt.zero_grad()
+
+    def stop(module, args):
+        raise RuntimeError("stopped inside the unit's forward")
+
+    handle = net[2].module[0].register_forward_pre_hook(stop)
+    with pytest.raises(RuntimeError, match="stopped"):
+        model(x)
+    handle.remove()
+    assert _compat.reset_fsdp1_after_abort(model)
+    for lin in (net[0], net[1].module[0], net[2].module[0]):
+        assert isinstance(lin.weight, torch.nn.Parameter) and id(lin.weight) in registered
+    before = {id(p): p.detach().clone() for p in model.parameters()}
+    model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    opt.step()                               # every parameter the forward used moves
+    assert all(not torch.equal(before[id(p)], p.detach()) for p in model.parameters())
+
+
 # --- the CLI's --deepspeed ----------------------------------------------------------------------
 
 

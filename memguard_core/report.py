@@ -45,7 +45,9 @@ def estimate_table(est, budget_bytes: Optional[int] = None, title: str = "memgua
     ms, ts = est.model_spec, est.train_spec
     t = Table(title=title, caption=(
         f"{ms.name}: {ms.total_params / 1e6:,.1f}M params, weights {weights_label(ms)}, {ts.method}"
-        f"{f' r={ts.lora_rank}' if ts.method != 'full' else ''}, micro-batch {ts.batch_size} x accum "
+        f"{f' r={ts.lora_rank}' if ts.method != 'full' else ''}"
+        f"{f' dropout {ts.lora_dropout:g}' if ts.method != 'full' and getattr(ts, 'lora_dropout', 0) else ''}"
+        f", micro-batch {ts.batch_size} x accum "
         f"{ts.grad_accum}, seq {ts.seq_length}, {ts.optimizer}, compute {ts.dtype}"
         f"{' (autocast)' if ts.mixed_precision else ''}, ckpt {'on' if ts.grad_checkpoint else 'off'}, "
         f"attn {ts.attn_impl}, framework {ts.framework}"

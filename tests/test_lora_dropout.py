@@ -116,5 +116,7 @@ def test_cli_takes_lora_dropout(tmp_path, capsys):
         peaks.append(out["peak_bytes"])
         assert out["train"]["lora_dropout"] == float(p)
     assert peaks[1] > peaks[0]
+    assert main([a for a in args if a != "--json"] + ["--lora-dropout", "0.05"]) == 0
+    assert "dropout 0.05" in " ".join(capsys.readouterr().out.split())     # the table says what it counted
     assert main(args + ["--lora-dropout", "1.5"]) != 0
     assert "--lora-dropout" in capsys.readouterr().err

@@ -145,9 +145,8 @@ class GuardedStep:
             v2, v1 = torch_compat.fsdp_modules(model), torch_compat.fsdp1_modules(model)
             if v1 and not v2 and torch_compat.fsdp1_offloads_params(model):
                 self.guard.split_disabled_reason = (
-                    "FSDP1 with CPU offload (offload_params) cannot sum the gradients of several synchronised "
-                    "backwards; apply memguard's plan instead (per_device_train_batch_size / k, "
-                    "gradient_accumulation_steps x k: memguard_hf.plan_training_arguments)")
+                    f"{torch_compat.FSDP1_OFFLOAD_NO_SPLIT}; apply memguard's plan instead (per_device_train_batch_size"
+                    " / k, gradient_accumulation_steps x k: memguard_hf.plan_training_arguments)")
                 logger.warning("memguard: in-place micro-batching disabled: %s", self.guard.split_disabled_reason)
             elif v2 or v1:
                 from memguard_core.distributed import flag_group

@@ -72,6 +72,7 @@ from memguard_core.errors import ConfigError
 from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.options import GuardOptions, option_kwargs, with_guard_options
 from memguard_core.preflight import Preflight
+from memguard_torch import _compat as torch_compat
 
 from . import _compat
 from .batch import LabelKey, batch_units
@@ -224,8 +225,7 @@ class MemGuardCallback(GuardAttributes, Callback):
                     "gradient accumulation. Apply memguard's plan instead: dataloader batch_size / k and "
                     "accumulate_grad_batches x k (logged by the preflight)")
         if _is_fsdp1_strategy(strategy) and getattr(getattr(strategy, "cpu_offload", None), "offload_params", False):
-            return ("FSDP1 with parameter offload keeps one offloaded gradient per step, which micro-batches "
-                    "that each reduce-scatter would overwrite. Apply memguard's plan instead: dataloader "
+            return (f"{torch_compat.FSDP1_OFFLOAD_NO_SPLIT}. Apply memguard's plan instead: dataloader "
                     "batch_size / k and accumulate_grad_batches x k (logged by the preflight)")
         if "FSDP" in name and not _is_fsdp1_strategy(strategy):
             return ("an FSDP strategy memguard does not know (%s). Apply memguard's plan instead: dataloader "

@@ -723,8 +723,8 @@ class SplitStep:
         memguard's sync points: a rank retrying a forward alone would leave its peers waiting."""
         if self._fsdp_sync is not None or int(getattr(self.trainer, "world_size", 1) or 1) <= 1:
             return False
-        return (self._fsdp_model is not None or bool(torch_compat.fsdp_modules(self.pl_module))
-                or "ModelParallel" in type(self.trainer.strategy).__name__)
+        # _fsdp_for_fit (run at the batch's start) set _fsdp_model for FSDP1 and for several FSDP2 ranks
+        return self._fsdp_model is not None or "ModelParallel" in type(self.trainer.strategy).__name__
 
     def _fsdp1_sync(self):
         """Under FSDP1: FSDP1's gradient sync on for a micro-batch (``torch_compat.fsdp1_sync_on``).

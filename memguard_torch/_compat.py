@@ -183,6 +183,11 @@ def restore_fsdp1_comms(token: tuple) -> None:
             logger.debug("memguard: cannot take the FSDP1 communication hook off", exc_info=True)
 
 
+#: Why batches are not split under FSDP1 parameter offload (each adapter adds the plan to apply).
+FSDP1_OFFLOAD_NO_SPLIT = ("FSDP1 with parameter offload (CPUOffload(offload_params=True)) keeps one offloaded "
+                          "gradient per step, which micro-batches that each reduce-scatter would overwrite")
+
+
 def fsdp1_offloads_params(model: Any) -> bool:
     """Whether an FSDP1 module of ``model`` offloads its parameters (``CPUOffload(offload_params=
     True)``): FSDP1 then cannot sum the gradients of several synchronised backwards (its offloaded

@@ -187,8 +187,7 @@ class TorchGuard(RankAgreement, GuardAttributes):
             return ("the accelerator runs FSDP but the model given to TorchGuard holds no FSDP module (pass "
                     "the model accelerator.prepare returned)")
         if _compat.fsdp1_offloads_params(self.model):
-            return ("FSDP1 with CPUOffload(offload_params=True) cannot sum the gradients of several "
-                    "synchronised backwards; apply memguard's plan as batch size / k and accumulation x k")
+            return f"{_compat.FSDP1_OFFLOAD_NO_SPLIT}; apply memguard's plan as batch size / k and accumulation x k"
         return None
 
     def _watch_gradients(self) -> None:

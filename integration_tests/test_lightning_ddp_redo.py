@@ -100,7 +100,10 @@ def test_one_rank_real_oom_in_the_synchronised_backward_is_redone_by_both(tmp_pa
         assert g["steps"] == 2
         assert g["oom_retries"] == 1                        # rank 0 redid the window with rank 1
         assert g["split"] == 2
-        assert g["forward_rows"] == [8, 4, 4, 4, 4]         # unsplit, then the window again in halves
+        # Unsplit, then the failed window again in halves and the rest in halves. Step 1 holds no
+        # AdamW states yet, so its backward peak sits below step 2's by about their size: the limit
+        # bites in step 1's backward, or where that peak stays just under it, in step 2's.
+        assert g["forward_rows"] in ([8, 4, 4, 4, 4], [8, 8, 4, 4]), g["forward_rows"]
         assert g["samples_per_step"] == [8, 8]
         assert g["ddp_averages"] == 2                       # the gradients were averaged by memguard
         assert _sampled_diff(g["params"], ref[r]["params"]) < 1e-6

@@ -193,7 +193,8 @@ class ParamCounts:
     ``norms`` also holds the final norm; ``embeddings`` holds token (and learned position) embeddings.
     ``vision`` holds a vision-language model's vision tower and multimodal projector (everything
     outside the language model's blocks whose module path names the vision side, see
-    ``_VISION_PARTS``); LoRA leaves it frozen (its linears are not block linears).
+    ``_VISION_PARTS``); frozen under LoRA unless the targets reach its linears (``all-linear``, or
+    names PEFT's suffix rule matches there: ``ModelSpec.vision_tower``), which then get adapters.
     """
 
     embeddings: int = 0
@@ -223,6 +224,54 @@ class ParamCounts:
         d = dataclasses.asdict(self)
         d.pop("norms_in_blocks")
         return d
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """The vision tower (ViT) and projector of a vision-language model, as the estimator needs them
+    when LoRA reaches their linears (:func:`vision_tower_from_config`).
+
+    Attributes:
+        model_type: the VLM's ``model_type`` (the family whose modeling file the rules follow).
+        hidden_size / intermediate_size / num_layers / num_heads: the tower's blocks.
+        patches_per_image: tokens the blocks run on per image, all tiles together, before any merger
+            or pixel shuffle, at the image size :func:`image_tokens_per_image` assumes.
+        projector_tokens: tokens the projector's linears run on per image (after a merger / pixel
+            shuffle / pooling).
+        norm: ``layernorm`` | ``rmsnorm`` (the blocks' pre-norms).
+        act: the MLP's activation: ``quick_gelu`` | ``gelu`` (exact or tanh) | ``silu_gated``.
+        block_linears: the linears of ONE block, ``path`` relative to the block (``attn.qkv``,
+            ``self_attn.q_proj``, ``mlp.fc1``).
+        projector_linears: the projector's linears (``path`` from the VLM's vision-side module name:
+            ``merger.mlp.0``, ``multi_modal_projector.linear_1``), ``in_features`` per projector token.
+        projector_norm: features of the norm ahead of the projector's first linear, per projector
+            token (Qwen2-VL's ``ln_q``; 0: none).
+        projector_act: features of the activation between the projector's two linears (0: none).
+        extra_patch_features: further hidden-sized tensors per patch the tower saves outside its
+            blocks once they need a gradient (a final ``post_layernorm``, Gemma-3's average pool).
+        unused_linears: linears PEFT wraps whose output never reaches the loss (a SigLIP pooling
+            ``head`` with ``vision_use_head``): adapters, no activations.
+    """
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    patches_per_image: int
+    projector_tokens: int
+    norm: str = "layernorm"
+    act: str = "gelu"
+    block_linears: tuple = ()
+    projector_linears: tuple = ()
+    projector_norm: int = 0
+    projector_act: int = 0
+    extra_patch_features: int = 0
+    unused_linears: tuple = ()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // max(self.num_heads, 1)
 
 
 @dataclass(frozen=True)
@@ -265,6 +314,9 @@ class ModelSpec:
             ``max_position_embeddings`` / ``n_positions``; 0 when unknown).
         image_tokens: tokens one image adds to the language model's sequence for a
             vision-language model (:func:`image_tokens_per_image`; 0 for text-only models).
+        vision_tower: the vision tower's numbers (:class:`VisionTower`), read from the config of a
+            supported vision-language family; ``None`` for text-only models and families whose
+            tower memguard does not read (Mllama).
     """
 
     name: str
@@ -296,6 +348,7 @@ class ModelSpec:
     final_logit_softcapping: float = 0.0
     max_position_embeddings: int = 0
     image_tokens: int = 0
+    vision_tower: Optional[VisionTower] = None
 
     @property
     def total_params(self) -> int:
@@ -961,6 +1014,143 @@ def _tokens_per_tile(cfg: Any) -> int:
     return int(n)
 
 
+#: Vision-language families whose tower :func:`vision_tower_from_config` reads, by ``model_type``.
+VISION_TOWER_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "gemma3", "idefics3", "smolvlm")
+
+
+def vision_tower_from_config(cfg: Any) -> Optional[VisionTower]:
+    """The vision tower and projector of a vision-language config (:class:`VisionTower`), or
+    ``None`` for a text-only config and a family not in :data:`VISION_TOWER_FAMILIES` (Mllama's
+    tiled two-encoder tower with gated cross-attention, Qwen3-VL's deepstack mergers: not read).
+
+    Layouts (transformers 5 modeling files; linear paths as PEFT sees them):
+
+    * Qwen2-VL (``qwen2_vl/modeling_qwen2_vl.py`` ``Qwen2VLVisionBlock``): LayerNorm ``norm1`` /
+      ``norm2``, fused ``attn.qkv`` + ``attn.proj``, ``mlp.fc1`` / ``mlp.fc2`` with QuickGELU; width
+      ``embed_dim``, MLP ``embed_dim * mlp_ratio``; ``PatchMerger`` ``ln_q`` + ``merger.mlp.0`` /
+      ``merger.mlp.2`` (GELU between) on ``spatial_merge_size^2`` patches per token.
+    * Qwen2.5-VL (``qwen2_5_vl``): the same with RMSNorm, a gated SiLU MLP (``mlp.gate_proj`` /
+      ``up_proj`` / ``down_proj``), width ``hidden_size``, output ``out_hidden_size``.
+    * LLaVA / LLaVA-NeXT (CLIP or SigLIP ``vision_config``; ``clip/modeling_clip.py``): LayerNorm
+      ``layer_norm1`` / ``layer_norm2``, ``self_attn.q_proj`` / ``k_proj`` / ``v_proj`` /
+      ``out_proj``, ``mlp.fc1`` / ``mlp.fc2``; CLIP adds a CLS token to the patches; every block runs
+      and its saved tensors are live at the loss (the tower's output object, last block included,
+      outlives the forward), although only ``vision_feature_layer`` (-2) reaches
+      ``multi_modal_projector.linear_1`` / ``linear_2`` (GELU between).
+    * Gemma-3 (SigLIP, ``gemma3/modeling_gemma3.py``): SigLIP blocks, ``post_layernorm``, then
+      ``Gemma3MultiModalProjector``'s average pool, RMSNorm and a bare ``mm_input_projection_weight``
+      matmul (no ``nn.Linear``: ``all-linear`` adapts none of the projector).
+    * Idefics3 / SmolVLM (``idefics3/modeling_idefics3.py``): SigLIP-style blocks, ``post_layernorm``,
+      pixel shuffle, then ``connector.modality_projection.proj``.
+
+    ``patches_per_image`` is at the image size and tiling :func:`image_tokens_per_image` assumes.
+    """
+    if not _is_vision_language(cfg):
+        return None
+    mt = str(getattr(cfg, "model_type", ""))
+    if mt not in VISION_TOWER_FAMILIES:
+        return None
+    vc = cfg.vision_config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text_h = _positive_int(getattr(text, "hidden_size", None))
+    tiles = IMAGE_TILES_DEFAULT.get(mt, 1)
+    tokens = image_tokens_per_image(cfg)
+    act_name = str(getattr(vc, "hidden_act", "gelu"))
+    act = "quick_gelu" if act_name == "quick_gelu" else "gelu"
+
+    def lin(path: str, fin: int, fout: int, bias: bool = True) -> LinearShape:
+        kind = "attention" if path.split(".")[0] in ("attn", "self_attn") else "mlp"
+        return LinearShape(path.rsplit(".", 1)[-1], int(fin), int(fout), kind=kind, bias=bias, path=path)
+
+    if mt in ("qwen2_vl", "qwen2_5_vl"):
+        merge = int(getattr(vc, "spatial_merge_size", 2) or 2)
+        heads = _positive_int(getattr(vc, "num_heads", None))
+        if mt == "qwen2_vl":
+            h = _positive_int(getattr(vc, "embed_dim", None))
+            i = int(h * float(getattr(vc, "mlp_ratio", 4)))
+            out = _positive_int(getattr(vc, "hidden_size", None))
+            mlp = (lin("mlp.fc1", h, i), lin("mlp.fc2", i, h))
+            norm = "layernorm"
+        else:
+            h = _positive_int(getattr(vc, "hidden_size", None))
+            i = _positive_int(getattr(vc, "intermediate_size", None))
+            out = _positive_int(getattr(vc, "out_hidden_size", None))
+            mlp = (lin("mlp.gate_proj", h, i), lin("mlp.up_proj", h, i), lin("mlp.down_proj", i, h))
+            norm, act = "rmsnorm", "silu_gated"
+        if not (h and i and heads and out):
+            return None
+        m2 = merge * merge
+        return VisionTower(
+            model_type=mt, hidden_size=h, intermediate_size=i, num_layers=_positive_int(getattr(vc, "depth", None)),
+            num_heads=heads, patches_per_image=tokens * m2, projector_tokens=tokens, norm=norm, act=act,
+            block_linears=(lin("attn.qkv", h, 3 * h), lin("attn.proj", h, h)) + mlp,
+            projector_linears=(lin("merger.mlp.0", h * m2, h * m2), lin("merger.mlp.2", h * m2, out)),
+            projector_norm=h * m2, projector_act=h * m2)
+    h = _positive_int(getattr(vc, "hidden_size", None))
+    i = _positive_int(getattr(vc, "intermediate_size", None))
+    heads = _positive_int(getattr(vc, "num_attention_heads", None))
+    layers = _positive_int(getattr(vc, "num_hidden_layers", None))
+    patch = _positive_int(getattr(vc, "patch_size", None))
+    size = getattr(vc, "image_size", None)
+    size = _positive_int(size[0] if isinstance(size, (list, tuple)) else size)
+    if not (h and i and heads and layers and patch and size and text_h):
+        return None
+    per_tile = (size // patch) ** 2
+    blocks = (lin("self_attn.q_proj", h, h), lin("self_attn.k_proj", h, h), lin("self_attn.v_proj", h, h),
+              lin("self_attn.out_proj", h, h), lin("mlp.fc1", h, i), lin("mlp.fc2", i, h))
+    # SigLIP's attention-pooling head (``SiglipMultiheadAttentionPoolingHead``: nn.MultiheadAttention's
+    # ``out_proj`` is an nn.Linear subclass) runs on one probe token and no VLM uses its output
+    head = ((lin("head.attention.out_proj", h, h), lin("head.mlp.fc1", h, i), lin("head.mlp.fc2", i, h))
+            if getattr(vc, "vision_use_head", False) else ())
+    if mt in ("llava", "llava_next"):
+        cls = 1 if "clip" in str(getattr(vc, "model_type", "")) else 0
+        fl = getattr(cfg, "vision_feature_layer", -2)
+        fls = list(fl) if isinstance(fl, (list, tuple)) else [fl]  # a list: those layers concatenated
+        bias = bool(getattr(cfg, "multimodal_projector_bias", True))
+        return VisionTower(
+            model_type=mt, hidden_size=h, intermediate_size=i, num_layers=layers, num_heads=heads,
+            patches_per_image=tiles * (per_tile + cls), projector_tokens=tokens, act=act, block_linears=blocks,
+            unused_linears=head,
+            projector_linears=(lin("multi_modal_projector.linear_1", h * len(fls), text_h, bias),
+                               lin("multi_modal_projector.linear_2", text_h, text_h, bias)),
+            projector_act=text_h)
+    if mt == "gemma3":
+        # post_layernorm's input and the projector's average pool input, per patch
+        return VisionTower(model_type=mt, hidden_size=h, intermediate_size=i, num_layers=layers, num_heads=heads,
+                           patches_per_image=per_tile, projector_tokens=tokens, act=act, block_linears=blocks,
+                           extra_patch_features=2 * h, unused_linears=head)
+    scale = int(getattr(cfg, "scale_factor", 1) or 1)  # idefics3 / smolvlm
+    return VisionTower(
+        model_type=mt, hidden_size=h, intermediate_size=i, num_layers=layers, num_heads=heads,
+        patches_per_image=tiles * per_tile, projector_tokens=tokens, act=act, block_linears=blocks,
+        projector_linears=(lin("connector.modality_projection.proj", h * scale * scale, text_h, False),),
+        extra_patch_features=h, unused_linears=head)
+
+
+def vision_lora_linears(model_spec: "ModelSpec", targets: Any) -> List[tuple]:
+    """The vision-side linears LoRA ``targets`` reach, as ``(LinearShape, blocks)`` pairs (``blocks``:
+    the tower's depth for a block linear, 1 for a projector linear); empty without a
+    :attr:`ModelSpec.vision_tower`.
+
+    PEFT 0.21 ``tuners/tuners_utils.py``: ``_maybe_include_all_linear_layers`` turns ``all-linear``
+    into every ``nn.Linear`` / ``Conv1D`` of the model except the output embedding (and a
+    sequence-classification head) -- no model family's vision tower or projector is excluded;
+    ``check_target_module_exists`` matches a listed name against every module path by equality or
+    ``"." + name`` suffix, so a ``q_proj`` target also wraps a CLIP / SigLIP tower's
+    ``self_attn.q_proj``. Patch embeddings are convolutions: never wrapped."""
+    vt = getattr(model_spec, "vision_tower", None)
+    if vt is None:
+        return []
+    ts = [str(t).strip() for t in targets]
+    all_linear = any(t.lower() in ("all-linear", "all_linear") for t in ts)
+    out = []
+    for lins, n in ((vt.block_linears, vt.num_layers), (vt.projector_linears, 1), (vt.unused_linears, 1)):
+        for lin in lins:
+            if all_linear or any(_target_matches(lin, t) for t in ts):
+                out.append((lin, n))
+    return out
+
+
 def _config_numbers(cfg: Any) -> dict:
     """The ModelSpec numbers of a transformers config (text config of a multimodal one).
 
@@ -1551,7 +1741,8 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
         name=name or str(label), model_type=str(cfg.model_type), params=counted["counts"],
         block_linears=counted["block_linears"], tie_word_embeddings=tied,
         weight_bits=float(weight_bits), dense_bits=float(dense), source="hf-config",
-        weight_dtype=declared, image_tokens=image_tokens_per_image(cfg), **nums)
+        weight_dtype=declared, image_tokens=image_tokens_per_image(cfg),
+        vision_tower=vision_tower_from_config(cfg), **nums)
 
 
 def model_spec_from_module(model: Any, name: Optional[str] = None) -> ModelSpec:
@@ -1629,7 +1820,8 @@ def model_spec_from_module(model: Any, name: Optional[str] = None) -> ModelSpec:
         params=counted["counts"], block_linears=counted["block_linears"], tie_word_embeddings=tied,
         weight_bits=float(wbits), dense_bits=float(dense), trainable_params=counted["trainable"],
         lora_rank_found=lora_rank, adapter_params=counted["adapter_params"],
-        image_tokens=image_tokens_per_image(cfg) if cfg is not None else 0, source="module", **nums)
+        image_tokens=image_tokens_per_image(cfg) if cfg is not None else 0,
+        vision_tower=vision_tower_from_config(cfg) if cfg is not None else None, source="module", **nums)
 
 
 def _numbers_from_structure(model: Any) -> dict:
@@ -1836,7 +2028,8 @@ def lora_trainable_params(model_spec: ModelSpec, train_spec: TrainSpec) -> int:
     (Hu et al. 2021, "LoRA", section 4.1; PEFT ``lora.Linear``); fused experts get one pair per
     expert (``count``). Targets match block linears by name as PEFT does; ``"all-linear"`` is every
     module linear of a block except the router and the experts (MoE experts are adapted only when
-    named, e.g. ``experts.gate_up_proj``). Only the last ``lora_layers`` blocks when set
+    named, e.g. ``experts.gate_up_proj``). A vision-language model's tower and projector linears
+    that the targets reach count too (:func:`vision_lora_linears`). Only the last ``lora_layers`` blocks when set
     (mlx_lm's ``num_layers``). ``lm_head`` / ``embed_tokens`` targets add ``r * (hidden + vocab)``.
 
     Returns:
@@ -1864,6 +2057,10 @@ def lora_trainable_params(model_spec: ModelSpec, train_spec: TrainSpec) -> int:
     L = model_spec.num_layers
     n_blocks = L if train_spec.lora_layers is None else min(int(train_spec.lora_layers), L)
     total = per_block * n_blocks
+    # a vision-language model's tower / projector linears that the targets reach (PEFT wraps them too)
+    for lin, n in vision_lora_linears(model_spec, targets):
+        total += n * lin.count * r * (lin.in_features + lin.out_features)
+        matched.update(t for t in targets if _target_matches(lin, t))
     outside = model_spec.hidden_size + model_spec.vocab_size
     for t in targets:
         if t in _EMBED_TARGETS or t in _HEAD_TARGETS:

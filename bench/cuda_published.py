@@ -51,11 +51,13 @@ def load(path: str = DATA) -> Dict[str, Any]:
         return json.load(f)
 
 
-def _train_spec(row: Dict[str, Any]):
+def _train_spec(row: Dict[str, Any], src: Dict[str, Any]):
     from memguard_core.spec import TrainSpec
 
     return TrainSpec(batch_size=int(row["batch_size"]), seq_length=int(row["seq_length"]),
                      method=row["method"], lora_rank=int(row.get("lora_rank") or 8),
+                     lora_dropout=float(row.get("lora_dropout") or 0.0),
+                     model_code=row.get("model_code") or src.get("model_code", "transformers"),
                      lora_targets=tuple(row.get("lora_targets") or ("q_proj", "v_proj")),
                      optimizer=row.get("optimizer", "adamw"), dtype=row.get("dtype", "bf16"),
                      mixed_precision=bool(row.get("mixed_precision", False)),
@@ -85,7 +87,7 @@ def score_row(row: Dict[str, Any], data: Dict[str, Any], _specs: Optional[dict] 
                                                quantization_bits=4 if quant else None,
                                                double_quant=quant == "nf4-dq")
     ms = specs[key]
-    est = estimate(ms, _train_spec(row))
+    est = estimate(ms, _train_spec(row, src))
     counter = row.get("counter") or src["counter"]
     predicted = cuda_counter_bytes(est, counter)  # paged states: from the row's optimizer
     unit = UNIT_BYTES[src.get("unit", "GB (1e9 bytes)")]

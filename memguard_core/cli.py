@@ -33,7 +33,7 @@ FLAG_OF = {
     "batch_size": "--batch-size", "seq_length": "--seq-length", "grad_accum": "--grad-accum",
     "method": "--method", "lora_rank": "--lora-rank", "lora_targets": "--lora-targets",
     "lora_layers": "--lora-layers", "lora_dropout": "--lora-dropout", "optimizer": "--optimizer", "dtype": "--dtype",
-    "attn_impl": "--attn", "framework": "--framework", "device": "--device", "bnb_version": "--bnb-version",
+    "attn_impl": "--attn", "framework": "--framework", "model_code": "--model-code", "device": "--device", "bnb_version": "--bnb-version",
     "model_params": "--model-params", "hidden_dim": "--hidden-dim", "num_layers": "--num-layers",
     "num_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "model_bits": "--model-bits",
     "vocab_size": "--vocab-size", "intermediate_size": "--intermediate-size",
@@ -125,6 +125,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                         "image_seq_len, or its vision patch grid; 256 for Qwen2-VL at 448 px]")
     t.add_argument("--framework", default="hf",
                    help="hf | lightning | mlx | torch (a plain PyTorch / accelerate loop) (its conventions apply) [hf]")
+    t.add_argument("--model-code", default="transformers",
+                   help="whose model code runs: transformers (its modules, LoRA by PEFT) | litgpt (LitGPT's own "
+                        "GPT under `litgpt finetune lora`: LoRA / QLoRA on the fused qkv linear; --lora-targets "
+                        "query,key,value, default query,value as LitGPT's; Phi, GPT-NeoX, Llama and Mistral "
+                        "configs) [transformers]")
     t.add_argument("--device", default=None,
                    help="counter predicted: cpu (peak RSS, VmHWM) | cuda (peak device memory) | mlx "
                         "(mx.get_peak_memory) | mps (PyTorch on Apple Silicon, driver_allocated_memory; "
@@ -392,6 +397,10 @@ def _train_spec(args, model_spec):
     if args.trace and (str(sharding).strip().lower() != "none" or (isinstance(world, int) and world > 1)):
         raise ConfigError("--trace", "no --sharding and --world-size 1: the trace runs one process's step, "
                           "which cannot be compared with a per-rank estimate", True)
+    litgpt = str(getattr(args, "model_code", "transformers")).strip().lower() == "litgpt"
+    if args.trace and litgpt:
+        raise ConfigError("--trace", "not with --model-code litgpt: the trace runs transformers' modules, not "
+                          "LitGPT's", True)
     targets = DEFAULT_LORA_TARGETS
     if args.lora_targets is not None:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
@@ -407,8 +416,11 @@ def _train_spec(args, model_spec):
                      world_size=args.world_size, ranks=args.ranks, sharding=sharding,
                      offload=offload, shard_group_size=args.shard_group_size, zero_buckets=zero_buckets,
                      bnb_version=getattr(args, "bnb_version", None),
-                     heap_trim=not getattr(args, "no_heap_trim", False))
-    if ts.method != "full" and args.lora_targets is None:
+                     heap_trim=not getattr(args, "no_heap_trim", False),
+                     model_code=getattr(args, "model_code", "transformers"))
+    if ts.method != "full" and args.lora_targets is None and ts.model_code == "litgpt":
+        _note(args, "--lora-targets not given: query,value (LitGPT's finetune/lora.py default)")
+    elif ts.method != "full" and args.lora_targets is None:
         resolved = with_default_lora_targets(model_spec, ts)
         names = ",".join(resolved.lora_targets)
         if resolved is not ts:

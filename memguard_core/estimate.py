@@ -548,7 +548,8 @@ def _param_bytes_trainable(ms: ModelSpec, ts: TrainSpec) -> int:
     """Bytes per element of a trainable parameter (and so of its gradient and, for torch/MLX
     optimizers, of its states: ``torch.zeros_like(p)`` in ``torch/optim/adamw.py``)."""
     if ts.method != "full":
-        return 4
+        # PEFT keeps the adapters fp32 (autocast_adapter_dtype); LitGPT converts them with the model
+        return DTYPE_BYTES[ts.dtype] if ts.model_code == "litgpt" else 4
     return int(ms.dense_bits // 8)
 
 
@@ -1660,7 +1661,13 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
             fine-tuning of quantized weights, LoRA targets that match nothing.
     """
     _validate(model_spec, train_spec, correction)
-    train_spec = with_default_lora_targets(model_spec, train_spec)  # PEFT's targets when none given
+    litgpt = train_spec.model_code == "litgpt"  # LitGPT's own model code: memguard_core._litgpt
+    if litgpt:
+        from . import _litgpt
+
+        _litgpt.check(model_spec, train_spec)
+    else:
+        train_spec = with_default_lora_targets(model_spec, train_spec)  # PEFT's targets when none given
     notes: List[str] = list(check_train_spec(model_spec, train_spec))
     ts = train_spec
     # images per row: the image tokens of the row over those one image adds (one image at the defaults)
@@ -1671,7 +1678,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     if ms.params.vision and ts.method == "full":
         notes.append("full fine-tune of a vision-language model: the vision tower's weights, gradients "
                      "and optimizer states are counted, its activations are not")
-    vision_hits = vision_lora_linears(ms, ts.lora_targets) if ts.method != "full" else []
+    vision_hits = vision_lora_linears(ms, ts.lora_targets) if ts.method != "full" and not litgpt else []
     vision_act = _vision_activations(ms, ts, images)
     if vision_hits:
         notes.append(f"LoRA reaches the vision tower / projector ({len(vision_hits)} linears): their adapters "
@@ -1681,22 +1688,25 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
           and any(t.lower() in ("all-linear", "all_linear") for t in ts.lora_targets)):
         notes.append(f"all-linear LoRA also adapts the vision tower of {ms.model_type!r}, whose numbers memguard "
                      "does not read: its adapters and activations are not counted")
-    trainable = trainable_param_count(ms, ts)
+    trainable = _litgpt.trainable_params(ms, ts) if litgpt else trainable_param_count(ms, ts)
     e = DTYPE_BYTES[ts.dtype]
     tokens = ts.batch_size * ts.seq_length
 
-    weights = _weights(ms, ts, trainable)
+    weights = _litgpt.weights(ms, ts, trainable) if litgpt else _weights(ms, ts, trainable)
     copies = _weight_copies(ms, ts)
     # bitsandbytes: the dense weight one quantized linear materialises while it runs (the first
     # backward op, the top block's, starts while the loss moment's tensors are live)
-    dequant = _dequant_transient(ms, ts)
+    dequant = 0 if litgpt else _dequant_transient(ms, ts)
     master = _master_weights(ms, ts, trainable)
     pb = 4 if master else _param_bytes_trainable(ms, ts)
     grads = pb * trainable if not master else int(ms.dense_bits // 8) * trainable
     states = _optimizer_states(ms, ts, trainable)
     opt_tmp = _optimizer_temporaries(ms, ts, trainable)
-    hidden, scores, lora_act, one_block = _activations(ms, ts)
-    logits_peak, _ = _logits(ms, ts)
+    if litgpt:  # below, from LitGPT's rules
+        hidden = scores = lora_act = one_block = logits_peak = 0
+    else:
+        hidden, scores, lora_act, one_block = _activations(ms, ts)
+        logits_peak, _ = _logits(ms, ts)
     if ts.framework == "mlx":  # MLX's lazy graph: see _mlx_activations
         hidden, scores, one_time, logits_peak = _mlx_activations(ms, ts)
         lora_act, one_block = one_time, 0
@@ -1712,14 +1722,31 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     recompute = one_block if ts.grad_checkpoint else 0
     overhead = runtime_overhead_bytes(ts)
 
+    last_step = _bnb_last_step_inputs(ms, ts)
+    head_moment = None
+    if litgpt:
+        # LitGPT's blocks and head (memguard_core._litgpt): the loss moment is the largest of the
+        # moments its step peaks at (the first loss chunk's backward; the 4-bit head's backward;
+        # the next forward beside a kept graph), each adding its head terms to the blocks
+        saves, quant = _litgpt.block_saves(ms, ts), _litgpt.qlora_inputs(ms, ts)
+        n = min(ts.lora_layers or ms.num_layers, ms.num_layers)
+        full_depth = n == ms.num_layers
+        per = (n - 1) * (saves.block + quant.block) + (saves.first + quant.first if full_depth
+                                                      else saves.block + quant.block)
+        scores = int(tokens * n * saves.lse)
+        hidden = int(tokens * per) - scores
+        lora_act, one_block = 0, int(tokens * (saves.block + quant.block))
+        heads = _litgpt.head_moments(ms, ts)
+        head_moment = max(heads, key=lambda k: sum(heads[k].values()))
+        h = heads[head_moment]
+        logits_peak, head_in, copies, last_step = h["logits"], h["activations"], h["weight_copies"], 0
+
     # moment 1: loss (grads resident only while accumulating)
     grads_at_loss = grads if ts.grad_accum > 1 else 0
     # mlx_lm full fine-tune: the update's arrays are not live at the loss (with synchronous
     # evaluation the loss-moment live set of AdamW and SGD steps is the same); the step's update
     # window is the optimizer moment below (``_mlx_full_optimizer_moment``). SGD's extra copy of
     # the trainable parameters is MLX SGD's ``v`` buffer, counted as a state.
-    # bitsandbytes ctx attributes of the previous step, in a loop that keeps its output
-    last_step = _bnb_last_step_inputs(ms, ts)
     loss = dict(weights=weights, weight_copies=copies + dequant, gradients=grads_at_loss,
                 optimizer_states=states, master_weights=master, optimizer_temporaries=0,
                 backward_transients=0, activations=hidden + lora_act + head_in + recompute + last_step + vision_act,
@@ -1805,6 +1832,11 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
                      "(outside max_memory_allocated / max_memory_reserved)")
     if ts.device == "cuda":
         notes.append(f"cuda: SDPA kernel {cuda_sdpa_backend(ms, ts)}")
+    if litgpt:
+        notes.append("LitGPT's model code: fused qkv LoRA on " + ", ".join(sorted(_litgpt.lora_parts(ts)))
+                     + f", adapters in {ts.dtype}, head in chunks of {_litgpt.LM_HEAD_CHUNK}; the loss moment is "
+                     + {"loss": "the first loss chunk's backward", "head_backward": "the 4-bit head's backward",
+                        "next_forward": "the next forward beside the kept graph"}[head_moment])
     return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, counter=ts.device,
                           model_spec=ms, train_spec=train_spec, trainable_params=trainable, phase=phase,
                           phases=totals,

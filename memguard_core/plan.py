@@ -216,7 +216,9 @@ class _Search:
         ``relative_step_time``; when none fits, checkpointing and the smallest micro-batch."""
         c = self.cur
         ob, oa = original.batch_size, original.grad_accum
-        ckpts = [c.grad_checkpoint] + ([True] if "grad_checkpoint" in allow and not c.grad_checkpoint else [])
+        # LitGPT's finetune/lora.py has no activation checkpointing to switch on
+        ckpts = [c.grad_checkpoint] + ([True] if "grad_checkpoint" in allow and not c.grad_checkpoint
+                                       and c.model_code != "litgpt" else [])
         if "micro_batch" in allow:
             divs = [d for d in _divisors_desc(ob) if d >= min(min_batch, ob) and d <= c.batch_size]
         else:
@@ -364,7 +366,7 @@ def _suggestions(ms: ModelSpec, original: TrainSpec, cur: TrainSpec, allow) -> L
                else " (mlx_lm.convert --quantize)" if mlx else " (bitsandbytes NF4)")
         candidates.append(("quantize the base model to 4-bit and train QLoRA" + how,
                            (ms.replace(weight_bits=NF4_BITS), cur.replace(method="qlora"))))
-    if not cur.grad_checkpoint:
+    if not cur.grad_checkpoint and cur.model_code != "litgpt":
         candidates.append(("enable gradient checkpointing", (ms, cur.replace(grad_checkpoint=True))))
     if cur.batch_size > 1:
         candidates.append((f"use micro-batch 1 with gradient accumulation {cur.batch_size * cur.grad_accum}",

@@ -51,6 +51,7 @@ def estimate_table(est, budget_bytes: Optional[int] = None, title: str = "memgua
         f"{ts.grad_accum}, seq {ts.seq_length}, {ts.optimizer}, compute {ts.dtype}"
         f"{' (autocast)' if ts.mixed_precision else ''}, ckpt {'on' if ts.grad_checkpoint else 'off'}, "
         f"attn {ts.attn_impl}, framework {ts.framework}"
+        f"{f', model code {ts.model_code}' if getattr(ts, 'model_code', 'transformers') != 'transformers' else ''}"
         f"{f', image tokens {ts.image_tokens}/row' if getattr(ts, 'image_tokens', 0) else ''}"
         f"{f', vision tower {ms.params.vision / 1e6:,.1f}M' if getattr(ms.params, 'vision', 0) else ''}"
         f"; predicts {COUNTER_LABELS.get(est.counter, est.counter)}"))

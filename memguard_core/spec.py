@@ -34,6 +34,8 @@ OPTIMIZER_ALIASES = {"adamw-torch": "adamw", "adamw-torch-fused": "adamw", "adam
 PAGED_OPTIMIZERS = ("paged-adamw-8bit", "paged-adamw-32bit")
 DTYPES = ("fp32", "bf16", "fp16")
 FRAMEWORKS = ("hf", "lightning", "mlx", "torch")
+#: Whose model code runs: transformers' modules (+ PEFT), or LitGPT's own (``memguard_core._litgpt``).
+MODEL_CODES = ("transformers", "litgpt")
 #: Data-parallel memory layouts (memguard_core/sharding.py says what each divides and adds).
 SHARDINGS = ("none", "ddp", "fsdp-full", "fsdp-grad-op", "fsdp-hybrid", "fsdp-no-shard", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "params")
@@ -439,9 +441,15 @@ class TrainSpec:
         keeps_last_graph: the training loop holds the last micro-batch's output (logits, loss)
             until the next forward returns -- a hand-written loop's ``logits = model(x)``
             reassigned each step -- so that step's autograd graph lives on. ``None`` = by
-            framework: True for ``torch``, False for ``hf`` / ``lightning`` (their training steps
-            hand a detached loss on). It matters only where the graph holds tensors the backward
+            framework: True for ``torch`` and for ``model_code="litgpt"`` (LitGPT's
+            ``finetune/lora.py``), False for ``hf`` / ``lightning`` (their training steps hand a
+            detached loss on). It matters only where the graph holds tensors the backward
             does not free (bitsandbytes before 0.43.2: ``estimate._bnb_last_step_inputs``).
+        model_code: whose model code runs: ``transformers`` (transformers' modules, LoRA by PEFT;
+            the default) | ``litgpt`` (LitGPT's own ``GPT`` and ``LoRAQKVLinear`` under its
+            ``finetune/lora.py``: LoRA / QLoRA on the fused qkv linear, adapters in the weights'
+            dtype, the head in chunks, Lightning's bitsandbytes precision quantizing every linear;
+            ``memguard_core._litgpt`` says what it covers and refuses the rest).
     """
 
     batch_size: int = 1
@@ -472,6 +480,7 @@ class TrainSpec:
     bnb_version: Optional[str] = None
     keeps_last_graph: Optional[bool] = None
     heap_trim: bool = True
+    model_code: str = "transformers"
     ranks: dataclasses.InitVar[Optional[int]] = None
 
     def __post_init__(self, ranks: Optional[int] = None) -> None:
@@ -508,6 +517,7 @@ class TrainSpec:
         object.__setattr__(self, "dtype", require_choice("dtype", self.dtype, DTYPES))
         object.__setattr__(self, "attn_impl", require_choice("attn_impl", self.attn_impl, ATTN_IMPLS))
         object.__setattr__(self, "framework", require_choice("framework", self.framework, FRAMEWORKS))
+        object.__setattr__(self, "model_code", require_choice("model_code", self.model_code, MODEL_CODES))
         object.__setattr__(self, "device", require_choice("device", self.device, DEVICES))
         from .sharding import validate_sharding  # the per-rank rules live there
 
@@ -549,7 +559,8 @@ class TrainSpec:
         """``keeps_last_graph``, or by framework when None: a plain ``torch`` loop keeps it."""
         if self.keeps_last_graph is not None:
             return self.keeps_last_graph
-        return self.framework == "torch"
+        # LitGPT's finetune/lora.py writes ``logits = model(...)`` every iteration
+        return self.framework == "torch" or self.model_code == "litgpt"
 
     def replace(self, **changes: Any) -> "TrainSpec":
         """A copy with ``changes`` (field names; ``ranks`` is the deprecated ``world_size``)."""

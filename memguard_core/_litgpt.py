@@ -1,0 +1,302 @@
+"""LitGPT's own model code: what a LoRA / QLoRA step of ``litgpt finetune lora`` keeps for the
+backward (``TrainSpec.model_code = "litgpt"``).
+
+LitGPT (Lightning-AI/litgpt) does not run transformers' modules: its ``GPT`` (``litgpt/model.py``)
+fuses q, k and v into one linear, adds LoRA to chosen parts of it with one ``LoRAQKVLinear``
+(``litgpt/lora.py``), keeps the adapters in the weights' dtype, computes the head in chunks of 128
+positions and the loss with ``chunked_cross_entropy``, and quantizes with Lightning's
+``BitsandbytesPrecision``. What autograd keeps therefore differs from transformers + PEFT (the
+default, ``memguard_core.estimate``), per block and at the head. The rules below were read from
+LitGPT at commit 8641822 (2023-10, ``lit_gpt/``) and 00af8b0d (2024-09, ``litgpt/``), with
+Lightning 2.1 and bitsandbytes 0.41.1, and checked by running those sources on fake tensors
+(docs/estimator.md, "LitGPT's model code"); line numbers name the 2024 tree.
+
+This module imports no framework; ``memguard_core.estimate`` calls it for ``model_code="litgpt"``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, FrozenSet, NamedTuple
+
+from .errors import ConfigError
+from .spec import ModelSpec, TrainSpec
+
+#: Chunk of positions LitGPT's ``finetune/lora.py`` runs the head and the loss in
+#: (``model(input_ids, lm_head_chunk_size=128)``, ``chunked_cross_entropy(..., chunk_size=128)``).
+LM_HEAD_CHUNK = 128
+
+
+class Block(NamedTuple):
+    """How a LitGPT ``Block`` is laid out for one model family (``litgpt/config.py`` presets)."""
+
+    norm: str                  #: ``layernorm`` (``torch.nn.LayerNorm``) | ``rmsnorm`` (``litgpt.model.RMSNorm``)
+    parallel_residual: bool    #: ``x + attn(norm_1(x)) + mlp(norm_2(x))`` (GPT-NeoX, Phi)
+    shared_attention_norm: bool  #: the MLP reads ``norm_1(x)`` too (Phi): one norm
+    mlp: str                   #: ``gelu`` (``GptNeoxMLP``) | ``glu`` (``LLaMAMLP``: silu(fc_1) * fc_2)
+
+
+#: The transformers ``model_type`` of a config -> LitGPT's block for those checkpoints (the
+#: ``litgpt/config.py`` entries of Phi-1.5 / Phi-2, StableLM-Alpha / Pythia, Llama 2 / 3 / 3.1 /
+#: 3.2 and Mistral). Other families are refused rather than guessed.
+BLOCKS: Dict[str, Block] = {
+    "phi": Block("layernorm", True, True, "gelu"),
+    "gpt_neox": Block("layernorm", True, False, "gelu"),
+    "llama": Block("rmsnorm", False, False, "glu"),
+    "mistral": Block("rmsnorm", False, False, "glu"),
+}
+
+#: LoRA targets LitGPT's ``LoRAQKVLinear`` takes (``lora_query`` / ``lora_key`` / ``lora_value``),
+#: with the module names users also write for them.
+_QKV_NAMES = {"query": "q", "lora_query": "q", "q_proj": "q", "q": "q",
+              "key": "k", "lora_key": "k", "k_proj": "k", "k": "k",
+              "value": "v", "lora_value": "v", "v_proj": "v", "v": "v"}
+#: LitGPT's ``finetune/lora.py`` defaults: ``lora_query=True``, ``lora_value=True``.
+DEFAULT_TARGETS: FrozenSet[str] = frozenset({"q", "v"})
+
+
+def block_of(ms: ModelSpec) -> Block:
+    """LitGPT's block for ``ms.model_type``.
+
+    Raises:
+        ConfigError (``model_code``): a family whose LitGPT block is not modelled here.
+    """
+    b = BLOCKS.get(ms.model_type)
+    if b is None:
+        raise ConfigError("model_code", "'transformers' for this model: LitGPT's block is modelled for "
+                          + ", ".join(sorted(BLOCKS)) + f" configs, not {ms.model_type!r}", "litgpt")
+    return b
+
+
+def lora_parts(ts: TrainSpec) -> FrozenSet[str]:
+    """The parts of the fused qkv linear LoRA trains: a subset of ``{"q", "k", "v"}``.
+
+    ``ts.lora_targets`` left at PEFT's default means LitGPT's default (query and value).
+
+    Raises:
+        ConfigError (``lora_targets``): a target outside q / k / v (LitGPT's ``lora_projection``,
+        ``lora_mlp`` and ``lora_head`` are not modelled).
+    """
+    from .spec import _PeftDefaultTargets
+
+    targets = ts.lora_targets
+    if isinstance(targets, _PeftDefaultTargets):
+        return DEFAULT_TARGETS
+    parts = set()
+    for t in targets:
+        p = _QKV_NAMES.get(str(t).strip().lower())
+        if p is None:
+            raise ConfigError("lora_targets", "query, key and / or value under model_code 'litgpt' (LitGPT's "
+                              "lora_query / lora_key / lora_value; projection, MLP and head LoRA are not "
+                              "modelled)", list(targets))
+        parts.add(p)
+    return frozenset(parts)
+
+
+def check(ms: ModelSpec, ts: TrainSpec) -> None:
+    """Refuse settings the LitGPT rules do not cover, naming the field.
+
+    Raises:
+        ConfigError: full fine-tuning (``method``), autocast (``mixed_precision``: LitGPT's
+        ``bf16-mixed``), activation checkpointing (``grad_checkpoint``), eager attention
+        (``attn_impl``: LitGPT always calls SDPA), MLX (``framework``), data-parallel layouts
+        (``sharding``), a model family outside :data:`BLOCKS`, LoRA outside q / k / v.
+    """
+    if ts.method == "full":
+        raise ConfigError("method", "lora or qlora under model_code 'litgpt' (its finetune/lora.py); a full "
+                          "fine-tune with LitGPT's code is not modelled", ts.method)
+    if ts.mixed_precision:
+        raise ConfigError("mixed_precision", "False under model_code 'litgpt': LitGPT's bf16-true / 16-true / "
+                          "32-true precisions (weights in dtype); bf16-mixed is not modelled", True)
+    if ts.grad_checkpoint:
+        raise ConfigError("grad_checkpoint", "False under model_code 'litgpt' (finetune/lora.py runs no "
+                          "activation checkpointing on one device)", True)
+    if ts.attn_impl == "eager":
+        raise ConfigError("attn_impl", "sdpa or flash under model_code 'litgpt' (LitGPT's attention calls "
+                          "scaled_dot_product_attention)", ts.attn_impl)
+    if ts.framework == "mlx" or ts.device == "mlx":
+        raise ConfigError("framework", "lightning or torch under model_code 'litgpt' (LitGPT runs PyTorch)",
+                          ts.framework)
+    if ts.sharding != "none":
+        raise ConfigError("sharding", "'none' under model_code 'litgpt' (one process; LitGPT's FSDP runs are "
+                          "not modelled)", ts.sharding)
+    block_of(ms)
+    lora_parts(ts)
+
+
+def _dims(ms: ModelSpec) -> Dict[str, int]:
+    hd = ms.head_dim
+    return {"q": ms.num_heads * hd, "k": ms.num_kv_heads * hd, "v": ms.num_kv_heads * hd}
+
+
+def trainable_params(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Parameters of LitGPT's LoRA adapters: per block ``lora_A`` (r x #parts, hidden) and
+    ``lora_B`` (sum of the trained parts' widths, r), ``litgpt/lora.py`` ``LoRAQKVLinear.__init__``;
+    on the last ``ts.lora_layers`` blocks when set (LitGPT itself adapts every block)."""
+    parts = lora_parts(ts)
+    d = _dims(ms)
+    r = ts.lora_rank
+    per = r * ms.hidden_size * len(parts) + r * sum(d[p] for p in parts)
+    layers = min(ts.lora_layers or ms.num_layers, ms.num_layers)
+    return per * layers
+
+
+def _mask_bytes(ts: TrainSpec, e: int) -> int:
+    """A training dropout's saved mask per element: CUDA's fused ``native_dropout`` keeps a 1-byte
+    bool mask; CPU / MPS ``_dropout_impl`` keeps the noise in the input's dtype
+    (``aten/src/ATen/native/Dropout.cpp``)."""
+    return e if ts.device in ("cpu", "mps") else 1
+
+
+class Saves(NamedTuple):
+    """Bytes per token of one block (``block``; ``first``: the bottom block, whose input needs no
+    gradient) and of the fp32 logsumexp of SDPA in it (``lse``, part of both)."""
+
+    block: float
+    first: float
+    lse: float
+
+
+def block_saves(ms: ModelSpec, ts: TrainSpec) -> Saves:
+    """What autograd keeps per token in one LitGPT block under LoRA on the fused qkv linear, bytes.
+
+    With e the weights' dtype bytes (LitGPT trains ``bf16-true``: weights and adapters in bf16),
+    C = hidden, q / kv the query / key-value widths, I = intermediate:
+
+    * norm inputs: ``LayerNorm`` keeps its input (e x C, once for a parallel residual whose norms
+      read the same x, ``litgpt/model.py`` ``Block.forward`` l.201-206); LitGPT's ``RMSNorm`` works
+      on ``x.float()`` and keeps that fp32 copy (4 x C per norm; two in a sequential block);
+    * LoRA input: ``lora_A`` runs on ``lora_dropout(x)`` (``lora.py`` l.426): with p > 0 its bf16
+      output (e x C) and the dropout's mask (:func:`_mask_bytes`); with p = 0 the norm output
+      itself (e x C). One dropout for the whole fused linear, whatever the parts;
+    * the zero-padding of the adapter output (``LoRAQKVLinear.zero_pad``, ``lora.py`` l.347
+      ``index_copy``): ``IndexCopyBackward`` keeps its source, e x (widths of the trained parts),
+      unless q, k and v all train (no padding then);
+    * attention (``CausalSelfAttention.forward`` l.242-267, 318): the fused output is viewed as
+      (B, groups, q_per_kv + 2, T, hs); with one query per group (multi-head attention) q, k and
+      v stay views of it and SDPA's saved v keeps the whole buffer alive (e x (q + 2 kv)); with
+      grouped queries ``reshape`` after ``expand`` copies, so v is a q-sized copy and the buffer
+      is freed. RoPE's ``cat`` makes new q and k (e x q each with grouped queries, e x (q + kv)
+      otherwise), SDPA keeps q, k, v, its output (e x q) and an fp32 logsumexp (4 x heads, padded
+      as ``memguard_core.estimate._sdpa_lse_per_token`` says for the memory-efficient kernel);
+    * MLP (frozen linears keep no input): ``GptNeoxMLP``'s ``F.gelu`` keeps its input (e x I,
+      l.356-357); ``LLaMAMLP``'s ``silu(fc_1) * fc_2`` keeps fc_1's output for the silu and both
+      factors for the product (3 e x I).
+
+    The bottom block's input needs no gradient: its dropout keeps no mask, and in a parallel
+    residual block its MLP keeps nothing (its input never leads to a trained parameter).
+    """
+    from .estimate import DTYPE_BYTES, _sdpa_lse_per_token, cuda_sdpa_backend
+
+    b = block_of(ms)
+    e = DTYPE_BYTES[ts.dtype]
+    c, i = ms.hidden_size, ms.intermediate_size
+    d = _dims(ms)
+    q, kv = d["q"], d["k"]
+    parts = lora_parts(ts)
+    mha = ms.num_kv_heads == ms.num_heads
+    if b.norm == "layernorm":
+        norms = e * c
+    else:
+        norms = 4 * c * (1 if b.parallel_residual else 2)
+    drop = ts.lora_dropout > 0
+    lora_in = e * c
+    mask = _mask_bytes(ts, e) * c if drop else 0
+    pad = 0 if parts == {"q", "k", "v"} else e * sum(d[p] for p in parts)
+    if mha:
+        attn = e * (q + 2 * kv) + e * (q + kv) + e * q
+    else:
+        attn = e * q * 4  # roped q, roped (expanded) k, the v copy, the output
+    backend = cuda_sdpa_backend(ms, ts) if ts.device == "cuda" else "flash"
+    lse = _sdpa_lse_per_token(ms, ts, backend)
+    mlp = e * i if b.mlp == "gelu" else 3 * e * i
+    block = norms + lora_in + mask + pad + attn + lse + mlp
+    first = block - mask - (mlp if b.parallel_residual else 0)
+    return Saves(float(block), float(first), float(lse))
+
+
+def qlora_inputs(ms: ModelSpec, ts: TrainSpec) -> Saves:
+    """Bytes per token bitsandbytes' 4-bit linears of one LitGPT block keep beyond
+    :func:`block_saves`, under QLoRA with bitsandbytes before 0.43.2.
+
+    Lightning's ``BitsandbytesPrecision`` (``lightning/fabric/plugins/precision/bitsandbytes.py``,
+    ``module_init_context``) replaces every ``torch.nn.Linear`` -- the frozen base of the LoRA
+    linear, the projection, the MLP's and the head -- with a 4-bit ``Linear4bit``; ``MatMul4Bit``
+    keeps its input A as ``ctx.tensors`` whenever an input needs a gradient
+    (``bitsandbytes/autograd/_functions.py``; ``memguard_core.estimate.bnb_4bit_keeps_input``).
+    New tensors per block: the qkv input (``norm_1`` output, e x C; with p = 0 ``lora_A`` keeps
+    it already), the projection's input (the attention output made contiguous, e x q), the MLP's
+    input when it has its own norm (e x C) and the MLP projection's input (e x I). The bottom
+    block's qkv linear and, in a parallel residual block, its MLP see inputs without gradient:
+    nothing kept there.
+    """
+    from .estimate import DTYPE_BYTES, bnb_4bit_keeps_input
+
+    if ts.method != "qlora" or not bnb_4bit_keeps_input(ts):
+        return Saves(0.0, 0.0, 0.0)
+    b = block_of(ms)
+    e = DTYPE_BYTES[ts.dtype]
+    c, i = ms.hidden_size, ms.intermediate_size
+    qkv_in = e * c if ts.lora_dropout > 0 else 0
+    proj_in = e * _dims(ms)["q"]
+    mlp = (0 if b.shared_attention_norm else e * c) + e * i
+    block = qkv_in + proj_in + mlp
+    first = proj_in + (0 if b.parallel_residual else mlp)
+    return Saves(float(block), float(first), 0.0)
+
+
+def head_moments(ms: ModelSpec, ts: TrainSpec) -> Dict[str, Dict[str, int]]:
+    """The head's and the loss's bytes at the moments where a LitGPT LoRA step peaks, beyond the
+    blocks' saved tensors: ``{moment: {"logits": ..., "weight_copies": ..., "activations": ...}}``.
+
+    * ``loss`` (the first chunk's ``log_softmax`` backward): Fabric's ``_FabricModule.forward``
+      casts the outputs to the default dtype (``precision.convert_output``, fp32), so the
+      ``logits`` list the loop holds is fp32 (4 x B x T x V) until the backward ends, and
+      ``chunked_cross_entropy`` keeps each fp32 chunk's ``log_softmax`` output (4 x B x T x V);
+      the chunk's backward adds two fp32 chunk-sized gradients (2 x 4 x B x 128 x V);
+    * ``head_backward`` (QLoRA: the 4-bit head's backward, after every loss node ran): the fp32
+      logits, their gradients cast back to e (e x B x T x V) and the head's weight dequantized
+      to fp16 then cast to e (``MatMul4Bit.backward``: (2 + e) x V x C);
+    * ``next_forward`` (a loop that keeps the last step's ``logits``, 00af8b0d's
+      ``finetune/lora.py`` l.304-307, with 4-bit weights): the previous step's fp32 logits and
+      its quantized linears' kept inputs (:func:`qlora_inputs`, the head's input too) beside the
+      new step's head forward: its e-sized chunks and the dequantized head weight.
+    ``activations`` are what the moment adds to the blocks: the final norm's saved input (LayerNorm
+    e x C, RMSNorm 4 x C per token), and under QLoRA the head's kept input (e x C).
+    """
+    from .estimate import DTYPE_BYTES
+
+    b = block_of(ms)
+    e = DTYPE_BYTES[ts.dtype]
+    tokens = ts.batch_size * ts.seq_length
+    c, v = ms.hidden_size, ms.vocab_size
+    n = tokens * v
+    chunk = ts.batch_size * min(LM_HEAD_CHUNK, ts.seq_length) * v
+    norm_in = (e if b.norm == "layernorm" else 4) * c * tokens
+    quant = ts.method == "qlora"
+    head_in = e * c * tokens if quant else 0
+    out = {"loss": {"logits": 8 * n + 8 * chunk, "weight_copies": 0, "activations": norm_in + head_in}}
+    if quant:
+        dequant = (2 + e) * v * c
+        out["head_backward"] = {"logits": 4 * n + e * n, "weight_copies": dequant, "activations": norm_in + head_in}
+        if ts.last_graph_kept:
+            prev = int(tokens * (ms.num_layers * qlora_inputs(ms, ts).block)) + head_in
+            out["next_forward"] = {"logits": 4 * n + e * n, "weight_copies": dequant,
+                                   "activations": norm_in + head_in + prev}
+    return out
+
+
+def weights(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
+    """Stored weights, bytes: the frozen model in the weights' dtype (``bf16-true``), under QLoRA
+    every linear -- the head included, :func:`qlora_inputs` -- as NF4 (4.5 bits, 4.127 with double
+    quantization: ``memguard_core.estimate.nf4_storage_bytes``) and the embedding and norms in the
+    dtype; the adapters in the dtype too (LitGPT converts the whole module)."""
+    from .estimate import DTYPE_BYTES, _weight_bits
+
+    e = DTYPE_BYTES[ts.dtype]
+    p = ms.params
+    if ts.method == "qlora":
+        quant = p.attention + p.mlp + p.experts + p.lm_head
+        b = quant * _weight_bits(ms, ts) / 8 + (p.total - quant) * e
+    else:
+        b = p.total * e
+    return int(b + trainable * e)

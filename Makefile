@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first, pinned: a plain `torch` requirement would pull a multi-GB CUDA build here
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e ".[hf,lightning,mlx,dev]"
+	# LitGPT's own model code, for tests/test_litgpt_code.py: --no-deps, as its pins (huggingface-hub<1.4,
+	# psutil==7.2.2) conflict with transformers 5; what it imports, the extras above install
+	$(PIP) install -q --no-deps litgpt==0.5.13
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -58,6 +58,7 @@ def _train_spec(row: Dict[str, Any], src: Dict[str, Any]):
                      method=row["method"], lora_rank=int(row.get("lora_rank") or 8),
                      lora_dropout=float(row.get("lora_dropout") or 0.0),
                      model_code=row.get("model_code") or src.get("model_code", "transformers"),
+                     litgpt_version=row.get("litgpt_version") or src.get("litgpt_version"),
                      lora_targets=tuple(row.get("lora_targets") or ("q_proj", "v_proj")),
                      optimizer=row.get("optimizer", "adamw"), dtype=row.get("dtype", "bf16"),
                      mixed_precision=bool(row.get("mixed_precision", False)),

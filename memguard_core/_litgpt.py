@@ -53,6 +53,45 @@ _QKV_NAMES = {"query": "q", "lora_query": "q", "q_proj": "q", "q": "q",
 #: LitGPT's ``finetune/lora.py`` defaults: ``lora_query=True``, ``lora_value=True``.
 DEFAULT_TARGETS: FrozenSet[str] = frozenset({"q", "v"})
 
+#: From LitGPT 0.5.0 on, ``finetune/lora.py`` replaces the token embedding of a QLoRA model with
+#: bitsandbytes' ``StableEmbedding`` after ``mark_only_lora_as_trainable`` and after the optimizer
+#: is built (0.5.13: l.219-229): its weight and LayerNorm train -- a dense vocab x hidden gradient
+#: kept from the first backward on, which no optimizer steps or zeroes -- and the bottom block's
+#: input then needs a gradient. LitGPT 0.4.13 (= 00af8b0d for these files) has no such swap.
+STABLE_EMBEDDING_FROM = (0, 5, 0)
+
+
+def _version(v: str) -> tuple:
+    import re
+
+    parts = tuple(int(p) for p in re.findall(r"\d+", v)[:3])
+    return parts + (0,) * (3 - len(parts))
+
+
+def stable_embedding(ts: TrainSpec) -> bool:
+    """Whether this QLoRA run's LitGPT swaps in a trainable ``StableEmbedding``
+    (:data:`STABLE_EMBEDDING_FROM`); ``ts.litgpt_version`` None = the current LitGPT (it does)."""
+    if ts.method != "qlora":
+        return False
+    return ts.litgpt_version is None or _version(ts.litgpt_version) >= STABLE_EMBEDDING_FROM
+
+
+def stable_embedding_terms(ms: ModelSpec, ts: TrainSpec) -> Dict[str, int]:
+    """Bytes the trainable ``StableEmbedding`` adds (:func:`stable_embedding`), else zeros:
+    ``gradient``, its weight's dense gradient (vocab x hidden in the weights' dtype,
+    ``embedding_dense_backward``), live from the first backward on; ``transient``, the new
+    gradient a later backward adds into it; ``per_token``, what its forward keeps (the
+    LayerNorm's input in the forward context's dtype -- Fabric's ``bf16-true`` sets the default
+    dtype the module casts to, bitsandbytes ``nn/modules.py`` ``StableEmbedding.forward`` -- with
+    its mean and rstd, and the token ids)."""
+    from .estimate import DTYPE_BYTES
+
+    if not stable_embedding(ts):
+        return {"gradient": 0, "transient": 0, "per_token": 0}
+    e = DTYPE_BYTES[ts.dtype]
+    g = ms.vocab_size * ms.hidden_size * e
+    return {"gradient": g, "transient": g, "per_token": e * ms.hidden_size + 16}
+
 
 def block_of(ms: ModelSpec) -> Block:
     """LitGPT's block for ``ms.model_type``.
@@ -182,8 +221,10 @@ def block_saves(ms: ModelSpec, ts: TrainSpec) -> Saves:
       l.356-357); ``LLaMAMLP``'s ``silu(fc_1) * fc_2`` keeps fc_1's output for the silu and both
       factors for the product (3 e x I).
 
-    The bottom block's input needs no gradient: its dropout keeps no mask, and in a parallel
-    residual block its MLP keeps nothing (its input never leads to a trained parameter).
+    The bottom block's input needs no gradient (unless a trainable ``StableEmbedding`` feeds it:
+    :func:`stable_embedding`): its dropout keeps no mask, its first norm keeps no input (in a
+    parallel residual block neither norm, which read the same x), and in a parallel residual block
+    its MLP keeps nothing (its input never leads to a trained parameter).
     """
     from .estimate import DTYPE_BYTES, _sdpa_lse_per_token, cuda_sdpa_backend
 
@@ -210,7 +251,10 @@ def block_saves(ms: ModelSpec, ts: TrainSpec) -> Saves:
     lse = _sdpa_lse_per_token(ms, ts, backend)
     mlp = e * i if b.mlp == "gelu" else 3 * e * i
     block = norms + lora_in + mask + pad + attn + lse + mlp
-    first = block - mask - (mlp if b.parallel_residual else 0)
+    if stable_embedding(ts):
+        return Saves(float(block), float(block), float(lse))
+    first_norm = norms if b.parallel_residual else norms / 2
+    first = block - mask - first_norm - (mlp if b.parallel_residual else 0)
     return Saves(float(block), float(first), float(lse))
 
 
@@ -240,7 +284,7 @@ def qlora_inputs(ms: ModelSpec, ts: TrainSpec) -> Saves:
     proj_in = e * _dims(ms)["q"]
     mlp = (0 if b.shared_attention_norm else e * c) + e * i
     block = qkv_in + proj_in + mlp
-    first = proj_in + (0 if b.parallel_residual else mlp)
+    first = block if stable_embedding(ts) else proj_in + (0 if b.parallel_residual else mlp)
     return Saves(float(block), float(first), 0.0)
 
 

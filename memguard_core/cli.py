@@ -33,7 +33,7 @@ FLAG_OF = {
     "batch_size": "--batch-size", "seq_length": "--seq-length", "grad_accum": "--grad-accum",
     "method": "--method", "lora_rank": "--lora-rank", "lora_targets": "--lora-targets",
     "lora_layers": "--lora-layers", "lora_dropout": "--lora-dropout", "optimizer": "--optimizer", "dtype": "--dtype",
-    "attn_impl": "--attn", "framework": "--framework", "model_code": "--model-code", "device": "--device", "bnb_version": "--bnb-version",
+    "attn_impl": "--attn", "framework": "--framework", "model_code": "--model-code", "litgpt_version": "--litgpt-version", "device": "--device", "bnb_version": "--bnb-version",
     "model_params": "--model-params", "hidden_dim": "--hidden-dim", "num_layers": "--num-layers",
     "num_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "model_bits": "--model-bits",
     "vocab_size": "--vocab-size", "intermediate_size": "--intermediate-size",
@@ -130,6 +130,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                         "GPT under `litgpt finetune lora`: LoRA / QLoRA on the fused qkv linear; --lora-targets "
                         "query,key,value, default query,value as LitGPT's; Phi, GPT-NeoX, Llama and Mistral "
                         "configs) [transformers]")
+    t.add_argument("--litgpt-version", default=None,
+                   help="the LitGPT release (--model-code litgpt): from 0.5.0 on its QLoRA trains a "
+                        "StableEmbedding whose gradient no optimizer clears [the current LitGPT]")
     t.add_argument("--device", default=None,
                    help="counter predicted: cpu (peak RSS, VmHWM) | cuda (peak device memory) | mlx "
                         "(mx.get_peak_memory) | mps (PyTorch on Apple Silicon, driver_allocated_memory; "
@@ -398,6 +401,8 @@ def _train_spec(args, model_spec):
         raise ConfigError("--trace", "no --sharding and --world-size 1: the trace runs one process's step, "
                           "which cannot be compared with a per-rank estimate", True)
     litgpt = str(getattr(args, "model_code", "transformers")).strip().lower() == "litgpt"
+    if getattr(args, "litgpt_version", None) is not None and not litgpt:
+        raise ConfigError("--litgpt-version", "given only with --model-code litgpt", args.litgpt_version)
     if args.trace and litgpt:
         raise ConfigError("--trace", "not with --model-code litgpt: the trace runs transformers' modules, not "
                           "LitGPT's", True)
@@ -417,7 +422,8 @@ def _train_spec(args, model_spec):
                      offload=offload, shard_group_size=args.shard_group_size, zero_buckets=zero_buckets,
                      bnb_version=getattr(args, "bnb_version", None),
                      heap_trim=not getattr(args, "no_heap_trim", False),
-                     model_code=getattr(args, "model_code", "transformers"))
+                     model_code=getattr(args, "model_code", "transformers"),
+                     litgpt_version=getattr(args, "litgpt_version", None))
     if ts.method != "full" and args.lora_targets is None and ts.model_code == "litgpt":
         _note(args, "--lora-targets not given: query,value (LitGPT's finetune/lora.py default)")
     elif ts.method != "full" and args.lora_targets is None:

@@ -1724,17 +1724,20 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
 
     last_step = _bnb_last_step_inputs(ms, ts)
     head_moment = None
+    kept_grad = kept_tmp = 0  # a gradient no optimizer holds (LitGPT's QLoRA StableEmbedding)
     if litgpt:
         # LitGPT's blocks and head (memguard_core._litgpt): the loss moment is the largest of the
         # moments its step peaks at (the first loss chunk's backward; the 4-bit head's backward;
         # the next forward beside a kept graph), each adding its head terms to the blocks
         saves, quant = _litgpt.block_saves(ms, ts), _litgpt.qlora_inputs(ms, ts)
+        stable = _litgpt.stable_embedding_terms(ms, ts)
+        kept_grad, kept_tmp = stable["gradient"], stable["transient"]
         n = min(ts.lora_layers or ms.num_layers, ms.num_layers)
         full_depth = n == ms.num_layers
         per = (n - 1) * (saves.block + quant.block) + (saves.first + quant.first if full_depth
                                                       else saves.block + quant.block)
         scores = int(tokens * n * saves.lse)
-        hidden = int(tokens * per) - scores
+        hidden = int(tokens * (per + stable["per_token"])) - scores
         lora_act, one_block = 0, int(tokens * (saves.block + quant.block))
         heads = _litgpt.head_moments(ms, ts)
         head_moment = max(heads, key=lambda k: sum(heads[k].values()))
@@ -1742,7 +1745,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
         logits_peak, head_in, copies, last_step = h["logits"], h["activations"], h["weight_copies"], 0
 
     # moment 1: loss (grads resident only while accumulating)
-    grads_at_loss = grads if ts.grad_accum > 1 else 0
+    grads_at_loss = (grads if ts.grad_accum > 1 else 0) + kept_grad
     # mlx_lm full fine-tune: the update's arrays are not live at the loss (with synchronous
     # evaluation the loss-moment live set of AdamW and SGD steps is the same); the step's update
     # window is the optimizer moment below (``_mlx_full_optimizer_moment``). SGD's extra copy of
@@ -1755,13 +1758,14 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     # EMBEDDING_GRAD_COPIES by tied head / accumulation) + the first block's working set.
     emb_tmp, head_tmp = _embedding_grad_transients(ms, ts, pb)
     loss["backward_transients"] = head_tmp
-    bwd = dict(weights=weights, weight_copies=copies + dequant, gradients=grads, backward_transients=emb_tmp,
+    bwd = dict(weights=weights, weight_copies=copies + dequant, gradients=grads + kept_grad,
+               backward_transients=emb_tmp + kept_tmp,
                optimizer_states=states, master_weights=master, optimizer_temporaries=0,
                # the vision tower's backward runs after the decoder's: its saved tensors are still live
                activations=(min(one_block, hidden + lora_act + recompute) if _grad_layers(ms, ts) else 0) + vision_act,
                attention_scores=0, logits=0, runtime_overhead=overhead)
     # moment 3: optimizer step
-    opt = dict(weights=weights, weight_copies=0, gradients=grads, optimizer_states=states,
+    opt = dict(weights=weights, weight_copies=0, gradients=grads + kept_grad, optimizer_states=states,
                master_weights=master, optimizer_temporaries=opt_tmp, backward_transients=0,
                activations=0,
                attention_scores=0, logits=0, runtime_overhead=overhead)
@@ -1832,6 +1836,9 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
                      "(outside max_memory_allocated / max_memory_reserved)")
     if ts.device == "cuda":
         notes.append(f"cuda: SDPA kernel {cuda_sdpa_backend(ms, ts)}")
+    if kept_grad:
+        notes.append("LitGPT >= 0.5 QLoRA: the StableEmbedding it swaps in trains outside the optimizer -- its "
+                     "dense gradient stays from the first backward on")
     if litgpt:
         notes.append("LitGPT's model code: fused qkv LoRA on " + ", ".join(sorted(_litgpt.lora_parts(ts)))
                      + f", adapters in {ts.dtype}, head in chunks of {_litgpt.LM_HEAD_CHUNK}; the loss moment is "

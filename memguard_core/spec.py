@@ -450,6 +450,9 @@ class TrainSpec:
             ``finetune/lora.py``: LoRA / QLoRA on the fused qkv linear, adapters in the weights'
             dtype, the head in chunks, Lightning's bitsandbytes precision quantizing every linear;
             ``memguard_core._litgpt`` says what it covers and refuses the rest).
+        litgpt_version: the LitGPT release of a ``model_code="litgpt"`` run (``"0.4.13"``); from
+            0.5.0 on its QLoRA swaps in a trainable ``StableEmbedding``
+            (``memguard_core._litgpt.stable_embedding``). ``None`` = the current LitGPT.
     """
 
     batch_size: int = 1
@@ -481,6 +484,7 @@ class TrainSpec:
     keeps_last_graph: Optional[bool] = None
     heap_trim: bool = True
     model_code: str = "transformers"
+    litgpt_version: Optional[str] = None
     ranks: dataclasses.InitVar[Optional[int]] = None
 
     def __post_init__(self, ranks: Optional[int] = None) -> None:
@@ -511,6 +515,9 @@ class TrainSpec:
         if not isinstance(self.heap_trim, bool):
             raise ConfigError("heap_trim", "True (the guard returns the free heap at every step's end) or False",
                               self.heap_trim)
+        lv = self.litgpt_version
+        if lv is not None and not (isinstance(lv, str) and re.match(r"\s*\d+\.\d+", lv)):
+            raise ConfigError("litgpt_version", "a LitGPT version such as '0.5.13', or None", lv)
         klg = self.keeps_last_graph
         if klg is not None and not isinstance(klg, bool):
             raise ConfigError("keeps_last_graph", "True, False or None (by framework)", klg)

@@ -14,7 +14,8 @@ per token. On CPU, dropout keeps its noise in the input dtype (``_litgpt._mask_b
 
 The package is optional: the test skips unless ``litgpt`` imports. It needs only what the
 ``hf`` / ``lightning`` / ``dev`` extras already install (lightning, huggingface_hub, safetensors,
-tokenizers, tqdm, psutil), so ``pip install --no-deps litgpt`` is enough (checked with 0.4.13,
+tokenizers, tqdm, psutil), so ``pip install --no-deps litgpt`` is enough (``make install`` does it:
+litgpt's own pins, huggingface-hub < 1.4 and psutil 7.2.2, conflict with transformers 5) (checked with 0.4.13,
 whose model code equals LitGPT commit 00af8b0d, and 0.5.13, which splits the fused qkv output into
 q | k | v and repeats k / v with ``repeat_interleave`` for grouped queries: the same bytes).
 """
@@ -132,3 +133,5 @@ def test_block_saves_match_what_litgpt_keeps(family, dtype, p):
     assert len(set(middle)) == 1, per_token
     # what the rules leave out is a few bytes per token: a norm's mean / rstd, lora_A's r-wide output
     assert middle[0] == pytest.approx(rule.block, rel=0.02), (family, dtype, p, per_token, rule)
+    # the bottom block: no dropout mask, no first norm input (parallel residual: neither norm, nor the MLP)
+    assert per_token[0] == pytest.approx(rule.first, rel=0.02), (family, dtype, p, per_token, rule)

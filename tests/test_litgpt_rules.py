@@ -175,3 +175,20 @@ def test_every_published_litgpt_row_is_in_the_band():
     assert len(rows) >= 30
     bad = [(r["case"], round(r["error"] * 100, 1)) for r in rows if not r["within"]]
     assert not bad, bad
+
+
+def test_current_litgpt_qlora_keeps_its_stable_embedding_gradient(llama3):
+    # from LitGPT 0.5.0 on, finetune/lora.py swaps a trainable bitsandbytes StableEmbedding in after the
+    # optimizer is built: a dense V x C gradient nobody clears, and the bottom block's input needs a gradient
+    kw = dict(method="qlora", bnb_version="0.45.2", seq_length=512, batch_size=2)
+    old = estimate(llama3, _ts(litgpt_version="0.4.13", **kw))
+    new = estimate(llama3, _ts(**kw))  # None: the current LitGPT
+    dense = llama3.vocab_size * llama3.hidden_size * 2
+    assert new.phase_breakdowns["optimizer"]["gradients"] - old.phase_breakdowns["optimizer"]["gradients"] == dense
+    assert new.phase_breakdowns["backward"]["backward_transients"] >= dense
+    assert new.breakdown["activations"] > old.breakdown["activations"]
+    assert any("StableEmbedding" in n for n in new.notes) and not any("StableEmbedding" in n for n in old.notes)
+    assert estimate(llama3, _ts(litgpt_version="0.5.0")).peak_bytes == estimate(llama3, _ts()).peak_bytes  # LoRA: none
+    with pytest.raises(ConfigError) as e:
+        TrainSpec(model_code="litgpt", litgpt_version="latest")
+    assert e.value.field == "litgpt_version"

@@ -95,6 +95,7 @@ def test_one_rank_real_oom_in_the_synchronised_backward_is_redone_by_both(tmp_pa
     rc, output = _launch(tmp_path, f"rlimit-oom:{limit}")
     assert rc == 0, output[-4000:]
     guarded = _load(tmp_path, f"rlimit-oom:{limit}")
+    assert guarded[0]["forward_rows"] == guarded[1]["forward_rows"]   # the ranks stayed in step
     for r, g in enumerate(guarded):
         assert "failed" not in g, g.get("error")
         assert g["steps"] == 2

@@ -61,19 +61,14 @@ DEFAULT_TARGETS: FrozenSet[str] = frozenset({"q", "v"})
 STABLE_EMBEDDING_FROM = (0, 5, 0)
 
 
-def _version(v: str) -> tuple:
-    import re
-
-    parts = tuple(int(p) for p in re.findall(r"\d+", v)[:3])
-    return parts + (0,) * (3 - len(parts))
-
-
 def stable_embedding(ts: TrainSpec) -> bool:
     """Whether this QLoRA run's LitGPT swaps in a trainable ``StableEmbedding``
     (:data:`STABLE_EMBEDDING_FROM`); ``ts.litgpt_version`` None = the current LitGPT (it does)."""
+    from .estimate import version_tuple
+
     if ts.method != "qlora":
         return False
-    return ts.litgpt_version is None or _version(ts.litgpt_version) >= STABLE_EMBEDDING_FROM
+    return ts.litgpt_version is None or version_tuple(ts.litgpt_version) >= STABLE_EMBEDDING_FROM
 
 
 def stable_embedding_terms(ms: ModelSpec, ts: TrainSpec) -> Dict[str, int]:
@@ -137,8 +132,10 @@ def check(ms: ModelSpec, ts: TrainSpec) -> None:
     Raises:
         ConfigError: full fine-tuning (``method``), autocast (``mixed_precision``: LitGPT's
         ``bf16-mixed``), activation checkpointing (``grad_checkpoint``), eager attention
-        (``attn_impl``: LitGPT always calls SDPA), MLX (``framework``), data-parallel layouts
-        (``sharding``), a model family outside :data:`BLOCKS`, LoRA outside q / k / v.
+        (``attn_impl``: LitGPT always calls SDPA), MLX (``framework``), several processes
+        (``world_size`` / ``sharding``: LitGPT's multi-device runs use FSDP), LoRA on the last N
+        blocks only (``lora_layers``: LitGPT adapts every block), a model family outside
+        :data:`BLOCKS`, LoRA outside q / k / v.
     """
     if ts.method == "full":
         raise ConfigError("method", "lora or qlora under model_code 'litgpt' (its finetune/lora.py); a full "
@@ -158,6 +155,12 @@ def check(ms: ModelSpec, ts: TrainSpec) -> None:
     if ts.sharding != "none":
         raise ConfigError("sharding", "'none' under model_code 'litgpt' (one process; LitGPT's FSDP runs are "
                           "not modelled)", ts.sharding)
+    if ts.world_size > 1:
+        raise ConfigError("world_size", "1 under model_code 'litgpt' (one device; LitGPT's multi-device runs "
+                          "use FSDP, not modelled)", ts.world_size)
+    if ts.lora_layers is not None:
+        raise ConfigError("lora_layers", "None under model_code 'litgpt' (LitGPT adapts every block)",
+                          ts.lora_layers)
     block_of(ms)
     lora_parts(ts)
 
@@ -169,14 +172,12 @@ def _dims(ms: ModelSpec) -> Dict[str, int]:
 
 def trainable_params(ms: ModelSpec, ts: TrainSpec) -> int:
     """Parameters of LitGPT's LoRA adapters: per block ``lora_A`` (r x #parts, hidden) and
-    ``lora_B`` (sum of the trained parts' widths, r), ``litgpt/lora.py`` ``LoRAQKVLinear.__init__``;
-    on the last ``ts.lora_layers`` blocks when set (LitGPT itself adapts every block)."""
+    ``lora_B`` (sum of the trained parts' widths, r), ``litgpt/lora.py`` ``LoRAQKVLinear.__init__``,
+    in every block."""
     parts = lora_parts(ts)
     d = _dims(ms)
     r = ts.lora_rank
-    per = r * ms.hidden_size * len(parts) + r * sum(d[p] for p in parts)
-    layers = min(ts.lora_layers or ms.num_layers, ms.num_layers)
-    return per * layers
+    return (r * ms.hidden_size * len(parts) + r * sum(d[p] for p in parts)) * ms.num_layers
 
 
 def _mask_bytes(ts: TrainSpec, e: int) -> int:
@@ -290,24 +291,30 @@ def qlora_inputs(ms: ModelSpec, ts: TrainSpec) -> Saves:
 
 def head_moments(ms: ModelSpec, ts: TrainSpec) -> Dict[str, Dict[str, int]]:
     """The head's and the loss's bytes at the moments where a LitGPT LoRA step peaks, beyond the
-    blocks' saved tensors: ``{moment: {"logits": ..., "weight_copies": ..., "activations": ...}}``.
+    blocks' saved tensors: ``{moment: {"logits": ..., "weight_copies": ..., "activations": ...}}``,
+    with n = B x T x V elements of logits.
 
     * ``loss`` (the first chunk's ``log_softmax`` backward): Fabric's ``_FabricModule.forward``
       casts the outputs to the default dtype (``precision.convert_output``, fp32), so the
-      ``logits`` list the loop holds is fp32 (4 x B x T x V) until the backward ends, and
-      ``chunked_cross_entropy`` keeps each fp32 chunk's ``log_softmax`` output (4 x B x T x V);
-      the chunk's backward adds two fp32 chunk-sized gradients (2 x 4 x B x 128 x V);
+      ``logits`` list the loop holds is fp32 (4n) until the backward ends, and
+      ``chunked_cross_entropy`` keeps each fp32 chunk's ``log_softmax`` output (4n); the chunk's
+      backward adds two fp32 chunk-sized gradients (2 x 4 x B x 128 x V);
+    * ``forward_end`` (``convert_output`` itself): the e-sized chunks the model returned and their
+      fp32 copies (e·n + 4n), beside the previous step's fp32 ``logits`` (4n) and, under QLoRA,
+      its quantized linears' kept inputs when the loop keeps the last step's output
+      (``TrainSpec.last_graph_kept``: LitGPT's ``fit`` reassigns ``logits = model(...)``,
+      00af8b0d ``finetune/lora.py`` l.304-307);
     * ``head_backward`` (QLoRA: the 4-bit head's backward, after every loss node ran): the fp32
-      logits, their gradients cast back to e (e x B x T x V) and the head's weight dequantized
-      to fp16 then cast to e (``MatMul4Bit.backward``: (2 + e) x V x C);
-    * ``next_forward`` (a loop that keeps the last step's ``logits``, 00af8b0d's
-      ``finetune/lora.py`` l.304-307, with 4-bit weights): the previous step's fp32 logits and
-      its quantized linears' kept inputs (:func:`qlora_inputs`, the head's input too) beside the
-      new step's head forward: its e-sized chunks and the dequantized head weight.
+      logits, their gradients cast back to e (e·n) and the head's weight dequantized to fp16 then
+      cast to e (``MatMul4Bit.backward``: (2 + e) x V x C);
+    * ``next_forward`` (QLoRA with the last step's output kept): the previous step's fp32 logits
+      and kept inputs beside the new step's head forward -- its e-sized chunks and the dequantized
+      head weight.
     ``activations`` are what the moment adds to the blocks: the final norm's saved input (LayerNorm
-    e x C, RMSNorm 4 x C per token), and under QLoRA the head's kept input (e x C).
+    e x C, RMSNorm 4 x C per token), the 4-bit head's kept input (e x C, bitsandbytes before
+    0.43.2) and the previous step's kept inputs where the moment has them.
     """
-    from .estimate import DTYPE_BYTES
+    from .estimate import DTYPE_BYTES, bnb_4bit_keeps_input
 
     b = block_of(ms)
     e = DTYPE_BYTES[ts.dtype]
@@ -317,23 +324,42 @@ def head_moments(ms: ModelSpec, ts: TrainSpec) -> Dict[str, Dict[str, int]]:
     chunk = ts.batch_size * min(LM_HEAD_CHUNK, ts.seq_length) * v
     norm_in = (e if b.norm == "layernorm" else 4) * c * tokens
     quant = ts.method == "qlora"
-    head_in = e * c * tokens if quant else 0
-    out = {"loss": {"logits": 8 * n + 8 * chunk, "weight_copies": 0, "activations": norm_in + head_in}}
+    head_in = e * c * tokens if quant and bnb_4bit_keeps_input(ts) else 0
+    kept = ts.last_graph_kept
+    prev = 0
+    if quant and kept:
+        q = qlora_inputs(ms, ts)
+        prev = int(tokens * ((ms.num_layers - 1) * q.block + q.first)) + head_in
+    here = norm_in + head_in
+    out = {"loss": {"logits": 8 * n + 8 * chunk, "weight_copies": 0, "activations": here},
+           "forward_end": {"logits": (4 * n if kept else 0) + e * n + 4 * n, "weight_copies": 0,
+                           "activations": here + prev}}
     if quant:
         dequant = (2 + e) * v * c
-        out["head_backward"] = {"logits": 4 * n + e * n, "weight_copies": dequant, "activations": norm_in + head_in}
-        if ts.last_graph_kept:
-            prev = int(tokens * (ms.num_layers * qlora_inputs(ms, ts).block)) + head_in
-            out["next_forward"] = {"logits": 4 * n + e * n, "weight_copies": dequant,
-                                   "activations": norm_in + head_in + prev}
+        out["head_backward"] = {"logits": 4 * n + e * n, "weight_copies": dequant, "activations": here}
+        if kept:
+            out["next_forward"] = {"logits": 4 * n + e * n, "weight_copies": dequant, "activations": here + prev}
     return out
+
+
+def block_dequant(ms: ModelSpec, ts: TrainSpec) -> int:
+    """QLoRA: bytes of the largest block linear dequantized while it runs (fp16 from Lightning's
+    ``BitsandbytesPrecision``, then cast to e: (2 + e) x out x in, ``MatMul4Bit``); 0 for LoRA."""
+    from .estimate import DTYPE_BYTES, _block_linears
+
+    if ts.method != "qlora":
+        return 0
+    big = max((ls.in_features * ls.out_features for ls in _block_linears(ms) if not ls.is_param), default=0)
+    return (2 + DTYPE_BYTES[ts.dtype]) * big
 
 
 def weights(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
     """Stored weights, bytes: the frozen model in the weights' dtype (``bf16-true``), under QLoRA
     every linear -- the head included, :func:`qlora_inputs` -- as NF4 (4.5 bits, 4.127 with double
     quantization: ``memguard_core.estimate.nf4_storage_bytes``) and the embedding and norms in the
-    dtype; the adapters in the dtype too (LitGPT converts the whole module)."""
+    dtype; the adapters in the dtype too (LitGPT converts the whole module). With the
+    ``StableEmbedding`` swap (:func:`stable_embedding`) the old embedding stays too:
+    ``finetune/lora.py``'s ``main`` keeps it in a local (``old_embedding``) for the whole run."""
     from .estimate import DTYPE_BYTES, _weight_bits
 
     e = DTYPE_BYTES[ts.dtype]
@@ -343,4 +369,6 @@ def weights(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
         b = quant * _weight_bits(ms, ts) / 8 + (p.total - quant) * e
     else:
         b = p.total * e
+    if stable_embedding(ts):
+        b += ms.vocab_size * ms.hidden_size * e
     return int(b + trainable * e)

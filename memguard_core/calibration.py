@@ -166,7 +166,10 @@ def settings_key(ts: Any) -> str:
     length, accumulation and LoRA rank may differ)."""
     return json.dumps(dict(method=ts.method, optimizer=ts.optimizer, dtype=ts.dtype, mixed=ts.mixed_precision,
                            ckpt=ts.grad_checkpoint, attn=ts.attn_impl, framework=ts.framework,
-                           device=ts.device, targets=list(ts.lora_targets) if ts.method != "full" else []),
+                           device=ts.device, targets=list(ts.lora_targets) if ts.method != "full" else [],
+                           # another model code keeps other tensors; transformers' keys stay as they were
+                           **({"code": ts.model_code} if getattr(ts, "model_code", "transformers") != "transformers"
+                              else {})),
                       sort_keys=True)
 
 

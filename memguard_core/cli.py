@@ -33,7 +33,8 @@ FLAG_OF = {
     "batch_size": "--batch-size", "seq_length": "--seq-length", "grad_accum": "--grad-accum",
     "method": "--method", "lora_rank": "--lora-rank", "lora_targets": "--lora-targets",
     "lora_layers": "--lora-layers", "lora_dropout": "--lora-dropout", "optimizer": "--optimizer", "dtype": "--dtype",
-    "attn_impl": "--attn", "framework": "--framework", "model_code": "--model-code", "litgpt_version": "--litgpt-version", "device": "--device", "bnb_version": "--bnb-version",
+    "attn_impl": "--attn", "framework": "--framework", "model_code": "--model-code",
+    "litgpt_version": "--litgpt-version", "device": "--device", "bnb_version": "--bnb-version",
     "model_params": "--model-params", "hidden_dim": "--hidden-dim", "num_layers": "--num-layers",
     "num_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "model_bits": "--model-bits",
     "vocab_size": "--vocab-size", "intermediate_size": "--intermediate-size",
@@ -127,9 +128,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="hf | lightning | mlx | torch (a plain PyTorch / accelerate loop) (its conventions apply) [hf]")
     t.add_argument("--model-code", default="transformers",
                    help="whose model code runs: transformers (its modules, LoRA by PEFT) | litgpt (LitGPT's own "
-                        "GPT under `litgpt finetune lora`: LoRA / QLoRA on the fused qkv linear; --lora-targets "
-                        "query,key,value, default query,value as LitGPT's; Phi, GPT-NeoX, Llama and Mistral "
-                        "configs) [transformers]")
+                        "GPT under `litgpt finetune lora`: LoRA / QLoRA on the fused qkv linear, --lora-targets "
+                        "any of query,key,value [query,value: LitGPT's default]; set --lora-dropout 0.05 as "
+                        "LitGPT does; Phi, GPT-NeoX, Llama and Mistral configs) [transformers]")
     t.add_argument("--litgpt-version", default=None,
                    help="the LitGPT release (--model-code litgpt): from 0.5.0 on its QLoRA trains a "
                         "StableEmbedding whose gradient no optimizer clears [the current LitGPT]")

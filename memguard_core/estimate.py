@@ -728,10 +728,16 @@ def bnb_4bit_keeps_input(ts: TrainSpec) -> bool:
     unknown version (``None``) takes the older rule, the larger estimate."""
     if ts.bnb_version is None:
         return True
+    return version_tuple(ts.bnb_version) < BNB_4BIT_INPUT_DROPPED
+
+
+def version_tuple(version: str) -> Tuple[int, int, int]:
+    """``"0.42.0"`` -> ``(0, 42, 0)``: the first three numbers of a version string, zero-padded
+    (``"0.5"`` -> ``(0, 5, 0)``; a suffix such as ``.dev1`` is ignored)."""
     import re
 
-    parts = tuple(int(p) for p in re.findall(r"\d+", ts.bnb_version)[:3])
-    return parts + (0,) * (3 - len(parts)) < BNB_4BIT_INPUT_DROPPED
+    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+    return parts + (0,) * (3 - len(parts))  # type: ignore[return-value]
 
 
 def _bnb_saved_inputs(ms: ModelSpec, ts: TrainSpec, *, lora: bool) -> float:
@@ -1658,7 +1664,8 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
 
     Raises:
         ConfigError: a spec of the wrong type, a non-positive shape, a bad correction, full
-            fine-tuning of quantized weights, LoRA targets that match nothing.
+            fine-tuning of quantized weights, LoRA targets that match nothing; under
+            ``model_code="litgpt"`` the settings ``memguard_core._litgpt.check`` refuses.
     """
     _validate(model_spec, train_spec, correction)
     litgpt = train_spec.model_code == "litgpt"  # LitGPT's own model code: memguard_core._litgpt
@@ -1724,6 +1731,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
 
     last_step = _bnb_last_step_inputs(ms, ts)
     head_moment = None
+    bwd_copies = copies + dequant
     kept_grad = kept_tmp = 0  # a gradient no optimizer holds (LitGPT's QLoRA StableEmbedding)
     if litgpt:
         # LitGPT's blocks and head (memguard_core._litgpt): the loss moment is the largest of the
@@ -1732,10 +1740,8 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
         saves, quant = _litgpt.block_saves(ms, ts), _litgpt.qlora_inputs(ms, ts)
         stable = _litgpt.stable_embedding_terms(ms, ts)
         kept_grad, kept_tmp = stable["gradient"], stable["transient"]
-        n = min(ts.lora_layers or ms.num_layers, ms.num_layers)
-        full_depth = n == ms.num_layers
-        per = (n - 1) * (saves.block + quant.block) + (saves.first + quant.first if full_depth
-                                                      else saves.block + quant.block)
+        n = ms.num_layers  # LitGPT adapts every block (_litgpt.check refuses lora_layers)
+        per = (n - 1) * (saves.block + quant.block) + saves.first + quant.first
         scores = int(tokens * n * saves.lse)
         hidden = int(tokens * (per + stable["per_token"])) - scores
         lora_act, one_block = 0, int(tokens * (saves.block + quant.block))
@@ -1743,6 +1749,9 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
         head_moment = max(heads, key=lambda k: sum(heads[k].values()))
         h = heads[head_moment]
         logits_peak, head_in, copies, last_step = h["logits"], h["activations"], h["weight_copies"], 0
+        # the head's dense weight exists only while the head runs; the backward ends in the bottom
+        # block, whose 4-bit linears are dequantized one at a time
+        bwd_copies = _litgpt.block_dequant(ms, ts)
 
     # moment 1: loss (grads resident only while accumulating)
     grads_at_loss = (grads if ts.grad_accum > 1 else 0) + kept_grad
@@ -1758,7 +1767,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     # EMBEDDING_GRAD_COPIES by tied head / accumulation) + the first block's working set.
     emb_tmp, head_tmp = _embedding_grad_transients(ms, ts, pb)
     loss["backward_transients"] = head_tmp
-    bwd = dict(weights=weights, weight_copies=copies + dequant, gradients=grads + kept_grad,
+    bwd = dict(weights=weights, weight_copies=bwd_copies, gradients=grads + kept_grad,
                backward_transients=emb_tmp + kept_tmp,
                optimizer_states=states, master_weights=master, optimizer_temporaries=0,
                # the vision tower's backward runs after the decoder's: its saved tensors are still live
@@ -1843,6 +1852,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
         notes.append("LitGPT's model code: fused qkv LoRA on " + ", ".join(sorted(_litgpt.lora_parts(ts)))
                      + f", adapters in {ts.dtype}, head in chunks of {_litgpt.LM_HEAD_CHUNK}; the loss moment is "
                      + {"loss": "the first loss chunk's backward", "head_backward": "the 4-bit head's backward",
+                        "forward_end": "the end of the forward (Fabric's fp32 copy of the logits)",
                         "next_forward": "the next forward beside the kept graph"}[head_moment])
     return MemoryEstimate(peak_bytes=peak, breakdown=breakdown, counter=ts.device,
                           model_spec=ms, train_spec=train_spec, trainable_params=trainable, phase=phase,

@@ -332,7 +332,7 @@ def plan(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
             s.halve("seq_length", min(MIN_SEQ_LENGTH, s.cur.seq_length), "sequence length")
         elif step == "lora_rank" and lora:
             s.halve("lora_rank", MIN_LORA_RANK, "LoRA rank")
-        elif step == "lora_layers" and lora:
+        elif step == "lora_layers" and lora and ts.model_code != "litgpt":  # LitGPT adapts every block
             s.halve("lora_layers", MIN_LORA_LAYERS, "LoRA layers (last N blocks)")
         if s.fits():
             return done()
@@ -377,7 +377,7 @@ def _suggestions(ms: ModelSpec, original: TrainSpec, cur: TrainSpec, allow) -> L
     if cur.method != "full" and cur.lora_rank > 1:
         candidates.append((f"use a smaller LoRA rank (now {cur.lora_rank}; half shown)",
                            (ms, cur.replace(lora_rank=max(1, cur.lora_rank // 2)))))
-    if cur.method != "full":
+    if cur.method != "full" and cur.model_code != "litgpt":
         n = cur.lora_layers or ms.num_layers
         if n > 1:
             candidates.append((f"put LoRA on fewer layers (now {n}; half shown)",

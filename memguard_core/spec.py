@@ -143,10 +143,11 @@ def with_default_lora_targets(model_spec: "ModelSpec", train_spec: "TrainSpec") 
     """``train_spec`` with PEFT's default LoRA targets for ``model_spec``'s model type when it
     was built without ``lora_targets`` (:data:`DEFAULT_LORA_TARGETS`); ``train_spec`` itself
     when targets were given, the method is ``full``, the spec comes from plain numbers (no model
-    type: ``q_proj, v_proj`` stay) or PEFT has no default for the type. ``estimate`` and ``plan``
-    call it first. Imports nothing."""
+    type: ``q_proj, v_proj`` stay), PEFT has no default for the type, or LitGPT's model code runs
+    (``model_code="litgpt"``: its own default, ``memguard_core._litgpt.lora_parts``). ``estimate``
+    and ``plan`` call it first. Imports nothing."""
     if not isinstance(train_spec.lora_targets, _PeftDefaultTargets) or train_spec.method == "full" \
-            or getattr(model_spec, "source", None) == "numbers":
+            or getattr(model_spec, "source", None) == "numbers" or train_spec.model_code == "litgpt":
         return train_spec
     names = peft_default_lora_targets(getattr(model_spec, "model_type", None))
     if names is None:

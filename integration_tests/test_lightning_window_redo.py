@@ -79,15 +79,16 @@ def placed(tmp_path_factory):
 
 @pytest.mark.parametrize("accum", [1, 2], ids=["accumulate-1", "accumulate-2"])
 def test_backward_oom_redoes_the_window(tmp_path, placed, accum):
-    """Unguarded: step 1 fits, step 2 (AdamW's states held) dies in Lightning's backward of the
-    unsplit batch. Guarded: the same backward fails in its first step (states allocated up front),
+    """Unguarded (the accumulate-1 twin): step 1 fits, step 2 (AdamW's states held) dies in
+    Lightning's backward of the unsplit batch. Guarded: the same backward fails in its first step (states allocated up front),
     the window is redone with 2 micro-batches per batch, both steps finish with the unlimited
     unsplit run's parameters. With ``accumulate_grad_batches=2`` the failure comes in a window's
     batches after the first one's gradients were summed: the kept batches are redone too."""
     extra = ("--accum", str(accum))
     reference, limit = placed(accum)
-    bare = _run(tmp_path, limit, "none", *extra)
-    assert bare.get("failed") == "backward" and ALLOC_FAILED in bare["error"], bare
+    if accum == 1:  # the placement bites (one twin is enough to show it; CI time is counted)
+        bare = _run(tmp_path, limit, "none", *extra)
+        assert bare.get("failed") == "backward" and ALLOC_FAILED in bare["error"], bare
     guarded = _run(tmp_path, limit, "oom", *extra)
     assert "failed" not in guarded, guarded.get("error")
     assert guarded["steps"] == 2

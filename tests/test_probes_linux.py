@@ -424,6 +424,10 @@ def test_step_figures_decline_when_a_reading_is_stale(monkeypatch):
     re-reads it): step_figures returns None rather than an old MemAvailable."""
     if not linux.reset_peak():
         pytest.skip("/proc/self/clear_refs not writable here")
+    # the clock stands still from the readings to the first call: a loaded machine that stalls this
+    # test for a second must not make the fresh reading stale
+    t0 = time.monotonic()
+    monkeypatch.setattr(linux.time, "monotonic", lambda: t0)
     linux.probe(cheap=False)
     linux.probe(cheap=True)
     if linux._step_levels is None or linux._step_levels[2]:
@@ -431,8 +435,7 @@ def test_step_figures_decline_when_a_reading_is_stale(monkeypatch):
     buf = b"\x01" * (32 * MiB)          # a peak above the floor's bound: unambiguous
     del buf
     assert linux.step_figures() is not None
-    real = time.monotonic
-    monkeypatch.setattr(linux.time, "monotonic", lambda: real() + linux.SLOW_FIGURES_MAX_AGE_S + 0.1)
+    monkeypatch.setattr(linux.time, "monotonic", lambda: t0 + linux.SLOW_FIGURES_MAX_AGE_S + 0.1)
     assert linux.step_figures() is None
 
 

@@ -1,5 +1,6 @@
 """One HF ``Trainer`` run of a full-depth published architecture (SmolLM2-135M: all 30 blocks,
-random weights), LoRA r=16 on every linear, pure bf16 weights, micro-batch 4 x 512 tokens, 2 steps;
+random weights), LoRA r=16 on every linear, pure bf16 weights, micro-batch 4 x 512 tokens, 1 step
+(the preflight decides before it; one step holds the LoRA run's peak);
 guarded by ``MemGuardCallback(budget_bytes=BUDGET)`` or, with budget 0, unguarded. Prints one JSON
 line: the peak (VmHWM) and, when guarded, what the preflight decided.
 
@@ -17,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArgu
 from memguard_hf import MemGuardCallback
 from memguard_testing import ROOT
 
-ROWS, SEQ, BATCH, STEPS = 8, 512, 4, 2
+ROWS, SEQ, BATCH, STEPS = 4, 512, 4, 1
 
 
 class Rows(torch.utils.data.Dataset):

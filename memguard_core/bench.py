@@ -805,11 +805,17 @@ def _today() -> str:
 
 
 def _model_spec(d: dict):
-    from .spec import LinearShape, ModelSpec, ParamCounts
+    from .spec import LinearShape, ModelSpec, ParamCounts, VisionTower
 
     d = dict(d)
     d["params"] = ParamCounts(**d["params"])
     d["block_linears"] = tuple(LinearShape(**x) for x in d.get("block_linears") or ())
+    vt = d.get("vision_tower")
+    if isinstance(vt, dict):  # a recorded vision-language spec: its tower's linears as LinearShape too
+        vt = dict(vt)
+        for key in ("block_linears", "projector_linears", "unused_linears"):
+            vt[key] = tuple(LinearShape(**x) if isinstance(x, dict) else x for x in vt.get(key) or ())
+        d["vision_tower"] = VisionTower(**vt)
     return ModelSpec(**d)
 
 

@@ -214,3 +214,17 @@ def test_unread_tower_is_named_in_a_note():
     assert ms.vision_tower is None and ms.params.vision > 0
     est = estimate(ms, TrainSpec(method="lora", lora_targets=("all-linear",), dtype="bf16", seq_length=64))
     assert any("does not read" in n for n in est.notes)
+
+
+def test_a_recorded_vision_language_spec_scores_as_the_live_one():
+    # bench --reuse rebuilds specs from their JSON records: the tower must come back as a VisionTower
+    import dataclasses
+
+    from memguard_core.bench import _model_spec
+
+    ms = model_spec_from_hf_config(QWEN2_VL_2B)
+    back = _model_spec(json.loads(json.dumps(dataclasses.asdict(ms))))
+    assert back == ms
+    ts = TrainSpec(method="lora", lora_targets=("all-linear",), dtype="bf16", device="cuda",
+                   image_tokens=ms.image_tokens)
+    assert estimate(back, ts).peak_bytes == estimate(ms, ts).peak_bytes

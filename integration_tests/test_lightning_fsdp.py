@@ -87,9 +87,10 @@ def test_fsdp_split_in_place_equals_the_unsplit_run(tmp_path, version):
 
 @pytest.mark.parametrize("version", ["2", "1"])
 def test_fsdp_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version):
-    """Rank 1 alone gets an address-space limit (RLIMIT_AS) of its VmSize at train start plus 70 % of
+    """Rank 1 alone gets an address-space limit (RLIMIT_AS) of its VmSize at train start plus 80 % of
     what the unlimited unsplit run added to its VmPeak: its allocator really fails at the unsplit
-    size. The unguarded twin dies; the guarded run (the monitor's step sample off, so the OOM path
+    size. (Most of that growth is fixed -- AdamW's states, the gradients, the gathered parameters --
+    so at 70 % one row per forward could still miss the limit by a few MB of address space.) The unguarded twin dies; the guarded run (the monitor's step sample off, so the OOM path
     acts) finishes every step on both ranks within the timeout (a rank left in a collective would
     hang; the loss is logged with ``sync_dist=True``, a collective too), rank 1's errors are the
     allocator's own, rank 0 learnt of them at a sync point or at the
@@ -97,7 +98,7 @@ def test_fsdp_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version
     unlimited run's. (The unguarded twin runs under FSDP2 only, to keep CI's time: under FSDP1 rank
     1's errors, the allocator's own, show the limit bites.)"""
     ref = _run(tmp_path / "ref", "oom-ref", _port(), version)
-    headroom = int(0.7 * (ref[1]["vmpeak"] - ref[1]["base_vmsize"]))
+    headroom = int(0.8 * (ref[1]["vmpeak"] - ref[1]["base_vmsize"]))
     if version == "2":
         rc, log = _launch(tmp_path / "none", f"oom-none:{headroom}", _port(), version)
         assert rc != 0 and "can't allocate memory" in log, log[-6000:]

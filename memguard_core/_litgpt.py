@@ -180,13 +180,6 @@ def trainable_params(ms: ModelSpec, ts: TrainSpec) -> int:
     return (r * ms.hidden_size * len(parts) + r * sum(d[p] for p in parts)) * ms.num_layers
 
 
-def _mask_bytes(ts: TrainSpec, e: int) -> int:
-    """A training dropout's saved mask per element: CUDA's fused ``native_dropout`` keeps a 1-byte
-    bool mask; CPU / MPS ``_dropout_impl`` keeps the noise in the input's dtype
-    (``aten/src/ATen/native/Dropout.cpp``)."""
-    return e if ts.device in ("cpu", "mps") else 1
-
-
 class Saves(NamedTuple):
     """Bytes per token of one block (``block``; ``first``: the bottom block, whose input needs no
     gradient) and of the fp32 logsumexp of SDPA in it (``lse``, part of both)."""
@@ -206,7 +199,8 @@ def block_saves(ms: ModelSpec, ts: TrainSpec) -> Saves:
       read the same x, ``litgpt/model.py`` ``Block.forward`` l.201-206); LitGPT's ``RMSNorm`` works
       on ``x.float()`` and keeps that fp32 copy (4 x C per norm; two in a sequential block);
     * LoRA input: ``lora_A`` runs on ``lora_dropout(x)`` (``lora.py`` l.426): with p > 0 its bf16
-      output (e x C) and the dropout's mask (:func:`_mask_bytes`); with p = 0 the norm output
+      output (e x C) and the dropout's mask (``memguard_core.estimate._dropout_bytes``: 1 byte
+      on CUDA, e on CPU); with p = 0 the norm output
       itself (e x C). One dropout for the whole fused linear, whatever the parts;
     * the zero-padding of the adapter output (``LoRAQKVLinear.zero_pad``, ``lora.py`` l.347
       ``index_copy``): ``IndexCopyBackward`` keeps its source, e x (widths of the trained parts),
@@ -227,7 +221,7 @@ def block_saves(ms: ModelSpec, ts: TrainSpec) -> Saves:
     parallel residual block neither norm, which read the same x), and in a parallel residual block
     its MLP keeps nothing (its input never leads to a trained parameter).
     """
-    from .estimate import DTYPE_BYTES, _sdpa_lse_per_token, cuda_sdpa_backend
+    from .estimate import DTYPE_BYTES, _dropout_bytes, _sdpa_lse_per_token, cuda_sdpa_backend
 
     b = block_of(ms)
     e = DTYPE_BYTES[ts.dtype]
@@ -242,7 +236,7 @@ def block_saves(ms: ModelSpec, ts: TrainSpec) -> Saves:
         norms = 4 * c * (1 if b.parallel_residual else 2)
     drop = ts.lora_dropout > 0
     lora_in = e * c
-    mask = _mask_bytes(ts, e) * c if drop else 0
+    mask = _dropout_bytes(ts, e) * c if drop else 0
     pad = 0 if parts == {"q", "k", "v"} else e * sum(d[p] for p in parts)
     if mha:
         attn = e * (q + 2 * kv) + e * (q + kv) + e * q

@@ -10,7 +10,7 @@ storage (a view such as SDPA's v keeps its whole fused qkv buffer), parameters a
 out, each storage charged to the block whose forward was running when it was first saved. Two
 sequence lengths are run and the difference is divided by the extra tokens, so per-block
 constants (LoRA's index tensor, a norm's weight cast to fp32) drop out and what is left is bytes
-per token. On CPU, dropout keeps its noise in the input dtype (``_litgpt._mask_bytes``).
+per token. On CPU, dropout keeps its noise in the input dtype (``memguard_core.estimate._dropout_bytes``).
 
 The package is optional: the test skips unless ``litgpt`` imports. It needs only what the
 ``hf`` / ``lightning`` / ``dev`` extras already install (lightning, huggingface_hub, safetensors,

@@ -10,7 +10,9 @@ numbers (``--layers`` cuts or extends the blocks), random weights seeded with 0,
 ``--dtype`` (pure bf16, no autocast), SDPA attention, full fine-tune or PEFT LoRA (alpha = 2 x rank,
 no dropout), ``adamw_torch_fused``, random token ids seeded with 1 (labels = inputs), and glibc's
 free heap returned at every optimizer step's end (``memguard_core.probes.trim_heap``, what the guard
-does on a CPU device; ``--no-trim`` for a plain run).
+does on a CPU device) and, for a mixture-of-experts model in bf16, glibc's mmap threshold fixed at
+train start (``memguard_core.probes.pin_mmap_threshold``, as the guard does); ``--no-trim`` for a
+plain run.
 
 What it measures, per optimizer step: the step's VmHWM (reset with ``/proc/self/clear_refs`` at the
 step's start), and samples of ``VmRSS`` / ``RssAnon`` (/proc/self/status) with glibc's
@@ -298,6 +300,12 @@ def train(model, cfg, a, sampler: Sampler) -> Tuple[Optional[int], List[dict], O
                              remove_unused_columns=False, seed=0)
     trainer = Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[Probe()])
     resident_file = process_file_resident_bytes()  # where a guard's preflight reads it (on_train_begin)
+    if not a.no_trim:  # and what the guard does there for a mixture-of-experts model in bf16 on a CPU
+        from memguard_core.probes import pin_mmap_threshold
+        from memguard_core.spec import TrainSpec, model_spec_from_module, routed_half_precision_on_cpu
+
+        if routed_half_precision_on_cpu(model_spec_from_module(model), TrainSpec(dtype=a.dtype, device="cpu")):
+            pin_mmap_threshold()
     t0 = time.perf_counter()
     sampler.start()
     try:

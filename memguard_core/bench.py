@@ -6,8 +6,9 @@ weights (no model hub), a few optimizer steps, and the counter the estimate pred
 (``memguard_core.estimate``, README "The estimate"):
 
 * HF ``Trainer`` on torch CPU: ``VmHWM`` of the process (/proc/self/status), glibc's free heap
-  returned at every optimizer step's end as a guarded run returns it (``GuardOptions.trim_heap``;
-  a case with ``"trim_heap": false`` measures the plain run);
+  returned at every optimizer step's end as a guarded run returns it, and glibc's mmap threshold
+  fixed at train start for a mixture-of-experts model in bf16 as a guarded run fixes it
+  (``GuardOptions.trim_heap``; a case with ``"trim_heap": false`` measures the plain run);
 * HF ``Trainer`` on CUDA, when a GPU is present (``--cuda``): the CUDA context + peak reserved bytes
   of the caching allocator (``torch.cuda.max_memory_reserved``);
 * mlx_lm (``mlx_lm.tuner.trainer.train``, unmodified) on MLX: ``mx.get_peak_memory()``.
@@ -648,8 +649,15 @@ def _child_hf(case: dict) -> dict:
         read, reset = _peak_rss_bytes, reset_peak
     callbacks = [_hf_step_peaks_callback(read, reset)] if case.get("per_step") else []
     cb = callbacks[0] if callbacks else None
+    pinned = False
     if device == "cpu" and case.get("trim_heap", True):
         callbacks.append(_hf_trim_heap_callback())
+        # what the guard does at train start (Guard._pin_mmap_threshold) for a routed model in bf16
+        from .probes import pin_mmap_threshold
+        from .spec import TrainSpec, routed_half_precision_on_cpu
+
+        if routed_half_precision_on_cpu(model_spec_from_module(model), TrainSpec(dtype=kw["dtype"], device="cpu")):
+            pinned = pin_mmap_threshold()
     trainer = Trainer(model=model, args=args, train_dataset=DS(), callbacks=callbacks or None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -660,6 +668,7 @@ def _child_hf(case: dict) -> dict:
     peak = read()
     rec = dict(peak_bytes=peak, counter=device, seconds=time.time() - t0, model_spec=spec,
                resident_file_bytes=resident_file, heap_trim=bool(device == "cpu" and case.get("trim_heap", True)),
+               mmap_threshold_pinned=pinned,
                model_config=_json_safe(getattr(model, "config", config).to_dict()))
     if cb is not None:
         readings = [cb.pre_train or 0] + cb.steps + cb.gaps + [peak]
@@ -917,8 +926,9 @@ def cpu_bf16_moe(ms, ts) -> bool:
     """True for a mixture-of-experts model (``ms.is_moe``) whose matmuls run in bf16 (pure bf16 or
     bf16 autocast) on torch's CPU backend (``ts.framework`` hf / lightning, ``ts.device`` cpu):
     the cases :data:`CPU_BF16_MOE` labels and the reports summarise apart."""
-    return bool(getattr(ms, "is_moe", False)) and ts.device == "cpu" and ts.framework != "mlx" \
-        and ts.dtype == "bf16"
+    from .spec import routed_half_precision_on_cpu
+
+    return routed_half_precision_on_cpu(ms, ts) and ts.dtype == "bf16"
 
 
 def score(case: dict, rec: dict, *, seed: bool = True) -> dict:

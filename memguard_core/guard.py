@@ -146,6 +146,7 @@ class Guard(WindowRedo):
         k = opts.micro_batches
         if opts.preflight and read_specs is not None:
             k = max(k, self._run_preflight(read_specs, enable_checkpointing, rows, plan_hint))
+        self._pin_mmap_threshold()
         budget = self.budget_bytes
         if budget is None:
             budget = default_budget(opts.device, opts.safety_ratio)
@@ -348,6 +349,32 @@ class Guard(WindowRedo):
         except Exception:
             self.log.debug("memguard: step end not recorded", exc_info=True)
         self._trim_step_heap()
+
+    def _pin_mmap_threshold(self) -> None:
+        """``trim_heap``, for a mixture-of-experts model computing in bf16 / fp16 on a CPU device
+        (``spec.routed_half_precision_on_cpu``, read from the preflight's specs): glibc's mmap
+        threshold is fixed at its initial 128 KiB for the rest of the process
+        (``probes.pin_mmap_threshold``), once, before the first forward. The step-end trim returns
+        what a step left; within a step, such a run's freed tensors would otherwise stay resident
+        beside oneDNN's cache entries (docs/monitor.md, "The CPU heap between steps"). Without a
+        preflight nothing is pinned. Never raises."""
+        try:
+            pf = self.preflight
+            if not (self.options.trim_heap and pf is not None):
+                return
+            from .probes import pin_mmap_threshold, resolve_device
+            from .spec import routed_half_precision_on_cpu
+
+            if not routed_half_precision_on_cpu(pf.model_spec, pf.train_spec) \
+                    or resolve_device(self.options.device) != "cpu":
+                return
+            if pin_mmap_threshold():
+                self.log.info("memguard: glibc's mmap threshold fixed at 128 KiB for this process (a mixture-of-"
+                              "experts model in %s on the CPU: tensors of 128 KiB and more go back to the kernel "
+                              "when freed instead of staying in the heap; GuardOptions(trim_heap=False) leaves "
+                              "malloc alone)", pf.train_spec.dtype)
+        except Exception:
+            self.log.debug("memguard: mmap threshold left alone", exc_info=True)
 
     def _trim_step_heap(self) -> None:
         """``trim_heap``: after the step's peak was read, glibc's free heap goes back to the kernel

@@ -665,6 +665,23 @@ def weights_for_training(model_spec: "ModelSpec", train_spec: "TrainSpec") -> "M
     return model_spec.replace(dense_bits=want, weight_bits=wbits, weight_dtype=name)
 
 
+def routed_half_precision_on_cpu(model_spec: "ModelSpec", train_spec: "TrainSpec") -> bool:
+    """True for a mixture-of-experts model (``model_spec.is_moe``) whose matmuls run in bf16 or
+    fp16 (pure or autocast: ``train_spec.dtype``) on torch's CPU backend (``train_spec.device``
+    ``"cpu"``, framework not ``mlx``).
+
+    Such a run allocates tensors of new sizes every step (each expert's rows follow the router) and
+    its reduced-precision matmuls go to oneDNN, whose per-shape primitive caches place small
+    long-lived entries among the step's temporaries (ATen ``mkldnn_matmul``; ideep's
+    ``LRU_CACHE_CAPACITY`` and oneDNN's ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1,024 entries each).
+    Under glibc's dynamic mmap threshold the freed space between them stays resident within the
+    step: the guard pins the threshold for these runs (``GuardOptions.trim_heap``;
+    docs/estimator.md, "MoE in bf16 on CPU").
+    """
+    return bool(model_spec.is_moe) and train_spec.device == "cpu" and train_spec.framework != "mlx" \
+        and train_spec.dtype in ("bf16", "fp16")
+
+
 def _dtype_bits(dtype: Any) -> Optional[float]:
     """Bits per element of a torch dtype or dtype name (``torch.bfloat16``, ``"bfloat16"``)."""
     if dtype is None:

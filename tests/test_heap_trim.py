@@ -47,3 +47,19 @@ def test_trim_heap_takes_a_bool():
     assert GuardOptions.from_kwargs().trim_heap is True
     with pytest.raises(ConfigError, match="trim_heap"):
         GuardOptions.from_kwargs(trim_heap="yes")
+
+
+def test_the_mmap_threshold_is_fixed_for_routed_half_precision_runs_on_a_cpu_only():
+    from memguard_core.spec import ModelSpec, ParamCounts, TrainSpec, routed_half_precision_on_cpu
+
+    moe = ModelSpec(name="m", model_type="mixtral", vocab_size=96, hidden_size=32, intermediate_size=64,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, params=ParamCounts(),
+                    num_experts=4, num_experts_per_tok=2)
+    dense = moe.replace(model_type="llama", num_experts=0, num_experts_per_tok=0)
+    assert routed_half_precision_on_cpu(moe, TrainSpec(dtype="bf16", device="cpu"))
+    assert routed_half_precision_on_cpu(moe, TrainSpec(dtype="bf16", mixed_precision=True, device="cpu"))
+    assert routed_half_precision_on_cpu(moe, TrainSpec(dtype="fp16", device="cpu"))
+    assert not routed_half_precision_on_cpu(moe, TrainSpec(dtype="fp32", device="cpu"))
+    assert not routed_half_precision_on_cpu(moe, TrainSpec(dtype="bf16", device="cuda"))
+    assert not routed_half_precision_on_cpu(moe, TrainSpec(dtype="bf16", device="cpu", framework="mlx"))
+    assert not routed_half_precision_on_cpu(dense, TrainSpec(dtype="bf16", device="cpu"))

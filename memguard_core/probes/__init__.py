@@ -40,6 +40,7 @@ from memguard_core.errors import ConfigError
 log = logging.getLogger("memguard.probes")
 
 __all__ = ["MemorySnapshot", "StepReader", "probe", "step_reader", "live_bytes", "trim_heap",
+           "pin_mmap_threshold",
            "resolve_device", "host_source", "total_limit", "display_rows"]
 
 
@@ -557,6 +558,22 @@ def trim_heap() -> None:
             linux.malloc_trim()
     except Exception as exc:  # an exotic libc must not break a clean
         _warn_once("trim_heap", "memguard: returning the free heap failed: %r", exc)
+
+
+def pin_mmap_threshold() -> bool:
+    """Fix the C library's mmap threshold at its initial value for the rest of this process where
+    the host backend can (glibc ``mallopt(M_MMAP_THRESHOLD, 128 KiB)`` on Linux:
+    :func:`memguard_core.probes.linux.pin_mmap_threshold`), so large freed tensors go back to the
+    kernel instead of staying in the heap. Returns True when it was set, False elsewhere or when
+    glibc refused. Never raises."""
+    try:
+        if host_source() == "linux":
+            from memguard_core.probes import linux
+
+            return linux.pin_mmap_threshold()
+    except Exception as exc:  # an exotic libc must not break the run's start
+        _warn_once("pin_mmap_threshold", "memguard: pinning the mmap threshold failed: %r", exc)
+    return False
 
 
 def live_bytes(device: str) -> Optional[int]:

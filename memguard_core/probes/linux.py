@@ -51,7 +51,7 @@ __all__ = [
     "parse_meminfo", "parse_status", "parse_psi", "parse_proc_cgroup", "parse_mountinfo",
     "parse_flat_keyed", "read_meminfo", "read_status", "read_psi", "locate_cgroups",
     "cgroup_memory", "probe", "reset_peak", "step_figures", "pressure", "malloc_in_use",
-    "malloc_trim", "step_reader", "UNLIMITED_THRESHOLD",
+    "malloc_trim", "pin_mmap_threshold", "GLIBC_MMAP_THRESHOLD_MIN", "step_reader", "UNLIMITED_THRESHOLD",
     "AddressLimit", "read_rlimits", "address_limit",
 ]
 
@@ -1050,6 +1050,41 @@ def malloc_trim() -> bool:
     """
     trim = getattr(libc(), "malloc_trim", None)
     return bool(trim(0)) if trim is not None else False
+
+
+#: ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (glibc ``malloc/malloc.h``).
+M_MMAP_THRESHOLD = -3
+#: glibc's initial mmap threshold, ``DEFAULT_MMAP_THRESHOLD_MIN`` (128 KiB; mallopt(3),
+#: ``malloc/malloc.c``): allocations of at least this many bytes are mmapped until a freed mmapped
+#: chunk raises the dynamic threshold.
+GLIBC_MMAP_THRESHOLD_MIN = 128 * 1024
+
+
+def pin_mmap_threshold(nbytes: int = GLIBC_MMAP_THRESHOLD_MIN) -> bool:
+    """Fix glibc's mmap threshold at ``nbytes`` for this process (``mallopt(M_MMAP_THRESHOLD,
+    nbytes)``, mallopt(3)).
+
+    By default glibc starts the threshold at 128 KiB and raises it to the size of every mmapped
+    chunk freed (up to 32 MiB on 64-bit), so after a few steps a training process serves most of its
+    tensors from the heap, where freed blocks stay resident until a later request fits them. Setting
+    the parameter turns that adjustment off for the rest of the process's life (mallopt(3): "Dynamic
+    adjustment of the mmap threshold is disabled if any of ... M_MMAP_THRESHOLD ... is set"):
+    allocations of ``nbytes`` or more are then mmapped and go back to the kernel on ``free``. The
+    cost is a system call and fresh zeroed pages per such allocation. There is no call that restores
+    the dynamic threshold.
+
+    Args:
+        nbytes: the threshold in bytes, 0 .. 32 MiB (glibc refuses more).
+
+    Returns:
+        True when glibc accepted it; False when it refused or there is no ``mallopt`` (not glibc).
+        Raises what ctypes raises when libc cannot be called.
+    """
+    fn = getattr(libc(), "mallopt", None)
+    if fn is None:
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(fn(M_MMAP_THRESHOLD, int(nbytes)))
 
 
 def pressure() -> Optional[float]:

@@ -1,0 +1,34 @@
+"""``trim_heap`` at train start: a guarded HF ``Trainer`` run of a mixture-of-experts model in bf16
+on a CPU device fixes glibc's mmap threshold at 128 KiB; dense models, fp32 MoE runs and
+``trim_heap=False`` leave glibc's dynamic threshold alone. Real tiny Mixtral / Llama fine-tunes
+under ``MemGuardCallback`` in one fresh process (the setting is process-wide and cannot be undone,
+so the runs that must not fix it go first), and glibc's own counters (``mallinfo2().hblkhd``) after
+each: a 512 KiB tensor allocated right after an 8 MiB one was freed is mmapped only under a fixed
+threshold (the freed 8 MiB chunk raises a dynamic one above it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from memguard_testing import script, script_env
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                                reason="mallopt / mallinfo2 are glibc's (Linux)")
+
+
+def test_a_bf16_moe_run_fixes_the_mmap_threshold_and_the_others_do_not():
+    p = subprocess.run([sys.executable, script("mmap_threshold_run.py"), "dense-bf16", "moe-fp32", "moe-bf16-off",
+                        "moe-bf16"], capture_output=True, text=True, timeout=300, env=script_env(OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = {r["kind"]: r for r in json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[7:])}
+    assert all(r["steps"] == 2 for r in runs.values())
+    for kind in ("dense-bf16", "moe-fp32", "moe-bf16-off"):
+        assert runs[kind]["added"] == 0, kind        # from the heap: the dynamic threshold is above 512 KiB
+        assert runs[kind]["lines"] == [], kind
+    assert runs["moe-bf16"]["added"] >= 512 * 1024   # mmapped: the threshold is fixed at 128 KiB
+    assert len(runs["moe-bf16"]["lines"]) == 1 and "128 KiB" in runs["moe-bf16"]["lines"][0]

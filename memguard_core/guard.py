@@ -353,7 +353,7 @@ class Guard(WindowRedo):
     def _pin_mmap_threshold(self) -> None:
         """``trim_heap``, for a mixture-of-experts model computing in bf16 / fp16 on a CPU device
         (``spec.routed_half_precision_on_cpu``, read from the preflight's specs): glibc's mmap
-        threshold is fixed at its initial 128 KiB for the rest of the process
+        threshold is fixed at ``probes.MOE_MMAP_THRESHOLD_BYTES`` for the rest of the process
         (``probes.pin_mmap_threshold``), once, before the first forward. The step-end trim returns
         what a step left; within a step, such a run's freed tensors would otherwise stay resident
         beside oneDNN's cache entries (docs/monitor.md, "The CPU heap between steps"). Without a
@@ -362,17 +362,18 @@ class Guard(WindowRedo):
             pf = self.preflight
             if not (self.options.trim_heap and pf is not None):
                 return
-            from .probes import pin_mmap_threshold, resolve_device
+            from .probes import MOE_MMAP_THRESHOLD_BYTES, pin_mmap_threshold, resolve_device
             from .spec import routed_half_precision_on_cpu
 
             if not routed_half_precision_on_cpu(pf.model_spec, pf.train_spec) \
                     or resolve_device(self.options.device) != "cpu":
                 return
             if pin_mmap_threshold():
-                self.log.info("memguard: glibc's mmap threshold fixed at 128 KiB for this process (a mixture-of-"
-                              "experts model in %s on the CPU: tensors of 128 KiB and more go back to the kernel "
-                              "when freed instead of staying in the heap; GuardOptions(trim_heap=False) leaves "
-                              "malloc alone)", pf.train_spec.dtype)
+                mib = MOE_MMAP_THRESHOLD_BYTES / 2**20
+                self.log.info("memguard: glibc's mmap threshold fixed at %g MiB for this process (a mixture-of-"
+                              "experts model in %s on the CPU: tensors of %g MiB and more go back to the kernel "
+                              "when freed instead of staying in the heap as holes; GuardOptions(trim_heap=False) "
+                              "leaves malloc alone)", mib, pf.train_spec.dtype, mib)
         except Exception:
             self.log.debug("memguard: mmap threshold left alone", exc_info=True)
 

@@ -96,7 +96,7 @@ class GuardOptions:
         trim_heap: on a CPU device on Linux, hand glibc's free heap back to the kernel
             (``malloc_trim(0)``) after every optimizer step, so that holes the step's allocation
             sizes left do not count against the budget in the next; and, for a mixture-of-experts
-            model computing in bf16 / fp16 there, fix glibc's mmap threshold at 128 KiB at train
+            model computing in bf16 / fp16 there, fix glibc's mmap threshold at 4 MiB at train
             start (``mallopt``), for the rest of the process (docs/monitor.md, "The CPU heap
             between steps"). Nothing on CUDA, MPS, MLX or other hosts.
     """

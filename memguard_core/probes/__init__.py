@@ -40,7 +40,7 @@ from memguard_core.errors import ConfigError
 log = logging.getLogger("memguard.probes")
 
 __all__ = ["MemorySnapshot", "StepReader", "probe", "step_reader", "live_bytes", "trim_heap",
-           "pin_mmap_threshold",
+           "pin_mmap_threshold", "MOE_MMAP_THRESHOLD_BYTES",
            "resolve_device", "host_source", "total_limit", "display_rows"]
 
 
@@ -560,17 +560,24 @@ def trim_heap() -> None:
         _warn_once("trim_heap", "memguard: returning the free heap failed: %r", exc)
 
 
-def pin_mmap_threshold() -> bool:
-    """Fix the C library's mmap threshold at its initial value for the rest of this process where
-    the host backend can (glibc ``mallopt(M_MMAP_THRESHOLD, 128 KiB)`` on Linux:
-    :func:`memguard_core.probes.linux.pin_mmap_threshold`), so large freed tensors go back to the
-    kernel instead of staying in the heap. Returns True when it was set, False elsewhere or when
-    glibc refused. Never raises."""
+#: The mmap threshold the guard fixes for a mixture-of-experts run in bf16 / fp16 on a CPU (bytes):
+#: every allocation of this size or more is mmapped and goes back to the kernel when freed. Lower
+#: values keep fewer holes but pay a system call and fresh zeroed pages for more allocations; the
+#: trade-off measured on full-depth MoE runs is in docs/monitor.md, "The CPU heap between steps".
+MOE_MMAP_THRESHOLD_BYTES = 4 << 20
+
+
+def pin_mmap_threshold(nbytes: int = MOE_MMAP_THRESHOLD_BYTES) -> bool:
+    """Fix the C library's mmap threshold at ``nbytes`` for the rest of this process where the
+    host backend can (glibc ``mallopt(M_MMAP_THRESHOLD, nbytes)`` on Linux, which also turns off
+    glibc's dynamic adjustment of it: :func:`memguard_core.probes.linux.pin_mmap_threshold`), so
+    large freed tensors go back to the kernel instead of staying in the heap. Returns True when it
+    was set, False elsewhere or when glibc refused. Never raises."""
     try:
         if host_source() == "linux":
             from memguard_core.probes import linux
 
-            return linux.pin_mmap_threshold()
+            return linux.pin_mmap_threshold(nbytes)
     except Exception as exc:  # an exotic libc must not break the run's start
         _warn_once("pin_mmap_threshold", "memguard: pinning the mmap threshold failed: %r", exc)
     return False

@@ -51,7 +51,7 @@ __all__ = [
     "parse_meminfo", "parse_status", "parse_psi", "parse_proc_cgroup", "parse_mountinfo",
     "parse_flat_keyed", "read_meminfo", "read_status", "read_psi", "locate_cgroups",
     "cgroup_memory", "probe", "reset_peak", "step_figures", "pressure", "malloc_in_use",
-    "malloc_trim", "pin_mmap_threshold", "GLIBC_MMAP_THRESHOLD_MIN", "step_reader", "UNLIMITED_THRESHOLD",
+    "malloc_trim", "pin_mmap_threshold", "step_reader", "UNLIMITED_THRESHOLD",
     "AddressLimit", "read_rlimits", "address_limit",
 ]
 
@@ -1054,13 +1054,9 @@ def malloc_trim() -> bool:
 
 #: ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (glibc ``malloc/malloc.h``).
 M_MMAP_THRESHOLD = -3
-#: glibc's initial mmap threshold, ``DEFAULT_MMAP_THRESHOLD_MIN`` (128 KiB; mallopt(3),
-#: ``malloc/malloc.c``): allocations of at least this many bytes are mmapped until a freed mmapped
-#: chunk raises the dynamic threshold.
-GLIBC_MMAP_THRESHOLD_MIN = 128 * 1024
 
 
-def pin_mmap_threshold(nbytes: int = GLIBC_MMAP_THRESHOLD_MIN) -> bool:
+def pin_mmap_threshold(nbytes: int) -> bool:
     """Fix glibc's mmap threshold at ``nbytes`` for this process (``mallopt(M_MMAP_THRESHOLD,
     nbytes)``, mallopt(3)).
 

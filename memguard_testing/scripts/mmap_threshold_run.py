@@ -1,12 +1,12 @@
 """Real HF ``Trainer`` fine-tunes on CPU under ``MemGuardCallback`` in one fresh process, and after
-each, whether glibc's mmap threshold is fixed: a freed 8 MiB tensor raises glibc's dynamic
-threshold to 8 MiB, so a 512 KiB tensor allocated next comes from the heap, unless the threshold
-was fixed at 128 KiB (then it is mmapped: ``mallinfo2().hblkhd`` grows by its size).
+each, whether glibc's mmap threshold is fixed: a freed 16 MiB tensor raises glibc's dynamic
+threshold to 16 MiB, so a 6 MiB tensor allocated next comes from the heap, unless the threshold
+was fixed at 4 MiB (then it is mmapped: ``mallinfo2().hblkhd`` grows by its size).
 
 usage: python mmap_threshold_run.py ORDER...   (ORDER: dense-bf16 | moe-fp32 | moe-bf16 | moe-bf16-off)
 
 Runs are done in the order given (a fixed threshold cannot be undone in a process, so the runs
-that must leave it alone come first). Prints one JSON line: per run, the bytes the 512 KiB
+that must leave it alone come first). Prints one JSON line: per run, the bytes the 6 MiB
 allocation added to glibc's mmapped total and the log lines that name the mmap threshold.
 """
 
@@ -29,12 +29,12 @@ def mmapped_bytes() -> int:
     return int(fn().hblkhd)
 
 
-def half_mib_mmapped() -> int:
-    """Bytes a 512 KiB tensor adds to the mmapped total right after an 8 MiB tensor was freed."""
-    big = torch.ones(8 << 20, dtype=torch.uint8)
+def six_mib_mmapped() -> int:
+    """Bytes a 6 MiB tensor adds to the mmapped total right after a 16 MiB tensor was freed."""
+    big = torch.ones(16 << 20, dtype=torch.uint8)
     del big
     before = mmapped_bytes()
-    small = torch.ones(512 << 10, dtype=torch.uint8)
+    small = torch.ones(6 << 20, dtype=torch.uint8)
     added = mmapped_bytes() - before
     del small
     return added
@@ -75,7 +75,7 @@ def run(kind: str) -> dict:
                       callbacks=[guard])
     trainer.train()
     logging.getLogger("memguard").removeHandler(handler)
-    return {"kind": kind, "added": half_mib_mmapped(), "lines": handler.lines,
+    return {"kind": kind, "added": six_mib_mmapped(), "lines": handler.lines,
             "steps": trainer.state.global_step}
 
 

@@ -912,13 +912,15 @@ def seed_estimate_bytes(ms, ts) -> Optional[int]:
         return None
 
 
-#: The label of the cases whose CPU counter carries a backend effect the estimator does not model:
+#: The label of the cases whose CPU counter carries a backend effect beyond the estimator's tensors:
 #: a mixture-of-experts model computing in bf16 on torch's CPU backend. The experts' row slices,
 #: their bf16-matmul transients and gradients take new sizes every step (tokens per expert follow
-#: the routing, and the router changes with every update); glibc's heap cannot reuse the holes the
-#: last step's sizes left, so its arena grows step after step while the bytes in use stay flat. The
-#: same loop in fp32 is flat, and so are mlx_lm runs of the same shapes (docs/estimator.md, "MoE in
-#: bf16 on CPU"). CUDA's caching allocator rounds and pools blocks instead of growing a heap.
+#: the routing, and the router changes with every update) and oneDNN's per-shape caches place new
+#: entries among them; under glibc's dynamic mmap threshold the freed space stays resident, so the
+#: peak grows step after step while the bytes in use stay flat. A guarded run fixes the threshold
+#: (``Guard._pin_mmap_threshold``) and so do these cases' children. The same loop in fp32 is flat,
+#: and so are mlx_lm runs of the same shapes (docs/estimator.md, "MoE in bf16 on CPU"). CUDA's
+#: caching allocator rounds and pools blocks instead of growing a heap.
 CPU_BF16_MOE = "cpu-bf16-moe"
 
 
@@ -1127,8 +1129,8 @@ def _full_depth_section(rows: Sequence[dict], baseline: Optional[dict]) -> List[
         if moe:
             out.append("  - " + _summary_line(summarize([r for r in b if r not in moe]),
                                               "without the bf16 MoE cases (what the estimator models)"))
-            out.append("  - " + _summary_line(summarize(moe), "MoE in bf16 on the CPU (a CPU-backend effect "
-                                                              "the estimator does not model, below)"))
+            out.append("  - " + _summary_line(summarize(moe), "MoE in bf16 on the CPU (run as the guard runs "
+                                                              "them: glibc's mmap threshold fixed, below)"))
     out.append("- " + _summary_line(summarize(fd), "**full depth, all**"))
     if baseline:
         out += ["", f"(b) **the small / truncated matrix** (`{os.path.relpath(baseline['path'], _root())}`, "
@@ -1138,13 +1140,15 @@ def _full_depth_section(rows: Sequence[dict], baseline: Optional[dict]) -> List[
     moe = [r["name"] for r in fd if r.get("cpu_backend_effect") == CPU_BF16_MOE]
     if moe:
         out += ["", f"**MoE in bf16 on the CPU ({', '.join(moe)}): counted in every summary above.** "
-                    "Without the step-end heap trim their peak grows step after step: the experts' row "
-                    "slices, bf16-matmul transients and gradients take new sizes every step (tokens per "
-                    "expert follow the routing), and glibc's heap keeps the holes the last step's sizes "
-                    "left while the bytes in use stay flat. The trim (a guarded run's default, and what "
-                    "these runs did) hands the holes back at every step's end; compare the per-step peaks "
-                    "below (last / first step). A plain run of such a model on a CPU needs the headroom "
-                    "of that growth (docs/estimator.md, \"MoE in bf16 on CPU\")."]
+                    "The experts' row slices, bf16-matmul transients and gradients take new sizes every "
+                    "step (tokens per expert follow the routing) and oneDNN's per-shape caches place new "
+                    "entries among them, so under glibc's defaults the freed space stays resident as holes "
+                    "and the peak grows step after step while the bytes in use stay flat. These runs did "
+                    "what a guarded run does (`GuardOptions.trim_heap`): glibc's mmap threshold fixed at "
+                    "4 MiB at train start and the free heap handed back at every step's end; compare the "
+                    "per-step peaks below (last / first step). A plain run of such a model on a CPU needs "
+                    "the headroom of the growth (docs/estimator.md, \"MoE in bf16 on CPU\"; "
+                    "docs/monitor.md, \"The CPU heap between steps\")."]
     steps = _per_step_table(rows)
     return out + ([""] + steps if steps else [])
 

@@ -213,7 +213,7 @@ def test_bf16_moe_on_cpu_is_reported_apart_and_still_counted():
     n_all, n_moe = len(rows), len(moe_bf16)
     assert f"full depth, hf: {n_all} cases" in md                     # counted in the whole
     assert f"without the bf16 MoE cases (what the estimator models): {n_all - n_moe} cases" in md
-    assert f"MoE in bf16 on the CPU (a CPU-backend effect the estimator does not model, below): {n_moe} cases" in md
-    assert "counted in every summary above" in md and "hands the holes back at every step's end" in md
+    assert f"MoE in bf16 on the CPU (run as the guard runs them: glibc's mmap threshold fixed, below): {n_moe} cases" in md
+    assert "counted in every summary above" in md and "mmap threshold fixed at 4 MiB" in md
     for c in moe_bf16:
         assert f"| {c['name']} |" in md                                  # the cases stay in the table

@@ -112,7 +112,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--grad-checkpoint", action="store_true", help="activation (gradient) checkpointing")
     t.add_argument("--no-heap-trim", action="store_true",
                    help="cpu: a plain run that does not return glibc's free heap at every optimizer step's "
-                        "end [off: the run as memguard's guard runs it (GuardOptions.trim_heap)]")
+                        "end (nor fix glibc's mmap threshold for a bf16 MoE model) [off: the run as "
+                        "memguard's guard runs it (GuardOptions.trim_heap)]")
     t.add_argument("--attn", default="sdpa", help="eager | sdpa | flash [sdpa]")
     t.add_argument("--double-quant", action="store_true",
                    help="QLoRA with double quantization (4.127 bits); not with --method full")

@@ -33,6 +33,11 @@ __all__ = ["Guard", "GuardAttributes", "RunSummary", "SpecReader", "MAX_WINDOW_R
 SpecReader = Callable[[], Tuple[Any, Any]]
 
 
+#: glibc's mmap threshold was fixed in this process (``Guard._pin_mmap_threshold``): it cannot be
+#: undone, so a second start (Lightning's second ``fit``) neither sets nor logs it again.
+_MMAP_THRESHOLD_PINNED = False
+
+
 class RunSummary(dict):
     """The run summary (a dict). The MLX adapter's old key names still read, with a
     ``DeprecationWarning``: ``optimizer_updates`` (``optimizer_steps``), ``alloc_retries``
@@ -108,6 +113,7 @@ class Guard(WindowRedo):
         self._boundaries = 0         # micro_batches_for_step calls: the step records' path is in use
         self._ended_step: Optional[int] = None   # end_step sampled this step's last batch already
         self._trim_device: Optional[bool] = None   # trim_heap applies here (resolved at the first step end)
+        self._specs: Optional[Tuple[Any, Any]] = None   # (ModelSpec, TrainSpec) the last plan() read
         self._unrecorded_end = 0   # end_step without batch boundaries: the last step count it trimmed at
 
     # ------------------------------------------------------------------ start
@@ -142,6 +148,7 @@ class Guard(WindowRedo):
         self.start_time = time.time()
         # a new start (Lightning: a second fit) reads the budget and plans afresh
         self.budget_bytes, self.preflight, self._nothing_fits_line = opts.budget_bytes, None, None
+        self._specs = None
         rows = max(1, int(rows))
         k = opts.micro_batches
         if opts.preflight and read_specs is not None:
@@ -232,6 +239,7 @@ class Guard(WindowRedo):
         model_spec, train_spec = read_specs()
         # the estimate is of the run as guarded: with or without the step-end heap trim
         train_spec = train_spec.replace(heap_trim=bool(opts.trim_heap))
+        self._specs = (model_spec, train_spec)   # read even when nothing fits (the mmap threshold needs them)
         budget = opts.budget_bytes
         if budget is None:
             budget = default_budget(train_spec.device if opts.device == "auto" else opts.device, opts.safety_ratio)
@@ -352,28 +360,30 @@ class Guard(WindowRedo):
 
     def _pin_mmap_threshold(self) -> None:
         """``trim_heap``, for a mixture-of-experts model computing in bf16 / fp16 on a CPU device
-        (``spec.routed_half_precision_on_cpu``, read from the preflight's specs): glibc's mmap
-        threshold is fixed at ``probes.MOE_MMAP_THRESHOLD_BYTES`` for the rest of the process
-        (``probes.pin_mmap_threshold``), once, before the first forward. The step-end trim returns
-        what a step left; within a step, such a run's freed tensors would otherwise stay resident
-        beside oneDNN's cache entries (docs/monitor.md, "The CPU heap between steps"). Without a
-        preflight nothing is pinned. Never raises."""
+        (``spec.routed_half_precision_on_cpu`` of the specs the preflight read, whether or not a
+        plan fitted): glibc's mmap threshold is fixed at ``probes.MOE_MMAP_THRESHOLD_BYTES`` for the
+        rest of the process (``probes.pin_mmap_threshold``), before the first forward, once per
+        process. The step-end trim returns what a step left; within a step, such a run's freed
+        tensors would otherwise stay resident beside oneDNN's cache entries (docs/monitor.md, "The
+        CPU heap between steps"). Without a preflight (``preflight=False``, or specs that could not
+        be read) nothing is fixed. Never raises."""
+        global _MMAP_THRESHOLD_PINNED
         try:
-            pf = self.preflight
-            if not (self.options.trim_heap and pf is not None):
+            if not (self.options.trim_heap and self._specs is not None) or _MMAP_THRESHOLD_PINNED:
                 return
-            from .probes import MOE_MMAP_THRESHOLD_BYTES, pin_mmap_threshold, resolve_device
+            from .probes import MOE_MMAP_THRESHOLD_BYTES, pin_mmap_threshold
             from .spec import routed_half_precision_on_cpu
 
-            if not routed_half_precision_on_cpu(pf.model_spec, pf.train_spec) \
-                    or resolve_device(self.options.device) != "cpu":
+            model_spec, train_spec = self._specs
+            if not routed_half_precision_on_cpu(model_spec, train_spec):
                 return
             if pin_mmap_threshold():
+                _MMAP_THRESHOLD_PINNED = True
                 mib = MOE_MMAP_THRESHOLD_BYTES / 2**20
                 self.log.info("memguard: glibc's mmap threshold fixed at %g MiB for this process (a mixture-of-"
                               "experts model in %s on the CPU: tensors of %g MiB and more go back to the kernel "
                               "when freed instead of staying in the heap as holes; GuardOptions(trim_heap=False) "
-                              "leaves malloc alone)", mib, pf.train_spec.dtype, mib)
+                              "leaves malloc alone)", mib, train_spec.dtype, mib)
         except Exception:
             self.log.debug("memguard: mmap threshold left alone", exc_info=True)
 

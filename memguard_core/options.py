@@ -97,7 +97,8 @@ class GuardOptions:
             (``malloc_trim(0)``) after every optimizer step, so that holes the step's allocation
             sizes left do not count against the budget in the next; and, for a mixture-of-experts
             model computing in bf16 / fp16 there, fix glibc's mmap threshold at 4 MiB at train
-            start (``mallopt``), for the rest of the process (docs/monitor.md, "The CPU heap
+            start (``mallopt``; needs the preflight, which reads the model), for the rest of the
+            process (docs/monitor.md, "The CPU heap
             between steps"). Nothing on CUDA, MPS, MLX or other hosts.
     """
 

@@ -432,7 +432,9 @@ class TrainSpec:
             (images per row x :attr:`ModelSpec.image_tokens`); 0 for text-only rows.
         heap_trim: ``device="cpu"`` only: True (default) for a run that hands glibc's free heap back
             to the kernel at every optimizer step's end, as memguard's guard does
-            (``GuardOptions.trim_heap``); False for a plain run, whose later steps also keep
+            (``GuardOptions.trim_heap``, which also fixes glibc's mmap threshold for a bf16 / fp16
+            mixture-of-experts model: :func:`routed_half_precision_on_cpu`); False for a plain
+            run, whose later steps also keep
             resident the pages the last step's freed tensors left (under activation checkpointing
             the last step's gradients: docs/estimator.md, "Gradient checkpointing on CPU").
         bnb_version: the bitsandbytes version of a QLoRA run (``"0.42.0"``); it decides whether

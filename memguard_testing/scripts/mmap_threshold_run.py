@@ -5,8 +5,8 @@ was fixed at 4 MiB (then it is mmapped: ``mallinfo2().hblkhd`` grows by its size
 
 usage: python mmap_threshold_run.py ORDER...   (ORDER: dense-bf16 | moe-fp32 | moe-bf16 | moe-bf16-off)
 
-Runs are done in the order given (a fixed threshold cannot be undone in a process, so the runs
-that must leave it alone come first). Prints one JSON line: per run, the bytes the 6 MiB
+Runs are done in the order given (a fixed threshold cannot be undone in a process: give the run
+that fixes it a process of its own). Prints one JSON line: per run, the bytes the 6 MiB
 allocation added to glibc's mmapped total and the log lines that name the mmap threshold.
 """
 

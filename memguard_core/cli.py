@@ -85,9 +85,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps [1]")
     t.add_argument("--method", default="lora", help="full | lora | qlora [lora]")
     t.add_argument("--lora-rank", type=int, default=None, help="LoRA rank r (lora / qlora) [8]")
-    t.add_argument("--lora-dropout", type=float, default=0.0,
-                   help="PEFT LoraConfig.lora_dropout (lora / qlora); above 0 each LoRA'd linear also keeps "
-                        "its dropout's output and mask for the backward [0.0, PEFT's default]")
+    t.add_argument("--lora-dropout", type=float, default=None,
+                   help="LoRA dropout probability (lora / qlora; PEFT LoraConfig.lora_dropout); above 0 each "
+                        "LoRA'd linear also keeps its dropout's output and mask for the backward [0.0, PEFT's "
+                        "default; 0.05 with --model-code litgpt, `litgpt finetune lora`'s default]")
     t.add_argument("--lora-targets", default=None,
                    help="comma list of module names, or all-linear (lora / qlora) [what PEFT picks for "
                         "LoraConfig(target_modules=None): its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_"
@@ -130,8 +131,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--model-code", default="transformers",
                    help="whose model code runs: transformers (its modules, LoRA by PEFT) | litgpt (LitGPT's own "
                         "GPT under `litgpt finetune lora`: LoRA / QLoRA on the fused qkv linear, --lora-targets "
-                        "any of query,key,value [query,value: LitGPT's default]; set --lora-dropout 0.05 as "
-                        "LitGPT does; Phi, GPT-NeoX, Llama and Mistral configs) [transformers]")
+                        "any of query,key,value [query,value: LitGPT's default], --lora-dropout [0.05, "
+                        "LitGPT's default]; Phi, GPT-NeoX, Llama and Mistral configs) [transformers]")
     t.add_argument("--litgpt-version", default=None,
                    help="the LitGPT release (--model-code litgpt): from 0.5.0 on its QLoRA trains a "
                         "StableEmbedding whose gradient no optimizer clears [the current LitGPT]")
@@ -408,13 +409,16 @@ def _train_spec(args, model_spec):
     if args.trace and litgpt:
         raise ConfigError("--trace", "not with --model-code litgpt: the trace runs transformers' modules, not "
                           "LitGPT's", True)
+    lora_dropout = args.lora_dropout
+    if lora_dropout is None:   # each model code's own default: PEFT's LoraConfig 0.0, litgpt/finetune/lora.py 0.05
+        lora_dropout = 0.05 if litgpt and not full else 0.0
     targets = DEFAULT_LORA_TARGETS
     if args.lora_targets is not None:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
     dtype = resolve_dtype(args.dtype, args.mixed_precision, model_spec)
     ts = TrainSpec(batch_size=args.batch_size, seq_length=args.seq_length, grad_accum=args.grad_accum,
                      method=args.method, lora_rank=8 if args.lora_rank is None else args.lora_rank,
-                     lora_targets=targets, lora_dropout=args.lora_dropout,
+                     lora_targets=targets, lora_dropout=lora_dropout,
                      lora_layers=args.lora_layers, optimizer=args.optimizer, dtype=dtype,
                      mixed_precision=args.mixed_precision, grad_checkpoint=args.grad_checkpoint,
                      attn_impl=args.attn, framework=args.framework,
@@ -426,6 +430,8 @@ def _train_spec(args, model_spec):
                      heap_trim=not getattr(args, "no_heap_trim", False),
                      model_code=getattr(args, "model_code", "transformers"),
                      litgpt_version=getattr(args, "litgpt_version", None))
+    if ts.method != "full" and args.lora_dropout is None and ts.model_code == "litgpt":
+        _note(args, "--lora-dropout not given: 0.05 (LitGPT's finetune/lora.py default)")
     if ts.method != "full" and args.lora_targets is None and ts.model_code == "litgpt":
         _note(args, "--lora-targets not given: query,value (LitGPT's finetune/lora.py default)")
     elif ts.method != "full" and args.lora_targets is None:

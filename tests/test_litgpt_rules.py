@@ -154,6 +154,17 @@ def test_cli_flag_estimates_and_says_the_default_targets(capsys, tmp_path):
     assert code == 0, err
     assert "query,value (LitGPT's finetune/lora.py default)" in err
     assert json.loads(out)["peak_bytes"] > 0
+    given = json.loads(out)["peak_bytes"]
+    # without --lora-dropout: LitGPT's own default (0.05), said on stderr, not PEFT's 0
+    code = main(["estimate", "--config", str(cfg), "--model-code", "litgpt", "--device", "cuda", "--dtype", "bf16",
+                 "--seq-length", "1044", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["peak_bytes"] == given and "--lora-dropout not given: 0.05" in err
+    code = main(["estimate", "--config", str(cfg), "--model-code", "litgpt", "--device", "cuda", "--dtype", "bf16",
+                 "--seq-length", "1044", "--lora-dropout", "0", "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and json.loads(out)["peak_bytes"] < given
     code = main(["estimate", "--config", str(cfg), "--model-code", "litgpt", "--trace"])
     _, err = capsys.readouterr()
     assert code != 0 and "--trace" in err and "Traceback" not in err

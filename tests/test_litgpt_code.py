@@ -68,16 +68,19 @@ def _model_spec(family: str):
     return _SPECS[family]
 
 
-def _saved_per_block(family: str, dtype: str, p: float, tokens: int) -> list:
+def _saved_per_block(family: str, dtype: str, p: float, tokens: int,
+                     targets: tuple = ("query", "value")) -> list:
     """Bytes autograd saves in each block's forward of one LitGPT LoRA step of ``tokens`` tokens
-    (batch 1), LoRA on query and value (``finetune/lora.py``'s defaults), rank 4."""
+    (batch 1), LoRA on ``targets`` of the fused qkv (default: query and value, ``finetune/lora.py``'s
+    defaults), rank 4."""
     import lightning as L
     from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
     from litgpt.utils import chunked_cross_entropy
 
     cfg = Config(n_layer=LAYERS, n_embd=C, n_head=HEADS, intermediate_size=INTER, vocab_size=VOCAB,
                  padded_vocab_size=VOCAB, block_size=LONG, lora_r=4, lora_alpha=8, lora_dropout=p,
-                 lora_query=True, lora_key=False, lora_value=True, **FAMILIES[family][0])
+                 lora_query="query" in targets, lora_key="key" in targets, lora_value="value" in targets,
+                 **FAMILIES[family][0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fabric = L.Fabric(accelerator="cpu", devices=1, precision=f"{dtype}-true" if dtype == "bf16" else "32-true")
@@ -121,17 +124,30 @@ def _saved_per_block(family: str, dtype: str, p: float, tokens: int) -> list:
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_block_saves_match_what_litgpt_keeps(family, dtype, p):
+    _check_block_saves(family, dtype, p, ("query", "value"))
+
+
+# the other parts of the fused qkv: all three (no zero padding: index_copy has nothing to fill) and
+# key alone (the padding's source is the kv-wide slice)
+@pytest.mark.parametrize("targets", [("query", "key", "value"), ("key",)])
+@pytest.mark.parametrize("dtype,p", [("bf16", 0.05), ("fp32", 0.0)])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_block_saves_for_other_qkv_targets(family, dtype, p, targets):
+    _check_block_saves(family, dtype, p, targets)
+
+
+def _check_block_saves(family: str, dtype: str, p: float, targets: tuple) -> None:
     ms = _model_spec(family)
-    ts = TrainSpec(batch_size=1, seq_length=LONG, method="lora", lora_rank=4, lora_targets=("query", "value"),
+    ts = TrainSpec(batch_size=1, seq_length=LONG, method="lora", lora_rank=4, lora_targets=targets,
                    lora_dropout=p, dtype=dtype, device="cpu", framework="lightning", model_code="litgpt")
     rule = _litgpt.block_saves(ms, ts)
-    short = _saved_per_block(family, dtype, p, SHORT)
-    long_ = _saved_per_block(family, dtype, p, LONG)
+    short = _saved_per_block(family, dtype, p, SHORT, targets)
+    long_ = _saved_per_block(family, dtype, p, LONG, targets)
     per_token = [(b - a) / (LONG - SHORT) for a, b in zip(short, long_)]
     # every block above the bottom one (whose input needs no gradient) keeps the same
     middle = per_token[1:]
     assert len(set(middle)) == 1, per_token
     # what the rules leave out is a few bytes per token: a norm's mean / rstd, lora_A's r-wide output
-    assert middle[0] == pytest.approx(rule.block, rel=0.02), (family, dtype, p, per_token, rule)
+    assert middle[0] == pytest.approx(rule.block, rel=0.02), (family, dtype, p, targets, per_token, rule)
     # the bottom block: no dropout mask, no first norm input (parallel residual: neither norm, nor the MLP)
-    assert per_token[0] == pytest.approx(rule.first, rel=0.02), (family, dtype, p, per_token, rule)
+    assert per_token[0] == pytest.approx(rule.first, rel=0.02), (family, dtype, p, targets, per_token, rule)

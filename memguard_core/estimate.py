@@ -1207,7 +1207,8 @@ def _vision_activations(ms: ModelSpec, ts: TrainSpec, images: float) -> int:
     * attention (SDPA's CPU flash kernel, no mask: ``sdpa_attention_forward``): q, k, v and the
       output (e x h each; Qwen2-VL's RoPE'd q and k are new tensors and its ``v`` a view that keeps
       the whole ``qkv`` output alive: e x 5h), the fp32 logsumexp per head; eager attention: the
-      fp32 probabilities (+ their cast to e when e < 4) instead of the output and logsumexp;
+      same q, k, v, and the fp32 probabilities (+ their cast to e when e < 4) instead of the output
+      and logsumexp;
     * MLP: QuickGELU (``x * sigmoid(1.702 x)``) saves x and the sigmoid (2 x e x i), exact / tanh
       GELU its input (e x i), the gated SiLU MLP gate, up and act (3 x e x i).
     Projector, per projector token: the norm ahead of it (Qwen2-VL's ``ln_q``), the GELU between
@@ -1241,10 +1242,11 @@ def _vision_activations(ms: ModelSpec, ts: TrainSpec, images: float) -> int:
         names = {lin.path for lin in vt.block_linears}
         fused = "attn.qkv" in names
         per += group(("attn.qkv",) if fused else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), h)
+        qkv_kept = e * (5 * h if fused else 3 * h)   # q, k, v; a fused qkv's whole output behind the v view
         if ts.attn_impl == "eager":
-            per += e * 3 * h + nh * T * (4 + (e if e < 4 else 0))
+            per += qkv_kept + nh * T * (4 + (e if e < 4 else 0))
         else:
-            per += e * (5 * h if fused else 3 * h) + e * h + 4 * nh
+            per += qkv_kept + e * h + 4 * nh
         per += group(("attn.proj", "self_attn.out_proj"), h)
         if vt.act == "silu_gated":
             per += group(("mlp.gate_proj", "mlp.up_proj"), h) + 3 * e * i + group(("mlp.down_proj",), i)

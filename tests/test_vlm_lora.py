@@ -37,7 +37,7 @@ def _config(d):
     return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
-def _peft_model(cfg, targets, dtype="fp32", meta=False):
+def _peft_model(cfg, targets, dtype="fp32", meta=False, attn="sdpa"):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
@@ -50,7 +50,7 @@ def _peft_model(cfg, targets, dtype="fp32", meta=False):
                 model = AutoModelForImageTextToText.from_config(cfg, dtype=tdt)
         else:
             torch.manual_seed(0)
-            model = AutoModelForImageTextToText.from_config(cfg, dtype=tdt, attn_implementation="sdpa")
+            model = AutoModelForImageTextToText.from_config(cfg, dtype=tdt, attn_implementation=attn)
         tm = "all-linear" if targets == ("all-linear",) else list(targets)
         return get_peft_model(model, LoraConfig(r=8, target_modules=tm, lora_dropout=0.0))
 
@@ -82,7 +82,7 @@ def test_adapters_match_peft(name, targets):
 
 # -- the tower's saved activations against a real step ----------------------------------------
 
-def _saved_vision_bytes(name, targets, dtype):
+def _saved_vision_bytes(name, targets, dtype, attn="sdpa"):
     """Bytes of the distinct non-parameter storages autograd saves from the vision tower's input to
     the projector's output in a real forward with one image, still alive when the loss is ready
     (``torch.autograd.graph.saved_tensors_hooks``); and the model's ModelSpec."""
@@ -92,7 +92,7 @@ def _saved_vision_bytes(name, targets, dtype):
     import torch
 
     cfg = _config(TINY_QWEN2_VL if name == "qwen2_vl" else TINY_LLAVA)
-    pm = _peft_model(cfg, targets, dtype)
+    pm = _peft_model(cfg, targets, dtype, attn=attn)
     pm.train()
     params = {p.untyped_storage().data_ptr() for p in pm.parameters()}
     inner = pm.base_model.model.model
@@ -133,16 +133,20 @@ def _saved_vision_bytes(name, targets, dtype):
     return live, ms
 
 
-@pytest.mark.parametrize("name,targets,dtype", [
-    ("qwen2_vl", ("all-linear",), "fp32"), ("qwen2_vl", ("all-linear",), "bf16"),
-    ("qwen2_vl", ("qkv",), "fp32"), ("llava", ("all-linear",), "bf16"), ("llava", ("q_proj", "v_proj"), "bf16"),
+@pytest.mark.parametrize("name,targets,dtype,attn", [
+    ("qwen2_vl", ("all-linear",), "fp32", "sdpa"), ("qwen2_vl", ("all-linear",), "bf16", "sdpa"),
+    ("qwen2_vl", ("qkv",), "fp32", "sdpa"), ("llava", ("all-linear",), "bf16", "sdpa"),
+    ("llava", ("q_proj", "v_proj"), "bf16", "sdpa"),
+    # eager attention: the probabilities instead of SDPA's output and logsumexp; Qwen2-VL's v is still
+    # a view keeping the fused qkv output alive
+    ("qwen2_vl", ("all-linear",), "fp32", "eager"), ("llava", ("all-linear",), "bf16", "eager"),
 ])
-def test_vision_activations_match_a_real_step(name, targets, dtype):
+def test_vision_activations_match_a_real_step(name, targets, dtype, attn):
     """The analytic vision term (``_vision_activations``, one image) is within 3 % of what autograd
     saves in the tower and projector of a real PEFT LoRA step (the rest: LayerNorm mean / rstd
     and the like, per token and small)."""
-    measured, ms = _saved_vision_bytes(name, targets, dtype)
-    analytic = _vision_activations(ms, _lora_spec(targets, dtype), 1.0)
+    measured, ms = _saved_vision_bytes(name, targets, dtype, attn)
+    analytic = _vision_activations(ms, _lora_spec(targets, dtype, attn_impl=attn), 1.0)
     assert measured > 0
     assert analytic == pytest.approx(measured, rel=0.03)
 

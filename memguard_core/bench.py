@@ -55,7 +55,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["main", "CASES", "cases", "run_case", "score", "summarize", "seed_estimate_bytes",
-           "machine_fingerprint", "markdown_report", "gate_failures"]
+           "machine_fingerprint", "reported_fingerprint", "markdown_report", "gate_failures"]
 
 MiB = 1 << 20
 
@@ -983,6 +983,30 @@ def summarize(rows: Sequence[dict], key: str = "error") -> dict:
                 worst_under_case=under["name"])
 
 
+#: The fingerprint fields that name the machine (not the software) a measurement ran on.
+MACHINE_KEYS = ("os", "machine", "cpu", "cores", "memory_total_gib")
+
+
+def reported_fingerprint(here: dict, saved: Optional[dict], fresh: int) -> dict:
+    """The machine line of a report re-scored with ``--reuse``: ``here`` is this machine's
+    :func:`machine_fingerprint`, ``saved`` the reused file's, ``fresh`` how many cases ran here.
+
+    Every measurement reused (``fresh`` 0): the reused file's machine and versions, with this
+    checkout's ``memguard_commit`` (the estimator scored) and the commit the file was measured at as
+    ``measured_at_commit`` where they differ. Some cases run here on another machine: this machine,
+    with ``reused_measurements_from`` naming the other one. Otherwise ``here`` as it is."""
+    if not saved:
+        return here
+    if fresh == 0:
+        out = {**saved, "memguard_commit": here.get("memguard_commit")}
+        if saved.get("memguard_commit") and saved.get("memguard_commit") != here.get("memguard_commit"):
+            out["measured_at_commit"] = saved["memguard_commit"]
+        return out
+    if any(saved.get(k) != here.get(k) for k in MACHINE_KEYS):
+        return {**here, "reused_measurements_from": " / ".join(str(saved.get(k)) for k in MACHINE_KEYS)}
+    return here
+
+
 def machine_fingerprint() -> dict:
     """What the results depend on: OS, CPU, cores, memory, Python and framework versions."""
     from .calibration import cpu_model
@@ -1361,7 +1385,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write cases, measurements and results as JSON")
     ap.add_argument("--markdown", metavar="PATH", help="write the markdown report")
     ap.add_argument("--submit", action="store_true", help="print a ready-to-file markdown report")
-    ap.add_argument("--reuse", metavar="PATH", help="re-estimate measurements saved by --json (runs only the missing)")
+    ap.add_argument("--reuse", metavar="PATH",
+                    help="re-estimate measurements saved by --json (runs only the missing; the report's machine "
+                         "line stays the measuring machine's, with this checkout's commit as the estimator's)")
     ap.add_argument("--no-seed", action="store_true", help="do not score ml-memguard even when installed")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per case [the case's own limit (full-depth cases), else 600]")
@@ -1405,11 +1431,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     date = a.date or _today()
     saved: Dict[str, Any] = {}
+    saved_fp: Optional[dict] = None   # the reused file's machine
+    fresh = 0                         # cases run here
     measured_s = 0.0  # wall time of the runs a reused file measured
     if a.reuse and os.path.exists(a.reuse):
         with open(a.reuse) as f:
             old = json.load(f)
         saved = {r["name"]: r for r in old.get("cases", [])}
+        saved_fp = old.get("fingerprint") or None
         measured_s = float(old.get("elapsed_s") or 0)
     t0 = time.time()
     rows, records = [], []
@@ -1422,6 +1451,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rec = saved.get(c["name"], {}).get("measured") if a.reuse else None
             if rec is None:
                 rec = run_case(c, a.timeout or c.get("timeout_s") or 600.0)
+                fresh += 1
             records.append(dict(name=c["name"], case=c, measured=rec))
             if "error" in rec:
                 rows.append(dict(name=c["name"], backend=c["backend"], failure=rec["error"],
@@ -1467,7 +1497,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if any("seed_error" in r for r in ok):
         con.print(_summary_line(summarize(ok, "seed_error"), "ml-memguard (seed) on the same cases"))
     con.print(f"wall time {elapsed:.0f} s{' (of the reused measurements)' if a.reuse else ''}")
-    fp = machine_fingerprint()
+    fp = reported_fingerprint(machine_fingerprint(), saved_fp if a.reuse else None, fresh)
     if a.json:
         _write_json(a.json, records, rows, elapsed, fp, date=date, case_set=a.case_set, baseline=baseline)
     title = "memguard bench: full-depth set" if a.case_set == "full-depth" else "memguard bench"

@@ -98,3 +98,16 @@ def test_gate_fails_on_an_under_estimate_or_a_high_median():
     assert any("median |error| 8.0%" in m for m in gate_failures(high))
     assert gate_failures([dict(name="f", failure="rc=1")]) == ["no case was scored"]
     assert gate_failures(under, max_under=0.10) == []
+
+
+def test_a_reused_report_names_the_machine_that_measured():
+    # bench --reuse re-scores saved measurements: the machine line is theirs, the commit the estimator's
+    here = dict(os="Linux 6", machine="x86_64", cpu="AMD EPYC", cores=2, memory_total_gib=23.5, memguard_commit="b2")
+    there = dict(here, cpu="Intel Xeon", memguard_commit="a1")
+    all_reused = bench.reported_fingerprint(here, there, fresh=0)
+    assert all_reused["cpu"] == "Intel Xeon" and all_reused["memguard_commit"] == "b2"
+    assert all_reused["measured_at_commit"] == "a1"
+    mixed = bench.reported_fingerprint(here, there, fresh=3)
+    assert mixed["cpu"] == "AMD EPYC" and "Intel Xeon" in mixed["reused_measurements_from"]
+    assert bench.reported_fingerprint(here, dict(here, memguard_commit="a1"), fresh=3) == here
+    assert bench.reported_fingerprint(here, None, fresh=0) == here

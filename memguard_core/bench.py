@@ -614,7 +614,8 @@ def _child_hf(case: dict) -> dict:
                         target_modules="all-linear" if targets == ["all-linear"] else targets,
                         task_type="CAUSAL_LM")
         model = get_peft_model(model, lc)
-    spec = dataclasses.asdict(model_spec_from_module(model, name=case["arch"]))
+    ms = model_spec_from_module(model, name=case["arch"])
+    spec = dataclasses.asdict(ms)
     n, s = kw["batch_size"] * kw["grad_accum"] * steps, kw["seq_length"]
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (n, s), generator=g)
@@ -652,12 +653,10 @@ def _child_hf(case: dict) -> dict:
     pinned = False
     if device == "cpu" and case.get("trim_heap", True):
         callbacks.append(_hf_trim_heap_callback())
-        # what the guard does at train start (Guard._pin_mmap_threshold) for a routed model in bf16
-        from .probes import pin_mmap_threshold
-        from .spec import TrainSpec, routed_half_precision_on_cpu
+        from .guard import fix_mmap_threshold
+        from .spec import TrainSpec
 
-        if routed_half_precision_on_cpu(model_spec_from_module(model), TrainSpec(dtype=kw["dtype"], device="cpu")):
-            pinned = pin_mmap_threshold()
+        pinned = fix_mmap_threshold(ms, TrainSpec(dtype=kw["dtype"], device="cpu"))  # as the guard at train start
     trainer = Trainer(model=model, args=args, train_dataset=DS(), callbacks=callbacks or None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -918,7 +917,7 @@ def seed_estimate_bytes(ms, ts) -> Optional[int]:
 #: the routing, and the router changes with every update) and oneDNN's per-shape caches place new
 #: entries among them; under glibc's dynamic mmap threshold the freed space stays resident, so the
 #: peak grows step after step while the bytes in use stay flat. A guarded run fixes the threshold
-#: (``Guard._pin_mmap_threshold``) and so do these cases' children. The same loop in fp32 is flat,
+#: (``guard.fix_mmap_threshold``) and so do these cases' children. The same loop in fp32 is flat,
 #: and so are mlx_lm runs of the same shapes (docs/estimator.md, "MoE in bf16 on CPU"). CUDA's
 #: caching allocator rounds and pools blocks instead of growing a heap.
 CPU_BF16_MOE = "cpu-bf16-moe"

@@ -27,15 +27,36 @@ from .options import GuardOptions
 from .preflight import Preflight, default_budget, plan_in_place, resident_bytes_for
 from .window import MAX_WINDOW_REDOS, WindowRedo  # noqa: F401  (MAX_WINDOW_REDOS: public here too)
 
-__all__ = ["Guard", "GuardAttributes", "RunSummary", "SpecReader", "MAX_WINDOW_REDOS"]
+__all__ = ["Guard", "GuardAttributes", "RunSummary", "SpecReader", "MAX_WINDOW_REDOS", "fix_mmap_threshold"]
 
 #: ``read_specs() -> (ModelSpec, TrainSpec)``: the adapter's reading of the run it guards.
 SpecReader = Callable[[], Tuple[Any, Any]]
 
 
-#: glibc's mmap threshold was fixed in this process (``Guard._pin_mmap_threshold``): it cannot be
+#: glibc's mmap threshold was fixed in this process (:func:`fix_mmap_threshold`): it cannot be
 #: undone, so a second start (Lightning's second ``fit``) neither sets nor logs it again.
 _MMAP_THRESHOLD_PINNED = False
+
+
+def fix_mmap_threshold(model_spec: Any, train_spec: Any) -> bool:
+    """For a run :func:`memguard_core.spec.routed_half_precision_on_cpu` names (a mixture-of-experts
+    model computing in bf16 / fp16 on a CPU), fix glibc's mmap threshold at
+    ``probes.MOE_MMAP_THRESHOLD_BYTES`` for the rest of the process (``probes.pin_mmap_threshold``),
+    once per process. What the guard does at train start under ``GuardOptions.trim_heap``; the
+    bench's training children call it to measure a guarded run.
+
+    Returns:
+        True when this call fixed it; False for other runs, when it was fixed before, or where
+        the C library cannot (``probes.pin_mmap_threshold`` never raises).
+    """
+    global _MMAP_THRESHOLD_PINNED
+    from .probes import pin_mmap_threshold
+    from .spec import routed_half_precision_on_cpu
+
+    if _MMAP_THRESHOLD_PINNED or not routed_half_precision_on_cpu(model_spec, train_spec):
+        return False
+    _MMAP_THRESHOLD_PINNED = pin_mmap_threshold()
+    return _MMAP_THRESHOLD_PINNED
 
 
 class RunSummary(dict):
@@ -359,31 +380,23 @@ class Guard(WindowRedo):
         self._trim_step_heap()
 
     def _pin_mmap_threshold(self) -> None:
-        """``trim_heap``, for a mixture-of-experts model computing in bf16 / fp16 on a CPU device
-        (``spec.routed_half_precision_on_cpu`` of the specs the preflight read, whether or not a
-        plan fitted): glibc's mmap threshold is fixed at ``probes.MOE_MMAP_THRESHOLD_BYTES`` for the
-        rest of the process (``probes.pin_mmap_threshold``), before the first forward, once per
-        process. The step-end trim returns what a step left; within a step, such a run's freed
-        tensors would otherwise stay resident beside oneDNN's cache entries (docs/monitor.md, "The
-        CPU heap between steps"). Without a preflight (``preflight=False``, or specs that could not
-        be read) nothing is fixed. Never raises."""
-        global _MMAP_THRESHOLD_PINNED
+        """``trim_heap``: :func:`fix_mmap_threshold` for the specs the preflight read (whether or
+        not a plan fitted), before the first forward, logged when it fixes the threshold. The
+        step-end trim returns what a step left; within a step, a bf16 MoE run's freed tensors would
+        otherwise stay resident beside oneDNN's cache entries (docs/monitor.md, "The CPU heap
+        between steps"). Without a preflight (``preflight=False``, or specs that could not be read)
+        nothing is fixed. Never raises."""
         try:
-            if not (self.options.trim_heap and self._specs is not None) or _MMAP_THRESHOLD_PINNED:
+            if not (self.options.trim_heap and self._specs is not None):
                 return
-            from .probes import MOE_MMAP_THRESHOLD_BYTES, pin_mmap_threshold
-            from .spec import routed_half_precision_on_cpu
+            if fix_mmap_threshold(*self._specs):
+                from .probes import MOE_MMAP_THRESHOLD_BYTES
 
-            model_spec, train_spec = self._specs
-            if not routed_half_precision_on_cpu(model_spec, train_spec):
-                return
-            if pin_mmap_threshold():
-                _MMAP_THRESHOLD_PINNED = True
                 mib = MOE_MMAP_THRESHOLD_BYTES / 2**20
                 self.log.info("memguard: glibc's mmap threshold fixed at %g MiB for this process (a mixture-of-"
                               "experts model in %s on the CPU: tensors of %g MiB and more go back to the kernel "
                               "when freed instead of staying in the heap as holes; GuardOptions(trim_heap=False) "
-                              "leaves malloc alone)", mib, train_spec.dtype, mib)
+                              "leaves malloc alone)", mib, self._specs[1].dtype, mib)
         except Exception:
             self.log.debug("memguard: mmap threshold left alone", exc_info=True)
 

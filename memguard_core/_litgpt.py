@@ -52,6 +52,8 @@ _QKV_NAMES = {"query": "q", "lora_query": "q", "q_proj": "q", "q": "q",
               "value": "v", "lora_value": "v", "v_proj": "v", "v": "v"}
 #: LitGPT's ``finetune/lora.py`` defaults: ``lora_query=True``, ``lora_value=True``.
 DEFAULT_TARGETS: FrozenSet[str] = frozenset({"q", "v"})
+#: LitGPT's ``finetune/lora.py`` default ``lora_dropout`` (PEFT's ``LoraConfig`` default is 0).
+DEFAULT_LORA_DROPOUT = 0.05
 
 #: From LitGPT 0.5.0 on, ``finetune/lora.py`` replaces the token embedding of a QLoRA model with
 #: bitsandbytes' ``StableEmbedding`` after ``mark_only_lora_as_trainable`` and after the optimizer

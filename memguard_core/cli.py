@@ -410,8 +410,10 @@ def _train_spec(args, model_spec):
         raise ConfigError("--trace", "not with --model-code litgpt: the trace runs transformers' modules, not "
                           "LitGPT's", True)
     lora_dropout = args.lora_dropout
-    if lora_dropout is None:   # each model code's own default: PEFT's LoraConfig 0.0, litgpt/finetune/lora.py 0.05
-        lora_dropout = 0.05 if litgpt and not full else 0.0
+    if lora_dropout is None:   # each model code's own default: PEFT's LoraConfig 0.0, LitGPT's finetune/lora.py
+        from ._litgpt import DEFAULT_LORA_DROPOUT
+
+        lora_dropout = DEFAULT_LORA_DROPOUT if litgpt and not full else 0.0
     targets = DEFAULT_LORA_TARGETS
     if args.lora_targets is not None:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
@@ -430,9 +432,9 @@ def _train_spec(args, model_spec):
                      heap_trim=not getattr(args, "no_heap_trim", False),
                      model_code=getattr(args, "model_code", "transformers"),
                      litgpt_version=getattr(args, "litgpt_version", None))
-    if ts.method != "full" and args.lora_dropout is None and ts.model_code == "litgpt":
-        _note(args, "--lora-dropout not given: 0.05 (LitGPT's finetune/lora.py default)")
-    if ts.method != "full" and args.lora_targets is None and ts.model_code == "litgpt":
+    if ts.method != "full" and args.lora_dropout is None and litgpt:
+        _note(args, f"--lora-dropout not given: {lora_dropout:g} (LitGPT's finetune/lora.py default)")
+    if ts.method != "full" and args.lora_targets is None and litgpt:
         _note(args, "--lora-targets not given: query,value (LitGPT's finetune/lora.py default)")
     elif ts.method != "full" and args.lora_targets is None:
         resolved = with_default_lora_targets(model_spec, ts)

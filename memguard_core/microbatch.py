@@ -141,6 +141,22 @@ def _slice_rows(inputs: Mapping[str, Any], a: int, b: int, rows: int) -> Dict[st
     return out
 
 
+def _slice_pairs(inputs: Mapping[str, Any], a: int, b: int, pairs: int) -> Dict[str, Any]:
+    """Pairs ``a..b`` of a batch that stacks ``pairs`` first rows, then their ``pairs`` partners
+    (rows ``a..b`` and ``pairs+a..pairs+b``); per-pair tensors (``pairs`` rows) give rows ``a..b``."""
+    import torch
+
+    out = {}
+    for key, v in inputs.items():
+        if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == 2 * pairs:
+            out[key] = torch.cat((v[a:b], v[pairs + a:pairs + b]))
+        elif torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == pairs:
+            out[key] = v[a:b]
+        else:
+            out[key] = v
+    return out
+
+
 def _slice_tokens(inputs: Mapping[str, Any], a: int, b: int, tokens: int) -> Dict[str, Any]:
     import torch
 
@@ -176,15 +192,18 @@ class BatchSplitter:
             ``(1, T)`` packed with ``position_ids``).
         weighting: ``tokens`` (share of valid shifted labels: token-mean losses such as HF causal
             LM) or ``rows`` (share of rows / sequences: per-sample mean losses).
-        shift_labels: labels are shifted by one inside the loss (causal LM).
+        shift_labels: labels are shifted by one inside the loss (causal LM); never for labels of
+            one dimension (one label per row).
         label_key: key of the labels tensor.
+        paired: the rows are pairs stacked in halves (``2P`` rows: ``P`` first rows, then their
+            partners, as TRL's preference trainers stack chosen and rejected): a unit is a pair.
 
     Raises:
-        ValueError: unknown ``weighting``, or no batch dimension.
+        ValueError: unknown ``weighting``, no batch dimension, or ``paired`` with an odd number of rows.
     """
 
     def __init__(self, inputs: Mapping[str, Any], *, weighting: str = "tokens",
-                 shift_labels: bool = True, label_key: str = "labels"):
+                 shift_labels: bool = True, label_key: str = "labels", paired: bool = False):
         import torch
 
         if weighting not in ("tokens", "rows"):
@@ -197,10 +216,21 @@ class BatchSplitter:
         else:
             labels = inputs.get(label_key)
         self.has_labels = torch.is_tensor(labels)
+        if self.has_labels and labels.dim() < 2:
+            shift = False
         self.rows = batch_rows(inputs)
-        starts = sequence_starts(inputs)
+        self.paired = paired
+        if paired and self.rows % 2:
+            raise ValueError(f"a paired batch needs an even number of rows, got {self.rows}")
+        starts = None if paired else sequence_starts(inputs)
         self.packed = starts is not None
-        if self.packed:
+        if paired:
+            pairs = self.rows // 2
+            self.bounds = [(p, p + 1) for p in range(pairs)]
+            self.valid = [1] * pairs
+            self.size = [1] * pairs
+            self.has_labels = False
+        elif self.packed:
             self.tokens = int(inputs["position_ids"].shape[1])
             self.bounds = list(zip(starts, starts[1:] + [self.tokens]))
             if self.has_labels:
@@ -244,6 +274,8 @@ class BatchSplitter:
         """The inputs of units ``u0..u1`` and their loss weight."""
         if u0 == 0 and u1 == self.units:
             inputs = dict(self.inputs)
+        elif self.paired:
+            inputs = _slice_pairs(self.inputs, u0, u1, self.units)
         elif self.packed:
             inputs = _slice_tokens(self.inputs, self.bounds[u0][0], self.bounds[u1 - 1][1], self.tokens)
         else:

@@ -18,6 +18,8 @@ logger = logging.getLogger("memguard.hf")
 CHECKED = ("5.24", "5.24")
 #: The private names (and private uses of public objects) below.
 NAMES = ("Trainer._loss_shifts_labels",
+         "Trainer.loss_is_scaled_for_ga / model_accepts_loss_kwargs / compute_loss_func",
+         "TRL's DPOTrainer.loss_types and RewardTrainer's batch layout (chosen rows, then rejected rows)",
          "PretrainedConfig._attn_implementation (memguard_core.torch_train.attn_implementation)",
          "reordering Trainer.callback_handler.callbacks",
          "Trainer._get_num_items_in_batch (replaced on the instance during an evaluation batch)",
@@ -31,9 +33,87 @@ def check_version() -> bool:
 
 def loss_shifts_labels(trainer: Any) -> bool:
     """Whether the trainer's loss shifts labels by one (causal LM), from
-    ``trainer._loss_shifts_labels`` (set from the model's loss type); True when absent, the causal
-    LM case every ``*ForCausalLM`` has."""
-    return bool(getattr(trainer, "_loss_shifts_labels", True))
+    ``trainer._loss_shifts_labels`` (transformers >= 5: the model's loss type is the causal-LM
+    loss and the model is no encoder-decoder); where absent, whether the (PEFT-unwrapped) model is a
+    ``*ForCausalLM`` and no encoder-decoder."""
+    flag = getattr(trainer, "_loss_shifts_labels", None)
+    if flag is not None:
+        return bool(flag)
+    model = getattr(trainer, "model", None)
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if getattr(getattr(base, "config", None), "is_encoder_decoder", False):
+        return False
+    return type(base).__name__.endswith("ForCausalLM")
+
+
+def trainer_says_loss_is_normalised(trainer: Any) -> bool:
+    """The Trainer's own belief that ``compute_loss`` divided by ``num_items_in_batch`` (its
+    ``loss_is_scaled_for_ga`` where set, else ``model_accepts_loss_kwargs`` or a
+    ``compute_loss_func``), for a count that memguard could not observe (a Python number)."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is not None:
+        return bool(scaled)
+    return bool(getattr(trainer, "model_accepts_loss_kwargs", False)
+                or getattr(trainer, "compute_loss_func", None) is not None)
+
+
+def _trl_class(trainer: Any, name: str) -> bool:
+    return any(c.__name__ == name and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
+
+
+def trl_pair_trainer(trainer: Any) -> Optional[str]:
+    """``"dpo"`` / ``"reward"`` for TRL's ``DPOTrainer`` / ``RewardTrainer`` (and subclasses), whose
+    batches stack the chosen rows, then the rejected rows of the same pairs (their collators:
+    ``torch.cat((chosen, rejected))``; the loss ``chunk(2)``s them back); else None."""
+    if _trl_class(trainer, "DPOTrainer"):
+        return "dpo"
+    if _trl_class(trainer, "RewardTrainer"):
+        return "reward"
+    return None
+
+
+#: TRL DPO loss types that are a mean over pairs of a per-pair term (trl/trainer/dpo_trainer.py,
+#: ``_compute_loss``: ``per_sequence_loss.mean()``); the others couple the batch's pairs
+#: (``aot`` / ``aot_unpaired`` sort over the batch, ``bco_pair`` keeps a running mean of rewards it
+#: updates per call, ``sft`` is a mean over the batch's chosen tokens)
+DPO_PER_PAIR_LOSSES = frozenset({"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "sppo_hard",
+                                 "apo_zero", "apo_down", "discopop", "sigmoid_norm"})
+
+
+def trl_unsplittable_loss(trainer: Any) -> Optional[str]:
+    """Why a TRL trainer's loss cannot be cut into micro-batches with the same gradient, or None:
+    DPO loss types outside :data:`DPO_PER_PAIR_LOSSES`, a MoE router loss added by DPO (a mean over
+    the batch's tokens routed, not over pairs)."""
+    if trl_pair_trainer(trainer) != "dpo":
+        return None
+    types = getattr(trainer, "loss_types", None) or [getattr(getattr(trainer, "args", None), "loss_type", "sigmoid")]
+    types = [types] if isinstance(types, str) else list(types)
+    coupled = [t for t in types if t not in DPO_PER_PAIR_LOSSES]
+    if coupled:
+        return (f"TRL DPO loss type(s) {coupled} couple the pairs of a batch (not a mean of per-pair terms), so "
+                f"micro-batches would change the gradient; use memguard's preflight plan "
+                f"(per_device_train_batch_size / gradient_accumulation_steps) instead")
+    if getattr(trainer, "aux_loss_enabled", False):
+        return ("TRL DPO with the MoE router loss (a mean over the batch's routed tokens, not over pairs): "
+                "micro-batches would change the gradient; use memguard's preflight plan instead")
+    return None
+
+
+def custom_loss_source(trainer: Any) -> Optional[str]:
+    """What computes the loss when it is not the Trainer's or the model's own: ``"compute_loss_func"``,
+    ``"<Class>.compute_loss"`` for an override memguard has no rule for; None for transformers'
+    ``Trainer.compute_loss`` and TRL's SFT / DPO / reward trainers (rules in
+    ``memguard_hf.loss_weights``)."""
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return "compute_loss_func"
+    for cls in type(trainer).__mro__:
+        if "compute_loss" in vars(cls):
+            mod = cls.__module__
+            if mod.startswith("transformers.") or (mod.startswith("trl.") and cls.__name__ in (
+                    "SFTTrainer", "DPOTrainer", "RewardTrainer")):
+                return None
+            return f"{cls.__name__}.compute_loss"
+    return None
 
 
 def move_callback_first(trainer: Any, callback: Any) -> None:
@@ -61,7 +141,8 @@ def count_items_once(trainer: Any, batch: Any) -> Iterator[Optional[dict]]:
 
     Yields a dict that holds the count under ``"n"`` once it was taken (absent when
     ``prediction_step`` never asked for it); None, leaving the trainer alone, when the trainer has
-    no ``_get_num_items_in_batch``.
+    no ``_get_num_items_in_batch``. A callable the caller puts under ``"wrap"`` is applied to the
+    count each time it is handed out (``memguard_hf.loss_weights.watch_items``).
     """
     if not counts_items(trainer):
         yield None
@@ -75,7 +156,8 @@ def count_items_once(trainer: Any, batch: Any) -> Iterator[Optional[dict]]:
             # set only after the count (and its gather) went through: a chunk that failed before
             # it leaves the next attempt to take it
             counted["n"] = orig([batch], device, *args, **kwargs)
-        return counted["n"]
+        wrap = counted.get("wrap")
+        return wrap(counted["n"]) if wrap is not None else counted["n"]
 
     trainer._get_num_items_in_batch = once
     try:

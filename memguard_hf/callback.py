@@ -66,6 +66,7 @@ from memguard_core.options import GuardOptions, option_kwargs, with_guard_option
 from . import _compat
 from .preflight import read_specs
 from .eval_split import GuardedEval
+from .loss_weights import LossWeights
 from .split_step import GuardedStep, is_oom_error  # noqa: F401  (is_oom_error: public here too)
 
 logger = logging.getLogger("memguard.hf")
@@ -156,6 +157,7 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
         if self.trainer is trainer:
             return
         self.trainer = trainer
+        self._loss_rules = LossWeights(trainer, self.options.loss_weighting)
         _compat.move_callback_first(trainer, self)
         self._orig_training_step = trainer.training_step
         self._orig_compute_loss = trainer.compute_loss
@@ -220,6 +222,10 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
         if not self._ensure_bound():
             return
         trainer, opts = self.trainer, self.options
+        refusal = self._loss_rules.refusal()
+        if refusal is not None and self.guard.split_disabled_reason is None:
+            self.guard.split_disabled_reason = refusal
+            logger.warning("memguard: in-place micro-batching disabled: %s", refusal)
         can_checkpoint = tt.checkpoint_target(trainer.model) is not None
         self.guard.start(rows=args.per_device_train_batch_size,
                          read_specs=lambda: read_specs(trainer, seq_length=opts.seq_length, device=opts.device),

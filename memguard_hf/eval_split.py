@@ -35,6 +35,7 @@ from memguard_core.errors import ConfigError
 from memguard_core.microbatch import without_frames as _without_frames
 
 from . import _compat
+from .loss_weights import watch_items
 from .split_step import GuardedStep, is_oom_error
 
 __all__ = ["GuardedEval", "concat_outputs"]
@@ -118,6 +119,14 @@ def concat_outputs(pieces: List[Any], axis: int = 0, weights: Optional[List[floa
             out[key] = concat_outputs([p[key] for p in pieces], axis, weights)
         return out
     raise _Uncombinable(f"cannot combine outputs of type {type(first).__name__}")
+
+
+def _watched(count: Any, used: list) -> Any:
+    """``count`` as :func:`memguard_hf.loss_weights.watch_items` hands it out, its flag kept in ``used``."""
+    passed, flag = watch_items(count)
+    if flag is not None:
+        used.append(flag)
+    return passed
 
 
 def _has_fsdp(model) -> bool:
@@ -298,40 +307,43 @@ class GuardedEval:
         orig = self._orig_prediction_step
         splitter = None
         if k > 1:
-            weighting = "rows" if self.options.loss_weighting == "rows" else "tokens"
             try:
-                splitter = microbatch.BatchSplitter(inputs, weighting=weighting,
-                                                    shift_labels=_compat.loss_shifts_labels(self.trainer))
+                splitter = self._splitter(inputs)
             except ValueError:
                 splitter = None
         ranges = splitter.ranges(k) if splitter is not None else []
         if len(ranges) <= 1:
             self.eval_micro_batch_rows.append(GuardedStep._units_of(inputs))
             return orig(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
-        losses, logits, labels, weights = [], [], [], []
+        losses, logits, labels, weights, loss_weights = [], [], [], [], []
         for u0, u1 in ranges:
             chunk = splitter.chunk(u0, u1)
             self.eval_micro_batch_rows.append(u1 - u0)
+            used = []
+            if counted is not None:
+                # whether this chunk's loss computed with the batch's count (then it adds up as is)
+                counted["wrap"] = lambda n, used=used: _watched(n, used)
             with torch.no_grad():
                 loss, lg, lb = orig(model, chunk.inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
             losses.append(loss)
             logits.append(lg)
             labels.append(lb)
             weights.append(chunk.weight)
+            count = counted.get("n") if counted else None
+            loss_weights.append(self._loss_rules.weight(chunk.weight, used[0] if used else None, count,
+                                                        chunk.inputs))
             chunk = loss = lg = lb = None
+        if counted is not None:
+            counted.pop("wrap", None)
         axis = 1 if splitter.packed else 0
         try:
             if any(x is None for x in losses):
                 loss = concat_outputs(losses, axis, weights)  # all None, or raises
-            elif counted and counted.get("n") is not None and self._loss_is_token_normalised(counted["n"]):
-                # every chunk's loss is its label sum over the batch's token count (over all ranks
-                # with average_tokens_across_devices, times the world size): they add up to the
-                # batch's, as the training split's chunks do over a window's count
-                loss = sum(losses)
             else:
-                # the chunks' mean losses weighted by their share of the batch's valid labels (rows
-                # with ``loss_weighting="rows"``): the batch's mean, as in the training split
-                loss = sum(w * x for w, x in zip(weights, losses))
+                # a chunk whose loss computed with the batch's count (its label sum over the batch's
+                # token count) adds up as is; a chunk's mean loss is weighted by its share of the
+                # batch's valid labels or rows: the batch's loss, as in the training split
+                loss = sum(w * x for w, x in zip(loss_weights, losses))
             return loss, concat_outputs(logits, axis, weights), concat_outputs(labels, axis, weights)
         except _Uncombinable as exc:
             self._eval_off_reason = f"prediction_step's outputs cannot be put back together ({exc})"

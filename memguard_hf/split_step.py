@@ -22,6 +22,7 @@ from memguard_torch.ranks import agreed_ranges, fsdp_after_abort
 from memguard_torch.sync import Fsdp1SyncHooks, FsdpSyncHooks, OomSync, PeerOutOfMemoryError
 
 from . import _compat
+from .loss_weights import watch_items
 
 __all__ = ["GuardedStep", "is_oom_error"]
 
@@ -62,17 +63,34 @@ class GuardedStep:
         scale = self._loss_scale
         if scale == 1.0:
             return out
+        # the micro-batch's share, unless the loss computed with the whole batch's count
+        # (memguard_hf.loss_weights: observed, not guessed from the forward's signature)
+        scale = self._loss_rules.weight(scale, self._items_used, self._items_count, inputs)
+        if scale == 1.0:
+            return out
         if isinstance(out, tuple):
             return (out[0] * scale,) + tuple(out[1:])
         return out * scale
 
-    def _loss_is_token_normalised(self, num_items_in_batch) -> bool:
-        t = self.trainer
-        scaled = getattr(t, "loss_is_scaled_for_ga", None)
-        if scaled is not None:
-            return bool(scaled) and num_items_in_batch is not None
-        return bool((getattr(t, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None)
-                    or getattr(t, "compute_loss_func", None) is not None)
+    _items_used = None
+    _items_count = None
+
+    def _splitter(self, inputs):
+        """The batch's ``BatchSplitter`` with the run's loss rules (the share a micro-batch's mean is
+        weighted by, shifted labels, TRL's paired rows). Raises ``ValueError`` for a batch it cannot cut."""
+        rules = self._loss_rules
+        return microbatch.BatchSplitter(inputs, weighting=rules.weighting(inputs), shift_labels=rules.shift(inputs),
+                                        paired=rules.paired)
+
+    def _pass_items(self, num_items_in_batch, weight: float):
+        """The count to hand this micro-batch's ``training_step``: watched (``loss_weights.watch_items``)
+        when the micro-batch is part of a split, so its ``compute_loss`` can tell which weight applies."""
+        self._items_count = num_items_in_batch
+        if weight == 1.0:
+            self._items_used = None
+            return num_items_in_batch
+        passed, self._items_used = watch_items(num_items_in_batch)
+        return passed
 
     def _guarded_training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         try:
@@ -202,11 +220,8 @@ class GuardedStep:
         """One batch in ``k`` chunks under FSDP (see :meth:`_fsdp_training_step`); returns
         ``(loss, None)``, or ``(None, error)`` (this rank's, or a ``PeerOutOfMemoryError``) when the
         window must be redone."""
-        token_norm = self._loss_is_token_normalised(num_items_in_batch)
-        weighting = "rows" if self.options.loss_weighting == "rows" else "tokens"
         try:
-            sp = microbatch.BatchSplitter(inputs, weighting=weighting,
-                                          shift_labels=_compat.loss_shifts_labels(self.trainer))
+            sp = self._splitter(inputs)
         except ValueError:
             loss, top, _low, exc = self._fsdp_chunk(model, inputs, num_items_in_batch, 1.0, args, kwargs)
             return (loss, None) if top == 0 else (None, exc or PeerOutOfMemoryError("at the end of the micro-batch"))
@@ -219,7 +234,7 @@ class GuardedStep:
                 chunk = None if whole else sp.chunk(u0, u1)
                 loss, top, low, exc = self._fsdp_chunk(
                     model, inputs if whole else chunk.inputs, num_items_in_batch,
-                    1.0 if (whole or token_norm) else chunk.weight, args, kwargs)
+                    1.0 if whole else chunk.weight, args, kwargs)
                 chunk = None
                 if top == 0:
                     total = loss if total is None else total + loss
@@ -251,6 +266,7 @@ class GuardedStep:
         sync.grads_added = False
         exc = loss = None
         self._fsdp_hooks.new_chunk()
+        num_items_in_batch = self._pass_items(num_items_in_batch, weight)
         if self._fsdp_v1:
             ctx = torch_compat.fsdp1_sync_on(model)   # every chunk reduce-scatters, also inside no_sync
         else:
@@ -268,6 +284,7 @@ class GuardedStep:
         finally:
             sync.inside = False
             self._loss_scale = 1.0
+            self._items_used = self._items_count = None
         top, low = sync.end(0 if exc is None else (2 if sync.grads_added else 1))
         if top == 0:
             self._rows_this_step += rows
@@ -309,7 +326,6 @@ class GuardedStep:
         Trainer's own sync context), else an earlier batch redone (all of it under ``no_sync``).
         An OOM in a forward redoes the rows not yet processed at a doubled k (``Guard.after_oom``);
         any other error, an OOM in a backward included, propagates."""
-        token_norm = self._loss_is_token_normalised(num_items_in_batch)
         k = max(k, self.guard.monitor.split)   # a forward OOM in an earlier batch may have raised it
         if k <= 1:
             failure = None
@@ -321,10 +337,8 @@ class GuardedStep:
                 failure = _without_frames(exc)
             # freed outside the except block: its traceback's frames hold the failed forward's activations
             k = self._after_oom(failure, 1, microbatch.batch_rows(inputs))
-        weighting = "rows" if self.options.loss_weighting == "rows" else "tokens"
-        shift = _compat.loss_shifts_labels(self.trainer)
         try:
-            splitter = microbatch.BatchSplitter(inputs, weighting=weighting, shift_labels=shift)
+            splitter = self._splitter(inputs)
         except ValueError:
             return self._run_chunk(model, inputs, num_items_in_batch, 1.0, final, args, kwargs)
         total_loss = None
@@ -335,8 +349,7 @@ class GuardedStep:
             try:
                 for u0, u1 in ranges:
                     chunk = splitter.chunk(u0, u1)
-                    w = 1.0 if token_norm else chunk.weight
-                    loss = self._run_chunk(model, chunk.inputs, num_items_in_batch, w,
+                    loss = self._run_chunk(model, chunk.inputs, num_items_in_batch, chunk.weight,
                                            final and u1 == splitter.units, args, kwargs)
                     total_loss = loss if total_loss is None else total_loss + loss
                     start = u1
@@ -376,6 +389,7 @@ class GuardedStep:
             ctx = torch_compat.fsdp1_sync_on(model)
         elif not last or self._manual_ddp is not None:
             ctx = self._no_sync(model)
+        num_items_in_batch = self._pass_items(num_items_in_batch, weight)
         try:
             with ctx:
                 loss = self._orig_training_step(model, inputs, num_items_in_batch, *args, **kwargs)
@@ -383,6 +397,7 @@ class GuardedStep:
             return loss
         finally:
             self._loss_scale = 1.0
+            self._items_used = self._items_count = None
 
     _fsdp_seen = False
     _fsdp_looked_at = None

@@ -21,8 +21,13 @@ def test_hf_compat():
     from memguard_hf import _compat
 
     _checked(_compat, "transformers")
-    assert _compat.loss_shifts_labels(object()) is True
     assert _compat.loss_shifts_labels(types.SimpleNamespace(_loss_shifts_labels=False)) is False
+    # without the Trainer's own rule (transformers < 5): a causal LM that is no encoder-decoder
+    causal = type("TinyForCausalLM", (), {"config": types.SimpleNamespace(is_encoder_decoder=False)})
+    seq2seq = type("TinyForConditionalGeneration", (), {"config": types.SimpleNamespace(is_encoder_decoder=True)})
+    assert _compat.loss_shifts_labels(types.SimpleNamespace(model=causal())) is True
+    assert _compat.loss_shifts_labels(types.SimpleNamespace(model=seq2seq())) is False
+    assert _compat.loss_shifts_labels(object()) is False
     assert _compat.attn_implementation(object()) is None
     cb, other = object(), object()
     trainer = types.SimpleNamespace(callback_handler=types.SimpleNamespace(callbacks=[other, cb]))

@@ -13,8 +13,11 @@ tiny models (what needs CUDA is simulated or faked; the estimate rows are scored
     --cases a,b            only these (e.g. the failed ones, within the device time left)
     --budget-s 420         hard time budget: cases that no longer fit are reported "skipped: time budget"
     --out DIR              reports: DIR/gpu_check.md, DIR/gpu_check.json (default bench/results/)
+    --oom-shape k=v,...    the OOM model's shape (e.g. seq=2048) when a limit cannot be placed
+    --subprocess           --dry-run: fresh child processes as on the GPU (default there: one process)
 
-Cases (each in fresh child processes, so every peak is that run's alone):
+Cases (each in fresh child processes, so every peak is that run's alone; the four runs of one OOM
+placement side by side, each process with its own allocator and memory fraction):
 
 * ``probe``: memguard's CUDA probe (``memguard_core.probes.cuda.probe``, full and cheap) beside
   ``torch.cuda.mem_get_info`` and NVML, an allocator retry provoked and ``num_alloc_retries`` read
@@ -40,8 +43,9 @@ Cases (each in fresh child processes, so every peak is that run's alone):
   backward: between the forward at 8 and its backward; eval: between the training step at 4 rows and
   the evaluation forward at 32 rows) and runs the unguarded twins (plain loop and ``Trainer`` at 8
   rows: each must die with ``torch.OutOfMemoryError`` in that phase) and the guarded runs
-  (``TorchGuard`` with ``guard.run``, ``MemGuardCallback``; the guard acting only on a caught error,
-  as the RLIMIT_AS integration tests do): each must finish its 3 optimizer steps, with at least one
+  (``TorchGuard`` with ``guard.run`` and ``cuda_snapshots`` on, whose files are listed;
+  ``MemGuardCallback``; the guard acting only on a caught error, as the RLIMIT_AS integration tests
+  do): each must finish its 3 optimizer steps, with at least one
   OOM caught, and end with the reference run's parameters: max |update - reference update| <=
   :data:`PARAM_RTOL` x max |reference update| over a sample of every parameter (fp32; split and
   unsplit differ by summation order only). ``oom-eval``: the evaluation's ``eval_loss`` equals the
@@ -50,7 +54,8 @@ Cases (each in fresh child processes, so every peak is that run's alone):
 ``--dry-run`` (no CUDA needed): the same cases on tiny models on the CPU; the OOMs are real
 ``torch.OutOfMemoryError`` raised by hooks at the same places (a forward's head, a backward's last
 gradient, an evaluation's head) when a chunk holds more rows than the simulated limit; the probe and
-the snapshot use memguard's thin fakes; QLoRA is skipped (it needs CUDA).
+the snapshot use memguard's thin fakes; QLoRA runs on bitsandbytes' CPU backend where bitsandbytes
+is importable, else it is skipped as on a GPU machine without it. One process unless --subprocess.
 
 Exit status: 0 when every case that ran passed (skipped cases do not fail), 1 otherwise, 2 on bad
 arguments.
@@ -147,13 +152,13 @@ CASES: List[dict] = (
     [dict(name="probe", kind="probe", expect_s=20,
           what="memguard's CUDA probe vs mem_get_info / NVML; an allocator retry and num_alloc_retries; "
                "a snapshot written and loaded")]
-    + [dict(name="oom-forward", kind="oom", phase="forward", expect_s=60,
+    + [dict(name="oom-forward", kind="oom", phase="forward", expect_s=30,
             what="OOM in a forward: unguarded twins (loop, Trainer) die; TorchGuard and MemGuardCallback "
                  "finish with the reference's parameters"),
-       dict(name="oom-backward", kind="oom", phase="backward", expect_s=60,
+       dict(name="oom-backward", kind="oom", phase="backward", expect_s=30,
             what="OOM in a backward: unguarded twins die; the guarded runs redo and finish with the "
                  "reference's parameters"),
-       dict(name="oom-eval", kind="oom", phase="evaluation", expect_s=35,
+       dict(name="oom-eval", kind="oom", phase="evaluation", expect_s=25,
             what="OOM in an HF evaluation: the unguarded twin dies; the guard's eval split gives the "
                  "reference's eval_loss")]
     + EST_CASES)
@@ -526,7 +531,11 @@ def child_estimate(case: dict, dry: bool) -> dict:
     trainer = _sequential_trainer_cls()(model=model, args=args, train_dataset=ds)
     nv = None
     if device == "cuda":
+        # the training's peaks: blocks cached while the model was built or loaded (QLoRA's quantization)
+        # go back to the driver first, so reserved and NVML start from the live tensors
+        gc.collect()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         nv = NvmlPeak(baseline_used).start()
     t1 = time.time()
@@ -1196,8 +1205,19 @@ class Runner:
         runs: Dict[str, dict] = {}
         checks: Dict[str, bool] = {}
         init = self.measure["init_params"]
+        # the children of one placement run side by side (GPU): each process has its own caching
+        # allocator and its own fraction of the device, and together they use well under half of it
+        if self.in_process:
+            recs = {mode: self.child(dict(spec, mode=mode), f"{case['name']}/{mode}", 150) for mode in modes}
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=len(modes)) as pool:
+                futs = {mode: pool.submit(self.child, dict(spec, mode=mode), f"{case['name']}/{mode}", 150)
+                        for mode in modes}
+                recs = {mode: f.result() for mode, f in futs.items()}
         for mode in modes:
-            rec = self.child(dict(spec, mode=mode), f"{case['name']}/{mode}", 150)
+            rec = recs[mode]
             params = rec.pop("params", None)
             runs[mode] = rec
             if rec.get("child_error"):

@@ -42,7 +42,8 @@ def test_dry_run_passes_and_writes_both_reports(tmp_path, gc):
         assert by[name]["status"] == "pass" and by[name]["checks"], by[name]
     for mode in ("bare-torch", "bare-hf"):  # the twins died of a real torch.OutOfMemoryError, where placed
         assert by["oom-backward"]["detail"]["runs"][mode]["error_type"] == "OutOfMemoryError"
-    assert by["est-qlora-llama3.2-1b"]["status"].startswith("skipped")
+    qlora = by["est-qlora-llama3.2-1b"]["status"]   # bitsandbytes' CPU backend where it is installed
+    assert qlora == "pass" or qlora == "skipped: bitsandbytes not importable"
     assert [s["counter"] for s in by["est-lora-llama3-8b"]["scores"]] == ["cpu", *gc.COUNTERS]
     assert "[gpu_check" in p.stdout  # progress lines
 

@@ -32,7 +32,8 @@ its holes (docs/distributed.md, "Per-rank spread"). ``MEMGUARD_BENCH_STEPS`` run
 the table's 135M DDP / FSDP2 rows (6: their ranks' peaks still rise through steps 4-6) and for
 probes; the other rows run ``STEPS``. Every rank returns glibc's free heap at each step's end, as
 memguard's guard does on a CPU device (``GuardOptions.trim_heap``); ``MEMGUARD_BENCH_TRIM=0`` measures
-the plain loop.
+the plain loop (its rows are scored with ``heap_trim=False``). ``MEMGUARD_BENCH_SEQ`` sets the tokens
+per row (issue 35's 135M case: 256); each row records its ``seq`` and is scored at it.
 
 The ``tiny`` size is calibration (the fixed cost of a rank), left out of the scores.
 
@@ -69,6 +70,9 @@ SIZES = {
 }
 MODES = ("ddp", "fsdp-full", "fsdp-grad-op", "fsdp-no-shard", "fsdp-offload")
 BATCH, SEQ, STEPS = 2, 128, 3
+#: ``MEMGUARD_BENCH_SEQ``: tokens per row for a run (the default ``SEQ``); each row records its own
+#: ``seq`` and is scored at it (issue 35's case: 135M full shard at 2 x 256 tokens).
+RUN_SEQ = int(os.environ.get("MEMGUARD_BENCH_SEQ", SEQ))
 #: The issue's target band for a per-rank estimate: -5 % / +15 % of the measured peak.
 LOW, HIGH = -5.0, 15.0
 
@@ -222,7 +226,7 @@ def worker(mode: str, size: str, out: str) -> None:
     model.train()
     opt = None if engine else torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(1 + rank)
-    x = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+    x = torch.randint(0, cfg.vocab_size, (BATCH, RUN_SEQ), generator=g)
     setup_hwm = _vm("VmHWM")
     rss_file_start = _vm("RssFile")  # the mapped libraries' pages, where a guard's preflight reads them
     t0 = time.time()
@@ -246,7 +250,7 @@ def worker(mode: str, size: str, out: str) -> None:
             trim_heap()
     res = dict(rank=rank, world=world, mode=mode, size=size, vm_hwm=_vm("VmHWM"), setup_hwm=setup_hwm,
                rss_file=_vm("RssFile"), rss_file_start=rss_file_start, stages=stages, arenas=_arenas(), arenas_bw=arenas_bw, threads=_vm_count("Threads"),
-               malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}, steps=steps, trim=trim, loss=float(loss), step_s=(time.time() - t0) / steps)
+               malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}, steps=steps, seq=RUN_SEQ, trim=trim, loss=float(loss), step_s=(time.time() - t0) / steps)
     with open(out, "w") as f:
         json.dump(res, f)
     dist.barrier()
@@ -296,20 +300,22 @@ def run_case(mode: str, size: str, world: int, timeout: float = 900) -> list:
     return out
 
 
-def estimate_case(mode: str, size: str, world: int, resident_file_bytes=None):
+def estimate_case(mode: str, size: str, world: int, resident_file_bytes=None, seq: int = SEQ, trim: bool = True):
     """memguard's per-rank estimate of one case (a MemoryEstimate); ``resident_file_bytes``: the
     rank's file-backed resident pages before its first step (``RssFile``, as the guard reads them;
-    a freshly written venv maps its libraries in large folios and reads higher), None = typical."""
+    a freshly written venv maps its libraries in large folios and reads higher), None = typical;
+    ``seq``: tokens per row (the row's own, ``MEMGUARD_BENCH_SEQ``); ``trim``: whether the ranks
+    returned glibc's free heap at every step's end (``MEMGUARD_BENCH_TRIM``, ``TrainSpec.heap_trim``)."""
     from memguard_core.estimate import estimate
     from memguard_core.spec import TrainSpec, model_spec_from_hf_config
 
     ms = model_spec_from_hf_config(config_dict(size), name=size)
     sharding = "fsdp-full" if mode == "fsdp-offload" else mode.replace("fsdp1-", "fsdp-")
-    ts = TrainSpec(batch_size=BATCH, seq_length=SEQ, method="full", dtype="fp32", optimizer="adamw",
+    ts = TrainSpec(batch_size=BATCH, seq_length=seq, method="full", dtype="fp32", optimizer="adamw",
                    attn_impl="sdpa", framework="torch", device="cpu", world_size=world, sharding=sharding,
                    fsdp_version=1 if mode.startswith("fsdp1") else 2,
                    offload="params" if mode == "fsdp-offload" else "none",
-                   resident_file_bytes=resident_file_bytes)
+                   resident_file_bytes=resident_file_bytes, heap_trim=bool(trim))
     return estimate(ms, ts)
 
 
@@ -384,7 +390,7 @@ def main(argv=None) -> int:
                     ranks = run_case(mode, size, world)
                 for r in ranks:
                     # rows measured before rss_file_start was recorded: the typical figure, as calibrated
-                    est = estimate_case(mode, size, world, r.get("rss_file_start"))
+                    est = estimate_case(mode, size, world, r.get("rss_file_start"), r.get("seq", SEQ), r.get("trim", True))
                     r["estimate"] = int(est.peak_bytes)
                     r["phase"] = est.phase
                     r["breakdown"] = {k: int(v) for k, v in est.breakdown.items()}

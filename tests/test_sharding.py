@@ -242,3 +242,24 @@ def test_cli_sharding_json(capsys):
     assert o["train"]["offload"] == "params" and o["peak_bytes"] == d["peak_bytes"]
     assert main(["estimate", "--config", SMOL, "--sharding", "ddp", "--offload", "params", "--json"]) == 2
     assert "--offload" in capsys.readouterr()[1]
+
+
+def test_untrimmed_fsdp_keeps_the_backward_holes_at_every_moment(smol):
+    """heap_trim=False (a plain loop without the guard's step-end trim): glibc returns no hole of
+    the main heap, so under FSDP / ZeRO-3 every moment carries the largest moment's slack
+    (sharding._untrimmed_holes_persist); trimmed runs, DDP and cuda are unchanged."""
+    long = dict(seq_length=256)  # issue 35's case: the loss moment's live set is the larger one
+    for mode in ("fsdp-full", "zero3"):
+        t = estimate(smol, ts(world_size=2, sharding=mode, **long))
+        u = estimate(smol, ts(world_size=2, sharding=mode, heap_trim=False, **long))
+        held = max(b["allocator_slack"] for b in t.phase_breakdowns.values())
+        for k, b in u.phase_breakdowns.items():
+            assert b["allocator_slack"] == held
+            assert {x: y for x, y in b.items() if x != "allocator_slack"} == \
+                {x: y for x, y in t.phase_breakdowns[k].items() if x != "allocator_slack"}
+        assert sum(u.breakdown.values()) == u.peak_bytes
+        if mode == "fsdp-full":  # the loss moment (activations + logits) on top of the backward's holes
+            assert u.phase == "loss" and u.peak_bytes > t.peak_bytes
+    for kw in (dict(sharding="ddp"), dict(sharding="fsdp-full", device="cuda")):
+        assert estimate(smol, ts(world_size=2, heap_trim=False, **long, **kw)).phase_breakdowns == \
+            estimate(smol, ts(world_size=2, **long, **kw)).phase_breakdowns

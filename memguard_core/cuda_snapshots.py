@@ -35,7 +35,8 @@ class CudaSnapshots:
         on_critical: dump once per episode of critical pressure (the monitor's level) or of a rise
             in ``num_alloc_retries`` (the caching allocator freeing its cache and retrying a
             ``cudaMalloc``: the step before an OOM).
-        on_oom: dump when an out-of-memory error is caught (before the guard retries).
+        on_oom: dump when an out-of-memory error is caught (before the guard frees anything and
+            retries).
         cuda_memory: stands in for ``torch.cuda.memory`` (tests).
 
     Raises:
@@ -85,10 +86,16 @@ class CudaSnapshots:
             self.recording = False
 
     def dump(self, step: Optional[int], reason: str) -> Optional[str]:
-        """Write ``rank{r}_step{n}_{reason}.pickle``; its path, or None (logged) on failure."""
+        """Write ``rank{r}_step{n}_{reason}.pickle`` (``_{reason}-2``, ``-3``, ... for a second dump
+        of the same step and reason, e.g. a window that fails again: none overwrites another); its
+        path, or None (logged) on failure."""
         if not self.recording:
             return None
-        path = os.path.join(self.out_dir, f"rank{self.rank}_step{'x' if step is None else int(step)}_{reason}.pickle")
+        stem = os.path.join(self.out_dir, f"rank{self.rank}_step{'x' if step is None else int(step)}_{reason}")
+        path, n = stem + ".pickle", 1
+        while path in self.written or os.path.exists(path):
+            n += 1
+            path = f"{stem}-{n}.pickle"
         try:
             os.makedirs(self.out_dir, exist_ok=True)
             self._memory()._dump_snapshot(path)
@@ -113,9 +120,12 @@ class CudaSnapshots:
         self._in_episode = pressed
         return out
 
-    def oom(self, step: Optional[int]) -> Optional[str]:
-        """Call when an out-of-memory error is caught."""
-        return self.dump(step, "oom") if self.on_oom else None
+    def oom(self, step: Optional[int], *, peer: bool = False) -> Optional[str]:
+        """Call when an out-of-memory error is caught, before anything is freed (the guard does:
+        ``Guard.snapshot_oom``): ``rank{r}_step{n}_oom.pickle``, ``n`` the optimizer steps completed
+        (the event log's ``step`` of the ``oom_retry`` record); ``peer``: another rank failed and
+        this one redoes with it (``_peer-oom``)."""
+        return self.dump(step, "peer-oom" if peer else "oom") if self.on_oom else None
 
     def _retries_rose(self) -> bool:
         try:

@@ -432,13 +432,16 @@ class Guard(WindowRedo):
 
     def after_oom(self, exc: BaseException, k: int, units_left: int, step: Optional[int],
                   free: Callable[[], None] = empty_torch_cache) -> int:
-        """After an out-of-memory error in a micro-batch's forward (nothing of it kept): double the
+        """After an out-of-memory error in a micro-batch's forward (nothing of it kept): the CUDA
+        snapshot of the moment (:meth:`snapshot_oom`, with ``cuda_snapshots``), then double the
         micro-batches for the ``units_left`` rows (sequences) not yet processed, free memory with
         ``free`` and return the new k; counts ``oom_retries``.
 
         Raises:
             ``exc`` itself when a single row already failed (no split can help).
         """
+        self.snapshot_oom(step)   # before anything is freed: the moment a user wants to see
+        self._oom_snapshot_taken = False
         if self.monitor is not None:
             k_new = split_after_oom(self.monitor, exc, k, units_left, step, self.log, free=free)
         else:
@@ -448,11 +451,25 @@ class Guard(WindowRedo):
             gc.collect()
             free()
         self.oom_retries += 1
+        return k_new
+
+    _oom_snapshot_taken = False
+
+    def snapshot_oom(self, step: Optional[int], *, peer: bool = False) -> None:
+        """An out-of-memory error was caught: with ``cuda_snapshots`` on, dump this rank's allocator
+        snapshot (``rank{r}_step{n}_oom.pickle``, n = optimizer steps completed, as the event
+        log's ``oom_retry`` record) before anything is freed. :meth:`after_oom` and
+        :meth:`after_window_oom` call it first; an adapter may call it earlier, where the failed
+        step's tensors are still referenced (its ``except`` block), and the guard's own call for
+        that failure then dumps nothing. ``peer``: another rank failed (``_peer-oom``). Never
+        raises."""
+        if self._oom_snapshot_taken:
+            return
+        self._oom_snapshot_taken = True
         try:
-            self.recorder.oom(step)
+            self.recorder.oom(step, peer=peer)
         except Exception:
             self.log.debug("memguard: OOM snapshot failed", exc_info=True)
-        return k_new
 
     # ------------------------------------------------------------------ end
     def finish(self, optimizer_steps: int, *, measured_bytes: Optional[Callable[[], Optional[int]]] = None,

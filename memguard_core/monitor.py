@@ -25,14 +25,15 @@ import time
 from typing import Callable, List, Optional
 
 from .errors import ConfigError, require_fraction, require_int, require_number
-from .monitor_policy import (Action, GrowPolicy, Level, MemoryEvent, MemorystatusEpisodes,
-                             MemorystatusPolicy, PressureEpisodes, PsiPolicy, SplitPolicy, Thresholds)
+from .monitor_policy import (Action, AllocRetryEpisodes, AllocRetryPolicy, GrowPolicy, Level, MemoryEvent,
+                             MemorystatusEpisodes, MemorystatusPolicy, PressureEpisodes, PsiPolicy, SplitPolicy,
+                             Thresholds)
 from .monitor_sampler import SamplerThread, StepSampler
 
 __all__ = ["MemoryMonitor", "Level", "Action", "Thresholds", "PsiPolicy", "GrowPolicy",
            "MemoryEvent", "SplitPolicy", "PressureEpisodes", "StepSampler", "SamplerThread",
            "default_clean", "FULL_SAMPLE_MAX_AGE_S", "MemorystatusPolicy", "MemorystatusEpisodes",
-           "pressure_kind"]
+           "pressure_kind", "AllocRetryPolicy", "AllocRetryEpisodes"]
 
 logger = logging.getLogger("memguard.monitor")
 
@@ -100,10 +101,13 @@ class MemoryMonitor:
             growing back off (k then only rises).
         planned_split: the k the preflight planned (default: ``split``). k goes below it only when
             measured peaks predict that the larger micro-batch fits (see :class:`SplitPolicy`).
+        alloc_retries: :class:`AllocRetryPolicy`: on a CUDA device, the caching allocator's
+            ``num_alloc_retries`` rising over consecutive optimizer steps cleans, then splits
+            (read from the step sample's counters, once per optimizer step); ``None`` turns it off.
 
     Raises:
         ConfigError: invalid budget, device, ratio, thresholds, interval, split, max_split, psi,
-            memorystatus, grow (or ``grow.below`` above ``warning - hysteresis``) or planned_split (the error
+            memorystatus, alloc_retries, grow (or ``grow.below`` above ``warning - hysteresis``) or planned_split (the error
             names the argument).
     """
 
@@ -116,7 +120,8 @@ class MemoryMonitor:
                  live_fn: Optional[Callable[[], Optional[int]]] = None,
                  psi: Optional[PsiPolicy] = PsiPolicy(),
                  grow: Optional[GrowPolicy] = GrowPolicy(), planned_split: Optional[int] = None,
-                 memorystatus: Optional[MemorystatusPolicy] = MemorystatusPolicy()):
+                 memorystatus: Optional[MemorystatusPolicy] = MemorystatusPolicy(),
+                 alloc_retries: Optional[AllocRetryPolicy] = AllocRetryPolicy()):
         require_int("budget_bytes", budget_bytes, "a positive integer number of bytes")
         require_number("interval_s", interval_s, "a number of seconds >= 0", lo=0.0)
         require_int("split", split, "an integer >= 1")
@@ -128,6 +133,8 @@ class MemoryMonitor:
         if memorystatus is not None and not isinstance(memorystatus, MemorystatusPolicy):
             raise ConfigError("memorystatus", "a memguard_core.monitor.MemorystatusPolicy, or None",
                               memorystatus)
+        if alloc_retries is not None and not isinstance(alloc_retries, AllocRetryPolicy):
+            raise ConfigError("alloc_retries", "a memguard_core.monitor.AllocRetryPolicy, or None", alloc_retries)
         if grow is not None and not isinstance(grow, GrowPolicy):
             raise ConfigError("grow", "a memguard_core.monitor.GrowPolicy, or None", grow)
         require_int("planned_split", planned_split, "an integer >= 1, or None", allow_none=True)
@@ -145,7 +152,7 @@ class MemoryMonitor:
         #: the decisions (levels, k, PSI episodes, growing back)
         self.policy = SplitPolicy(thresholds or Thresholds(), split=split, max_split=max_split,
                                   psi=psi, grow=grow, planned_split=planned_split,
-                                  memorystatus=memorystatus)
+                                  memorystatus=memorystatus, alloc_retries=alloc_retries)
         #: the reads of the device
         self.sampler = StepSampler(device, probe_fn=probe_fn, peak_fn=peak_fn, live_fn=live_fn)
         self.events: List[MemoryEvent] = []
@@ -158,8 +165,13 @@ class MemoryMonitor:
         # the last step sample: (monotonic s, used bytes, budget bytes, seconds since the one before)
         self._last_step: Optional[tuple] = None
         #: the last step sample's figures, bytes: ``peak`` (of the step before it), ``current`` (the
-        #: process figure at the sample: RSS on CPU), ``budget`` (effective); None before the first
+        #: process figure at the sample: RSS on CPU), ``budget`` (effective); on CUDA also
+        #: ``reserved_peak`` / ``allocated_peak`` (the allocator's peaks over the same window); None
+        #: before the first
         self.last_step_figures: Optional[dict] = None
+        # the CUDA counters read as the last step sample's window closed (None elsewhere)
+        self._window = None
+        self._retries_step: object = object()    # the optimizer step whose allocator counts were fed
         # the peak a record_sample read for the step it closed, which the next step_sample (the
         # decision before the next batch) still has to weigh: its own window starts after it
         self._carried_peak: Optional[int] = None
@@ -172,6 +184,7 @@ class MemoryMonitor:
     max_split = _on("policy", "max_split", "Upper bound of k, or None.")
     psi = _on("policy", "psi", "The :class:`PsiPolicy`, or None.")
     memorystatus = _on("policy", "memorystatus", "The :class:`MemorystatusPolicy`, or None.")
+    alloc_retries = _on("policy", "alloc_retries", "The :class:`AllocRetryPolicy`, or None.")
     grow = _on("policy", "grow", "The :class:`GrowPolicy`, or None.")
     planned_split = _on("policy", "planned_split", "The preflight plan's k.")
     level = _on("policy", "level", "The current :class:`Level`.")
@@ -267,6 +280,36 @@ class MemoryMonitor:
             return Action.NONE
         return self._act_on_pressure(event)
 
+    def observe_alloc_retries(self, retries: Optional[int], *, ooms: Optional[int] = None,
+                              step: Optional[int] = None, used_bytes: int = 0, budget_bytes: int = 0,
+                              act: bool = True) -> Action:
+        """Feed one optimizer step's CUDA allocator counts (``num_alloc_retries``, ``num_ooms``:
+        cumulative), see :class:`AllocRetryPolicy` (:meth:`SplitPolicy.observe_alloc_retries`).
+        Returns ``CLEAN`` / ``SPLIT`` when the retries rose on enough optimizer steps in a row,
+        else ``NONE``. :meth:`step_sample` feeds it on CUDA devices; garbage is logged once and
+        ignored; ``act=False`` records only. ``used_bytes`` / ``budget_bytes`` only go into the
+        event (source ``"alloc_retries"``)."""
+        try:
+            event = self.policy.observe_alloc_retries(retries, ooms=ooms, step=step, used_bytes=used_bytes,
+                                                      budget_bytes=budget_bytes, act=act)
+        except ValueError as exc:
+            self._log_failure("alloc_retries", exc)
+            return Action.NONE
+        return self._act_on_pressure(event)
+
+    def _step_alloc_retries(self, step: Optional[int], used: int, budget: int, act: bool) -> Action:
+        """The allocator-retry signal of a step sample (CUDA: its window's counters): fed once per
+        optimizer step, at the first sample that shows a new ``step`` (every sample where the
+        adapter gives none). Never raises."""
+        w, self._window = self._window, None
+        if w is None or getattr(w, "alloc_retries", None) is None:
+            return Action.NONE
+        if step is not None and step == self._retries_step:
+            return Action.NONE
+        self._retries_step = step
+        return self.observe_alloc_retries(w.alloc_retries, ooms=w.ooms, step=step, used_bytes=used,
+                                          budget_bytes=budget, act=act)
+
     def _act_on_pressure(self, event: Optional[MemoryEvent]) -> Action:
         """A pressure policy's decision: clean before a clean or a split, then record and log it."""
         if event is None:
@@ -305,21 +348,32 @@ class MemoryMonitor:
             budget = self._budget_for(capacity)
             prev = self._last_step
             self._last_step = (now, used, budget, now - prev[0] if prev is not None else math.inf)
-            self.last_step_figures = {"peak": int(used), "current": int(rss), "budget": int(budget)}
+            self.last_step_figures = self._figures(used, rss, budget)
             action = self.observe(used, budget, step=step, source="step")
             if action is Action.CLEAN:
                 action = self._split_if_clean_fell_short(rss, used, budget, step)
-            return action
+            retry_action = self._step_alloc_retries(step, used, budget, action is Action.NONE)
+            return action if action is not Action.NONE else retry_action
         except Exception as exc:  # a probe failure never reaches training
             self._log_failure("step_sample", exc)
             return Action.NONE
 
     def _read_step(self):
-        """The sampler's step figures, the largest peak kept."""
+        """The sampler's step figures, the largest peak kept (and, on CUDA, the counters read as
+        the window closed)."""
         figs = self.sampler.read_step()
+        self._window = self.sampler.take_window()
         if figs[2] > self.max_step_peak_bytes:
             self.max_step_peak_bytes = figs[2]
         return figs
+
+    def _figures(self, used: int, rss: int, budget: int) -> dict:
+        """:attr:`last_step_figures` of a sample (bytes): with the CUDA window's peaks where read."""
+        out = {"peak": int(used), "current": int(rss), "budget": int(budget)}
+        w = self._window
+        if w is not None:
+            out["reserved_peak"], out["allocated_peak"] = int(w.peak_reserved), int(w.peak_allocated)
+        return out
 
     def _split_if_clean_fell_short(self, rss_before: int, used: int, budget: int, step: Optional[int]) -> Action:
         """After a critical clean at a step sample: the live bytes and the RSS are read again, and
@@ -363,7 +417,7 @@ class MemoryMonitor:
         two is seen before the next forward. Never raises."""
         try:
             _, rss, used, capacity = self._read_step()
-            self.last_step_figures = {"peak": int(used), "current": int(rss), "budget": int(self._budget_for(capacity))}
+            self.last_step_figures = self._figures(used, rss, self._budget_for(capacity))
             self._carried_peak = int(used) if self._carried_peak is None else max(self._carried_peak, int(used))
         except Exception as exc:
             self._log_failure("record_sample", exc)
@@ -373,7 +427,7 @@ class MemoryMonitor:
         run's last step, at train end. Returns ``max_step_peak_bytes`` (None if never read)."""
         try:
             _, rss, used, capacity = self._read_step()
-            self.last_step_figures = {"peak": int(used), "current": int(rss), "budget": int(self._budget_for(capacity))}
+            self.last_step_figures = self._figures(used, rss, self._budget_for(capacity))
         except Exception as exc:
             self._log_failure("final_sample", exc)
         return self.max_step_peak_bytes or None

@@ -20,7 +20,8 @@ from typing import Dict, List, Optional, Tuple
 from .errors import ConfigError, require_fraction, require_int, require_number
 
 __all__ = ["Level", "Action", "Thresholds", "PsiPolicy", "GrowPolicy", "MemoryEvent",
-           "PressureEpisodes", "SplitPolicy", "MemorystatusPolicy", "MemorystatusEpisodes"]
+           "PressureEpisodes", "SplitPolicy", "MemorystatusPolicy", "MemorystatusEpisodes",
+           "AllocRetryPolicy", "AllocRetryEpisodes"]
 
 
 class Level(enum.IntEnum):
@@ -169,6 +170,41 @@ class MemorystatusPolicy:
 
 
 @dataclass(frozen=True)
+class AllocRetryPolicy:
+    """When the CUDA caching allocator's retries trigger an action (step samples on a CUDA device).
+
+    ``num_alloc_retries`` (``torch.cuda.memory_stats``) counts the allocations whose
+    ``cudaMalloc`` failed, after which the allocator freed every cached block and retried: the
+    run is at the edge of the device's memory, every retry synchronises the device and costs
+    time, and an out-of-memory error is the next failure that no cached block can absorb. An
+    optimizer step *retried* when the count rose over it (read once per optimizer step, at the
+    first batch boundary after it). ``steps`` (2) retried steps in a row act: the first action of
+    an episode cleans (the device cache and Python's garbage), each later one splits (k doubled);
+    every action needs a new run of ``steps`` retried steps. A step whose ``num_ooms`` rose is not
+    counted and restarts the run (the out-of-memory handling split already). The episode closes
+    after ``release_steps`` (4) steps in a row without a retry.
+
+    The rule is Composer's auto-microbatching (composer/trainer/trainer.py,
+    ``_update_num_consecutive_thrashes`` and ``Trainer._train_batch``: a batch "thrashes" when
+    ``num_alloc_retries`` rose during it; at ``num_consecutive_thrashes >= 2`` the micro-batch size
+    is lowered as after an OOM and the count restarts; a batch that hit an OOM is not counted).
+    One retried step alone is not acted on: a first step, an evaluation or a long sequence can
+    retry once and never again.
+
+    Raises:
+        ConfigError: ``steps`` or ``release_steps`` not an integer >= 1 (the error names
+            ``alloc_retries.<field>``).
+    """
+
+    steps: int = 2
+    release_steps: int = 4
+
+    def __post_init__(self) -> None:
+        require_int("alloc_retries.steps", self.steps, "an integer >= 1")
+        require_int("alloc_retries.release_steps", self.release_steps, "an integer >= 1")
+
+
+@dataclass(frozen=True)
 class GrowPolicy:
     """When the split factor k may halve again after pressure has gone (see :class:`SplitPolicy`).
 
@@ -218,7 +254,8 @@ class MemoryEvent:
         split: the split factor k after this decision.
         source: ``step`` (per-step sample), ``background``, ``psi`` (sustained memory pressure,
             see :class:`PsiPolicy`; ``usage`` is then the latest usage), ``memorystatus`` (macOS
-            pressure, see :class:`MemorystatusPolicy`) or ``request``. A
+            pressure, see :class:`MemorystatusPolicy`), ``alloc_retries`` (the CUDA allocator's
+            retries, see :class:`AllocRetryPolicy`) or ``request``. A
             grow-back (action ``grow``) and its undo (action ``split``) come from ``step``.
         message: one human line.
     """
@@ -296,6 +333,59 @@ class PressureEpisodes:
         win[:] = [(t1, p1)]                  # the next action needs a new sustained window
         return self.actions, (f"memory pressure: PSI some avg10 {p1:.1f}% (>= {pol.threshold:g}% for "
                               f"{span:.1f} s, rising from {p0:.1f}%)")
+
+
+class AllocRetryEpisodes:
+    """Allocator-retry episodes of one run (:class:`AllocRetryPolicy`), from the cumulative
+    ``num_alloc_retries`` / ``num_ooms`` counts read once per optimizer step, in order. Not
+    thread-safe by itself (fed under :class:`SplitPolicy`'s lock)."""
+
+    def __init__(self, policy: AllocRetryPolicy):
+        self.policy = policy
+        self.last: Optional[Tuple[int, Optional[int]]] = None   # (retries, ooms) at the last reading
+        self.streak = 0           # retried steps in a row since the episode's last action
+        self.calm = 0             # steps in a row without a retry
+        self.actions = 0          # actions taken in the open episode
+        self.retries_in_streak = 0
+
+    @property
+    def open(self) -> bool:
+        """True while an episode is open: a retried step since the last ``release_steps`` calm ones."""
+        return self.streak > 0 or self.actions > 0
+
+    def feed(self, retries: int, ooms: Optional[int], act: bool = True) -> Optional[Tuple[int, str]]:
+        """Feed one optimizer step's counts (cumulative, as the allocator reports them). Returns
+        ``(n, description)`` when the episode calls for its n-th action (n = 1 cleans, later ones
+        split), else None. The first reading is the baseline; a count that fell (the stats were
+        reset) is a new baseline. With ``act=False`` the step is counted but nothing is decided."""
+        pol, last = self.policy, self.last
+        self.last = (retries, ooms)
+        if last is None or retries < last[0]:
+            self.streak, self.retries_in_streak = 0, 0   # what the step did is unknown
+            return None
+        rose = retries - last[0]
+        if ooms is not None and last[1] is not None and ooms > last[1]:
+            # an out-of-memory error in this step: its handling split already (Composer does not
+            # count a batch that hit one either)
+            self.streak, self.retries_in_streak, self.calm = 0, 0, 0
+            return None
+        if rose <= 0:
+            self.calm += 1
+            self.streak, self.retries_in_streak = 0, 0
+            if self.calm >= pol.release_steps:
+                self.actions = 0          # the episode is over
+            return None
+        self.calm = 0
+        self.streak += 1
+        self.retries_in_streak += rose
+        if not act or self.streak < pol.steps:
+            return None
+        n, total = self.streak, self.retries_in_streak
+        self.streak, self.retries_in_streak = 0, 0   # the next action needs a new run
+        self.actions += 1
+        return self.actions, (f"CUDA allocator retries: num_alloc_retries rose in {n} optimizer steps in a row "
+                              f"(+{total}, {retries} in all; the caching allocator freed its cache and retried "
+                              f"a cudaMalloc: the step before an out-of-memory error)")
 
 
 _SEVERITY = ("normal", "warn", "critical")
@@ -388,7 +478,7 @@ class SplitPolicy:
     the next micro-batch's peak has been read (two step samples).
 
     Growing back (``grow``): after ``grow.steps`` calm step samples (usage < ``grow.below``, OK
-    level, no PSI or macOS pressure episode open) lasting ``grow.seconds``, k halves, if the peak predicted at the
+    level, no PSI, macOS pressure or allocator-retry episode open) lasting ``grow.seconds``, k halves, if the peak predicted at the
     halved k (:meth:`predict_peak`) allows: below the warning level (or nothing known) down to
     ``planned_split``; below it only with a measured prediction at or below ``grow.below``. The
     next step sample at or above warning undoes it; that, or a split within ``grow.steps``
@@ -404,6 +494,8 @@ class SplitPolicy:
         planned_split: the preflight plan's k (default ``split``).
         memorystatus: :class:`MemorystatusPolicy` for macOS pressure readings
             (:meth:`observe_memorystatus`), or None to ignore them.
+        alloc_retries: :class:`AllocRetryPolicy` for the CUDA allocator's retries
+            (:meth:`observe_alloc_retries`), or None to ignore them.
 
     Raises:
         ConfigError: ``grow.below`` above ``thresholds.warning - thresholds.hysteresis``.
@@ -412,7 +504,8 @@ class SplitPolicy:
     def __init__(self, thresholds: Thresholds, *, split: int = 1, max_split: Optional[int] = None,
                  psi: Optional[PsiPolicy] = None, grow: Optional[GrowPolicy] = None,
                  planned_split: Optional[int] = None,
-                 memorystatus: Optional[MemorystatusPolicy] = None):
+                 memorystatus: Optional[MemorystatusPolicy] = None,
+                 alloc_retries: Optional[AllocRetryPolicy] = None):
         if grow is not None and grow.below > thresholds.warning - thresholds.hysteresis + 1e-12:
             raise ConfigError("grow.below", f"a fraction <= warning - hysteresis "
                               f"({thresholds.warning - thresholds.hysteresis:.2f})", grow.below)
@@ -434,6 +527,8 @@ class SplitPolicy:
         self._episodes = PressureEpisodes(psi) if psi is not None else None
         self.memorystatus = memorystatus
         self._mac_episodes = MemorystatusEpisodes(memorystatus) if memorystatus is not None else None
+        self.alloc_retries = alloc_retries
+        self._retry_episodes = AllocRetryEpisodes(alloc_retries) if alloc_retries is not None else None
         self._k_running = split      # k of the micro-batch whose peak the next step sample reads
         self._calm = 0               # consecutive calm step samples
         self._calm_since: Optional[float] = None
@@ -665,6 +760,32 @@ class SplitPolicy:
                                           kernel=kernel_level, swap_used=swap_used_bytes, act=act)
             return self._pressure_event(hit, "memorystatus", step, usage, used_bytes, budget_bytes)
 
+    def observe_alloc_retries(self, retries: Optional[int], *, ooms: Optional[int] = None,
+                              step: Optional[int] = None, used_bytes: int = 0, budget_bytes: int = 0,
+                              act: bool = True) -> Optional[MemoryEvent]:
+        """Feed one optimizer step's CUDA allocator counts, see :class:`AllocRetryPolicy`:
+        ``retries`` = ``num_alloc_retries``, ``ooms`` = ``num_ooms`` (cumulative counts, read once
+        per optimizer step). The first action of an episode is a clean, later ones split. ``None``,
+        or ``alloc_retries`` None: ignored. With ``act=False`` the step is counted but nothing is
+        decided. ``used_bytes`` / ``budget_bytes`` only go into the event (source
+        ``"alloc_retries"``).
+
+        Returns the event (action ``clean``, ``split``, or ``log`` when k is at ``max_split``), or
+        None.
+
+        Raises:
+            ValueError: ``retries`` (or ``ooms``) is not a count (an integer >= 0).
+        """
+        if self._retry_episodes is None or retries is None:
+            return None
+        for name, v in (("num_alloc_retries", retries), ("num_ooms", ooms)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{name} {v!r} is not a count")
+        usage = used_bytes / budget_bytes if budget_bytes > 0 else 0.0
+        with self._lock:
+            hit = self._retry_episodes.feed(retries, ooms, act)
+            return self._pressure_event(hit, "alloc_retries", step, usage, used_bytes, budget_bytes)
+
     # ----- growing back -------------------------------------------------------------------------
     def predict_peak(self, k: int) -> Optional[int]:
         """Predicted step peak (bytes) at split factor ``k``, from measured step peaks only.
@@ -714,7 +835,8 @@ class SplitPolicy:
             self._grow_failures = 0   # the last grow-back held for a whole stretch
         calm = (usage < g.below and level == Level.OK and action in (Action.NONE, Action.LOG)
                 and not (self._episodes is not None and self._episodes.open)
-                and not (self._mac_episodes is not None and self._mac_episodes.open))
+                and not (self._mac_episodes is not None and self._mac_episodes.open)
+                and not (self._retry_episodes is not None and self._retry_episodes.open))
         if not calm:
             self._calm, self._calm_since = 0, None
             return action, msg

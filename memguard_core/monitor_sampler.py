@@ -110,6 +110,20 @@ class StepSampler:
         rss = int(snap.process_bytes)
         return now, rss, max(int(peak or 0), rss), rss + getattr(snap, "available_bytes", 0)
 
+    def take_window(self):
+        """The counters the device's reader read as the last peak window closed, taken (a second
+        call returns None until the next window closes): on CUDA the allocator's window peaks and
+        its ``num_alloc_retries`` / ``num_ooms`` counts (``probes.cuda.CudaStepReader.window``);
+        None on other devices, before a reader was built, or with a ``peak_fn`` (no reader
+        window is closed then)."""
+        reader = self._reader
+        if reader is None or self.peak_fn is not None:
+            return None
+        w = getattr(reader, "window", None)
+        if w is not None:
+            reader.window = None
+        return w
+
     def live(self) -> Optional[int]:
         """Bytes held by live allocations, None when unknown.
 

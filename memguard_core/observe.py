@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .events import LOG_DIR_ENV, EventLog
 from .leak import LeakDetector
 
-__all__ = ["RunRecorder", "step_figures", "FIGURE_NAMES", "SNAPSHOTS_ENV"]
+__all__ = ["RunRecorder", "step_figures", "FIGURE_NAMES", "SNAPSHOTS_ENV", "fragmentation_note",
+           "FRAGMENTATION_WARN_SHARE"]
 
 SNAPSHOTS_ENV = "MEMGUARD_CUDA_SNAPSHOTS"
 GiB = float(1 << 30)
@@ -49,6 +50,36 @@ def step_figures(peak: Optional[int], current: Optional[int], budget: Optional[i
         out["memguard_num_alloc_retries"] = int(cuda_stats.get("num_alloc_retries", 0))
         out["memguard_num_ooms"] = int(cuda_stats.get("num_ooms", 0))
     return out
+
+
+#: The note on the allocator's expandable segments was logged in this process (once per process).
+_SEGMENTS_NOTED = False
+
+#: The share of the reserved peak, held but not allocated at it, from which that note is a WARNING
+#: (an INFO below).
+FRAGMENTATION_WARN_SHARE = 0.05
+
+
+def fragmentation_note(step: int, reserved_peak: Optional[int], allocated_peak: Optional[int]) -> Tuple[int, str]:
+    """The one line said when the CUDA caching allocator runs without expandable segments:
+    ``(logging level, message)``. The cost is the reserved peak minus the allocated peak of the
+    window with the largest reserved peak in optimizer step ``step`` (bytes): memory the allocator
+    held from the driver at the step's peak without a tensor in it, cached blocks whose sizes the
+    peak's requests did not fit (fragmentation). A WARNING from :data:`FRAGMENTATION_WARN_SHARE`
+    of the reserved peak, else INFO; INFO without figures."""
+    head = ("memguard: the CUDA caching allocator runs without expandable segments (PYTORCH_CUDA_ALLOC_CONF / "
+            "PYTORCH_ALLOC_CONF has no expandable_segments:True)")
+    tail = ("; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment before the first CUDA "
+            "allocation (memguard run sets it) the allocator grows its segments in place instead, PyTorch's advice "
+            "for reserved but unallocated memory")
+    if not reserved_peak or allocated_peak is None:
+        return logging.INFO, head + tail
+    gap = max(0, int(reserved_peak) - int(allocated_peak))
+    share = gap / int(reserved_peak)
+    level = logging.WARNING if share >= FRAGMENTATION_WARN_SHARE else logging.INFO
+    return level, (f"{head}: at step {step}'s peak it reserved {reserved_peak / GiB:.2f} GiB for "
+                   f"{allocated_peak / GiB:.2f} GiB allocated, {gap / GiB:.2f} GiB ({share:.0%}) held in cached "
+                   f"blocks the peak's requests did not fit (fragmentation){tail}")
 
 
 def _rank() -> int:
@@ -84,6 +115,8 @@ class RunRecorder:
         self._seen_step: Optional[int] = None
         self._window_peak = 0
         self._last_k: Optional[int] = None
+        self._segments_off = False          # CUDA without expandable segments: say it at the first step
+        self._cuda_peak: Optional[Tuple[int, int]] = None   # (reserved, allocated) peaks of the step's largest window
 
     def start(self, device: str, budget_bytes: int) -> None:
         """Open the event log, arm the leak check and start recording CUDA history (as configured)."""
@@ -112,6 +145,12 @@ class RunRecorder:
             self.cuda_stats = torch.cuda.memory_stats
         except Exception:
             self.cuda_stats = None
+        try:
+            from .probes.cuda import allocator_settings, expandable_segments
+
+            self._segments_off = expandable_segments(allocator_settings()) is False
+        except Exception:
+            self.log.debug("memguard: allocator settings not read", exc_info=True)
         folder = self.options.cuda_snapshots or os.environ.get(SNAPSHOTS_ENV)
         if folder:
             from .cuda_snapshots import CudaSnapshots
@@ -139,11 +178,12 @@ class RunRecorder:
             self.events.decision(kind, d.get("message", ""), step=d.get("step"), level=d.get("level"),
                                  usage=d.get("usage"), micro_batches=d.get("split"), source=d.get("source"))
 
-    def oom(self, step: Optional[int]) -> None:
+    def oom(self, step: Optional[int], *, peer: bool = False) -> None:
         """An out-of-memory error was caught (the monitor's split event records and logs the
-        re-split): the CUDA snapshot of that moment."""
+        re-split): the CUDA snapshot of that moment, before anything is freed (``peer``: another
+        rank's error)."""
         if self.snapshots is not None:
-            self.snapshots.oom(step)
+            self.snapshots.oom(step, peer=peer)
 
     @property
     def closed_step(self) -> Optional[int]:
@@ -166,6 +206,9 @@ class RunRecorder:
             return
         if figures.get("peak") is not None:
             self._window_peak = max(self._window_peak, int(figures["peak"]))
+        if figures.get("reserved_peak") is not None and (self._cuda_peak is None
+                                                         or figures["reserved_peak"] > self._cuda_peak[0]):
+            self._cuda_peak = (int(figures["reserved_peak"]), int(figures.get("allocated_peak") or 0))
         # the batch just done ran with the k of the previous boundary; ``micro_batches`` is the next one's
         k_done, self._last_k = (self._last_k or micro_batches), micro_batches
         if step is None or step == self._seen_step:
@@ -174,8 +217,11 @@ class RunRecorder:
         self._seen_step = step
         figures = dict(figures, peak=self._window_peak or figures.get("peak"))
         self._window_peak = 0
+        cuda_peak, self._cuda_peak = self._cuda_peak, None
         if step < 1:
             return
+        if self._segments_off:
+            self._note_segments(step, cuda_peak)
         try:
             stats = self.cuda_stats() if self.cuda_stats is not None else None
         except Exception:
@@ -191,6 +237,18 @@ class RunRecorder:
             self.leak.sample(step, figures["current"])
         if self.snapshots is not None:
             self.snapshots.step_end(step, level)
+
+    def _note_segments(self, step: int, cuda_peak: Optional[Tuple[int, int]]) -> None:
+        """Once per process, at the first optimizer step's record (its peak is known then, and a run
+        that dies later has said it): expandable segments are off, and what fragmentation cost at
+        that step's peak (:func:`fragmentation_note`)."""
+        global _SEGMENTS_NOTED
+        self._segments_off = False
+        if _SEGMENTS_NOTED:
+            return
+        _SEGMENTS_NOTED = True
+        level, msg = fragmentation_note(step, *(cuda_peak or (None, None)))
+        self.log.log(level, "%s", msg)
 
     def finish(self, summary: Optional[Dict[str, Any]]) -> None:
         """Close the event log (with the summary) and stop the CUDA history."""

@@ -45,7 +45,9 @@ Deciding "killed for memory" (:func:`classify_exit`):
   allocate memory``) as the last traceback in the stderr tail and a non-zero exit.
 
 The child's stderr passes through the supervisor (a pipe, copied to our stderr as it comes, the
-last 64 KiB kept for the checks above); stdout and stdin are inherited.
+last 64 KiB kept for the checks above); stdout and stdin are inherited. On Linux the child gets
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless its environment names an allocator
+configuration (:func:`child_alloc_conf`; said once on stderr).
 
 Python API::
 
@@ -98,6 +100,41 @@ _PY_OOM = re.compile(r"^(torch\.OutOfMemoryError|torch\.cuda\.OutOfMemoryError|M
                      r"RuntimeError: .*(out of memory|DefaultCPUAllocator: (can't|not enough)|"
                      r"\[metal::malloc\]|\[malloc\] Unable to allocate)).*$",
                      re.MULTILINE)
+
+
+#: The allocator setting ``memguard run`` gives a child whose environment names none
+#: (:func:`child_alloc_conf`).
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def child_alloc_conf(env: Dict[str, str], platform: Optional[str] = None) -> Optional[str]:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in the child's ``env`` (in place)
+    unless it names an allocator configuration already: ``PYTORCH_CUDA_ALLOC_CONF``,
+    ``PYTORCH_ALLOC_CONF`` (its device-generic name, torch >= 2.9) or ``PYTORCH_HIP_ALLOC_CONF``
+    (ROCm), set to anything, even empty (``memguard_core.probes.cuda.ALLOC_CONF_NAMES``). Linux only
+    (``platform``: default ``sys.platform``): torch's expandable segments use the CUDA driver's
+    virtual memory API, which the caching allocator supports there; elsewhere it warns and ignores
+    the setting.
+
+    Why: without it the caching allocator keeps each ``cudaMalloc`` as a fixed segment, and blocks
+    freed inside segments that requests of other sizes do not fit stay reserved (fragmentation: the
+    "reserved but unallocated" memory of torch's out-of-memory message, which advises this setting);
+    with it a segment grows and shrinks in place (PyTorch docs, "CUDA semantics: optimizing memory
+    usage with PYTORCH_CUDA_ALLOC_CONF"). ``PYTORCH_CUDA_ALLOC_CONF`` rather than the newer name: torch
+    2.13 still reads it first (c10/cuda/CUDAAllocatorConfig.h), and torch < 2.9 reads only it.
+
+    Returns:
+        the line to say (stderr) when it was set, else None.
+    """
+    from .probes.cuda import ALLOC_CONF_NAMES
+
+    plat = sys.platform if platform is None else platform
+    if not plat.startswith("linux") or any(name in env for name in ALLOC_CONF_NAMES):
+        return None
+    env["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
+    return (f"memguard run: PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_SEGMENTS} for the training command (the CUDA caching "
+            f"allocator grows segments in place instead of fragmenting; set PYTORCH_CUDA_ALLOC_CONF yourself to choose "
+            f"otherwise)")
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -350,7 +387,9 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
         micro_batches: the first run's ``MEMGUARD_MICRO_BATCHES`` (>= 1); default: the environment's
             (``MEMGUARD_MICRO_BATCHES``, else the deprecated ``MEMGUARD_SPLIT``), else unset (the
             restart after a kill then uses 2). ``split`` is its deprecated name.
-        env: base environment of the child (default ``os.environ``).
+        env: base environment of the child (default ``os.environ``); on Linux
+            ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` is added where it names no allocator
+            configuration (:func:`child_alloc_conf`, said once through ``report``).
         report: receives one human line per event (default: ``logger.warning``).
         runner, counters: the child runner and the OOM-counter reader (defaults: a real
             subprocess and :meth:`OomCounters.read`); replaceable for platforms this machine
@@ -390,6 +429,9 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
     if micro_batches is not None:
         micro_batches = require_positive_int("micro_batches", micro_batches)
     say = report or (lambda line: logger.warning("%s", line))
+    alloc_line = child_alloc_conf(base_env)
+    if alloc_line:
+        say(alloc_line)
     run = runner or _run_once
     read_counters = counters or OomCounters.read
 

@@ -23,7 +23,7 @@ MAX_WINDOW_REDOS = 4
 
 class WindowRedo:
     """The window-redo moments of :class:`memguard_core.guard.Guard` (uses its ``monitor``,
-    ``preflight``, ``recorder``, ``log``, ``agreed`` and ``oom_retries``)."""
+    ``preflight``, ``recorder``, ``log``, ``agreed``, ``snapshot_oom`` and ``oom_retries``)."""
 
     _floor_redone = False
 
@@ -43,10 +43,11 @@ class WindowRedo:
                          free: Callable[[], None] = free_after_oom) -> int:
         """After an out-of-memory error in a backward (or a forward, or the optimizer step) that left
         the accumulation window's gradients partly summed, once the adapter has zeroed them and
-        dropped the failed step's references: double the micro-batches (at most ``rows``), free
-        memory with ``free`` (gc, ``malloc_trim``, CUDA / MPS caches) and return the k to redo the
-        whole window with; counts ``oom_retries``. ``exc`` None: another rank failed (this one
-        redoes with it).
+        dropped the failed step's references: the CUDA snapshot of the moment (``snapshot_oom``, with
+        ``cuda_snapshots``; every rank dumps its own, a peer's failure included), then double the
+        micro-batches (at most ``rows``), free memory with ``free`` (gc, ``malloc_trim``, CUDA / MPS
+        caches) and return the k to redo the whole window with; counts ``oom_retries``. ``exc``
+        None: another rank failed (this one redoes with it).
 
         Args:
             exc: the error caught on this rank (None: another rank's).
@@ -60,6 +61,8 @@ class WindowRedo:
             WindowOOMError: the failed attempt already ran one row per forward, or ``redos`` reached
                 :data:`MAX_WINDOW_REDOS`; it names the plan that would fit.
         """
+        self.snapshot_oom(step, peer=exc is None)   # before anything is freed (with cuda_snapshots)
+        self._oom_snapshot_taken = False
         rows = max(1, int(rows))
         mon = self.monitor
         k = max(int(k), mon.split if mon is not None else 1)
@@ -89,10 +92,6 @@ class WindowRedo:
         self.oom_retries += 1
         self.log.warning("memguard: out of memory in the %s; gradients zeroed, redoing the accumulation window "
                          "with %d micro-batches per batch", phase, new_k)
-        try:
-            self.recorder.oom(step)
-        except Exception:
-            self.log.debug("memguard: OOM snapshot failed", exc_info=True)
         return new_k
 
     def optimizer_step_oom(self, exc: BaseException, k: int, rows: int) -> WindowOOMError:

@@ -18,7 +18,10 @@ class FakeTorchCuda:
 
     ``reset_peak_memory_stats`` records the device and lowers the allocated peak to what is
     allocated now, as torch's does; ``mem_get_info`` counts its calls (the driver call the cheap
-    probe path must avoid)."""
+    probe path must avoid). ``alloc_retries`` / ``ooms`` are the allocator's ``num_alloc_retries``
+    / ``num_ooms``; ``memory_stats_as_nested_dict`` and ``memory_stats`` give torch's key layout
+    built from the counter functions above (so replacing one of them reaches every read);
+    ``empty_cache`` counts its calls."""
 
     def __init__(self, allocated: int, reserved: int, peak_alloc: int, peak_res: int, free: int, total: int,
                  uuid: Optional[str] = FAKE_GPU_UUID):
@@ -28,6 +31,9 @@ class FakeTorchCuda:
         self.uuid = uuid
         self.mem_get_info_calls = 0
         self.resets: List[int] = []
+        self.alloc_retries = 0
+        self.ooms = 0
+        self.empty_cache_calls = 0
 
     def is_available(self): return True
     def is_initialized(self): return True
@@ -40,6 +46,20 @@ class FakeTorchCuda:
     def reset_peak_memory_stats(self, i):
         self.resets.append(i)
         self.peak_alloc = self.allocated
+
+    def memory_stats_as_nested_dict(self, i=None):
+        i = 0 if i is None else i
+        return {"allocated_bytes": {"all": {"current": self.memory_allocated(i), "peak": self.max_memory_allocated(i)}},
+                "reserved_bytes": {"all": {"current": self.memory_reserved(i), "peak": self.max_memory_reserved(i)}},
+                "num_alloc_retries": self.alloc_retries, "num_ooms": self.ooms}
+
+    def memory_stats(self, i=None):
+        nested = self.memory_stats_as_nested_dict(i)
+        flat = {f"{k}.all.{w}": v for k in ("allocated_bytes", "reserved_bytes") for w, v in nested[k]["all"].items()}
+        return dict(flat, num_alloc_retries=self.alloc_retries, num_ooms=self.ooms)
+
+    def empty_cache(self):
+        self.empty_cache_calls += 1
 
     def mem_get_info(self, i):
         self.mem_get_info_calls += 1

@@ -185,6 +185,72 @@ def test_cuda_snapshots_at_steps_pressure_retries_and_oom(tmp_path):
     assert mem.calls[-1] == ("record", None, None)
 
 
+def _guard_on_fake_cuda(monkeypatch, tmp_path, order, **options):
+    """A ``Guard`` on "cuda:0" with snapshots on. No CUDA device here: ``torch.cuda`` is the thin
+    counter fake (``FakeTorchCuda``) whose ``memory`` is :class:`_FakeCudaMemory`; the free path
+    (``empty_torch_cache`` -> ``torch.cuda.empty_cache``) and the dump write into ``order``."""
+    import types
+
+    from memguard_core.guard import Guard
+    from memguard_core.options import GuardOptions
+    from memguard_core.probes import cuda
+    from memguard_testing.fakes import FakeTorchCuda
+
+    tc = FakeTorchCuda(allocated=20 * GiB, reserved=24 * GiB, peak_alloc=22 * GiB, peak_res=26 * GiB,
+                       free=50 * GiB, total=80 * GiB)
+    mem = _FakeCudaMemory()
+    dump = mem._dump_snapshot
+    mem._dump_snapshot = lambda filename: (order.append("dump"), dump(filename))
+    tc.memory = mem
+    tc.empty_cache = lambda: order.append("empty_cache")
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=tc))
+    monkeypatch.setattr(cuda, "torch_cuda_module", lambda: tc)
+    monkeypatch.setattr(cuda, "_nvml", lambda nvml=None: None)
+    monkeypatch.setenv("RANK", "3")
+    g = Guard(GuardOptions.from_kwargs(device="cuda:0", budget_bytes=60 * GiB, monitor_interval_s=0, preflight=False,
+                                       cuda_snapshots=str(tmp_path), **options))
+    g.start(rows=8)
+    return g, mem
+
+
+def test_a_caught_oom_dumps_one_snapshot_per_rank_before_anything_is_freed(monkeypatch, tmp_path):
+    """Forward retry, window redo, a peer's failure, a failure that cannot be split: each dumps
+    ``rank{r}_step{n}_...`` first, then the guard frees (``torch.cuda.empty_cache``)."""
+    order = []
+    g, mem = _guard_on_fake_cuda(monkeypatch, tmp_path, order)
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert g.after_oom(oom, 1, 8, 5) == 2
+    assert order == ["dump", "empty_cache"]
+    order.clear()
+    assert g.after_window_oom(oom, 2, 8, 5, redos=0) == 4
+    assert order == ["dump", "empty_cache"]
+    order.clear()
+    g.after_window_oom(None, 4, 8, 6, redos=0)                 # another rank failed: this one redoes too
+    assert order == ["dump", "empty_cache"]
+    order.clear()
+    with pytest.raises(RuntimeError):                          # one row left: re-raised, still dumped first
+        g.after_oom(oom, 1, 1, 7)
+    assert order == ["dump"]
+    names = [c[1] for c in mem.calls if c[0] == "dump"]
+    # named by rank and step (optimizer steps completed); a second OOM of step 5 does not overwrite the first
+    assert names == ["rank3_step5_oom.pickle", "rank3_step5_oom-2.pickle", "rank3_step6_peer-oom.pickle",
+                     "rank3_step7_oom.pickle"]
+    assert sorted(os.listdir(tmp_path)) == sorted(names)
+    g.finish(7)
+    assert mem.calls[-1] == ("record", None, None)
+
+
+def test_an_adapter_can_dump_earlier_and_the_guard_does_not_dump_twice(monkeypatch, tmp_path):
+    order = []
+    g, mem = _guard_on_fake_cuda(monkeypatch, tmp_path, order)
+    g.snapshot_oom(2)                    # the adapter's except block, the failed step still referenced
+    g.after_oom(RuntimeError("CUDA out of memory"), 1, 8, 2)
+    assert order == ["dump", "empty_cache"]
+    g.after_oom(RuntimeError("CUDA out of memory"), 2, 8, 2)   # the next failure dumps again
+    assert [c[1] for c in mem.calls if c[0] == "dump"] == ["rank3_step2_oom.pickle", "rank3_step2_oom-2.pickle"]
+    g.stop()
+
+
 def test_cuda_snapshot_failures_are_logged_not_raised(tmp_path, caplog):
     snap = CudaSnapshots(str(tmp_path), cuda_memory=_FakeCudaMemory(fail_dump=True))
     snap.start()

@@ -87,6 +87,11 @@ if int(rec["MEMGUARD_ATTEMPT"]) < int(sys.argv[2]):
 """
 
 
+def _restarts(lines):
+    """The supervisor's lines about attempts (without the allocator-setting line before them)."""
+    return [line for line in lines if "PYTORCH_CUDA_ALLOC_CONF" not in line]
+
+
 def _seen(tmp_path):
     with open(tmp_path / "seen.jsonl") as f:
         return [json.loads(line) for line in f]
@@ -104,7 +109,7 @@ def test_restarts_with_doubled_split_and_latest_checkpoint(tmp_path):
                                                         str(tmp_path / "checkpoint-6")]
     assert [a.killed_for_memory for a in res.attempts] == [True, True, False]
     assert len([l for l in lines if "killed for memory" in l]) == 2
-    assert "restart 2/3 with MEMGUARD_MICRO_BATCHES=4, resuming from" in lines[1]
+    assert "restart 2/3 with MEMGUARD_MICRO_BATCHES=4, resuming from" in _restarts(lines)[1]
 
 
 def test_bounded_retries_then_gives_up_with_the_childs_status(tmp_path):
@@ -415,7 +420,7 @@ def test_restarts_a_lightning_run_from_its_latest_ckpt(tmp_path):
     assert [s["MEMGUARD_RESUME_FROM"] for s in seen] == [None, ck(0, 2), ck(1, 4)]
     assert [s["MEMGUARD_MICRO_BATCHES"] for s in seen] == [None, "2", "4"]
     assert [a.resume_framework for a in res.attempts] == ["lightning", "lightning", None]
-    assert "resuming from" in lines[0] and "(lightning)" in lines[0]
+    assert "resuming from" in _restarts(lines)[0] and "(lightning)" in _restarts(lines)[0]
 
 
 def test_restarts_an_mlx_run_from_its_latest_adapter_file(tmp_path):
@@ -433,11 +438,12 @@ def test_no_checkpoint_is_reported_with_the_directory_searched(tmp_path):
     res = supervise([sys.executable, "-c", child, "--ckpt-dir", str(tmp_path)], env=_clean_env(),
                     report=lines.append)
     assert res.returncode == 0 and res.attempts[1].resume_from is None
-    assert f"no lightning checkpoint found in {tmp_path}: restarting from step 0" in lines[0]
+    assert f"no lightning checkpoint found in {tmp_path}: restarting from step 0" in _restarts(lines)[0]
     lines.clear()
     res = supervise([sys.executable, "-c", child], env=_clean_env(), report=lines.append)
     assert res.returncode == 0 and res.attempts[1].resume_from is None
-    assert "no checkpoint found (no --output-dir / --default_root_dir / --ckpt-dir / --adapter-path given" in lines[0]
+    assert "no checkpoint found (no --output-dir / --default_root_dir / --ckpt-dir / --adapter-path given" in \
+        _restarts(lines)[0]
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -504,3 +510,45 @@ def test_lightning_rule_agrees_with_fit_ckpt_path_last(tmp_path):
     assert restarted.ckpt_path is None  # and so it trained steps 1-3 again
     assert sorted(os.listdir(root / "lightning_logs" / "version_1" / "checkpoints")) == [
         "epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"]
+
+
+# ---------------------------------------------------------------- the child's allocator setting
+
+def test_child_alloc_conf_sets_expandable_segments_unless_the_user_named_a_setting():
+    from memguard_core.supervisor import child_alloc_conf
+
+    env = {"PATH": "/usr/bin"}
+    line = child_alloc_conf(env, platform="linux")
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert line.startswith("memguard run: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True") and "\n" not in line
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        for value in ("max_split_size_mb:128", "expandable_segments:False", ""):
+            env = {name: value}
+            assert child_alloc_conf(env, platform="linux") is None and env == {name: value}
+    for plat in ("darwin", "win32"):      # no expandable segments in torch's allocator there
+        env = {}
+        assert child_alloc_conf(env, platform=plat) is None and env == {}
+
+
+ENV_CHILD = r"""
+import json, os, sys
+with open(sys.argv[1], "w") as f:
+    json.dump({k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}, f)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="set on Linux only")
+def test_memguard_run_gives_the_child_expandable_segments_and_says_so_once(tmp_path, capsys, monkeypatch):
+    seen = tmp_path / "env.json"
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["--", sys.executable, "-c", ENV_CHILD, str(seen)]) == 0
+    assert json.loads(seen.read_text()) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                                            "PYTORCH_ALLOC_CONF": None}
+    err = [line for line in capsys.readouterr().err.splitlines() if "PYTORCH_CUDA_ALLOC_CONF" in line]
+    assert len(err) == 1 and "expandable_segments:True" in err[0]
+    # the user's own setting, under the newer name: left alone, nothing said
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128")
+    assert main(["--", sys.executable, "-c", ENV_CHILD, str(seen)]) == 0
+    assert json.loads(seen.read_text()) == {"PYTORCH_CUDA_ALLOC_CONF": None, "PYTORCH_ALLOC_CONF": "max_split_size_mb:128"}
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in capsys.readouterr().err

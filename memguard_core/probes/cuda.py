@@ -38,17 +38,23 @@ from typing import Dict, Optional
 from memguard_core.probes import MemorySnapshot, StepReader, _torch_backend, _warn_once, log
 
 __all__ = ["CudaCounters", "torch_cuda_module", "read_counters", "reset_peak", "nvml_process_bytes",
-           "snapshot_from_counters", "probe", "step_reader"]
+           "snapshot_from_counters", "probe", "step_reader", "CudaStepReader", "allocator_settings",
+           "expandable_segments", "ALLOC_CONF_NAMES"]
 
 
 @dataclass(frozen=True)
 class CudaCounters:
-    """Caching-allocator counters of one device, bytes."""
+    """Caching-allocator counters of one device: bytes, and two counts since the process started
+    (or ``torch.cuda.reset_accumulated_memory_stats``), None where they were not read:
+    ``alloc_retries`` (``num_alloc_retries``: a ``cudaMalloc`` failed, the allocator freed its
+    cached blocks and retried) and ``ooms`` (``num_ooms``: out-of-memory errors it raised)."""
 
     allocated: int
     reserved: int
     peak_allocated: int
     peak_reserved: int
+    alloc_retries: Optional[int] = None
+    ooms: Optional[int] = None
 
 
 def torch_cuda_module():
@@ -57,7 +63,23 @@ def torch_cuda_module():
 
 
 def read_counters(index: int, torch_cuda) -> CudaCounters:
-    """Allocator counters of device ``index`` (no driver call, no synchronisation)."""
+    """Allocator counters of device ``index`` (no driver call, no synchronisation).
+
+    One ``torch.cuda.memory_stats_as_nested_dict(index)`` call where torch has it (the allocator's
+    own stats struct, host-side): ``memory_allocated``, ``memory_reserved`` and their ``max_``
+    forms each build and flatten the whole ``memory_stats`` dict again (torch/cuda/memory.py), so
+    four of them cost four times one nested read. The four functions otherwise (then without the
+    two counts)."""
+    nested = getattr(torch_cuda, "memory_stats_as_nested_dict", None)
+    if nested is not None:
+        st = nested(index)
+
+        def stat(name: str, which: str) -> int:
+            return int(((st.get(name) or {}).get("all") or {}).get(which, 0))
+
+        return CudaCounters(allocated=stat("allocated_bytes", "current"), reserved=stat("reserved_bytes", "current"),
+                            peak_allocated=stat("allocated_bytes", "peak"), peak_reserved=stat("reserved_bytes", "peak"),
+                            alloc_retries=int(st.get("num_alloc_retries", 0)), ooms=int(st.get("num_ooms", 0)))
     return CudaCounters(
         allocated=int(torch_cuda.memory_allocated(index)),
         reserved=int(torch_cuda.memory_reserved(index)),
@@ -79,18 +101,85 @@ def reset_peak(index: int, torch_cuda=None) -> None:
     tc.reset_peak_memory_stats(index)
 
 
-def step_reader(index: int = 0) -> StepReader:
+class CudaStepReader(StepReader):
     """The runtime monitor's reader on CUDA device ``index``: the probe through
     ``probes.probe("cuda:<index>")`` (allocator counters on the cheap path, psutil if it fails),
     the allocator's peak reset (:func:`reset_peak`) and ``memory_allocated`` as the live bytes
     (read only where torch is already imported). No snapshot-free path: the counters are
-    host-side already; no pressure signal."""
+    host-side already; no pressure signal.
 
-    def live() -> Optional[int]:
+    Each peak reset closes a *window* (a step sample's: the micro-batches since the one before):
+    the counters are read once more right before it (:func:`read_counters`, one host-side call)
+    and kept in :attr:`window`: the window's peaks of reserved and allocated bytes (the
+    fragmentation at the peak is their difference) and the allocator's ``num_alloc_retries`` /
+    ``num_ooms`` counts at its end (the monitor's allocator-retry signal). A failed read leaves
+    ``window`` None; the reset happens either way."""
+
+    def __init__(self, index: int = 0):
+        super().__init__(f"cuda:{index}", reset_peak=self._close_window, live_bytes=self._live)
+        self.index = int(index)
+        #: the counters read as the last window closed, or None (not read, or taken by the monitor)
+        self.window: Optional[CudaCounters] = None
+
+    def _live(self) -> Optional[int]:
         torch = sys.modules.get("torch")
-        return None if torch is None else int(torch.cuda.memory_allocated(index))
+        return None if torch is None else int(torch.cuda.memory_allocated(self.index))
 
-    return StepReader(f"cuda:{index}", reset_peak=lambda: reset_peak(index), live_bytes=live)
+    def _close_window(self) -> None:
+        tc = torch_cuda_module()
+        try:
+            self.window = read_counters(self.index, tc) if tc is not None else None
+        except Exception as exc:
+            self.window = None
+            _warn_once(f"cuda.window:{self.index}", "memguard: CUDA window counters not read: %r", exc)
+        reset_peak(self.index, tc)
+
+
+def step_reader(index: int = 0) -> CudaStepReader:
+    """The runtime monitor's reader on CUDA device ``index`` (:class:`CudaStepReader`)."""
+    return CudaStepReader(index)
+
+
+#: The environment variables the CUDA caching allocator reads its settings from, in the order
+#: torch 2.13 reads them (c10/cuda/CUDAAllocatorConfig.h: ``PYTORCH_CUDA_ALLOC_CONF``, on ROCm
+#: ``PYTORCH_HIP_ALLOC_CONF``, then ``PYTORCH_ALLOC_CONF``, the device-generic name of torch >= 2.9).
+ALLOC_CONF_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def allocator_settings(torch_module=None, environ=None) -> str:
+    """The caching allocator's settings string (``key:value,...``): what torch parsed last
+    (``torch._C._accelerator_getAllocatorSettings()``, torch >= 2.9: the environment variable at
+    start, or a later ``torch._C._accelerator_setAllocatorSettings``), else the first of
+    :data:`ALLOC_CONF_NAMES` set in ``environ`` (default ``os.environ``); ``""`` when none.
+    ``torch_module``: the ``torch`` module (default: the imported one, never imported here)."""
+    torch = torch_module if torch_module is not None else sys.modules.get("torch")
+    getter = getattr(getattr(torch, "_C", None), "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        try:
+            return str(getter() or "")
+        except Exception as exc:
+            log.debug("memguard: allocator settings not read from torch: %r", exc)
+    env = os.environ if environ is None else environ
+    for name in ALLOC_CONF_NAMES:
+        if name in env:
+            return str(env[name])
+    return ""
+
+
+def expandable_segments(settings: str) -> Optional[bool]:
+    """Whether an allocator settings string (:func:`allocator_settings`) turns the caching
+    allocator's expandable segments on: the last ``expandable_segments:`` entry (``True`` / ``true``
+    on, anything else off; absent: off, torch's default). None where they do not apply: the
+    ``backend:cudaMallocAsync`` allocator (the driver's pool, no segments of torch's)."""
+    on = False
+    for part in str(settings).split(","):
+        key, _, value = part.strip().partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "backend" and value == "cudaMallocAsync":
+            return None
+        if key == "expandable_segments":
+            on = value.lower() == "true"
+    return on
 
 
 _nvml_state: Dict[str, object] = {"init": None}

@@ -471,6 +471,11 @@ class Guard(WindowRedo):
         except Exception:
             self.log.debug("memguard: OOM snapshot failed", exc_info=True)
 
+    def oom_handled(self) -> None:
+        """The caught out-of-memory error has been dealt with (an adapter's own handling, e.g. an
+        evaluation re-split): the next one dumps its snapshot again (:meth:`snapshot_oom`)."""
+        self._oom_snapshot_taken = False
+
     # ------------------------------------------------------------------ end
     def finish(self, optimizer_steps: int, *, measured_bytes: Optional[Callable[[], Optional[int]]] = None,
                **extra: Any) -> Optional[Dict[str, Any]]:

@@ -4,6 +4,10 @@
     trainer.add_callback(MemGuardCallback())
 """
 
+from memguard_core.extras import require as _require
+
+_require("memguard_hf", ['torch', 'transformers', 'accelerate'], "hf")
+
 from .callback import MemGuardCallback, is_oom_error
 from .plan_args import plan_training_arguments
 from .resume import RESUME_ENV, resume_checkpoint

@@ -57,6 +57,14 @@ def trainer_says_loss_is_normalised(trainer: Any) -> bool:
                 or getattr(trainer, "compute_loss_func", None) is not None)
 
 
+def compiled(trainer: Any) -> bool:
+    """The run compiles its model (``TrainingArguments.torch_compile``, or a ``torch.compile``d
+    module with ``_orig_mod``)."""
+    if getattr(getattr(trainer, "args", None), "torch_compile", False):
+        return True
+    return hasattr(getattr(trainer, "model", None), "_orig_mod")
+
+
 def _trl_class(trainer: Any, name: str) -> bool:
     return any(c.__name__ == name and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
 

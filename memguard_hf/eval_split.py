@@ -354,12 +354,14 @@ class GuardedEval:
     def _eval_after_oom(self, exc: BaseException, k: int, units: int) -> None:
         """Free what the failed chunk left and double the evaluation split (at most ``units``);
         records an ``eval_split`` decision. The training split is left alone."""
+        state = getattr(self.trainer, "state", None)
+        step = getattr(state, "global_step", None)
+        self.guard.snapshot_oom(step)          # before the free, with cuda_snapshots on
+        self.guard.oom_handled()
         new_k = min(max(2, 2 * k), units)
         self._eval_k = max(self._eval_k, new_k)
         self.eval_oom_retries += 1
         microbatch.free_after_oom()
-        state = getattr(self.trainer, "state", None)
-        step = getattr(state, "global_step", None)
         msg = (f"out of memory in an evaluation forward ({type(exc).__name__}); redoing the batch of {units} "
                f"rows in {self._eval_k} micro-batches (training micro-batches unchanged)")
         try:

@@ -19,6 +19,7 @@ from memguard_core.microbatch import without_frames as _without_frames
 from memguard_core.optim_state import prepare_optimizer
 from memguard_torch import _compat as torch_compat
 from memguard_torch.ranks import agreed_ranges, fsdp_after_abort
+from memguard_torch.oom import is_oom_error
 from memguard_torch.sync import Fsdp1SyncHooks, FsdpSyncHooks, OomSync, PeerOutOfMemoryError
 
 from . import _compat
@@ -27,23 +28,6 @@ from .loss_weights import watch_items
 __all__ = ["GuardedStep", "is_oom_error"]
 
 logger = logging.getLogger("memguard.hf")
-
-
-def is_oom_error(exc: BaseException) -> bool:
-    """True for an out-of-memory error of torch (CUDA, MPS, XPU or the CPU allocator).
-
-    Uses ``accelerate.utils.memory.should_reduce_batch_size`` (the message list accelerate's
-    ``find_executable_batch_size`` relies on) plus ``torch.OutOfMemoryError``; another FSDP rank's
-    (``memguard_torch.sync.PeerOutOfMemoryError``) counts too.
-    """
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type) or isinstance(exc, PeerOutOfMemoryError):
-        return True
-    try:
-        from accelerate.utils.memory import should_reduce_batch_size
-        return bool(should_reduce_batch_size(exc))
-    except Exception:  # pragma: no cover - accelerate missing
-        return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
 class GuardedStep:
@@ -86,7 +70,8 @@ class GuardedStep:
         """The count to hand this micro-batch's ``training_step``: watched (``loss_weights.watch_items``)
         when the micro-batch is part of a split, so its ``compute_loss`` can tell which weight applies."""
         self._items_count = num_items_in_batch
-        if weight == 1.0:
+        if weight == 1.0 or _compat.compiled(self.trainer):
+            # a compiled model would trace the probe (a tensor subclass): the Trainer's rule instead
             self._items_used = None
             return num_items_in_batch
         passed, self._items_used = watch_items(num_items_in_batch)
@@ -136,6 +121,7 @@ class GuardedStep:
             except Exception as exc:
                 if not (is_oom_error(exc) and in_window) or self._under_fsdp(model):
                     raise
+                self._snapshot_oom(exc)
                 failure = _without_frames(exc)
             if not self.guard.agree_redo(failure is not None):
                 if self._manual_ddp is not None and pos == len(window) - 1:
@@ -181,6 +167,11 @@ class GuardedStep:
                                        "a communication hook of its own): an out-of-memory error is re-raised")
                         self._fsdp_hooks = self._fsdp_sync = None
         return self._fsdp_sync
+
+    def _snapshot_oom(self, exc: BaseException) -> None:
+        """The guard's OOM snapshot (with ``cuda_snapshots`` on) while the failed micro-batch's
+        tensors are still referenced, before anything is freed (``Guard.snapshot_oom``)."""
+        self.guard.snapshot_oom(self.trainer.state.global_step, peer=isinstance(exc, PeerOutOfMemoryError))
 
     def _remove_fsdp_hooks(self) -> None:
         """Give FSDP its comms back (train end, or the run leaving train() on an error)."""
@@ -279,6 +270,7 @@ class GuardedStep:
         except Exception as e:
             if not is_oom_error(e):
                 raise
+            self._snapshot_oom(e)
             exc = _without_frames(e)
             self.oom_errors.append(f"{type(e).__name__}: {str(e)[:300]}")
         finally:
@@ -334,6 +326,7 @@ class GuardedStep:
             except Exception as exc:
                 if not (is_oom_error(exc) and self._oom_in_forward):
                     raise
+                self._snapshot_oom(exc)
                 failure = _without_frames(exc)
             # freed outside the except block: its traceback's frames hold the failed forward's activations
             k = self._after_oom(failure, 1, microbatch.batch_rows(inputs))
@@ -357,6 +350,7 @@ class GuardedStep:
             except Exception as exc:
                 if not (is_oom_error(exc) and self._oom_in_forward):
                     raise
+                self._snapshot_oom(exc)
                 failure = _without_frames(exc)
             if failure is not None:
                 chunk = loss = None

@@ -4,6 +4,10 @@ See :mod:`memguard_lightning.callback` for what it does and how the in-place mic
 runs inside Lightning's automatic optimization.
 """
 
+from memguard_core.extras import require as _require
+
+_require("memguard_lightning", ['torch', 'lightning'], "lightning")
+
 from .callback import MemGuardCallback
 from .resume import resume_checkpoint
 

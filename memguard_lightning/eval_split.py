@@ -40,7 +40,9 @@ import torch
 from memguard_core.microbatch import free_after_oom, without_frames as _without_frames
 
 from .batch import batch_units
-from .split_step import _LogRecorder, is_oom
+from memguard_torch.oom import is_oom_error
+
+from .split_step import _LogRecorder
 
 logger = logging.getLogger("memguard.lightning")
 
@@ -147,7 +149,7 @@ class EvalSplit:
             try:
                 return self._run_once(name, batch, args, kwargs, min(self.micro_batches, max(units, 1)))
             except Exception as exc:
-                if not is_oom(exc):
+                if not is_oom_error(exc):
                     raise
                 failure = _without_frames(exc)
             k = min(self.micro_batches, max(units, 1))

@@ -37,7 +37,7 @@ an error and stops splitting (a changed Lightning would be noticed, not silently
 micro-batch for them); ``on_before_zero_grad`` still runs at Lightning's point, and on a split
 window-start batch it sees the non-final chunks' gradients instead of the previous step's.
 
-Out-of-memory errors (``is_oom``): one in a chunk's *forward* frees memory, doubles k and redoes
+Out-of-memory errors (``memguard_torch.oom.is_oom_error``): one in a chunk's *forward* frees memory, doubles k and redoes
 only the rows not yet processed (the earlier chunks' gradients are already weighted for the whole
 batch). One in a *backward* has added part of a gradient that cannot be taken back, so the whole
 accumulation window is redone (the HF adapter's rule, docs/lifecycle.md "Redoing the accumulation
@@ -151,16 +151,15 @@ import logging
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
-from lightning.pytorch.utilities.memory import is_oom_error
 
 from memguard_core import torch_train as tt
 from memguard_core.distributed import flag_group
-from memguard_core.errors import MemGuardError
 from memguard_core.guard import Guard
 from memguard_core.microbatch import without_frames as _without_frames
 from memguard_core.optim_state import prepare_optimizer
 from memguard_core.options import GuardOptions
 from memguard_torch import _compat as torch_compat
+from memguard_torch.oom import is_oom_error
 from memguard_torch.ranks import agreed_ranges, fsdp_after_abort
 from memguard_torch.sync import Fsdp1SyncHooks, FsdpSyncHooks, OomSync, PeerOutOfMemoryError
 
@@ -266,20 +265,6 @@ def _with_loss(out: Any, loss: torch.Tensor) -> Any:
     new = dict(out)
     new["loss"] = loss
     return new
-
-
-def is_oom(exc: BaseException) -> bool:
-    """True for an out-of-memory error of torch that a re-split may get past: Lightning's
-    ``is_oom_error`` (CUDA OOM, cuDNN's not-supported snafu, the CPU allocator's "can't allocate
-    memory"), ``torch.OutOfMemoryError``, or another FSDP rank's (``PeerOutOfMemoryError``,
-    raised at a sync point); never memguard's own errors (a ``WindowOOMError`` quotes the
-    allocator's message but means that splitting has already failed)."""
-    if isinstance(exc, MemGuardError):
-        return False
-    if isinstance(exc, PeerOutOfMemoryError):
-        return True
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    return (oom_type is not None and isinstance(exc, oom_type)) or is_oom_error(exc)
 
 
 def _release_graph(loss: Any) -> None:
@@ -504,7 +489,7 @@ class SplitStep:
                     if current:
                         self._redone_loss = loss
             except Exception as exc:
-                if not is_oom(exc):
+                if not is_oom_error(exc):
                     raise
                 failure = _without_frames(exc)
                 phase = self._phase
@@ -549,7 +534,7 @@ class SplitStep:
                         part = loss.detach() * w
                         total = part if total is None else total + part
                 except Exception as e:
-                    if sync is None or not is_oom(e):
+                    if sync is None or not is_oom_error(e):
                         self._chunk_abandoned()
                         raise
                     exc = _without_frames(e)
@@ -641,7 +626,7 @@ class SplitStep:
         try:
             self._backward(loss, optimizer)
         except Exception as exc:
-            if not is_oom(exc):
+            if not is_oom_error(exc):
                 raise
             self._pending = _without_frames(exc)
 
@@ -660,7 +645,7 @@ class SplitStep:
             try:
                 self.orig_backward(loss, *args, **kwargs)
             except Exception as exc:
-                if not is_oom(exc):
+                if not is_oom_error(exc):
                     raise
                 failure = _without_frames(exc)
             if failure is not None:
@@ -810,7 +795,7 @@ class SplitStep:
                         part = loss.detach() * w
                         earlier = part if earlier is None else earlier + part
                 except Exception as e:
-                    if not is_oom(e):
+                    if not is_oom_error(e):
                         self._chunk_abandoned()
                         raise
                     exc = _without_frames(e)
@@ -866,7 +851,7 @@ class SplitStep:
             with self._fsdp1_sync():
                 self.orig_backward(loss, *args, **kwargs)
         except Exception as e:
-            if not is_oom(e):
+            if not is_oom_error(e):
                 self._chunk_abandoned()
                 raise
             exc = _without_frames(e)
@@ -924,7 +909,7 @@ class SplitStep:
             with self._fsdp1_sync():
                 return self.orig_backward(loss, *args, **kwargs)
         except Exception as exc:
-            if not is_oom(exc):
+            if not is_oom_error(exc):
                 raise
             failure = _without_frames(exc)
         _release_graph(loss)
@@ -962,7 +947,7 @@ class SplitStep:
                 self.rows_this_step += units
                 return out
             except Exception as exc:
-                if not is_oom(exc):
+                if not is_oom_error(exc):
                     raise
                 failure = _without_frames(exc)
             k = self._after_oom(failure, 1, units)
@@ -1034,7 +1019,7 @@ class SplitStep:
                         start = u1
                 except Exception as exc:
                     recorder.end_chunk(0.0, commit=False)
-                    if not is_oom(exc):
+                    if not is_oom_error(exc):
                         raise
                     failure = _without_frames(exc)
                 out = loss = chunk = None
@@ -1073,4 +1058,4 @@ class SplitStep:
         and backward, keeps its own handling). Never raises."""
         rows = lambda: max([batch_units(b) for b, _, _ in self._window] + [1])  # noqa: E731
         for opt in list(getattr(self.trainer, "optimizers", None) or []):
-            prepare_optimizer(opt, self.guard, rows, is_oom)
+            prepare_optimizer(opt, self.guard, rows, is_oom_error)

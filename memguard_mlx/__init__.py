@@ -4,6 +4,10 @@ MLX memory controls, a leak detector and memory utilities (peak profile, timelin
 Importing this package imports mlx and mlx_lm (install the ``[mlx]`` extra).
 """
 
+from memguard_core.extras import require as _require
+
+_require("memguard_mlx", ['mlx', 'mlx_lm'], "mlx")
+
 from .memory import (LeakDetector, LeakReport, MemoryControls, MemoryTimeline, PeakProfile,
                      find_max_batch_size, is_allocation_error, profile_peak)
 from .spec import model_spec_from_mlx_module, train_spec_from_args

@@ -4,7 +4,12 @@ See :mod:`memguard_torch.guard` for the loop and docs/torch_loop.md for the desi
 FSDP2, the sync points that let every rank survive one rank's out-of-memory error).
 """
 
-from .guard import TorchGuard, is_oom_error
+from memguard_core.extras import require as _require
+
+_require("memguard_torch", ['torch'], "torch")
+
+from .guard import TorchGuard
+from .oom import is_oom_error
 from .sync import PeerOutOfMemoryError
 
 __all__ = ["TorchGuard", "PeerOutOfMemoryError", "is_oom_error"]

@@ -36,6 +36,7 @@ from memguard_core.options import GuardOptions, option_kwargs, with_guard_option
 
 from . import _compat
 from .batch import LoopBatch as _Batch, batch_units
+from .oom import is_oom_error
 from .preflight import read_specs, world_size
 from .ranks import RankAgreement
 from .sync import Fsdp1SyncHooks, FsdpSyncHooks, OomSync, PeerOutOfMemoryError
@@ -43,23 +44,6 @@ from .sync import Fsdp1SyncHooks, FsdpSyncHooks, OomSync, PeerOutOfMemoryError
 logger = logging.getLogger("memguard.torch")
 
 __all__ = ["TorchGuard", "is_oom_error"]
-
-#: Substrings of the out-of-memory messages of torch's allocators (CUDA, MPS, XPU, the CPU's
-#: ``DefaultCPUAllocator: can't allocate memory``) and of cuDNN's workspace failure, as accelerate's
-#: ``should_reduce_batch_size`` lists them; a :class:`PeerOutOfMemoryError` matches too.
-OOM_MESSAGES = ("out of memory", "can't allocate memory", "cudnn_status_not_supported",
-                "cuda error: out of memory")
-
-def is_oom_error(exc: BaseException) -> bool:
-    """True for an out-of-memory error of torch (any device) or of another rank."""
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type):
-        return True
-    if not isinstance(exc, (RuntimeError, MemoryError)):
-        return False
-    msg = str(exc).lower()
-    return isinstance(exc, MemoryError) or any(m in msg for m in OOM_MESSAGES)
-
 
 class TorchGuard(RankAgreement, GuardAttributes):
     """Memory guard for a plain PyTorch or accelerate training loop (see the module doc).
@@ -278,6 +262,8 @@ class TorchGuard(RankAgreement, GuardAttributes):
         except Exception as exc:
             if not (self._in_chunk and self._can_recover and is_oom_error(exc)):
                 raise
+            # the snapshot first, while the failed chunk's tensors are still referenced
+            self.guard.snapshot_oom(self.optimizer_steps, peer=isinstance(exc, PeerOutOfMemoryError))
             self._failure = _without_frames(exc)
             self.oom_errors.append(f"{type(exc).__name__}: {str(exc)[:300]}")
 

@@ -157,7 +157,8 @@ def read_events(path: str) -> List[Dict[str, Any]]:
     mid-write) is skipped.
 
     Raises:
-        ConfigError: the file cannot be read, or a line other than the last is not JSON.
+        ConfigError: the file cannot be read, is not UTF-8 text, or a line other than the last is
+            not JSON.
     """
     from .errors import ConfigError
 
@@ -166,6 +167,9 @@ def read_events(path: str) -> List[Dict[str, Any]]:
             lines = fh.read().splitlines()
     except OSError as exc:
         raise ConfigError("FILE", "a readable memguard event log (.jsonl)", f"{path} ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("FILE", "a memguard event log (.jsonl: UTF-8 text)",
+                          f"{path} (not UTF-8 at byte {exc.start})") from None
     out = []
     for i, line in enumerate(lines):
         if not line.strip():

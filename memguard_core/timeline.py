@@ -246,7 +246,7 @@ def draw_timeline(runs: Runs, out_png: str, *, title: Optional[str] = None) -> s
     ax.set_title(title or "memguard: memory per step against the budget")
     fig.subplots_adjust(left=0.08, right=0.93, top=0.95, bottom=0.03)
     try:
-        fig.savefig(out_png, dpi=110)
+        fig.savefig(out_png, dpi=110, format="png")   # exactly where named: no ".png" appended
     except OSError as exc:
         raise ConfigError("--png", "a writable path", f"{out_png} ({exc.strerror or exc})") from None
     finally:
@@ -293,6 +293,18 @@ def write_html(runs: Runs, out_html: str, png_path: Optional[str] = None) -> str
     return out_html
 
 
+def check_output(path: str, flag: str) -> None:
+    """Raise ``ConfigError`` naming ``flag`` unless ``path`` can be written as a file: not a folder,
+    in an existing folder this process may write to (an existing file: writable)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(flag, "a file path, not a folder", path)
+    if not os.path.isdir(folder):
+        raise ConfigError(flag, "a path in an existing folder", f"{path} (no folder {folder})")
+    if os.path.exists(path) and not os.access(path, os.W_OK) or not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(flag, "a writable path", path)
+
+
 def report_main(argv: Optional[List[str]] = None) -> int:
     """``memguard report FILE.jsonl [...] [--run ID ...] [--png OUT.png] [--html OUT.html]``."""
     import argparse
@@ -308,8 +320,12 @@ def report_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--html", metavar="OUT", help="also write a one-file HTML report")
     args = p.parse_args(argv)
     try:
-        runs = load_runs(args.files, args.run)
         png = args.png or (os.path.splitext(args.files[0].rstrip("/"))[0] + ".png")
+        # every output is checked before any work: nothing is written when one cannot be
+        check_output(png, "--png")
+        if args.html:
+            check_output(args.html, "--html")
+        runs = load_runs(args.files, args.run)
         draw_timeline(runs, png)
         print(report_text(runs))
         print(f"timeline: {png}")

@@ -131,6 +131,32 @@ def test_report_cli(tmp_path):
     assert bad.returncode == 2 and "FILE" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_report_outputs_are_written_where_named_and_checked_first(tmp_path):
+    """#34 item 4: a non-UTF-8 log, ``--png`` without the suffix, a folder, an unwritable ``--html``."""
+    _two_rank_run(tmp_path)
+    f = str(tmp_path / "memguard-two-rank0.jsonl")
+
+    def report(*args):
+        return subprocess.run([sys.executable, "-m", "memguard_core.cli", "report", *args], env=_env(),
+                              capture_output=True, text=True, timeout=120)
+
+    out = report(f, "--png", str(tmp_path / "picture"))
+    assert out.returncode == 0, out.stderr
+    assert "timeline: " + str(tmp_path / "picture") in out.stdout
+    assert (tmp_path / "picture").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "picture.png").exists()
+    folder = report(f, "--png", str(tmp_path))
+    assert folder.returncode == 2 and "--png" in folder.stderr and "folder" in folder.stderr
+    before = set(os.listdir(tmp_path))
+    unwritable = report(f, "--png", str(tmp_path / "p2.png"), "--html", str(tmp_path / "no" / "such" / "r.html"))
+    assert unwritable.returncode == 2 and "--html" in unwritable.stderr and "Traceback" not in unwritable.stderr
+    assert set(os.listdir(tmp_path)) == before and unwritable.stdout == ""   # nothing written first
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(b'{"type": "step", "note": "caf\xe9"}\n')
+    bad = report(str(latin))
+    assert bad.returncode == 2 and "UTF-8" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_leak_detector_flags_steady_growth_only():
     d = LeakDetector(window=4, min_growth_bytes=1 << 20, warmup=1, what="CPU RSS")
     reports = [d.sample(i, (1 << 30) + i * (1 << 19)) for i in range(7)]

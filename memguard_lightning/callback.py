@@ -10,19 +10,20 @@ What it does (the HF adapter's features, the Lightning way):
   and the micro-batches per batch applied in place, the rest reported with the exact change (or
   ``fail_fast`` raises), monitor started; the run summary at ``on_train_end``.
 * **Virtual micro-batches** (in-place split into k row-chunks) in automatic optimization, see
-  ``memguard_lightning.split_step`` for how they run inside Lightning's loop.
+  ``memguard_lightning.step`` and docs/lightning.md ("How the step runs") for how they run inside
+  Lightning's loop.
   ``trainer.accumulate_grad_batches``, the dataloader, ``num_training_batches``, the LR schedulers
   and ``global_step`` are never touched.
 * **Runtime guard**: a ``MemoryMonitor`` samples at every batch (cheap counters) and in a
   background thread, cleans caches and doubles k under pressure.
-* **OOM catch and retry**: an out-of-memory error (``split_step.is_oom``: CUDA OOM, cuDNN's
-  not-supported snafu, the CPU allocator's "can't allocate memory") raised in a chunk's *forward*
+* **OOM catch and retry**: an out-of-memory error (``memguard_torch.oom.is_oom_error``: CUDA
+  OOM, cuDNN's not-supported snafu, the CPU allocator's "can't allocate memory") raised in a chunk's *forward*
   frees memory, doubles k and redoes only the rows not yet processed. One raised in a *backward*
   (a chunk's, or Lightning's own of the batch) redoes the whole accumulation window at a doubled k
   from the window's kept batches; AdamW's states are allocated before the first forward. Under
   DDP every rank redoes it: the window runs without DDP's all-reduce and memguard averages the
   gradients once the ranks agreed it went through (see docs/lightning.md and
-  ``memguard_lightning.split_step``).
+  ``memguard_lightning.step_ddp``).
 * **Evaluation split**: ``validation_step`` / ``test_step`` / ``predict_step`` run in
   ``eval_micro_batches`` chunks, doubled on an evaluation OOM; the training k is never changed
   (``memguard_lightning.eval_split``).
@@ -51,7 +52,7 @@ Not split (a warning says so and what to do instead; preflight and the monitor s
 
 FSDP2 (``ModelParallelStrategy``) and FSDP1 (``FSDPStrategy``) split in place: each chunk's
 backward reduce-scatters, and an OOM on one rank is redone by every rank
-(``memguard_lightning.split_step``, "Under FSDP"). Under ``FSDPStrategy`` Lightning runs
+(``memguard_lightning.step_fsdp``; docs/lightning.md). Under ``FSDPStrategy`` Lightning runs
 ``training_step`` inside the root FSDP1 module's forward, so memguard wraps the strategy's
 ``training_step`` instead of the module's: each micro-batch is a forward of the root of its own.
 
@@ -78,7 +79,7 @@ from . import _compat
 from .batch import LabelKey, batch_units
 from .eval_split import EvalSplit, eval_split_reason
 from .preflight import find_model, read_specs
-from .split_step import SplitStep
+from .step import SplitStep
 
 logger = logging.getLogger("memguard.lightning")
 
@@ -112,7 +113,7 @@ class MemGuardCallback(GuardAttributes, Callback):
     Attributes (the guard's, see ``memguard_core.guard.Guard``): ``guard``, ``monitor``,
     ``preflight``, ``events``, ``micro_batch_rows``, ``samples_per_step``, ``oom_retries``,
     ``split_disabled_reason``, ``summary``, ``budget_bytes``; ``step``: the in-step split
-    (``memguard_lightning.split_step.SplitStep``); ``evals``: the evaluation split
+    (``memguard_lightning.step.SplitStep``); ``evals``: the evaluation split
     (``memguard_lightning.eval_split.EvalSplit``).
 
     Raises:
@@ -319,7 +320,7 @@ class MemGuardCallback(GuardAttributes, Callback):
     def chunks(self, batch: Any) -> Iterator[Tuple[Any, float]]:
         """Yield ``(chunk_batch, loss_weight)`` for the guard's current k (rank-agreed), for
         training steps that do their own backward (manual optimization); see
-        ``memguard_lightning.split_step.SplitStep.chunks``."""
+        ``memguard_lightning.step.SplitStep.chunks``."""
         return self.step.chunks(batch)
 
     def _guarded_training_step(self, batch, *args, **kwargs):

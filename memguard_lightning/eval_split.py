@@ -16,16 +16,15 @@ unsplit step would have returned them:
   the last chunk's.
 
 Values logged with ``self.log`` / ``self.log_dict`` inside the step are combined as the training
-split combines them (``memguard_lightning.split_step``: the chunk-weighted mean, replayed once
+split combines them (``memguard_lightning.logs``: the chunk-weighted mean, replayed once
 after the last chunk, so Lightning weighs the batch by its full size in the epoch mean; a
 ``torchmetrics.Metric`` object is logged once, its state updated by every chunk).
 
-On an out-of-memory error in an evaluation step (Lightning's ``is_oom_error`` or
-``torch.OutOfMemoryError``): the chunk's references are dropped, memory is freed
-(``memguard_core.microbatch.free_after_oom``), k_eval doubles (at most the batch's rows) and the
-whole batch is run again; its log values are recorded from the successful attempt only. k_eval
-stays at its new value for the following evaluation batches; the training k (the monitor's split)
-is never changed by an evaluation. A batch that fails at one row per forward re-raises the error.
+On an out-of-memory error in an evaluation step (``memguard_torch.oom.is_oom_error``): the
+chunk's references are dropped, memory is freed (``memguard_core.microbatch.free_after_oom``),
+k_eval doubles (at most the batch's rows) and the whole batch is run again; its log values are
+recorded from the successful attempt only. k_eval stays at its new value for the following
+evaluation batches; the training k (the monitor's split) is never changed by an evaluation. A batch that fails at one row per forward re-raises the error.
 Other side effects of the step (counters, prints) happen once per chunk.
 """
 
@@ -39,10 +38,10 @@ import torch
 
 from memguard_core.microbatch import free_after_oom, without_frames as _without_frames
 
-from .batch import batch_units
 from memguard_torch.oom import is_oom_error
 
-from .split_step import _LogRecorder
+from .batch import batch_units
+from .logs import LogRecorder
 
 logger = logging.getLogger("memguard.lightning")
 
@@ -175,7 +174,7 @@ class EvalSplit:
             self.rows.append(batch_units(batch))
             return orig(batch, *args, **kwargs)
         pl_module = self.step.pl_module
-        recorder = _LogRecorder(pl_module.log)
+        recorder = LogRecorder(pl_module.log)
         pl_module.log = recorder
         outputs, weights = [], []
         try:

@@ -1,6 +1,6 @@
 """How the Lightning adapter puts a split step's results back together: evaluation outputs
 (``memguard_lightning.eval_split.combine``), ``self.log`` values by their ``reduce_fx``
-(``split_step._LogRecorder``), which errors count as a redoable out-of-memory error, and the
+(``memguard_lightning.logs.LogRecorder``), which errors count as a redoable out-of-memory error, and the
 ``eval_micro_batches`` argument check."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ pytest.importorskip("lightning")
 from memguard_core.errors import ConfigError, WindowOOMError  # noqa: E402
 from memguard_lightning import MemGuardCallback  # noqa: E402
 from memguard_lightning.eval_split import combine  # noqa: E402
-from memguard_lightning.split_step import _LogRecorder, is_oom  # noqa: E402
+from memguard_lightning.logs import LogRecorder  # noqa: E402
+from memguard_torch.oom import is_oom_error  # noqa: E402
 
 ALLOC = "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes."
 
@@ -45,7 +46,7 @@ def test_logged_values_follow_reduce_fx():
     def real_log(name, value, *args, **kwargs):
         logged[name] = (float(value), kwargs)
 
-    rec = _LogRecorder(real_log)
+    rec = LogRecorder(real_log)
     for w, v in ((0.2, 1.0), (0.8, 6.0)):
         rec("mean", torch.tensor(v))
         rec("sum", v, reduce_fx="sum", batch_size=3)
@@ -61,11 +62,11 @@ def test_logged_values_follow_reduce_fx():
 
 
 def test_what_counts_as_a_redoable_oom():
-    assert is_oom(RuntimeError(ALLOC))
-    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert not is_oom(RuntimeError("shape mismatch"))
+    assert is_oom_error(RuntimeError(ALLOC))
+    assert is_oom_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_oom_error(RuntimeError("shape mismatch"))
     # memguard's own error quotes the allocator's message but means splitting already failed
-    assert not is_oom(WindowOOMError("backward", 8, 8, 1, f"last error: {ALLOC}"))
+    assert not is_oom_error(WindowOOMError("backward", 8, 8, 1, f"last error: {ALLOC}"))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])

@@ -60,7 +60,7 @@ def test_memguards_own_window_error_is_not_retried():
 def test_every_torch_adapter_uses_the_same_predicate():
     import memguard_hf
     import memguard_lightning.eval_split as lightning_eval
-    import memguard_lightning.split_step as lightning_step
+    import memguard_lightning.step as lightning_step
     import memguard_torch
 
     assert memguard_hf.is_oom_error is memguard_torch.is_oom_error is is_oom_error

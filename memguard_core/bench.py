@@ -840,7 +840,7 @@ def _with_config_fields(case: dict, spec: dict) -> dict:
     try:
         from transformers import AutoConfig
 
-        from .spec import _config_numbers
+        from .estimator.readers_hf import config_numbers as _config_numbers
 
         archs = HF_FULL_DEPTH_ARCHS if case.get("full_depth") else {**HF_ARCHS, **HF_HELD_OUT_ARCHS}
         arch = dict(archs[case["arch"]])
@@ -888,7 +888,7 @@ def seed_estimate_bytes(ms, ts) -> Optional[int]:
     except Exception:
         return None
     try:
-        from .estimate import _block_linears, _lora_linears
+        from .estimator.trainable import block_linear_shapes as _block_linears, lora_linears as _lora_linears
 
         n_targets = len(_lora_linears(ms, ts)) if ts.method != "full" else 0
         moe = ms.num_experts > 1

@@ -411,7 +411,7 @@ def _train_spec(args, model_spec):
                           "LitGPT's", True)
     lora_dropout = args.lora_dropout
     if lora_dropout is None:   # each model code's own default: PEFT's LoraConfig 0.0, LitGPT's finetune/lora.py
-        from ._litgpt import DEFAULT_LORA_DROPOUT
+        from .estimator.litgpt import DEFAULT_LORA_DROPOUT
 
         lora_dropout = DEFAULT_LORA_DROPOUT if litgpt and not full else 0.0
     targets = DEFAULT_LORA_TARGETS

@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, List, Optional, Tuple
 
 from .errors import ConfigError, DoesNotFitError, require_fraction, require_positive_int
-from .estimate import MemoryEstimate, estimate
-from .spec import NF4_BITS, ModelSpec, TrainSpec, with_default_lora_targets
+from .estimator.estimate import estimate
+from .estimator.lora_targets import with_default_lora_targets
+from .estimator.result import MemoryEstimate
+from .estimator.specs import NF4_BITS, ModelSpec, TrainSpec
 
 __all__ = ["Change", "Plan", "plan", "budget_from_available", "relative_step_time", "STEPS",
            "DEFAULT_SAFETY_RATIO", "MICRO_BATCH_OVERHEAD_TOKENS"]

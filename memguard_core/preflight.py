@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
 from .errors import DoesNotFitError, require_fraction
-from .spec import ModelSpec, TrainSpec
+from .estimator.specs import ModelSpec, TrainSpec
 
 __all__ = ["IN_PLACE_FIELDS", "PLAN_ORDER", "Preflight", "default_budget", "plan_in_place"]
 
@@ -156,7 +156,7 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
         ConfigError: bad specs or budget (from ``memguard_core.plan.plan``).
         DoesNotFitError: nothing in the allowed search fits.
     """
-    from .estimate import estimate
+    from .estimator.estimate import estimate
     from .plan import plan as make_plan
 
     fraction = require_fraction("plan_fraction", plan_fraction)
@@ -196,7 +196,7 @@ def budget_that_fits(model_spec: ModelSpec, train_spec: TrainSpec, *, resident_b
     """The budget (bytes) at which ``train_spec`` just fits an adapter's preflight: its estimate plus
     the resident surplus, over ``plan_fraction``, times ``margin``. The demos use it to pick a budget
     that the requested settings do not fit but a given split does."""
-    from .estimate import estimate
+    from .estimator.estimate import estimate
 
     est = estimate(model_spec, train_spec)
     return int((est.peak_bytes + resident_extra(est.breakdown, resident_bytes)) / plan_fraction * margin)

@@ -2,7 +2,7 @@
 
 The adapters read the layout from where users set it and pass the result to ``TrainSpec``
 (``sharding``, ``offload``, ``shard_group_size``, ``bucket_cap_mb``, ``gradient_as_bucket_view``,
-``fsdp_version``, ``zero_buckets``); ``memguard_core/sharding.py`` turns it into per-rank terms.
+``fsdp_version``, ``zero_buckets``); ``memguard_core/estimator/sharding.py`` turns it into per-rank terms.
 Everything here reads plain values or objects by their public attribute names (duck typing): it
 imports no torch, accelerate, transformers or Lightning.
 
@@ -27,7 +27,7 @@ import os
 from typing import Any, Dict, Mapping, Optional
 
 from .errors import ConfigError
-from .sharding import ZERO_BUCKETS
+from .estimator.sharding import ZERO_BUCKETS
 
 #: FSDP1 ``ShardingStrategy`` -> ``TrainSpec.sharding`` (``torch/distributed/fsdp/api.py``;
 #: accelerate numbers them 1-5 in this order: ``accelerate/utils/constants.py``
@@ -112,9 +112,9 @@ def zero_settings(config: Any) -> Dict[str, Any]:
     DeepSpeed's plain data parallelism, as ``ddp``), ``offload`` (``offload_optimizer`` /
     ``offload_param`` with ``device`` cpu or nvme; ``offload_param`` counts under stage 3 only, as
     in DeepSpeed) and ``zero_buckets`` (elements: the bucket sizes the config gives as numbers, and
-    DeepSpeed's defaults, ``memguard_core.sharding.ZERO_BUCKETS["deepspeed"]``, for those it leaves
+    DeepSpeed's defaults, ``memguard_core.estimator.sharding.ZERO_BUCKETS["deepspeed"]``, for those it leaves
     out -- HF and accelerate fill "auto" values only; "auto" values are left to the framework's
-    rule, ``memguard_core.sharding.zero_buckets``).
+    rule, ``memguard_core.estimator.sharding.zero_buckets``).
 
     ``config`` is the dict (HF's ``HfTrainerDeepSpeedConfig.config``, accelerate's
     ``deepspeed_config``, Lightning's ``DeepSpeedStrategy.config``) or a path to its JSON file.

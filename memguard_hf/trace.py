@@ -76,7 +76,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from memguard_core.errors import ConfigError, MemGuardError
-from memguard_core.spec import DEFAULT_LORA_TARGETS, TrainSpec, _is_vision_language, peft_default_lora_targets
+from memguard_core.estimator.readers_hf import is_vision_language as _is_vision_language
+from memguard_core.spec import DEFAULT_LORA_TARGETS, TrainSpec, peft_default_lora_targets
 
 __all__ = ["TraceResult", "ModuleRow", "trace_step", "compare", "comparison_table", "STAGES", "trace_for_cli",
            "trace_json", "print_trace"]
@@ -374,7 +375,7 @@ def _make_tracker_class():
 
 def _load_config(config_or_path: Any):
     """A transformers config from a path / directory / dict / ``PretrainedConfig``."""
-    from memguard_core.spec import _config_from_dict, _load_config_dict
+    from memguard_core.estimator.readers_hf import config_from_dict as _config_from_dict, load_config_dict as _load_config_dict
 
     if hasattr(config_or_path, "to_dict") and hasattr(config_or_path, "model_type"):
         return config_or_path

@@ -27,8 +27,8 @@ import math
 from typing import Any, Dict, Optional, Tuple
 
 from memguard_core.errors import ConfigError
-from memguard_core.spec import (LinearShape, ModelSpec, ParamCounts, TrainSpec, _component_kind,
-                                _dtype_bits)
+from memguard_core.estimator.readers_torch import component_kind as _component_kind
+from memguard_core.estimator.specs import LinearShape, ModelSpec, ParamCounts, TrainSpec, dtype_bits as _dtype_bits
 
 logger = logging.getLogger("memguard.mlx")
 

@@ -9,9 +9,11 @@ import os
 
 import pytest
 
+from memguard_core.estimator.bnb import bnb_last_step_inputs, bnb_saved_inputs
+from memguard_core.estimator.optimizer import optimizer_state_bytes
+from memguard_core.estimator.weights import dequant_transient_bytes
 from memguard_core.estimate import (CUDA_CONTEXT_BYTES, CUDA_CUBLAS_WORKSPACES_BYTES, RUNTIME_OVERHEAD_BYTES,
-                                    _bnb_last_step_inputs, _bnb_saved_inputs, _dequant_transient,
-                                    _optimizer_states, bnb_4bit_keeps_input, cuda_block_bytes,
+                                    bnb_4bit_keeps_input, cuda_block_bytes,
                                     cuda_counter_bytes, cuda_sdpa_backend, cuda_segment_bytes, estimate,
                                     nf4_storage_bytes, paged_state_bytes)
 from memguard_core.errors import ConfigError
@@ -124,29 +126,29 @@ def test_qlora_linears_save_their_inputs():
     ms = model_spec_from_hf_config(LLAMA3)
     h, i, qd = ms.hidden_size, ms.intermediate_size, ms.num_heads * ms.head_dim
     qlora = _cuda(method="qlora", seq_length=512, lora_targets=("q_proj", "v_proj"))
-    assert _bnb_saved_inputs(ms, qlora, lora=True) == 2 * (h + qd + h + i)
+    assert bnb_saved_inputs(ms, qlora, lora=True) == 2 * (h + qd + h + i)
     lora = qlora.replace(method="lora")
-    assert _bnb_saved_inputs(ms, lora, lora=True) == 0
+    assert bnb_saved_inputs(ms, lora, lora=True) == 0
     a_q = estimate(ms, qlora).phase_breakdowns["loss"]["activations"]
     a_l = estimate(ms, lora).phase_breakdowns["loss"]["activations"]
     assert a_q - a_l == ms.num_layers * 512 * 2 * (h + qd + h + i)
     # fp32 compute: PEFT's lora_A saves the very input of q/k/v, so only o, gate/up, down add
     fp32 = qlora.replace(dtype="fp32")
-    assert _bnb_saved_inputs(ms, fp32, lora=True) == 4 * (qd + h + i)
+    assert bnb_saved_inputs(ms, fp32, lora=True) == 4 * (qd + h + i)
     # MLX quantization is not bitsandbytes
-    assert _bnb_saved_inputs(ms, qlora.replace(framework="mlx", device="mlx"), lora=True) == 0
+    assert bnb_saved_inputs(ms, qlora.replace(framework="mlx", device="mlx"), lora=True) == 0
 
 
 def test_qlora_dequantizes_one_weight_at_a_time():
     ms = model_spec_from_hf_config(LLAMA3)
     big = ms.intermediate_size * ms.hidden_size
     ts = _cuda(method="qlora", seq_length=512)
-    assert _dequant_transient(ms, ts) == 2 * big
+    assert dequant_transient_bytes(ms, ts) == 2 * big
     dq = model_spec_from_hf_config(LLAMA3, quantization_bits=4, double_quant=True)
-    assert _dequant_transient(dq, ts) == 2 * big + 4 * math.ceil(big / 64)
+    assert dequant_transient_bytes(dq, ts) == 2 * big + 4 * math.ceil(big / 64)
     est = estimate(ms, ts)
     assert est.phase_breakdowns["loss"]["weight_copies"] == 2 * big
-    assert _dequant_transient(ms, ts.replace(method="lora")) == 0
+    assert dequant_transient_bytes(ms, ts.replace(method="lora")) == 0
 
 
 def test_paged_optimizer_states_only_for_large_tensors():
@@ -169,9 +171,9 @@ def test_llm_int8_linears_save_their_inputs_too():
     assert ms.weight_bits == 8
     h, i, qd = ms.hidden_size, ms.intermediate_size, ms.num_heads * ms.head_dim
     ts = _cuda(method="lora", seq_length=512, lora_targets=("q_proj", "v_proj"))
-    assert _bnb_saved_inputs(ms, ts, lora=True) == 2 * (h + qd + h + i)
+    assert bnb_saved_inputs(ms, ts, lora=True) == 2 * (h + qd + h + i)
     tokens = 512
-    assert _dequant_transient(ms, ts) == max(tokens * (h + 4 * i), tokens * (i + 4 * h), tokens * (h + 4 * qd))
+    assert dequant_transient_bytes(ms, ts) == max(tokens * (h + 4 * i), tokens * (i + 4 * h), tokens * (h + 4 * qd))
 
 
 @pytest.mark.parametrize("version,kept", [(None, True), ("0.41.1", True), ("0.42.0", True), ("0.43.1", True),
@@ -183,10 +185,10 @@ def test_4bit_input_kept_only_before_bitsandbytes_0_43_2(version, kept):
     h, i, qd = ms.hidden_size, ms.intermediate_size, ms.num_heads * ms.head_dim
     ts = _cuda(method="qlora", seq_length=512, bnb_version=version)
     assert bnb_4bit_keeps_input(ts) is kept
-    assert _bnb_saved_inputs(ms, ts, lora=True) == (2 * (h + qd + h + i) if kept else 0)
+    assert bnb_saved_inputs(ms, ts, lora=True) == (2 * (h + qd + h + i) if kept else 0)
     # LLM.int8's MatMul8bitLt keeps A in every version
     int8 = model_spec_from_hf_config(LLAMA3, quantization_bits=8)
-    assert _bnb_saved_inputs(int8, ts.replace(method="lora"), lora=True) == 2 * (h + qd + h + i)
+    assert bnb_saved_inputs(int8, ts.replace(method="lora"), lora=True) == 2 * (h + qd + h + i)
 
 
 def test_bnb_version_is_validated():
@@ -204,15 +206,15 @@ def test_a_loop_that_keeps_its_output_keeps_the_last_steps_bnb_inputs():
     per_block = 2 * (ms.hidden_size + ms.num_heads * ms.head_dim + ms.hidden_size + ms.intermediate_size)
     loop = _cuda(method="qlora", batch_size=2, seq_length=512, framework="torch", bnb_version="0.42.0")
     assert loop.last_graph_kept and not loop.replace(framework="hf").last_graph_kept
-    assert _bnb_last_step_inputs(ms, loop) == ms.num_layers * tokens * per_block
+    assert bnb_last_step_inputs(ms, loop) == ms.num_layers * tokens * per_block
     kept = estimate(ms, loop).phase_breakdowns["loss"]["activations"]
     dropped = estimate(ms, loop.replace(keeps_last_graph=False)).phase_breakdowns["loss"]["activations"]
     assert kept - dropped == ms.num_layers * tokens * per_block
     # nothing to keep: a newer bitsandbytes, a trainer that hands a detached loss on, no quantization
-    assert _bnb_last_step_inputs(ms, loop.replace(bnb_version="0.43.2")) == 0
-    assert _bnb_last_step_inputs(ms, loop.replace(framework="hf")) == 0
-    assert _bnb_last_step_inputs(ms, loop.replace(framework="lightning", keeps_last_graph=True)) > 0
-    assert _bnb_last_step_inputs(ms, loop.replace(method="lora")) == 0
+    assert bnb_last_step_inputs(ms, loop.replace(bnb_version="0.43.2")) == 0
+    assert bnb_last_step_inputs(ms, loop.replace(framework="hf")) == 0
+    assert bnb_last_step_inputs(ms, loop.replace(framework="lightning", keeps_last_graph=True)) > 0
+    assert bnb_last_step_inputs(ms, loop.replace(method="lora")) == 0
 
 
 @pytest.mark.parametrize("name,canonical", [("paged_adamw_8bit", "paged-adamw-8bit"),
@@ -237,7 +239,7 @@ def test_paged_optimizer_states_leave_the_allocator_counters_by_themselves():
     plain = _cuda(method="qlora", lora_rank=64, optimizer="adamw", bnb_version="0.45.0")
     paged = plain.replace(optimizer="paged_adamw_32bit")
     trainable = estimate(ms, paged).trainable_params
-    assert _optimizer_states(ms, paged, trainable) == 8 * trainable   # bnb 32-bit states are fp32
+    assert optimizer_state_bytes(ms, paged, trainable) == 8 * trainable   # bnb 32-bit states are fp32
     est = estimate(ms, paged)
     p = paged_state_bytes(ms, paged)
     assert p > 0

@@ -92,7 +92,7 @@ def test_embedding_gradient_transients_by_tied_head_and_accumulation():
 
 def test_opt_and_gpt_neox_block_activations_hand_computed():
     # Per token and block, fp32, sdpa, h 64, i 128, 4 heads (logsumexp 4 x 4 = 16 B):
-    from memguard_core.estimate import _block_act_per_token
+    from memguard_core.estimator.activations import block_act_per_token
     from memguard_core.spec import LinearShape
     opt_lins = (LinearShape("q_proj", 64, 64, kind="attention"), LinearShape("k_proj", 64, 64, kind="attention"),
                 LinearShape("v_proj", 64, 64, kind="attention"), LinearShape("out_proj", 64, 64, kind="attention"),
@@ -101,11 +101,11 @@ def test_opt_and_gpt_neox_block_activations_hand_computed():
     # OPT, LoRA q/v: LayerNorm input 256 + q/v input 256 + q, k, v 768 + SDPA output 256 +
     # 2 dropout noises (fp32 on CPU) 512 + post-attention LayerNorm input 256 + relu result 512
     # = 2816 hidden; x @ A of q and v: 2 x 8 x 4 = 64
-    a = _block_act_per_token(opt, ts(method="lora", lora_targets=("q_proj", "v_proj")), lora=True,
+    a = block_act_per_token(opt, ts(method="lora", lora_targets=("q_proj", "v_proj")), lora=True,
                              trainable_block=False)
     assert (a.hidden, a.scores, a.lora) == (2816, 16, 64)
     # the same on CUDA: the fused dropout keeps 1-byte masks: 2816 - 2 x 64 x 3 = 2432
-    a = _block_act_per_token(opt, ts(method="lora", lora_targets=("q_proj", "v_proj"), device="cuda"),
+    a = block_act_per_token(opt, ts(method="lora", lora_targets=("q_proj", "v_proj"), device="cuda"),
                              lora=True, trainable_block=False)
     assert a.hidden == 2432
     neox_lins = (LinearShape("query_key_value", 64, 192, kind="attention"),
@@ -115,7 +115,7 @@ def test_opt_and_gpt_neox_block_activations_hand_computed():
     # GPT-NeoX full fine-tune (parallel residual, no dropout, exact gelu): block input 256 + its
     # LayerNorm output 256 + q, k, v 768 + SDPA output 256 + merged heads for ``dense`` 256 + the
     # second LayerNorm's output 256 + gelu input 512 + gelu output 512 = 3072
-    a = _block_act_per_token(neox, ts(), lora=False, trainable_block=True)
+    a = block_act_per_token(neox, ts(), lora=False, trainable_block=True)
     assert (a.hidden, a.scores) == (3072, 16)
 
 
@@ -206,18 +206,18 @@ def test_cpu_heap_slack_counts_lora_forward_temporaries():
     e = estimate(tiny(), ts(method="lora"))
     assert e.phase_breakdowns["loss"]["allocator_slack"] == 161177
     # a deeper model: the temporaries count for 2 blocks, not for every block
-    from memguard_core.estimate import _lora_forward_traffic as lft
+    from memguard_core.estimator.cpu_heap import lora_forward_traffic as lft
     deep = tiny(num_layers=8)
     assert lft(deep, ts(method="lora")) == lft(tiny(), ts(method="lora")) == 36864
     # bf16 base, fp32 adapters: 3 fp32 temporaries + the sum cast back to bf16 = 14 B per element:
     # 14 x 96 x 16 x 2 = 43008 of the slack's input
     e16 = estimate(tiny(weight_bits=16.0, dense_bits=16.0), ts(method="lora", dtype="bf16"))
-    from memguard_core.estimate import _lora_forward_traffic
-    assert _lora_forward_traffic(e16.model_spec, e16.train_spec) == 43008
+    from memguard_core.estimator.cpu_heap import lora_forward_traffic
+    assert lora_forward_traffic(e16.model_spec, e16.train_spec) == 43008
     # no term for full fine-tuning, MLX, or under checkpointing (nothing pins the heap there)
-    assert _lora_forward_traffic(tiny(), ts(method="lora", grad_checkpoint=True)) == 0
-    assert _lora_forward_traffic(tiny(), ts(method="full")) == 0
-    assert _lora_forward_traffic(tiny(), ts(method="lora", framework="mlx", device="mlx")) == 0
+    assert lora_forward_traffic(tiny(), ts(method="lora", grad_checkpoint=True)) == 0
+    assert lora_forward_traffic(tiny(), ts(method="full")) == 0
+    assert lora_forward_traffic(tiny(), ts(method="lora", framework="mlx", device="mlx")) == 0
 
 
 def test_mlx_full_fine_tune_window_norms_and_update():
@@ -401,16 +401,16 @@ def test_cpu_heap_slack_leaves_out_score_tensors_glibc_mmaps():
     # glibc mmaps every request >= its mmap threshold (32 MiB at most) and unmaps it on free: such
     # tensors leave no hole in the heap, so the heap-slack traffic counts score-sized tensors only
     # while each of them is below MMAP_THRESHOLD_MAX (SDPA's CPU math path: fp32 per score)
-    from memguard_core.estimate import (MMAP_THRESHOLD_MAX, _activation_traffic, _activations,
-                                        _score_tensors_mmapped)
+    from memguard_core.estimator.activations import activation_bytes
+    from memguard_core.estimator.cpu_heap import MMAP_THRESHOLD_MAX, activation_traffic, _score_tensors_mmapped
     m = _gpt2_like()
     for b, s in ((1, 256), (2, 512), (1, 1024), (2, 1024)):
         t = ts(method="lora", lora_targets=("c_attn",), batch_size=b, seq_length=s)
-        h, sc, lo, _ = _activations(m, t)
+        h, sc, lo, _ = activation_bytes(m, t)
         assert sc > 0
         big = b * 12 * s * s * 4 >= MMAP_THRESHOLD_MAX
         assert _score_tensors_mmapped(m, t) is big
-        assert _activation_traffic(m, t) == (h + lo if big else h + sc + lo)
+        assert activation_traffic(m, t) == (h + lo if big else h + sc + lo)
     # 1 x 12 x 1024^2 x 4 B = 48 MiB per score tensor: above; 2 x 12 x 512^2 x 4 = 24 MiB: below
     assert _score_tensors_mmapped(m, ts(batch_size=1, seq_length=1024))
     assert not _score_tensors_mmapped(m, ts(batch_size=2, seq_length=512))
@@ -420,8 +420,8 @@ def test_cpu_heap_slack_leaves_out_score_tensors_glibc_mmaps():
     # s = 1024 to 2 x 1024 only the hidden-sized traffic (linear in tokens) is added
     t1 = ts(method="lora", lora_targets=("c_attn",), batch_size=1, seq_length=1024)
     e1, e2 = estimate(m, t1), estimate(m, t1.replace(batch_size=2))
-    h1, _, lo1, _ = _activations(m, t1)
-    assert _activation_traffic(m, t1.replace(batch_size=2)) == 2 * (h1 + lo1)
+    h1, _, lo1, _ = activation_bytes(m, t1)
+    assert activation_traffic(m, t1.replace(batch_size=2)) == 2 * (h1 + lo1)
     assert e2.phase_breakdowns["loss"]["attention_scores"] == 2 * e1.phase_breakdowns["loss"]["attention_scores"]
 
 
@@ -435,23 +435,24 @@ def test_checkpointed_slack_is_the_forward_heap_or_the_last_steps_gradient_holes
     # A trimmed full fine-tune's loss moment is the exception: one block's traffic, scaled by
     # CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS (the trim handed the last backward's heap back and the
     # checkpointed forward touches about one block's working set again).
-    from memguard_core.estimate import (CPU_HEAP_SLACK_BACKWARD, CPU_HEAP_SLACK_CHECKPOINTED,
-                                        CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS, _activation_traffic,
-                                        _grad_layers, _heap_gradient_bytes)
+    from memguard_core.estimator.cpu_heap import (CPU_HEAP_SLACK_BACKWARD, CPU_HEAP_SLACK_CHECKPOINTED,
+                                                  CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS, activation_traffic,
+                                                  heap_gradient_bytes)
+    from memguard_core.estimator.gradients import grad_layers
     m = tiny()
     for method, tokens in (("full", (1, 16)), ("full", (4, 256)), ("lora", (4, 256))):
         for trim in (False, True):
             t = ts(method=method, batch_size=tokens[0], seq_length=tokens[1], grad_checkpoint=True, heap_trim=trim)
             e = estimate(m, t)
             pb = e.phase_breakdowns
-            heap_grads = _heap_gradient_bytes(e.model_spec, t, pb["backward"]["gradients"], 4)
+            heap_grads = heap_gradient_bytes(e.model_spec, t, pb["backward"]["gradients"], 4)
             # every tensor of the tiny model is small: all its gradients are on the heap
             assert heap_grads == pb["backward"]["gradients"] > 0
             kind = "full" if method == "full" else "lora"
             # the fitted checkpointed factor of the un-checkpointed traffic and the logits' working
             # set (small here, so on the heap); no LoRA temporaries under checkpointing
-            forward = int(CPU_HEAP_SLACK_CHECKPOINTED[kind] * (_activation_traffic(m, t) + pb["loss"]["logits"]))
-            one_block = _activation_traffic(m, t) / _grad_layers(m, t)
+            forward = int(CPU_HEAP_SLACK_CHECKPOINTED[kind] * (activation_traffic(m, t) + pb["loss"]["logits"]))
+            one_block = activation_traffic(m, t) / grad_layers(m, t)
             for k in ("loss", "backward", "optimizer"):
                 want = forward if trim else max(forward, heap_grads)
                 if trim and kind == "full" and k == "loss":
@@ -470,13 +471,13 @@ def test_checkpointed_slack_is_the_forward_heap_or_the_last_steps_gradient_holes
     t = ts(method="full", batch_size=4, seq_length=256)
     u = estimate(m, t)
     assert u.phase_breakdowns["backward"]["allocator_slack"] == int(
-        CPU_HEAP_SLACK_BACKWARD["full"] * _activation_traffic(m, t))
+        CPU_HEAP_SLACK_BACKWARD["full"] * activation_traffic(m, t))
     assert u.phase_breakdowns["backward"]["allocator_slack"] > estimate(
         m, t.replace(grad_checkpoint=True)).phase_breakdowns["backward"]["allocator_slack"]
 
 
 def test_heap_gradient_bytes_leave_out_mmapped_tensors():
-    from memguard_core.estimate import MMAP_THRESHOLD_MAX, _heap_gradient_bytes
+    from memguard_core.estimator.cpu_heap import MMAP_THRESHOLD_MAX, heap_gradient_bytes
     # a vocabulary large enough that V x h x 2 B >= 32 MiB: the embedding's gradient is mmapped
     V, h = 50000, 512
     assert V * h * 2 >= MMAP_THRESHOLD_MAX
@@ -485,11 +486,11 @@ def test_heap_gradient_bytes_leave_out_mmapped_tensors():
                  tie_word_embeddings=tied, weight_bits=16.0, dense_bits=16.0)
         t = ts(method="full", dtype="bf16")
         grads = 10 * V * h * 2
-        assert _heap_gradient_bytes(m, t, grads, 2) == grads - (1 if tied else 2) * V * h * 2
+        assert heap_gradient_bytes(m, t, grads, 2) == grads - (1 if tied else 2) * V * h * 2
         # in fp32 the block linears stay small too; LoRA's adapters are all small
-        assert _heap_gradient_bytes(m, t.replace(method="lora"), 12345, 4) == 12345
+        assert heap_gradient_bytes(m, t.replace(method="lora"), 12345, 4) == 12345
     # a block linear of 32 MiB or more (8192 x 2048 in bf16) is mmapped, in every block
     big = tiny(intermediate_size=8192, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
                vocab_size=1000, weight_bits=16.0, dense_bits=16.0)
-    g = _heap_gradient_bytes(big, ts(method="full", dtype="bf16"), 10 ** 10, 2)
+    g = heap_gradient_bytes(big, ts(method="full", dtype="bf16"), 10 ** 10, 2)
     assert g == 10 ** 10 - 3 * 2048 * 8192 * 2 * 2

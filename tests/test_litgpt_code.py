@@ -10,7 +10,7 @@ storage (a view such as SDPA's v keeps its whole fused qkv buffer), parameters a
 out, each storage charged to the block whose forward was running when it was first saved. Two
 sequence lengths are run and the difference is divided by the extra tokens, so per-block
 constants (LoRA's index tensor, a norm's weight cast to fp32) drop out and what is left is bytes
-per token. On CPU, dropout keeps its noise in the input dtype (``memguard_core.estimate._dropout_bytes``).
+per token. On CPU, dropout keeps its noise in the input dtype (``memguard_core.estimator.attention.dropout_bytes``).
 
 The package is optional: the test skips unless ``litgpt`` imports. It needs only what the
 ``hf`` / ``lightning`` / ``dev`` extras already install (lightning, huggingface_hub, safetensors,
@@ -31,7 +31,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("lightning")
 pytest.importorskip("litgpt.lora")
 
-from memguard_core import _litgpt  # noqa: E402
+from memguard_core.estimator import litgpt as _litgpt  # noqa: E402
 from memguard_core.spec import TrainSpec, model_spec_from_hf_config  # noqa: E402
 
 C, HEADS, LAYERS, VOCAB, INTER = 256, 8, 3, 512, 1024

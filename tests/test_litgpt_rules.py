@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from memguard_core import _litgpt
+from memguard_core.estimator import litgpt as _litgpt
 from memguard_core.cli import main
 from memguard_core.errors import ConfigError
 from memguard_core.estimate import estimate, trainable_param_count

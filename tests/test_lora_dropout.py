@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from memguard_core import estimate as E  # noqa: E402
+from memguard_core.estimator import activations as E  # noqa: E402
 from memguard_core.errors import ConfigError  # noqa: E402
 from memguard_core.preflight import method_and_lora  # noqa: E402
 from memguard_core.spec import TrainSpec, model_spec_from_module  # noqa: E402
@@ -70,7 +70,7 @@ def test_block_estimate_matches_what_peft_saves_with_and_without_dropout(dtype, 
         assert method == "lora" and lora.get("lora_dropout", 0.0) == p   # read from the LoraConfig
         ts = TrainSpec(batch_size=1, seq_length=TOKENS, method="lora", lora_rank=8, lora_targets=("all-linear",),
                        lora_dropout=p, dtype=name)
-        a = E._block_act_per_token_modules(ms, ts, lora=True, trainable_block=False)
+        a = E.block_act_per_token_modules(ms, ts, lora=True, trainable_block=False)
         est = a.hidden + a.scores + a.lora
         measured = _saved_per_token(model)
         assert est == pytest.approx(measured, rel=0.04), (p, est, measured)
@@ -85,7 +85,7 @@ def test_cuda_keeps_a_one_byte_mask_not_the_noise():
     ts = TrainSpec(batch_size=1, seq_length=TOKENS, method="lora", lora_targets=("all-linear",), dtype="bf16")
 
     def block(t):
-        a = E._block_act_per_token_modules(ms, t, lora=True, trainable_block=False)
+        a = E.block_act_per_token_modules(ms, t, lora=True, trainable_block=False)
         return a.hidden
 
     # all-linear on this block: six linears read 256 features, down_proj 640; each keeps an fp32

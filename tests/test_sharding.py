@@ -12,7 +12,7 @@ import pytest
 from memguard_core.cli import main
 from memguard_core.errors import ConfigError
 from memguard_core.estimate import CUDA_FRAGMENTATION, estimate
-from memguard_core.sharding import (DEEPSPEED_CPU_RUNTIME_BYTES, DIST_CPU_RUNTIME_BYTES, FSDP_CPU_HEAP_SLACK, deepspeed_zero2_model_states, deepspeed_zero3_model_states, shard_group,
+from memguard_core.estimator.sharding import (DEEPSPEED_CPU_RUNTIME_BYTES, DIST_CPU_RUNTIME_BYTES, FSDP_CPU_HEAP_SLACK, deepspeed_zero2_model_states, deepspeed_zero3_model_states, shard_group,
                                     zero1_model_states, zero_buckets)
 from memguard_core.spec import TrainSpec, model_spec_from_hf_config
 

@@ -9,7 +9,8 @@ import warnings
 
 import pytest
 
-from memguard_core.estimate import CUDA_FRAGMENTATION, _vision_activations, estimate
+from memguard_core.estimate import CUDA_FRAGMENTATION, estimate
+from memguard_core.estimator.vision import vision_activation_bytes
 from memguard_core.spec import (TrainSpec, lora_trainable_params, model_spec_from_hf_config,
                                 model_spec_from_module, vision_lora_linears)
 from test_model_sources import QWEN2_VL_2B
@@ -142,11 +143,11 @@ def _saved_vision_bytes(name, targets, dtype, attn="sdpa"):
     ("qwen2_vl", ("all-linear",), "fp32", "eager"), ("llava", ("all-linear",), "bf16", "eager"),
 ])
 def test_vision_activations_match_a_real_step(name, targets, dtype, attn):
-    """The analytic vision term (``_vision_activations``, one image) is within 3 % of what autograd
+    """The analytic vision term (``vision_activation_bytes``, one image) is within 3 % of what autograd
     saves in the tower and projector of a real PEFT LoRA step (the rest: LayerNorm mean / rstd
     and the like, per token and small)."""
     measured, ms = _saved_vision_bytes(name, targets, dtype, attn)
-    analytic = _vision_activations(ms, _lora_spec(targets, dtype, attn_impl=attn), 1.0)
+    analytic = vision_activation_bytes(ms, _lora_spec(targets, dtype, attn_impl=attn), 1.0)
     assert measured > 0
     assert analytic == pytest.approx(measured, rel=0.03)
 
@@ -154,7 +155,7 @@ def test_vision_activations_match_a_real_step(name, targets, dtype, attn):
 def test_qv_on_qwen2_vl_saves_nothing_in_the_tower():
     """q_proj / v_proj name no linear of Qwen2-VL's tower (qkv / proj): nothing there needs a gradient."""
     measured, ms = _saved_vision_bytes("qwen2_vl", ("q_proj", "v_proj"), "bf16")
-    assert measured == 0 == _vision_activations(ms, _lora_spec(("q_proj", "v_proj"), "bf16"), 1.0)
+    assert measured == 0 == vision_activation_bytes(ms, _lora_spec(("q_proj", "v_proj"), "bf16"), 1.0)
 
 
 # -- the estimate ----------------------------------------------------------------------------
@@ -176,7 +177,7 @@ def test_all_linear_adds_the_vision_term_and_qv_is_unchanged():
     new, old = estimate(ms, al), estimate(_today(ms), al)
     assert new.phase == old.phase == "loss"
     adapters = lora_trainable_params(ms, al) - lora_trainable_params(_today(ms), al)
-    act = _vision_activations(ms, al, 1.0)  # one image per row, 2 rows
+    act = vision_activation_bytes(ms, al, 1.0)  # one image per row, 2 rows
     assert act > 1e9  # 32 ViT blocks x 1024 patches x 2 rows
     vision = (act + 16 * adapters) * (1 + CUDA_FRAGMENTATION)
     assert new.peak_bytes - old.peak_bytes == pytest.approx(vision, rel=0.01)
@@ -189,11 +190,11 @@ def test_all_linear_adds_the_vision_term_and_qv_is_unchanged():
 
 def test_images_per_row_scale_the_vision_term():
     ms = model_spec_from_hf_config(QWEN2_VL_2B)
-    one = _vision_activations(ms, TrainSpec(method="lora", lora_targets=("all-linear",), dtype="bf16",
+    one = vision_activation_bytes(ms, TrainSpec(method="lora", lora_targets=("all-linear",), dtype="bf16",
                                             batch_size=3), 1.0)
     ts = TrainSpec(method="lora", lora_targets=("all-linear",), dtype="bf16", batch_size=3, seq_length=64)
-    assert _vision_activations(ms, ts, 2.0) == pytest.approx(2 * one, rel=1e-6)
-    ckpt = _vision_activations(ms, ts.replace(grad_checkpoint=True), 1.0)
+    assert vision_activation_bytes(ms, ts, 2.0) == pytest.approx(2 * one, rel=1e-6)
+    ckpt = vision_activation_bytes(ms, ts.replace(grad_checkpoint=True), 1.0)
     assert 0 < ckpt < one / 5  # one block input per vision block (+ the merger)
 
 

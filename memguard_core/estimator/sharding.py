@@ -1,7 +1,7 @@
 """Per-rank memory of data-parallel training: DDP, FSDP (``fully_shard`` / FSDP1) and DeepSpeed ZeRO.
 
 ``estimate()`` first builds the three moments of ONE process holding the whole model (``loss``,
-``backward``, ``optimizer``; see ``memguard_core/estimate.py``), then :func:`apply_sharding`
+``backward``, ``optimizer``; see ``memguard_core/estimator/estimate.py``), then :func:`apply_sharding`
 rewrites each moment's terms for one rank of ``TrainSpec.sharding``. Everything here is in bytes.
 Activations, attention scores, logits and the runtime overhead are per rank already (each rank runs
 its own micro-batch), so sharding never touches them; the CPU heap slack is recomputed by
@@ -74,7 +74,9 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Tuple
 
-from .errors import ConfigError
+from .cuda import CUDA_FRAGMENTATION
+from .trainable import trainable_param_count
+from .specs import DTYPE_BYTES
 
 MiB = 1 << 20
 
@@ -226,55 +228,6 @@ def shard_group(ts) -> int:
     return int(ts.world_size)
 
 
-def validate_sharding(ts) -> None:
-    """Check the sharding fields of a TrainSpec (called from ``TrainSpec.__post_init__``).
-
-    Raises:
-        ConfigError: an unknown ``sharding`` / ``offload``; an offload the layout has no such thing
-            for (``ddp`` / ``none``: none; FSDP: ``params``, which moves gradients and optimizer
-            states too; ZeRO-1/2: ``optimizer``); ``shard_group_size`` outside ``fsdp-hybrid`` or
-            not dividing ``world_size``; ``bucket_cap_mb`` <= 0; ``fsdp_version`` not 1 or 2;
-            sharding under ``framework="mlx"``.
-    """
-    from .errors import require_choice
-    from .spec import OFFLOADS, SHARDINGS
-
-    object.__setattr__(ts, "sharding", require_choice("sharding", ts.sharding, SHARDINGS))
-    object.__setattr__(ts, "offload", require_choice("offload", ts.offload, OFFLOADS))
-    s, o = ts.sharding, ts.offload
-    allowed = {"none": ("none",), "ddp": ("none",), "zero1": ("none", "optimizer"),
-               "zero2": ("none", "optimizer"), "zero3": OFFLOADS}.get(s, ("none", "params"))
-    if o not in allowed:
-        raise ConfigError("offload", f"one of {', '.join(allowed)} with sharding={s!r}", o)
-    g = ts.shard_group_size
-    if g is not None:
-        if s != "fsdp-hybrid":
-            raise ConfigError("shard_group_size", "None unless sharding='fsdp-hybrid'", g)
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1 or ts.world_size % g:
-            raise ConfigError("shard_group_size", f"a positive divisor of world_size={ts.world_size}", g)
-    b = ts.bucket_cap_mb
-    if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b > 0) or math.isinf(b):
-        raise ConfigError("bucket_cap_mb", "a positive number of MiB (DDP's default: 25)", b)
-    if not isinstance(ts.gradient_as_bucket_view, bool):
-        raise ConfigError("gradient_as_bucket_view", "True or False", ts.gradient_as_bucket_view)
-    if ts.fsdp_version not in (1, 2) or isinstance(ts.fsdp_version, bool):
-        raise ConfigError("fsdp_version", "1 (FullyShardedDataParallel) or 2 (fully_shard)", ts.fsdp_version)
-    if s != "none" and ts.framework == "mlx":
-        raise ConfigError("sharding", "'none' with framework='mlx' (mlx_lm has no DDP/FSDP/ZeRO)", s)
-    zb = ts.zero_buckets
-    if zb is not None:
-        if not s.startswith("zero"):
-            raise ConfigError("zero_buckets", f"None unless sharding is zero1/zero2/zero3 (sharding={s!r})", zb)
-        keys = tuple(ZERO_BUCKETS["deepspeed"])
-        if not isinstance(zb, dict) or any(k not in keys for k in zb):
-            raise ConfigError("zero_buckets", f"a dict with keys among {', '.join(keys)}", zb)
-        for k, v in zb.items():
-            ok = isinstance(v, bool) if k == "overlap_comm" else (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
-            if not ok:
-                raise ConfigError(f"zero_buckets[{k!r}]", "True or False" if k == "overlap_comm"
-                                  else "an integer number of elements >= 0", v)
-
-
 # ---------------------------------------------------------------------------------------------
 # per-rank moments
 
@@ -307,8 +260,6 @@ def apply_sharding(ms, ts, phases: Dict[str, Dict[str, int]], totals: Dict[str, 
     moment; on ``cpu`` the single-process heap slack plus, under FSDP, :data:`FSDP_CPU_HEAP_SLACK`.
     Does nothing for ``sharding="none"``, so a ``none`` estimate equals the single-process one
     exactly."""
-    from .estimate import CUDA_FRAGMENTATION
-
     s = ts.sharding
     if s == "none":
         return
@@ -342,8 +293,6 @@ def _unit_bytes(ms, ts, phases) -> Tuple[float, int, int, int, int]:
     stored dtype, LoRA adapters included), the root unit's and one block unit's unsharded weights,
     and their unsharded gradients (a full fine-tune's in proportion to the parameters; LoRA trains
     blocks only, so the root has none)."""
-    from .estimate import DTYPE_BYTES
-
     total = max(1, ms.params.total)
     root_p, block_p = _root_and_block_params(ms)
     g_full = phases["optimizer"]["gradients"]
@@ -480,8 +429,6 @@ def _zero(ms, ts, phases, notes) -> None:
 
 
 def _trainable(ms, ts) -> int:
-    from .estimate import trainable_param_count
-
     return trainable_param_count(ms, ts)
 
 

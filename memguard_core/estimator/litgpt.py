@@ -11,15 +11,20 @@ LitGPT at commit 8641822 (2023-10, ``lit_gpt/``) and 00af8b0d (2024-09, ``litgpt
 Lightning 2.1 and bitsandbytes 0.41.1, and checked by running those sources on fake tensors
 (docs/estimator.md, "LitGPT's model code"); line numbers name the 2024 tree.
 
-This module imports no framework; ``memguard_core.estimate`` calls it for ``model_code="litgpt"``.
+This module imports no framework; ``memguard_core.estimator.estimate`` calls it for ``model_code="litgpt"``.
 """
 
 from __future__ import annotations
 
 from typing import Dict, FrozenSet, NamedTuple
 
-from .errors import ConfigError
-from .spec import ModelSpec, TrainSpec
+from ..errors import ConfigError
+from .attention import dropout_bytes, sdpa_lse_per_token
+from .bnb import bnb_4bit_keeps_input, version_tuple
+from .cuda import cuda_sdpa_backend
+from .trainable import block_linear_shapes
+from .specs import DTYPE_BYTES, ModelSpec, PeftDefaultTargets, TrainSpec
+from .weights import weight_bits
 
 #: Chunk of positions LitGPT's ``finetune/lora.py`` runs the head and the loss in
 #: (``model(input_ids, lm_head_chunk_size=128)``, ``chunked_cross_entropy(..., chunk_size=128)``).
@@ -66,8 +71,6 @@ STABLE_EMBEDDING_FROM = (0, 5, 0)
 def stable_embedding(ts: TrainSpec) -> bool:
     """Whether this QLoRA run's LitGPT swaps in a trainable ``StableEmbedding``
     (:data:`STABLE_EMBEDDING_FROM`); ``ts.litgpt_version`` None = the current LitGPT (it does)."""
-    from .estimate import version_tuple
-
     if ts.method != "qlora":
         return False
     return ts.litgpt_version is None or version_tuple(ts.litgpt_version) >= STABLE_EMBEDDING_FROM
@@ -81,8 +84,6 @@ def stable_embedding_terms(ms: ModelSpec, ts: TrainSpec) -> Dict[str, int]:
     LayerNorm's input in the forward context's dtype -- Fabric's ``bf16-true`` sets the default
     dtype the module casts to, bitsandbytes ``nn/modules.py`` ``StableEmbedding.forward`` -- with
     its mean and rstd, and the token ids)."""
-    from .estimate import DTYPE_BYTES
-
     if not stable_embedding(ts):
         return {"gradient": 0, "transient": 0, "per_token": 0}
     e = DTYPE_BYTES[ts.dtype]
@@ -112,10 +113,8 @@ def lora_parts(ts: TrainSpec) -> FrozenSet[str]:
         ConfigError (``lora_targets``): a target outside q / k / v (LitGPT's ``lora_projection``,
         ``lora_mlp`` and ``lora_head`` are not modelled).
     """
-    from .spec import _PeftDefaultTargets
-
     targets = ts.lora_targets
-    if isinstance(targets, _PeftDefaultTargets):
+    if isinstance(targets, PeftDefaultTargets):
         return DEFAULT_TARGETS
     parts = set()
     for t in targets:
@@ -201,7 +200,7 @@ def block_saves(ms: ModelSpec, ts: TrainSpec) -> Saves:
       read the same x, ``litgpt/model.py`` ``Block.forward`` l.201-206); LitGPT's ``RMSNorm`` works
       on ``x.float()`` and keeps that fp32 copy (4 x C per norm; two in a sequential block);
     * LoRA input: ``lora_A`` runs on ``lora_dropout(x)`` (``lora.py`` l.426): with p > 0 its bf16
-      output (e x C) and the dropout's mask (``memguard_core.estimate._dropout_bytes``: 1 byte
+      output (e x C) and the dropout's mask (``memguard_core.estimator.attention.dropout_bytes``: 1 byte
       on CUDA, e on CPU); with p = 0 the norm output
       itself (e x C). One dropout for the whole fused linear, whatever the parts;
     * the zero-padding of the adapter output (``LoRAQKVLinear.zero_pad``, ``lora.py`` l.347
@@ -213,7 +212,7 @@ def block_saves(ms: ModelSpec, ts: TrainSpec) -> Saves:
       grouped queries ``reshape`` after ``expand`` copies, so v is a q-sized copy and the buffer
       is freed. RoPE's ``cat`` makes new q and k (e x q each with grouped queries, e x (q + kv)
       otherwise), SDPA keeps q, k, v, its output (e x q) and an fp32 logsumexp (4 x heads, padded
-      as ``memguard_core.estimate._sdpa_lse_per_token`` says for the memory-efficient kernel);
+      as ``memguard_core.estimator.attention.sdpa_lse_per_token`` says for the memory-efficient kernel);
     * MLP (frozen linears keep no input): ``GptNeoxMLP``'s ``F.gelu`` keeps its input (e x I,
       l.356-357); ``LLaMAMLP``'s ``silu(fc_1) * fc_2`` keeps fc_1's output for the silu and both
       factors for the product (3 e x I).
@@ -223,8 +222,6 @@ def block_saves(ms: ModelSpec, ts: TrainSpec) -> Saves:
     parallel residual block neither norm, which read the same x), and in a parallel residual block
     its MLP keeps nothing (its input never leads to a trained parameter).
     """
-    from .estimate import DTYPE_BYTES, _dropout_bytes, _sdpa_lse_per_token, cuda_sdpa_backend
-
     b = block_of(ms)
     e = DTYPE_BYTES[ts.dtype]
     c, i = ms.hidden_size, ms.intermediate_size
@@ -238,14 +235,14 @@ def block_saves(ms: ModelSpec, ts: TrainSpec) -> Saves:
         norms = 4 * c * (1 if b.parallel_residual else 2)
     drop = ts.lora_dropout > 0
     lora_in = e * c
-    mask = _dropout_bytes(ts, e) * c if drop else 0
+    mask = dropout_bytes(ts, e) * c if drop else 0
     pad = 0 if parts == {"q", "k", "v"} else e * sum(d[p] for p in parts)
     if mha:
         attn = e * (q + 2 * kv) + e * (q + kv) + e * q
     else:
         attn = e * q * 4  # roped q, roped (expanded) k, the v copy, the output
     backend = cuda_sdpa_backend(ms, ts) if ts.device == "cuda" else "flash"
-    lse = _sdpa_lse_per_token(ms, ts, backend)
+    lse = sdpa_lse_per_token(ms, ts, backend)
     mlp = e * i if b.mlp == "gelu" else 3 * e * i
     block = norms + lora_in + mask + pad + attn + lse + mlp
     if stable_embedding(ts):
@@ -270,8 +267,6 @@ def qlora_inputs(ms: ModelSpec, ts: TrainSpec) -> Saves:
     block's qkv linear and, in a parallel residual block, its MLP see inputs without gradient:
     nothing kept there.
     """
-    from .estimate import DTYPE_BYTES, bnb_4bit_keeps_input
-
     if ts.method != "qlora" or not bnb_4bit_keeps_input(ts):
         return Saves(0.0, 0.0, 0.0)
     b = block_of(ms)
@@ -310,8 +305,6 @@ def head_moments(ms: ModelSpec, ts: TrainSpec) -> Dict[str, Dict[str, int]]:
     e x C, RMSNorm 4 x C per token), the 4-bit head's kept input (e x C, bitsandbytes before
     0.43.2) and the previous step's kept inputs where the moment has them.
     """
-    from .estimate import DTYPE_BYTES, bnb_4bit_keeps_input
-
     b = block_of(ms)
     e = DTYPE_BYTES[ts.dtype]
     tokens = ts.batch_size * ts.seq_length
@@ -341,11 +334,9 @@ def head_moments(ms: ModelSpec, ts: TrainSpec) -> Dict[str, Dict[str, int]]:
 def block_dequant(ms: ModelSpec, ts: TrainSpec) -> int:
     """QLoRA: bytes of the largest block linear dequantized while it runs (fp16 from Lightning's
     ``BitsandbytesPrecision``, then cast to e: (2 + e) x out x in, ``MatMul4Bit``); 0 for LoRA."""
-    from .estimate import DTYPE_BYTES, _block_linears
-
     if ts.method != "qlora":
         return 0
-    big = max((ls.in_features * ls.out_features for ls in _block_linears(ms) if not ls.is_param), default=0)
+    big = max((ls.in_features * ls.out_features for ls in block_linear_shapes(ms) if not ls.is_param), default=0)
     return (2 + DTYPE_BYTES[ts.dtype]) * big
 
 
@@ -356,13 +347,11 @@ def weights(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
     dtype; the adapters in the dtype too (LitGPT converts the whole module). With the
     ``StableEmbedding`` swap (:func:`stable_embedding`) the old embedding stays too:
     ``finetune/lora.py``'s ``main`` keeps it in a local (``old_embedding``) for the whole run."""
-    from .estimate import DTYPE_BYTES, _weight_bits
-
     e = DTYPE_BYTES[ts.dtype]
     p = ms.params
     if ts.method == "qlora":
         quant = p.attention + p.mlp + p.experts + p.lm_head
-        b = quant * _weight_bits(ms, ts) / 8 + (p.total - quant) * e
+        b = quant * weight_bits(ms, ts) / 8 + (p.total - quant) * e
     else:
         b = p.total * e
     if stable_embedding(ts):

@@ -459,20 +459,19 @@ def cmd_estimate(args) -> int:
     est = estimate(ms, ts)
     trace = None
     if args.trace:  # torch / transformers / peft are imported only here
-        try:
-            from memguard_hf import trace as tracing
-        except ImportError as exc:
-            raise MemGuardError(f"--trace needs the [hf] extra (torch, transformers, peft): {exc}") from None
+        from .features import load
+
+        tracing = load("trace", "hf")
         trace = tracing.trace_for_cli(args.config, ts)
     budget = None
     ratio = 0.8 if args.safety_ratio is None else args.safety_ratio
     if args.budget_gib is not None:
-        if not math.isfinite(args.budget_gib) or args.budget_gib <= 0:
-            raise ConfigError("--budget-gib", "a number of GiB > 0", args.budget_gib)
+        if not math.isfinite(args.budget_gib) or args.budget_gib <= 0 or int(args.budget_gib * GiB) < 1:
+            raise ConfigError("--budget-gib", "a number of GiB > 0 (at least one byte)", args.budget_gib)
         budget = int(args.budget_gib * GiB)
     elif args.available_gib is not None:
-        if not math.isfinite(args.available_gib) or args.available_gib <= 0:
-            raise ConfigError("--available-gib", "a number of GiB > 0", args.available_gib)
+        if not math.isfinite(args.available_gib) or args.available_gib <= 0 or int(args.available_gib * GiB) < 1:
+            raise ConfigError("--available-gib", "a number of GiB > 0 (at least one byte)", args.available_gib)
         budget = budget_from_available(int(args.available_gib * GiB), ratio)
     chosen = None
     not_fit = None
@@ -527,24 +526,19 @@ def cmd_probe(args) -> int:
     return 0
 
 
-_DEMOS = {
-    "hf": ("memguard_hf.demo", "the [hf] extra (torch, transformers, peft)"),
-    "lightning": ("memguard_lightning.demo", "the [lightning] extra (torch, lightning)"),
-    "mlx": ("memguard_mlx.demo", "the [mlx] extra (mlx, mlx-lm; on Linux mlx[cpu])"),
-}
+_DEMO_EXTRAS = {"hf": "hf", "lightning": "lightning", "mlx": "mlx"}
 
 
 def cmd_demo(args) -> int:
+    from .features import FeatureUnavailable, load
+
     for name in ("steps", "batch_size", "grad_accum", "seq_length"):
         if getattr(args, name) < 1:
             raise ConfigError("--" + name.replace("_", "-"), "an integer >= 1", getattr(args, name))
-    module, extra = _DEMOS[args.framework]
     try:
-        import importlib
-
-        run_demo = importlib.import_module(module).run_demo
-    except ImportError as exc:
-        print(f"memguard demo --framework {args.framework} needs {extra}: {exc}", file=sys.stderr)
+        run_demo = load(f"demo.{args.framework}", _DEMO_EXTRAS[args.framework])
+    except FeatureUnavailable as exc:
+        print(f"memguard demo --framework {args.framework}: {exc}", file=sys.stderr)
         return 2
     return run_demo(args)
 

@@ -141,9 +141,8 @@ def print_probe(snap) -> None:
 
 
 # ---------------------------------------------------------------------------------- the demos
-#: Where the text shipped for the demos lies (package data of ``memguard_hf``, read by path so that
-#: the MLX demo need not import ``memguard_hf``, which needs torch).
-DEMO_CORPUS = Path(__file__).resolve().parents[1] / "memguard_hf" / "data" / "demo_corpus.txt"
+#: The text shipped for the demos (package data of ``memguard_core``, shared by every adapter's demo).
+DEMO_CORPUS = Path(__file__).resolve().parent / "data" / "demo_corpus.txt"
 #: Byte ``b`` of the text is token ``b + BYTE_OFFSET`` (ids 0..2 are the special tokens of the
 #: demo models' configs: SmolLM2's bos 1, eos/pad 2).
 BYTE_OFFSET = 3

@@ -77,6 +77,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from ._deprecation import renamed_attribute, warn_renamed
 from .errors import ConfigError, require_positive_int
+from .outputs import check_output
 from .events import LOG_DIR_ENV, RUN_ID_ENV, append_record, event_log_path, new_run_id
 from .options import MICRO_BATCHES_ENV, OLD_MICRO_BATCHES_ENV, micro_batches_from_env
 from .resume import (AUTO, FRAMEWORKS, RESUME_ENV, require_framework, checkpoint_step, detect_checkpoint_dir,
@@ -440,8 +441,8 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
     # with an event log, every attempt writes to the same file (one run id), and the restarts are
     # recorded in it between the killed attempt's records and the next one's
     log_dir = base_env.get(LOG_DIR_ENV)
-    if log_dir:
-        base_env.setdefault(RUN_ID_ENV, new_run_id())
+    # one id for the run's attempts, also without an event log (README: set by memguard run)
+    base_env.setdefault(RUN_ID_ENV, new_run_id())
     while True:
         attempt = Attempt(number=len(result.attempts) + 1, micro_batches=micro_batches, resume_from=resume)
         child_env = dict(base_env)
@@ -542,6 +543,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        if args.report:
+            check_output(args.report, "--report")   # before the run, not after hours of it
         res = supervise(cmd, output_dir=args.output_dir, framework=args.framework,
                         max_restarts=args.max_restarts, micro_batches=args.micro_batches,
                         report=lambda line: print(line, file=sys.stderr, flush=True))
@@ -555,6 +558,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 json.dump(res.to_dict(), f, indent=1)
         except OSError as exc:
             print(f"memguard run: could not write --report {args.report}: {exc}", file=sys.stderr)
+            return res.returncode or 2
     return res.returncode
 
 

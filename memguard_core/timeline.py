@@ -17,6 +17,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from .errors import ConfigError
+from .outputs import check_output
 from .events import read_events
 
 __all__ = ["load_runs", "summarize", "draw_timeline", "write_html", "summary_text", "report_text",
@@ -291,18 +292,6 @@ def write_html(runs: Runs, out_html: str, png_path: Optional[str] = None) -> str
     except OSError as exc:
         raise ConfigError("--html", "a writable path", f"{out_html} ({exc.strerror or exc})") from None
     return out_html
-
-
-def check_output(path: str, flag: str) -> None:
-    """Raise ``ConfigError`` naming ``flag`` unless ``path`` can be written as a file: not a folder,
-    in an existing folder this process may write to (an existing file: writable)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ConfigError(flag, "a file path, not a folder", path)
-    if not os.path.isdir(folder):
-        raise ConfigError(flag, "a path in an existing folder", f"{path} (no folder {folder})")
-    if os.path.exists(path) and not os.access(path, os.W_OK) or not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(flag, "a writable path", path)
 
 
 def report_main(argv: Optional[List[str]] = None) -> int:

@@ -17,6 +17,7 @@ def _memguard(*args, env=None):
 
 
 @pytest.mark.parametrize("flag,value", [("--budget-gib", "nan"), ("--budget-gib", "inf"), ("--budget-gib", "-1"),
+                                        ("--budget-gib", "1e-12"),
                                         ("--available-gib", "nan"), ("--available-gib", "inf")])
 def test_non_finite_budgets(flag, value, capsys):
     from memguard_core.cli import main
@@ -25,6 +26,7 @@ def test_non_finite_budgets(flag, value, capsys):
     code = main(["estimate", "--config", SMOL, "--device", "cpu", flag, value])
     err = capsys.readouterr().err
     assert code == 2 and f"invalid {flag}" in err and "Traceback" not in err
+    assert "integer" not in err      # a GiB figure is a number, not an integer (#34 item 9)
 
 
 def test_run_with_a_command_that_does_not_exist():
@@ -70,3 +72,21 @@ def test_run_names_a_plain_exit_status_once():
     p = _memguard("run", "--", sys.executable, "-c", "import sys; sys.exit(3)")
     assert p.returncode == 3
     assert "exited with status 3" in p.stderr and "(status 3)" not in p.stderr
+
+
+def test_run_report_path_is_checked_before_the_run(tmp_path):
+    """#34 item 9: an unwritable --report is an error before the child runs (it used to exit 0 after it)."""
+    marker = tmp_path / "ran"
+    p = _memguard("run", "--report", str(tmp_path / "no" / "such" / "r.json"), "--",
+                  sys.executable, "-c", f"open({str(marker)!r}, 'w').close()")
+    assert p.returncode == 2 and "--report" in p.stderr and "Traceback" not in p.stderr
+    assert not marker.exists()
+
+
+def test_run_sets_the_run_id_without_a_log_dir():
+    env = {k: v for k, v in os.environ.items() if k not in ("MEMGUARD_LOG_DIR", "MEMGUARD_RUN_ID")}
+    p = subprocess.run([sys.executable, "-m", "memguard_core.cli", "run", "--", sys.executable, "-c",
+                        "import os; print('id=' + os.environ['MEMGUARD_RUN_ID'])"],
+                       capture_output=True, text=True, env=dict(env, PYTHONPATH=ROOT), timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert any(line.startswith("id=") and len(line) > 3 for line in p.stdout.splitlines())

@@ -1276,7 +1276,7 @@ class Runner:
         """memguard's estimate of ``case`` per counter, scored against the child's measurement:
         the estimate from the config file (as ``memguard estimate CONFIG --device cuda``) and the
         preflight's (the live module's spec) beside it."""
-        from memguard_core.bench import _model_spec
+        from memguard_bench.harness import _model_spec
         from memguard_core.estimate import cuda_counter_bytes, estimate
         from memguard_core.spec import TrainSpec, model_spec_from_hf_config
 

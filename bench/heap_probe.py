@@ -5,7 +5,7 @@ there, beside memguard's estimate of the same run.
     python bench/heap_probe.py --arch smollm2-135m --layers 2 --method full --seq-length 128 --saved-tensors
 
 One HF ``Trainer`` run on CPU in this process, as ``memguard bench`` runs its HF cases: an
-architecture of ``memguard_core.bench.HF_ARCHS`` / ``HF_FULL_DEPTH_ARCHS`` built from its config
+architecture of ``memguard_bench.harness.HF_ARCHS`` / ``HF_FULL_DEPTH_ARCHS`` built from its config
 numbers (``--layers`` cuts or extends the blocks), random weights seeded with 0, weights in
 ``--dtype`` (pure bf16, no autocast), SDPA attention, full fine-tune or PEFT LoRA (alpha = 2 x rank,
 no dropout), ``adamw_torch_fused``, random token ids seeded with 1 (labels = inputs), and glibc's
@@ -167,7 +167,7 @@ def arch_config(arch: str, layers: Optional[int]):
     with ``layers`` blocks when given. Raises KeyError for an unknown arch."""
     from transformers import AutoConfig
 
-    from memguard_core import bench as B
+    from memguard_bench import harness as B
 
     a = dict({**B.HF_ARCHS, **B.HF_FULL_DEPTH_ARCHS}[arch])
     mt = a.pop("model_type")
@@ -422,7 +422,7 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     ap.add_argument("--arch", required=True,
-                    help="a key of memguard_core.bench.HF_ARCHS or HF_FULL_DEPTH_ARCHS (e.g. mixtral-4l, tinyllama-2l)")
+                    help="a key of memguard_bench.harness.HF_ARCHS or HF_FULL_DEPTH_ARCHS (e.g. mixtral-4l, tinyllama-2l)")
     ap.add_argument("--layers", type=int, default=0, help="decoder blocks [the arch's own]")
     ap.add_argument("--method", choices=("full", "lora"), default="lora", help="[lora]")
     ap.add_argument("--lora-rank", type=int, default=16, help="[16]")
@@ -456,7 +456,7 @@ def main(argv=None) -> int:
         print("heap_probe.py needs Linux (/proc/self/status, /proc/self/clear_refs, glibc's mallinfo2); "
               f"this is {sys.platform}.", file=sys.stderr)
         return 2
-    from memguard_core import bench as B
+    from memguard_bench import harness as B
 
     if a.arch not in B.HF_ARCHS and a.arch not in B.HF_FULL_DEPTH_ARCHS:
         print(f"unknown --arch {a.arch!r}; one of: " + ", ".join([*B.HF_ARCHS, *B.HF_FULL_DEPTH_ARCHS]),

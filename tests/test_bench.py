@@ -1,5 +1,5 @@
 """memguard bench: the matrix, the statistics and the reports (cheap; the real runs are
-``python -m memguard_core.bench --quick`` in CI and the full bench in bench/results/)."""
+``python -m memguard_bench --quick`` in CI and the full bench in bench/results/)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from memguard_core import bench
+from memguard_bench import harness as bench
 
 
 def test_matrix_is_wide_and_names_are_unique():
@@ -70,7 +70,7 @@ def test_score_reestimates_a_saved_measurement():
 
 
 def test_cli_lists_cases_without_running_them():
-    p = subprocess.run([sys.executable, "-m", "memguard_core.bench", "--list", "--quick", "--backend", "hf"],
+    p = subprocess.run([sys.executable, "-m", "memguard_bench", "--list", "--quick", "--backend", "hf"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0
     assert p.stdout.split() == [c["name"] for c in bench.select(quick=True, backends=("hf",))]
@@ -87,7 +87,7 @@ def test_seed_estimate_is_bytes_or_none():
 
 
 def test_gate_fails_on_an_under_estimate_or_a_high_median():
-    from memguard_core.bench import gate_failures
+    from memguard_bench.harness import gate_failures
 
     ok = [dict(name="a", error=-0.04), dict(name="b", error=0.03), dict(name="c", error=0.01)]
     assert gate_failures(ok) == []

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from memguard_core import bench
+from memguard_bench import harness as bench
 
 #: Published layer counts, typed from each hub config (independent of bench.FULL_DEPTH_LAYERS).
 PUBLISHED_LAYERS = {
@@ -131,11 +131,11 @@ def test_full_depth_set_covers_what_users_run():
 
 
 def test_list_prints_the_full_depth_cases():
-    p = subprocess.run([sys.executable, "-m", "memguard_core.bench", "--list", "--set", "full-depth", "--backend", "hf"],
+    p = subprocess.run([sys.executable, "-m", "memguard_bench", "--list", "--set", "full-depth", "--backend", "hf"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == [c["name"] for c in bench.select(case_set="full-depth", backends=("hf",))]
-    h = subprocess.run([sys.executable, "-m", "memguard_core.bench", "--help"], capture_output=True, text=True,
+    h = subprocess.run([sys.executable, "-m", "memguard_bench", "--help"], capture_output=True, text=True,
                        timeout=120)
     assert "full-depth" in h.stdout and "--date" in h.stdout
 

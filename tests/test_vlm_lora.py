@@ -225,7 +225,7 @@ def test_a_recorded_vision_language_spec_scores_as_the_live_one():
     # bench --reuse rebuilds specs from their JSON records: the tower must come back as a VisionTower
     import dataclasses
 
-    from memguard_core.bench import _model_spec
+    from memguard_bench.harness import _model_spec
 
     ms = model_spec_from_hf_config(QWEN2_VL_2B)
     back = _model_spec(json.loads(json.dumps(dataclasses.asdict(ms))))

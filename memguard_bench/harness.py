@@ -30,13 +30,13 @@ and full, checkpointing on and off, AdamW / SGD / Adafactor; 2-3 optimizer steps
 longest set (per-case times in its report), so ``all`` (and ``--quick``, CI's) leave it out. No constant was fitted on it; its
 report states that, with its summaries and the small matrix's beside them, dated.
 
-    python -m memguard_core.bench                 # matrix + held out
-    python -m memguard_core.bench --quick         # a small subset (CI)
-    python -m memguard_core.bench --set full-depth --json fd.json --markdown fd.md
-    python -m memguard_core.bench --only smollm2  # cases whose name contains the text
-    python -m memguard_core.bench --json out.json --markdown out.md
-    python -m memguard_core.bench --reuse bench/results/bench_cpu.json   # re-estimate only
-    python -m memguard_core.bench --submit        # a markdown report to file as an issue
+    python -m memguard_bench                 # matrix + held out
+    python -m memguard_bench --quick         # a small subset (CI)
+    python -m memguard_bench --set full-depth --json fd.json --markdown fd.md
+    python -m memguard_bench --only smollm2  # cases whose name contains the text
+    python -m memguard_bench --json out.json --markdown out.md
+    python -m memguard_bench --reuse bench/results/bench_cpu.json   # re-estimate only
+    python -m memguard_bench --submit        # a markdown report to file as an issue
 
 This module imports no framework at module level (the children import torch / mlx).
 """
@@ -494,7 +494,7 @@ def full_depth_cases() -> List[dict]:
 CASES = cases()
 
 # ---------------------------------------------------------------------------------------------
-# children (run in a fresh interpreter: ``python -m memguard_core.bench --child JSON``)
+# children (run in a fresh interpreter: ``python -m memguard_bench --child JSON``)
 
 
 def _status_kib(key: str) -> int:
@@ -568,7 +568,7 @@ def _hf_trim_heap_callback():
     peaks measured are a guarded run's. It runs after the per-step peak callback has read the step."""
     from transformers import TrainerCallback
 
-    from .probes import trim_heap
+    from memguard_core.probes import trim_heap
 
     class TrimHeap(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
@@ -653,15 +653,15 @@ def _child_hf(case: dict) -> dict:
     pinned = False
     if device == "cpu" and case.get("trim_heap", True):
         callbacks.append(_hf_trim_heap_callback())
-        from .guard import fix_mmap_threshold
-        from .spec import TrainSpec
+        from memguard_core.guard import fix_mmap_threshold
+        from memguard_core.spec import TrainSpec
 
         pinned = fix_mmap_threshold(ms, TrainSpec(dtype=kw["dtype"], device="cpu"))  # as the guard at train start
     trainer = Trainer(model=model, args=args, train_dataset=DS(), callbacks=callbacks or None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     # read where a guard's preflight reads it (on_train_begin): the mapped libraries' pages
-    from .stats import process_file_resident_bytes
+    from memguard_core.stats import process_file_resident_bytes
     resident_file = process_file_resident_bytes() if device == "cpu" else None
     trainer.train()
     peak = read()
@@ -796,7 +796,7 @@ def run_case(case: dict, timeout_s: float = 600.0) -> dict:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.pop("MALLOC_MMAP_THRESHOLD_", None)  # measure glibc's defaults, which the model assumes
     try:
-        p = subprocess.run([sys.executable, "-m", "memguard_core.bench", "--child", json.dumps(case)],
+        p = subprocess.run([sys.executable, "-m", "memguard_bench", "--child", json.dumps(case)],
                            capture_output=True, text=True, cwd=_root(), env=env, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f}s", "date": _today()}
@@ -813,7 +813,7 @@ def _today() -> str:
 
 
 def _model_spec(d: dict):
-    from .spec import LinearShape, ModelSpec, ParamCounts, VisionTower
+    from memguard_core.spec import LinearShape, ModelSpec, ParamCounts, VisionTower
 
     d = dict(d)
     d["params"] = ParamCounts(**d["params"])
@@ -840,7 +840,7 @@ def _with_config_fields(case: dict, spec: dict) -> dict:
     try:
         from transformers import AutoConfig
 
-        from .estimator.readers_hf import config_numbers as _config_numbers
+        from memguard_core.estimator.readers_hf import config_numbers as _config_numbers
 
         archs = HF_FULL_DEPTH_ARCHS if case.get("full_depth") else {**HF_ARCHS, **HF_HELD_OUT_ARCHS}
         arch = dict(archs[case["arch"]])
@@ -853,7 +853,7 @@ def _with_config_fields(case: dict, spec: dict) -> dict:
 def specs_of(case: dict, rec: dict):
     """(ModelSpec, TrainSpec) of a measured case: the model as introspected in the child; the
     settings from the case (HF) or as ``memguard_mlx`` read them from mlx_lm's args (MLX)."""
-    from .spec import TrainSpec
+    from memguard_core.spec import TrainSpec
 
     ms = _model_spec(_with_config_fields(case, rec["model_spec"]))
     if rec.get("train_spec"):
@@ -888,7 +888,7 @@ def seed_estimate_bytes(ms, ts) -> Optional[int]:
     except Exception:
         return None
     try:
-        from .estimator.trainable import block_linear_shapes as _block_linears, lora_linears as _lora_linears
+        from memguard_core.estimator.trainable import block_linear_shapes as _block_linears, lora_linears as _lora_linears
 
         n_targets = len(_lora_linears(ms, ts)) if ts.method != "full" else 0
         moe = ms.num_experts > 1
@@ -927,7 +927,7 @@ def cpu_bf16_moe(ms, ts) -> bool:
     """True for a mixture-of-experts model (``ms.is_moe``) whose matmuls run in bf16 (pure bf16 or
     bf16 autocast) on torch's CPU backend (``ts.framework`` hf / lightning, ``ts.device`` cpu):
     the cases :data:`CPU_BF16_MOE` labels and the reports summarise apart."""
-    from .spec import routed_half_precision_on_cpu
+    from memguard_core.spec import routed_half_precision_on_cpu
 
     return routed_half_precision_on_cpu(ms, ts) and ts.dtype == "bf16"
 
@@ -935,7 +935,7 @@ def cpu_bf16_moe(ms, ts) -> bool:
 def score(case: dict, rec: dict, *, seed: bool = True) -> dict:
     """Estimate a measured case; returns a result row (name, backend, counter, estimate_bytes,
     actual_bytes, error = (estimate - actual) / actual, phase, seconds, breakdown, seed_*)."""
-    from .estimate import estimate
+    from memguard_core.estimate import estimate
 
     ms, ts = specs_of(case, rec)
     est = estimate(ms, ts)
@@ -1008,12 +1008,12 @@ def reported_fingerprint(here: dict, saved: Optional[dict], fresh: int) -> dict:
 
 def machine_fingerprint() -> dict:
     """What the results depend on: OS, CPU, cores, memory, Python and framework versions."""
-    from .calibration import cpu_model
+    from memguard_core.calibration import cpu_model
 
     fp = dict(os=f"{platform.system()} {platform.release()}", machine=platform.machine(),
               cpu=cpu_model(), cores=os.cpu_count(), python=platform.python_version())
     try:
-        from .probes import probe
+        from memguard_core.probes import probe
 
         snap = probe()
         fp["memory_total_gib"] = round(snap.total_bytes / 2**30, 1)

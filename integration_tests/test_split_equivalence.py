@@ -241,3 +241,29 @@ def test_trl_dpo_loss_that_couples_pairs_is_refused_at_train_start(tmp_path, cap
                for r in caplog.records)
     init, ref = _trl_run("dpo", str(tmp_path / "ref"), loss_type=["aot"])
     assert eq.max_rel_diff(ref["params"], run["params"], init) < TOL   # whole batches, as unsplit
+
+
+def test_moe_router_loss_is_refused_at_train_start(tmp_path, caplog, monkeypatch):
+    """A Mixtral with ``output_router_logits`` adds its load-balancing loss (a mean over the forward's
+    tokens) to every forward: a split would count it k times, so the guard refuses to split and the
+    run equals the unsplit one."""
+    import transformers as tf
+
+    def build(kind, seed=0):
+        torch.manual_seed(seed)
+        cfg = tf.MixtralConfig(vocab_size=eq.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                               num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5,
+                               max_position_embeddings=64, use_cache=False)
+        return tf.MixtralForCausalLM(cfg)
+
+    orig_rows = eq.rows
+    monkeypatch.setattr(eq, "build_model", build)
+    monkeypatch.setattr(eq, "rows", lambda kind, *a, **kw: orig_rows("llama-padded", *a, **kw))
+    init = eq.params(build("moe"))
+    ref = eq.run_hf("moe", str(tmp_path / "1"))
+    with caplog.at_level(logging.WARNING, logger="memguard.hf"):
+        run = eq.run_hf("moe", str(tmp_path / "2"), k=2)
+    assert any("router loss" in r.getMessage() and "disabled" in r.getMessage() for r in caplog.records)
+    assert eq.max_rel_diff(ref["params"], run["params"], init) < TOL
+    assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)

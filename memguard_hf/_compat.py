@@ -107,6 +107,22 @@ def trl_unsplittable_loss(trainer: Any) -> Optional[str]:
     return None
 
 
+def router_loss_in_loss(trainer: Any) -> Optional[str]:
+    """Why a mixture-of-experts router (load-balancing) loss makes a split change the gradient, or
+    None: the model adds it to its loss (``config.output_router_logits``: Mixtral, Qwen-MoE, ...,
+    ``router_aux_loss_coef x load_balancing_loss_func(...)`` inside the forward), or TRL's SFT trainer
+    adds it (``aux_loss_enabled``, ``weighted_aux_loss / steps``). It is a mean over the forward's
+    routed tokens added whole to every forward, so k micro-batches would count it about k times."""
+    model = getattr(trainer, "model", None)
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    on = bool(getattr(getattr(base, "config", None), "output_router_logits", False))
+    if on or (_trl_class(trainer, "SFTTrainer") and getattr(trainer, "aux_loss_enabled", False)):
+        return ("the model's mixture-of-experts router loss (output_router_logits) is a mean over each forward's "
+                "tokens added whole to every micro-batch, so micro-batches would count it k times; use memguard's "
+                "preflight plan (per_device_train_batch_size / gradient_accumulation_steps) instead")
+    return None
+
+
 def custom_loss_source(trainer: Any) -> Optional[str]:
     """What computes the loss when it is not the Trainer's or the model's own: ``"compute_loss_func"``,
     ``"<Class>.compute_loss"`` for an override memguard has no rule for; None for transformers'

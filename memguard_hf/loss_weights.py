@@ -119,7 +119,7 @@ class LossWeights:
     def refusal(self) -> Optional[str]:
         """Why this run's loss cannot be split into micro-batches with the same gradient (checked at
         train start; None: it can)."""
-        return _compat.trl_unsplittable_loss(self.trainer)
+        return _compat.trl_unsplittable_loss(self.trainer) or _compat.router_loss_in_loss(self.trainer)
 
     def weight(self, share: float, used: Optional[list], num_items_in_batch: Any, inputs: Any) -> float:
         """The factor for one micro-batch's loss: 1.0 where the loss computed with the count

@@ -1,6 +1,7 @@
 """A guarded full-depth run with room to spare changes nothing at preflight.
 
-SmolLM2-135M with all 30 blocks, LoRA r=16 all-linear, pure bf16 weights, 4 x 512 tokens (real HF
+SmolLM2-135M with all 30 blocks, LoRA r=16 all-linear, pure bf16 weights, 4 x 512 tokens (2 x 256 on a
+CPU without native bf16, where one emulated step of 4 x 512 takes about 9 minutes) (real HF
 ``Trainer`` runs in fresh processes). The unguarded run measures the peak P; the guarded run gets a
 budget where P is 70 % of it — below the guard's warning level (85 %), which the preflight plans
 against. An estimate that over-counts at depth (the heap slack of every block, pure-bf16 weights
@@ -29,7 +30,7 @@ def test_room_to_spare_changes_nothing(tmp_path):
     budget = int(plain["peak"] / 0.70)
     guarded = _run(budget, str(tmp_path / "guarded"))
     assert guarded["changes"] == [] and guarded["split_factor"] == 1, guarded
-    assert guarded["forward_rows"] == [4] and guarded["final_split"] == 1, guarded
+    assert guarded["forward_rows"] == [plain["rows"]] and guarded["final_split"] == 1, guarded
     assert guarded["global_step"] == 1
     # the estimate is within the accuracy the gate holds the bench to: not under by more than 5 %
     assert guarded["estimate"] >= 0.95 * plain["peak"], (guarded["estimate"], plain["peak"])

@@ -10,20 +10,9 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 import torch  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
-
 from memguard_testing.hf_tiny import SwitchSplit, loss_sequence, lr_sequence, params, tiny_llama  # noqa: E402
+from memguard_testing.trl_tiny import word_tokenizer  # noqa: E402
 from memguard_hf import MemGuardCallback  # noqa: E402
-
-WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(90)]
-
-
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer built in memory (no hub here), ids < the tiny model's vocab of 96."""
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 def text_dataset(n: int = 64):

@@ -153,7 +153,7 @@ def _observe(monkeypatch, module, name: str, guard: MlxGuard, *, fail_at=None):
 
 
 def test_validation_is_cut_into_the_guards_k_and_reports_the_unsplit_loss(tmp_path, monkeypatch):
-    import memguard_mlx.validation as val
+    import memguard_mlx.eval as val
 
     ref = run_tiny(tmp_path, "ref", guarded=False)
     guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0, micro_batches=4)
@@ -173,7 +173,7 @@ def test_validation_is_cut_into_the_guards_k_and_reports_the_unsplit_loss(tmp_pa
 
 
 def test_metal_oom_in_validation_raises_only_the_validation_k(tmp_path, monkeypatch):
-    import memguard_mlx.validation as val
+    import memguard_mlx.eval as val
 
     ref = run_tiny(tmp_path, "ref", guarded=False)
     guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0, log_dir=str(tmp_path / "events"))

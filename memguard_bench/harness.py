@@ -14,7 +14,7 @@ weights (no model hub), a few optimizer steps, and the counter the estimate pred
 * mlx_lm (``mlx_lm.tuner.trainer.train``, unmodified) on MLX: ``mx.get_peak_memory()``.
 
 The child records the model facts (``memguard_core.spec.model_spec_from_module`` /
-``memguard_mlx.spec.model_spec_from_mlx_module`` on the live model) next to the measurement; the
+``memguard_mlx.specs.model_spec_from_mlx_module`` on the live model) next to the measurement; the
 parent estimates from them, so ``--reuse`` re-scores a saved measurement after a model change
 without re-running it (per-step peaks, the model's ``config.to_dict()`` and the measurement date
 are kept in the record too). When the seed product (``ml-memguard``, import ``memory_guard``) is
@@ -691,7 +691,7 @@ def _child_mlx(case: dict) -> dict:
     from mlx_lm.tuner.trainer import TrainingArgs, train
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    from memguard_mlx.spec import model_spec_from_mlx_module, train_spec_from_args
+    from memguard_mlx.specs import model_spec_from_mlx_module, train_spec
 
     kw = case["train"]
     arch = dict((MLX_FULL_DEPTH_ARCHS if case.get("full_depth") else {**MLX_ARCHS, **MLX_HELD_OUT_ARCHS})[case["arch"]])
@@ -733,7 +733,7 @@ def _child_mlx(case: dict) -> dict:
                         adapter_file=out, grad_checkpoint=kw["grad_checkpoint"],
                         grad_accumulation_steps=kw["grad_accum"])
     ms = model_spec_from_mlx_module(model, args, name=case["arch"])
-    ts = train_spec_from_args(model, opt, args, ms, train_dataset=Rows())
+    ts = train_spec(model, opt, args, ms, train_dataset=Rows())
     mx.reset_peak_memory()
     import contextlib
     import io

@@ -30,7 +30,7 @@ What it does:
   wrapped ``get_batch_samples`` (``Guard.after_window_oom``; docs/lifecycle.md, "Redoing the
   accumulation window"). AdamW's states are allocated before the first forward, and an OOM inside
   the optimizer step raises ``WindowOOMError`` with the plan (a step is never redone).
-* **Evaluation split** (``memguard_hf.eval_split``, docs/evaluation.md): ``trainer.prediction_step``
+* **Evaluation split** (``memguard_hf.eval``, docs/evaluation.md): ``trainer.prediction_step``
   is wrapped too. Each evaluation / prediction batch runs in ``eval_micro_batches`` chunks (1 until
   an evaluation OOM doubles it), losses weighted as in training and logits / labels concatenated, so
   ``evaluate()`` / ``predict()`` return what the unsplit evaluation returns; an OOM there redoes the
@@ -57,7 +57,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from memguard_core import torch_train as tt
+from memguard_torch import train_reading as tt
 from memguard_core._deprecation import renamed_attribute
 from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.monitor import MemoryEvent
@@ -65,9 +65,9 @@ from memguard_core.options import GuardOptions, option_kwargs, with_guard_option
 
 from . import _compat
 from .preflight import read_specs
-from .eval_split import GuardedEval
+from .eval import GuardedEval
 from .loss_weights import LossWeights
-from .split_step import GuardedStep, is_oom_error  # noqa: F401  (is_oom_error: public here too)
+from .step import GuardedStep, is_oom_error  # noqa: F401  (is_oom_error: public here too)
 
 logger = logging.getLogger("memguard.hf")
 
@@ -104,7 +104,7 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
     ``split_disabled_reason``, ``summary``, ``budget_bytes``; ``oom_errors`` (the out-of-memory
     errors caught on this rank under FSDP2 or FSDP1, ``type: message``, a peer's as
     ``PeerOutOfMemoryError``). The evaluation split's
-    (``memguard_hf.eval_split.GuardedEval``): ``eval_micro_batches`` and ``split_evaluation`` (settable),
+    (``memguard_hf.eval.GuardedEval``): ``eval_micro_batches`` and ``split_evaluation`` (settable),
     ``eval_oom_retries``, ``eval_micro_batch_rows``.
 
     Raises:

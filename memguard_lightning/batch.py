@@ -2,7 +2,7 @@
 
 Lightning passes ``training_step`` whatever the dataloader yields: a dict (HF style, with
 ``input_ids`` / ``labels`` / ``position_ids``), a tuple ``(x, y)``, a namedtuple, a bare tensor, or
-a nesting of these. ``memguard_core.microbatch.BatchSplitter`` cuts a flat mapping and computes the
+a nesting of these. ``memguard_torch.microbatch.BatchSplitter`` cuts a flat mapping and computes the
 loss weights; this module flattens the batch into such a mapping, and rebuilds a batch of the
 original structure from each chunk.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from memguard_core import microbatch
+from memguard_torch import microbatch
 
 LabelKey = Union[str, int, None]
 
@@ -119,7 +119,7 @@ class FlatBatch:
 class LightningBatchSplitter:
     """Cuts a Lightning batch into unit ranges (rows, or packed sequences) with loss weights.
 
-    Wraps ``memguard_core.microbatch.BatchSplitter`` (weights: ``tokens`` = share of valid labels,
+    Wraps ``memguard_torch.microbatch.BatchSplitter`` (weights: ``tokens`` = share of valid labels,
     ``rows`` = share of rows; see there) over a :class:`FlatBatch`.
 
     Args:

@@ -26,7 +26,7 @@ What it does (the HF adapter's features, the Lightning way):
   ``memguard_lightning.step_ddp``).
 * **Evaluation split**: ``validation_step`` / ``test_step`` / ``predict_step`` run in
   ``eval_micro_batches`` chunks, doubled on an evaluation OOM; the training k is never changed
-  (``memguard_lightning.eval_split``).
+  (``memguard_lightning.eval``).
 * **Ranks agree**: the k of each batch is all-reduced (MAX) at the start of ``training_step``, so
   every rank cuts alike. (After a forward OOM retry one rank may use a larger k for the rest of
   that batch; under DDP the chunks run no collective, and the next batch agrees again.) Whether a
@@ -67,7 +67,7 @@ from typing import Any, Iterator, Optional, Tuple
 
 from lightning.pytorch.callbacks import Callback
 
-from memguard_core import torch_train as tt
+from memguard_torch import train_reading as tt
 from memguard_core._deprecation import renamed_attribute
 from memguard_core.errors import ConfigError
 from memguard_core.guard import Guard, GuardAttributes
@@ -77,9 +77,10 @@ from memguard_torch import _compat as torch_compat
 
 from . import _compat
 from .batch import LabelKey, batch_units
-from .eval_split import EvalSplit, eval_split_reason
-from .preflight import find_model, read_specs
-from .step import SplitStep
+from .eval import GuardedEval, eval_split_reason
+from .preflight import read_specs
+from .specs import find_model
+from .step import GuardedStep
 
 logger = logging.getLogger("memguard.lightning")
 
@@ -92,7 +93,7 @@ class MemGuardCallback(GuardAttributes, Callback):
             memory in use + available) x ``safety_ratio`` at the first batch, container-aware.
         safety_ratio: fraction of the memory available that the budget takes (default 0.8).
         thresholds: ``memguard_core.monitor.Thresholds`` (warning / critical / emergency).
-        seq_length: tokens per row for the preflight (default: see ``memguard_lightning.preflight``).
+        seq_length: tokens per row for the preflight (default: see ``memguard_lightning.specs``).
         apply: what preflight may change in place: ``grad_checkpoint``, ``micro_batch``.
         fail_fast: raise ``DoesNotFitError`` before the first step when the plan needs a change that
             cannot be applied in place (sequence length, LoRA rank / layers) or nothing fits.
@@ -113,8 +114,8 @@ class MemGuardCallback(GuardAttributes, Callback):
     Attributes (the guard's, see ``memguard_core.guard.Guard``): ``guard``, ``monitor``,
     ``preflight``, ``events``, ``micro_batch_rows``, ``samples_per_step``, ``oom_retries``,
     ``split_disabled_reason``, ``summary``, ``budget_bytes``; ``step``: the in-step split
-    (``memguard_lightning.step.SplitStep``); ``evals``: the evaluation split
-    (``memguard_lightning.eval_split.EvalSplit``).
+    (``memguard_lightning.step.GuardedStep``); ``evals``: the evaluation split
+    (``memguard_lightning.eval.GuardedEval``).
 
     Raises:
         ConfigError: invalid arguments.
@@ -132,8 +133,8 @@ class MemGuardCallback(GuardAttributes, Callback):
         _compat.check_version()
         self.options = options
         self.guard = Guard(options, log=logger)
-        self.step = SplitStep(self.guard, options, label_key=label_key, shift_labels=shift_labels)
-        self.evals = EvalSplit(self.step, options.eval_micro_batches)
+        self.step = GuardedStep(self.guard, options, label_key=label_key, shift_labels=shift_labels)
+        self.evals = GuardedEval(self.step, options.eval_micro_batches)
         self.trainer = None
         self.pl_module = None
         self._started = False
@@ -320,7 +321,7 @@ class MemGuardCallback(GuardAttributes, Callback):
     def chunks(self, batch: Any) -> Iterator[Tuple[Any, float]]:
         """Yield ``(chunk_batch, loss_weight)`` for the guard's current k (rank-agreed), for
         training steps that do their own backward (manual optimization); see
-        ``memguard_lightning.step.SplitStep.chunks``."""
+        ``memguard_lightning.step.GuardedStep.chunks``."""
         return self.step.chunks(batch)
 
     def _guarded_training_step(self, batch, *args, **kwargs):

@@ -21,7 +21,7 @@ import time
 import lightning.pytorch as pl
 import torch
 
-from memguard_core.preflight import method_and_lora
+from memguard_torch.train_reading import method_and_lora
 from memguard_core.report import demo_result_table, demo_squeeze, print_applied_plan
 from memguard_core.spec import TrainSpec, model_spec_from_module
 from memguard_hf.demo import outcome, requested_and_budget, start

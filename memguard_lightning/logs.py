@@ -1,6 +1,6 @@
 """``self.log`` values of a step cut into micro-batches: recorded per chunk and logged once per batch,
 combined by their ``reduce_fx``, so Lightning sees the unsplit batch's values. Used by the training
-step (``memguard_lightning.step``) and the evaluation split (``memguard_lightning.eval_split``);
+step (``memguard_lightning.step``) and the evaluation split (``memguard_lightning.eval``);
 see docs/lightning.md, "How the step runs"."""
 
 from __future__ import annotations

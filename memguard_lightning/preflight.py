@@ -1,150 +1,16 @@
 """What the Lightning adapter's preflight reads: ``read_specs`` maps the ``LightningModule``, the
-trainer and the first batch to a ``ModelSpec`` / ``TrainSpec``; ``memguard_core.guard.Guard``
-estimates, plans and applies (see docs/lifecycle.md).
-
-``trainspec_from_lightning`` maps Lightning settings to a ``TrainSpec``:
-
-* model: the largest submodule of the ``LightningModule`` that carries a HF-style ``config`` or is
-  a PEFT model (``get_base_model``) -- typically ``self.model`` -- else the module itself (its
-  shapes are then read from its ``nn.Embedding`` and block ``ModuleList``);
-* micro-batch = rows of the first batch that reaches ``training_step`` (or the dataloader's
-  ``batch_size`` when larger: the first batch is full unless the epoch has a single short batch);
-  accumulation = ``trainer.accumulate_grad_batches``; ``world_size`` = ``trainer.world_size``;
-* the data-parallel layout (:func:`layout_of_strategy`) from ``trainer.strategy``: DeepSpeed's
-  ``config`` (ZeRO stage, offload, bucket sizes), ``FSDPStrategy``'s ``sharding_strategy`` and
-  ``cpu_offload`` (FSDP1), else the wrapped model as the strategy built it (DDP's buckets,
-  ``fully_shard``-ed modules under ``ModelParallelStrategy``);
-* sequence length = given, else ``hparams.max_length`` / ``max_seq_length`` / ``seq_length`` /
-  ``block_size``, else the longest ``input_ids`` (dict rows) or first element (tuple rows) of the
-  first 2048 rows of the training dataset, else the first batch's dimension 1. The dataloader is
-  never iterated for this: an extra iterator would draw from the sampler's random generator and
-  change the data order of the run;
-* method = ``qlora`` for 4-bit weights, ``lora`` for a PEFT model, else ``full``;
-* optimizer from ``trainer.optimizers[0]`` (``memguard_core.torch_train.optimizer_name``);
-* precision from ``trainer.precision`` (Lightning's ``precision=`` strings): ``32-true`` -> fp32;
-  ``16-mixed`` / ``bf16-mixed`` -> fp16 / bf16 autocast over fp32 weights (``mixed_precision``);
-  ``16-true`` / ``bf16-true`` -> weights stored in half;
-* activation checkpointing: on when the HF model says ``is_gradient_checkpointing``; attention
-  implementation from its config (``memguard_core.torch_train.attn_implementation``).
+trainer and the first batch to a ``ModelSpec`` / ``TrainSpec`` (the ``TrainSpec`` from
+``memguard_lightning.specs.train_spec``); ``memguard_core.guard.Guard`` estimates, plans and
+applies (see docs/lifecycle.md).
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
-import torch
-
-from memguard_core import torch_train as tt
-from memguard_core.preflight import attn_impl_from, method_and_lora
-from memguard_core.sharding_settings import fsdp_plugin_settings, zero_settings
 from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
 
-from .batch import batch_units
-
-#: ``hparams`` names that give the sequence length.
-SEQ_LENGTH_HPARAMS = ("max_length", "max_seq_length", "seq_length", "seq_len", "block_size")
-
-
-def find_model(pl_module: torch.nn.Module) -> torch.nn.Module:
-    """The model inside a ``LightningModule`` that the estimate describes (see module docstring)."""
-    best, best_n = None, -1
-    for m in pl_module.modules():
-        if m is pl_module:
-            continue
-        if getattr(m, "config", None) is not None or callable(getattr(m, "get_base_model", None)):
-            n = sum(p.numel() for p in m.parameters())
-            if n > best_n:
-                best, best_n = m, n
-    return best if best is not None else pl_module
-
-
-def precision_settings(precision: Any, weight_dtype) -> tuple:
-    """``(dtype, mixed_precision)`` of a Lightning ``precision`` string and the weights' dtype."""
-    p = str(precision)
-    if "mixed" in p:
-        return ("bf16" if "bf16" in p else "fp16"), weight_dtype == torch.float32
-    if weight_dtype == torch.bfloat16 or p.startswith("bf16"):
-        return "bf16", False
-    if weight_dtype == torch.float16 or p.startswith("16"):
-        return "fp16", False
-    return "fp32", False
-
-
-def layout_of_strategy(trainer, pl_module, world: int) -> Dict[str, Any]:
-    """``TrainSpec`` layout keywords of a Lightning run on ``world`` processes, from its strategy:
-    ``DeepSpeedStrategy.config`` (``memguard_core.sharding_settings.zero_settings``);
-    ``FSDPStrategy`` (FSDP1): ``sharding_strategy`` (``HYBRID_SHARD``: the sharding size of its
-    ``device_mesh``, else the ``num_processes`` of one node), ``cpu_offload``; otherwise the model as the strategy wrapped it
-    (``memguard_torch.preflight.layout_of``: ``DistributedDataParallel``'s bucket settings,
-    ``fully_shard``-ed modules). For one process, DeepSpeed's layout only, else ``none``.
-
-    Raises:
-        ConfigError: a DeepSpeed config or FSDP strategy that cannot be read (naming it).
-    """
-    strategy = getattr(trainer, "strategy", None)
-    name = type(strategy).__name__
-    if "DeepSpeed" in name and getattr(strategy, "config", None) is not None:
-        return zero_settings(strategy.config)
-    if world <= 1:
-        return {"sharding": "none"}
-    if name.startswith("FSDP") and getattr(strategy, "sharding_strategy", None) is not None:
-        out = fsdp_plugin_settings(SimpleNamespace(fsdp_version=1, sharding_strategy=strategy.sharding_strategy,
-                                                   cpu_offload=getattr(strategy, "cpu_offload", None)), world)
-        if out["sharding"] == "fsdp-hybrid":
-            group = _hybrid_shard_size(strategy)
-            if isinstance(group, int) and 1 <= group <= world and world % group == 0:
-                out["shard_group_size"] = group
-        return out
-    from memguard_torch.preflight import layout_of
-
-    return layout_of(getattr(strategy, "model", None) or pl_module, None, world)
-
-
-def _hybrid_shard_size(strategy) -> Any:
-    """Ranks per shard group of ``FSDPStrategy(sharding_strategy="HYBRID_SHARD")``: the sharding size
-    of its ``device_mesh`` (the tuple ``(replication, sharding)`` or a ``DeviceMesh``'s last
-    dimension), else the devices of one node (FSDP1 shards within a node by default)."""
-    mesh = (getattr(strategy, "kwargs", None) or {}).get("device_mesh")
-    try:
-        if isinstance(mesh, tuple) and mesh:
-            return int(mesh[-1])
-        if mesh is not None:
-            return int(mesh.shape[-1])
-    except Exception:
-        pass
-    return getattr(strategy, "num_processes", None)
-
-
-def trainspec_from_lightning(trainer, pl_module, batch: Any, model_spec: ModelSpec, *,
-                             seq_length: Optional[int] = None, device: str = "auto") -> TrainSpec:
-    """The ``TrainSpec`` of a Lightning run from the trainer, the module and its first batch.
-
-    Raises:
-        ConfigError: a setting the ``TrainSpec`` rejects (naming its field).
-    """
-    model = find_model(pl_module)
-    weight_dtype, weights_device = tt.weights_dtype_device(model)
-    method, kwargs = method_and_lora(model, model_spec)
-    dtype, mixed = precision_settings(getattr(trainer, "precision", "32-true"), weight_dtype)
-    target = tt.checkpoint_target(model)
-    attn_impl = attn_impl_from(tt.attn_implementation(model))
-    device = tt.counter_device(device, weights_device)
-    rows = batch_units(batch)
-    dl_bs = getattr(getattr(trainer, "train_dataloader", None), "batch_size", None)
-    if isinstance(dl_bs, int) and dl_bs > rows:
-        rows = dl_bs
-    opts = getattr(trainer, "optimizers", None) or []
-    world = max(1, int(trainer.world_size))
-    dataset = getattr(getattr(trainer, "train_dataloader", None), "dataset", None)
-    seq = tt.infer_seq_length(seq_length, [(getattr(pl_module, "hparams", None) or {}, SEQ_LENGTH_HPARAMS)],
-                              dataset, batch)
-    return TrainSpec(batch_size=max(1, rows), seq_length=seq, grad_accum=max(1, int(trainer.accumulate_grad_batches)),
-                     method=method, optimizer=tt.optimizer_name(opts[0]) if opts else "adamw", dtype=dtype,
-                     mixed_precision=mixed, grad_checkpoint=target is not None and tt.checkpointing_on(target),
-                     attn_impl=attn_impl, framework="lightning", device=device,
-                     world_size=world, **layout_of_strategy(trainer, pl_module, world),
-                     **tt.file_pages_kwargs(device, kwargs))
+from .specs import find_model, train_spec
 
 
 def read_specs(trainer, pl_module, batch: Any, *, seq_length: Optional[int] = None,
@@ -155,4 +21,4 @@ def read_specs(trainer, pl_module, batch: Any, *, seq_length: Optional[int] = No
         ConfigError: the model's shapes cannot be read (no config, no embedding + blocks).
     """
     ms = model_spec_from_module(find_model(pl_module))
-    return ms, trainspec_from_lightning(trainer, pl_module, batch, ms, seq_length=seq_length, device=device)
+    return ms, train_spec(trainer, pl_module, batch, ms, seq_length=seq_length, device=device)

@@ -1,6 +1,6 @@
 """The Lightning adapter's training step: each batch cut in place into k micro-batches inside
 Lightning's automatic optimization, an out-of-memory error re-cut or the accumulation window redone.
-``SplitStep`` is what ``MemGuardCallback`` wraps ``training_step`` / ``optimizer_zero_grad`` /
+``GuardedStep`` is what ``MemGuardCallback`` wraps ``training_step`` / ``optimizer_zero_grad`` /
 ``backward`` with; it keeps what every strategy shares and, at the fit's first guarded training
 batch, chooses the strategy that runs the batches (``choose_strategy``: ``step_plain``,
 ``step_ddp``, ``step_fsdp``). See docs/lightning.md, "How the step runs"."""
@@ -12,9 +12,9 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
-from memguard_core.distributed import flag_group
+from memguard_torch.distributed import flag_group
 from memguard_core.guard import Guard
-from memguard_core.optim_state import prepare_optimizer
+from memguard_torch.optim_state import prepare_optimizer
 from memguard_core.options import GuardOptions
 from memguard_torch import _compat as torch_compat
 from memguard_torch.oom import is_oom_error
@@ -22,7 +22,7 @@ from memguard_torch.sync import Fsdp1SyncHooks, FsdpSyncHooks, OomSync
 
 from . import _compat
 from .batch import LabelKey, LightningBatchSplitter, batch_units
-from .preflight import find_model
+from .specs import find_model
 from .step_base import StrategyStep
 from .step_ddp import DdpStep
 from .step_fsdp import Fsdp1Step, Fsdp1UnsyncedStep, FsdpStep
@@ -30,10 +30,10 @@ from .step_plain import PlainStep
 
 logger = logging.getLogger("memguard.lightning")
 
-__all__ = ["SplitStep", "choose_strategy"]
+__all__ = ["GuardedStep", "choose_strategy"]
 
 
-def choose_strategy(fit: "SplitStep") -> StrategyStep:
+def choose_strategy(fit: "GuardedStep") -> StrategyStep:
     """The strategy of the fit's training step, chosen at its first guarded training batch (on every
     rank alike: the flag group is made collectively), when the strategy has wrapped the model:
 
@@ -78,7 +78,7 @@ def choose_strategy(fit: "SplitStep") -> StrategyStep:
     return PlainStep(fit)
 
 
-class SplitStep:
+class GuardedStep:
     """The in-step split and the window redo of one Lightning fit: the wrapped methods' entry
     points and the state every strategy shares (the window's kept batches, the splitter, the
     zero_grad arming, the counters); the batches run in ``strategy``, chosen once per fit.
@@ -270,7 +270,7 @@ class SplitStep:
     def prepare_optimizers(self) -> None:
         """Before the first forward: allocate the optimizers' lazy states and wrap each ``step`` so
         an out-of-memory error inside the update itself ends in ``WindowOOMError`` with the plan
-        (``memguard_core.optim_state.prepare_optimizer``; the closure Lightning passes, training_step
+        (``memguard_torch.optim_state.prepare_optimizer``; the closure Lightning passes, training_step
         and backward, keeps its own handling). Never raises."""
         rows = lambda: max([batch_units(b) for b, _, _ in self.window] + [1])  # noqa: E731
         for opt in list(getattr(self.trainer, "optimizers", None) or []):

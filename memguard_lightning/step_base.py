@@ -63,7 +63,7 @@ def release_graph(loss: Any) -> None:
 class StrategyStep:
     """One fit's strategy of the training step: its chunk loop, out-of-memory handling and window
     redo. The state every strategy shares (the wrapped methods, the window's kept batches, the
-    zero_grad arming, the counters) is the fit's ``memguard_lightning.step.SplitStep``, ``fit``.
+    zero_grad arming, the counters) is the fit's ``memguard_lightning.step.GuardedStep``, ``fit``.
 
     Hooks for the strategies: :meth:`training_step` (the batch, after the guard chose k and kept
     the batch in the window), :meth:`backward`, :meth:`_grad_sync` / :meth:`_own_backward_sync`

@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 import torch
 
-from memguard_core import torch_train as tt
-from memguard_core.distributed import flag_group
+from memguard_torch import train_reading as tt
+from memguard_torch.distributed import flag_group
 from memguard_core.microbatch import without_frames
 from memguard_torch.oom import is_oom_error
 
@@ -134,7 +134,7 @@ class DdpStep(PlainStep):
         all-reduce: DDP's reducer was left unprepared), then every rank says whether its batch went
         through (``Guard.agree_redo``); if one did not, every rank zeroes the gradients and redoes
         the window at a larger k. At the window's end the gradients are averaged once
-        (``memguard_core.torch_train.average_ddp_gradients``), before ``on_after_backward`` and
+        (``memguard_torch.train_reading.average_ddp_gradients``), before ``on_after_backward`` and
         gradient clipping, as DDP's all-reduce would be."""
         ddp = self._ddp
         self._restore_sync()

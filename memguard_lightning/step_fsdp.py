@@ -34,7 +34,7 @@ class FsdpStep(StrategyStep):
     rank knows it went through.
 
     Args:
-        fit: the fit's ``SplitStep``.
+        fit: the fit's ``GuardedStep``.
         model: what FSDP's reset after an abort walks and the window redo zeroes (the module; FSDP1:
             the root).
         sync: the run's ``OomSync``.

@@ -18,7 +18,7 @@ What differs from upstream, and only this:
   state is touched.
 * :func:`train_loop`: upstream's loop with seven hooks: ``run_batch`` replaces the call of
   ``step``, ``evaluate`` replaces ``evaluate`` (same keywords; the guard's cuts validation batches
-  into micro-batches, ``memguard_mlx.validation``), ``on_update`` runs after each update
+  into micro-batches, ``memguard_mlx.eval``), ``on_update`` runs after each update
   iteration, ``peak_memory`` replaces ``mx.get_peak_memory()`` in the report (the guard resets the
   peak per batch), ``report_extra`` prints after each train report, ``report_figures`` adds the
   guard's per-step figures to the train report dict a ``TrainingCallback`` receives (extra keys;

@@ -36,7 +36,7 @@ from memguard_core.probes import probe
 from memguard_core.report import (console, demo_budget, demo_result_table, demo_rows, demo_squeeze, mib,
                                   print_applied_plan, probe_table, yes_no)
 
-from .spec import model_spec_from_mlx_module, train_spec_from_args
+from .specs import model_spec_from_mlx_module, train_spec
 from .trainer import MlxGuard, train
 
 logger = logging.getLogger("memguard.demo")
@@ -135,7 +135,7 @@ def run_demo(args) -> int:
               f"batch {args.batch_size} x accumulation {args.grad_accum} = effective batch "
               f"{args.batch_size * args.grad_accum}, {args.steps} optimizer updates ({iters} mlx_lm iterations)")
 
-    ts = train_spec_from_args(model, opt, targs, ms, train_dataset=data)
+    ts = train_spec(model, opt, targs, ms, train_dataset=data)
     requested = estimate(ms, ts)
     # mx.get_peak_memory does not see the process's other memory: no resident surplus to count
     budget = demo_budget(ms, ts, args.budget_gib, margin=1.05, what="batch", fmt=mib)

@@ -58,7 +58,7 @@ is kept: it was evaluated at the end of its batch, and nothing of the failed bat
 model or the optimizer. An allocation failure while the optimizer update is evaluated
 (``_eval_update``) is never redone (a part-done update may have replaced some state): it raises
 ``WindowOOMError`` (phase ``optimizer step``). Validation batches are cut alike
-(``memguard_mlx.validation``). On MLX's Linux CPU backend a failed ``malloc`` is a SIGSEGV rather
+(``memguard_mlx.eval``). On MLX's Linux CPU backend a failed ``malloc`` is a SIGSEGV rather
 than an exception (see ``memory.py``), and a Metal command buffer that runs out of memory aborts the
 process from Metal's completion thread: there the guard's per-batch monitor (split at critical/emergency
 pressure) keeps the run inside the budget, and ``memguard run`` restarts a killed run, which resumes
@@ -90,8 +90,8 @@ from . import _compat
 from ._mlx_lm_loop import compile_halves, train_loop
 from .memory import LeakDetector, MemoryControls, is_allocation_error
 from .resume import resume_run, skip_batches
-from .validation import SplitValidation, batch_rows, micro_batch_ranges, row_token_counts, slice_batch
-from .spec import model_spec_from_mlx_module, train_spec_from_args
+from .eval import GuardedEval, batch_rows, micro_batch_ranges, row_token_counts, slice_batch
+from .specs import model_spec_from_mlx_module, train_spec
 
 logger = logging.getLogger("memguard.mlx")
 
@@ -116,7 +116,7 @@ def default_budget(safety_ratio: float = 0.8) -> int:
 def _reader(model, optimizer, args, train_dataset, seq_length: Optional[int]) -> Callable[[], tuple]:
     def read_specs() -> tuple:
         ms = model_spec_from_mlx_module(model, args)
-        return ms, train_spec_from_args(model, optimizer, args, ms, train_dataset=train_dataset,
+        return ms, train_spec(model, optimizer, args, ms, train_dataset=train_dataset,
                                         seq_length=seq_length)
     return read_specs
 
@@ -211,7 +211,7 @@ class MlxGuard(GuardAttributes):
         reset at every batch boundary), optimizer_steps, learning_rates (after each update), leak
         (the detector), limits (what was set), resumed_from (the adapter file a resumed run
         loaded, None otherwise), validation (the
-        :class:`memguard_mlx.validation.SplitValidation`: ``history`` ``[(iteration, k)]`` of the
+        :class:`memguard_mlx.eval.GuardedEval`: ``history`` ``[(iteration, k)]`` of the
         validation passes and of every validation k raised after an allocation failure; those
         failures count in ``oom_retries`` and never change the training k). Deprecated names: ``chunk_rows``
         (``micro_batch_rows``), ``alloc_retries`` (``oom_retries``), ``updates``
@@ -279,7 +279,7 @@ class MlxGuard(GuardAttributes):
         self._first_iteration = 1
         self._batch_k = 1
         self._rows_this_update = 0
-        self.validation: Optional[SplitValidation] = None
+        self.validation: Optional[GuardedEval] = None
         self.resumed_from: Optional[str] = None
 
     # deprecated names
@@ -557,7 +557,7 @@ def train(
                 raise _update_oom(guard, exc, k, rows) from exc
         return lvalue, toks, grad_accum
 
-    validation = guard.validation = SplitValidation(
+    validation = guard.validation = GuardedEval(
         lambda: guard.monitor.split if guard.monitor is not None else 1, chunk_weight, guard.guard.fit_plan,
         on_redo=lambda message, it, k: guard.guard.recorder.decision(
             "oom_retry", message, it, warn=False, phase="validation", micro_batches=k))

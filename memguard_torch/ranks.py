@@ -2,17 +2,18 @@
 micro-batches, FSDP / DDP state is reset alike after a chunk that failed on some rank, and under DDP
 with OOM sync points the gradients are averaged once every rank's batch has gone through.
 The module-level functions (:func:`agreed_ranges`, :func:`fsdp_after_abort`) are shared with the HF
-adapter's FSDP2 split (``memguard_hf.split_step``). The design: docs/torch_loop.md.
+adapter's FSDP2 split (``memguard_hf.step``). The design: docs/torch_loop.md.
 """
 
 from __future__ import annotations
 
 from typing import List, Tuple
 
-from memguard_core import torch_train as tt
-from memguard_core.distributed import agree_max, all_reduce_max
+from . import train_reading as tt
+from .distributed import agree_max, all_reduce_max
 from memguard_core.errors import ConfigError
-from memguard_core.microbatch import BatchSplitter, free_after_oom
+from memguard_core.microbatch import free_after_oom
+from .microbatch import BatchSplitter
 
 from . import _compat
 from .preflight import world_size
@@ -20,7 +21,7 @@ from .preflight import world_size
 
 def agree_max_pair(a: int, b: int, group=None) -> Tuple[int, int]:
     """The MAX over ranks of two integers: on ``group`` (the flag group) when there is one, else
-    through ``memguard_core.distributed.agree_max`` (its gloo side group under NCCL)."""
+    through ``memguard_torch.distributed.agree_max`` (its gloo side group under NCCL)."""
     if group is not None:
         top, other = all_reduce_max([a, b], group)
         return top, other
@@ -90,5 +91,5 @@ class RankAgreement:
 
     def _reduce_ddp_gradients(self) -> None:
         """Average the gradients over the DDP ranks once every rank's last chunk of the batch has
-        succeeded (``memguard_core.torch_train.average_ddp_gradients``)."""
+        succeeded (``memguard_torch.train_reading.average_ddp_gradients``)."""
         tt.average_ddp_gradients(self._ddp, self.sync.group)

@@ -1,4 +1,4 @@
-"""``memguard_hf.eval_split.concat_outputs``: the chunks' ``prediction_step`` outputs put back into
+"""``memguard_hf.eval.concat_outputs``: the chunks' ``prediction_step`` outputs put back into
 the batch's (the integration tests run it inside a real ``Trainer``; these cover the shapes a tiny
 model there does not produce: generated tokens of unequal lengths, scalars, nested outputs, outputs
 that cannot be combined)."""
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from memguard_hf.eval_split import concat_outputs  # noqa: E402
+from memguard_hf.eval import concat_outputs  # noqa: E402
 
 
 def test_rows_are_concatenated_in_order():

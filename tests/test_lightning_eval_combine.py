@@ -1,5 +1,5 @@
 """How the Lightning adapter puts a split step's results back together: evaluation outputs
-(``memguard_lightning.eval_split.combine``), ``self.log`` values by their ``reduce_fx``
+(``memguard_lightning.eval.combine``), ``self.log`` values by their ``reduce_fx``
 (``memguard_lightning.logs.LogRecorder``), which errors count as a redoable out-of-memory error, and the
 ``eval_micro_batches`` argument check."""
 
@@ -14,7 +14,7 @@ pytest.importorskip("lightning")
 
 from memguard_core.errors import ConfigError, WindowOOMError  # noqa: E402
 from memguard_lightning import MemGuardCallback  # noqa: E402
-from memguard_lightning.eval_split import combine  # noqa: E402
+from memguard_lightning.eval import combine  # noqa: E402
 from memguard_lightning.logs import LogRecorder  # noqa: E402
 from memguard_torch.oom import is_oom_error  # noqa: E402
 

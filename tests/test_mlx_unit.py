@@ -17,8 +17,8 @@ from mlx_lm.tuner.trainer import TrainingArgs, default_loss, iterate_batches  # 
 from memguard_core.errors import ConfigError  # noqa: E402
 from memguard_mlx import (LeakDetector, MemoryControls, MemoryTimeline, find_max_batch_size,  # noqa: E402
                           is_allocation_error, model_spec_from_mlx_module, profile_peak,
-                          train_spec_from_args)
-from memguard_mlx.spec import seq_length_of  # noqa: E402
+                          train_spec)
+from memguard_mlx.specs import seq_length_of  # noqa: E402
 from memguard_mlx.trainer import row_token_counts  # noqa: E402
 
 from memguard_testing.mlx_tiny import TokenRows, build_model  # noqa: E402
@@ -73,11 +73,11 @@ def test_full_fine_tune_of_the_last_blocks_sets_lora_layers():
     m = build_model("llama", lora_rank=0)
     m.layers[-1].unfreeze()
     ms = model_spec_from_mlx_module(m)
-    ts = train_spec_from_args(m, optim.AdamW(learning_rate=1e-3), TrainingArgs(batch_size=2), ms, seq_length=16)
+    ts = train_spec(m, optim.AdamW(learning_rate=1e-3), TrainingArgs(batch_size=2), ms, seq_length=16)
     assert ts.method == "full" and ts.lora_layers == 1
     for layer in m.layers:
         layer.unfreeze()
-    ts = train_spec_from_args(m, optim.AdamW(learning_rate=1e-3), TrainingArgs(batch_size=2), ms, seq_length=16)
+    ts = train_spec(m, optim.AdamW(learning_rate=1e-3), TrainingArgs(batch_size=2), ms, seq_length=16)
     assert ts.method == "full" and ts.lora_layers is None
 
 
@@ -88,7 +88,7 @@ def test_spec_lora_found_on_the_model():
     assert ms.lora_rank_found == 4
     trainable = sum(int(v.size) for _, v in tree_flatten(m.trainable_parameters()))
     assert ms.trainable_params == trainable == ms.adapter_params
-    ts = train_spec_from_args(m, optim.AdamW(learning_rate=1e-3), TrainingArgs(batch_size=4), ms,
+    ts = train_spec(m, optim.AdamW(learning_rate=1e-3), TrainingArgs(batch_size=4), ms,
                               train_dataset=TokenRows(8, max_len=40))
     assert ts.method == "lora" and ts.lora_rank == 4 and ts.lora_layers == 1
     assert set(ts.lora_targets) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
@@ -108,7 +108,7 @@ def test_spec_quantized_bits_measured_from_arrays():
 
     linear_to_lora_layers(m, 2, {"rank": 2, "scale": 10.0, "dropout": 0.0})
     ms = model_spec_from_mlx_module(m)
-    ts = train_spec_from_args(m, optim.Adam(learning_rate=1e-3), TrainingArgs(batch_size=2), ms)
+    ts = train_spec(m, optim.Adam(learning_rate=1e-3), TrainingArgs(batch_size=2), ms)
     assert ts.method == "qlora" and ts.lora_rank == 2 and ts.optimizer == "adam"
 
 
@@ -288,7 +288,7 @@ def test_train_resume_from_bad_values_are_config_errors(bad):
 
 
 # ---------------------------------------------------------------------------------------------
-# validation cut into micro-batches (memguard_mlx.validation)
+# validation cut into micro-batches (memguard_mlx.eval)
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])

@@ -59,7 +59,7 @@ def test_memguards_own_window_error_is_not_retried():
 
 def test_every_torch_adapter_uses_the_same_predicate():
     import memguard_hf
-    import memguard_lightning.eval_split as lightning_eval
+    import memguard_lightning.eval as lightning_eval
     import memguard_lightning.step as lightning_step
     import memguard_torch
 

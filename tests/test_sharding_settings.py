@@ -400,7 +400,7 @@ def test_lightning_fsdp_strategy_settings():
     pytest.importorskip("lightning")
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from memguard_lightning.preflight import layout_of_strategy
+    from memguard_lightning.specs import layout_of_strategy
 
     def layout(strategy, world):
         return layout_of_strategy(SimpleNamespace(strategy=strategy), None, world)
@@ -418,7 +418,7 @@ def test_lightning_deepspeed_strategy_settings():
     pytest.importorskip("deepspeed")
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    from memguard_lightning.preflight import layout_of_strategy
+    from memguard_lightning.specs import layout_of_strategy
 
     got = layout_of_strategy(SimpleNamespace(strategy=DeepSpeedStrategy(stage=2)), None, 2)
     # Lightning writes its own bucket defaults into the config it builds

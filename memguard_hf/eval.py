@@ -29,14 +29,13 @@ from typing import Any, List, Optional
 
 import torch
 
-from memguard_core import microbatch
-from memguard_core import torch_train as tt
+from memguard_torch import train_reading as tt
 from memguard_core.errors import ConfigError
-from memguard_core.microbatch import without_frames as _without_frames
+from memguard_core.microbatch import free_after_oom, without_frames as _without_frames
 
 from . import _compat
 from .loss_weights import watch_items
-from .split_step import GuardedStep, is_oom_error
+from .step import GuardedStep, is_oom_error
 
 __all__ = ["GuardedEval", "concat_outputs"]
 
@@ -361,7 +360,7 @@ class GuardedEval:
         new_k = min(max(2, 2 * k), units)
         self._eval_k = max(self._eval_k, new_k)
         self.eval_oom_retries += 1
-        microbatch.free_after_oom()
+        free_after_oom()
         msg = (f"out of memory in an evaluation forward ({type(exc).__name__}); redoing the batch of {units} "
                f"rows in {self._eval_k} micro-batches (training micro-batches unchanged)")
         try:

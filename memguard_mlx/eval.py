@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlx_lm.tuner.trainer import default_loss, iterate_batches as _iterate_batches
 
 from memguard_core.errors import WindowOOMError
-from memguard_core.microbatch import _merge_empty, split_count
+from memguard_core.microbatch import merge_empty, split_count
 from memguard_core.window import MAX_WINDOW_REDOS
 
 from . import _compat
@@ -81,7 +81,7 @@ def micro_batch_ranges(batch: Any, rows: int, k: int, by_tokens: bool) -> List[T
     counts = row_token_counts(batch) if by_tokens else None
     ranges = split_count(list(counts) if counts is not None else [1] * rows, k)
     if counts is not None:
-        ranges, _ = _merge_empty(ranges, [int(counts[a:b].sum()) for a, b in ranges])
+        ranges, _ = merge_empty(ranges, [int(counts[a:b].sum()) for a, b in ranges])
     return ranges
 
 
@@ -92,7 +92,7 @@ def _eval_validation(rows: int, *arrays: Any) -> None:
     mx.eval(*arrays)
 
 
-class SplitValidation:
+class GuardedEval:
     """The validation k of a run and what happened to it.
 
     Args:
@@ -231,6 +231,6 @@ def evaluate(model, dataset, batch_size, num_batches, max_seq_length=2048, loss:
     from memguard_core.errors import require_int
 
     require_int("micro_batches", micro_batches, "an integer >= 1", lo=1)
-    return SplitValidation(lambda: micro_batches, chunk_weight).evaluate(
+    return GuardedEval(lambda: micro_batches, chunk_weight).evaluate(
         model, dataset, batch_size, num_batches, max_seq_length, loss, iterate_batches, clear_cache_threshold,
         progress_callback)

@@ -32,7 +32,7 @@ from memguard_core.estimator.specs import LinearShape, ModelSpec, ParamCounts, T
 
 logger = logging.getLogger("memguard.mlx")
 
-__all__ = ["model_spec_from_mlx_module", "train_spec_from_args", "lora_layers_of", "seq_length_of",
+__all__ = ["model_spec_from_mlx_module", "train_spec", "lora_layers_of", "seq_length_of",
            "optimizer_name"]
 
 _LORA_ARRAYS = ("lora_a", "lora_b", "m")
@@ -349,7 +349,7 @@ def _trained_blocks(model: Any) -> int:
     return sum(1 for block in model.layers if tree_flatten(block.trainable_parameters()))
 
 
-def train_spec_from_args(model: Any, optimizer: Any, args: Any, model_spec: ModelSpec, *,
+def train_spec(model: Any, optimizer: Any, args: Any, model_spec: ModelSpec, *,
                          train_dataset: Any = None, seq_length: Optional[int] = None) -> TrainSpec:
     """``TrainSpec`` of an mlx_lm run: micro-batch ``args.batch_size``, accumulation
     ``args.grad_accumulation_steps``, ``grad_checkpoint``, the sequence length of the data (see

@@ -13,11 +13,12 @@ import logging
 
 import torch
 
-from memguard_core import microbatch
-from memguard_core import torch_train as tt
+from memguard_core.microbatch import free_after_oom
+from memguard_torch import train_reading as tt
 from memguard_core.microbatch import without_frames as _without_frames
-from memguard_core.optim_state import prepare_optimizer
+from memguard_torch.optim_state import prepare_optimizer
 from memguard_torch import _compat as torch_compat
+from memguard_torch import microbatch as torch_microbatch
 from memguard_torch.ranks import agreed_ranges, fsdp_after_abort
 from memguard_torch.oom import is_oom_error
 from memguard_torch.sync import Fsdp1SyncHooks, FsdpSyncHooks, OomSync, PeerOutOfMemoryError
@@ -63,7 +64,7 @@ class GuardedStep:
         """The batch's ``BatchSplitter`` with the run's loss rules (the share a micro-batch's mean is
         weighted by, shifted labels, TRL's paired rows). Raises ``ValueError`` for a batch it cannot cut."""
         rules = self._loss_rules
-        return microbatch.BatchSplitter(inputs, weighting=rules.weighting(inputs), shift_labels=rules.shift(inputs),
+        return torch_microbatch.BatchSplitter(inputs, weighting=rules.weighting(inputs), shift_labels=rules.shift(inputs),
                                         paired=rules.paired)
 
     def _pass_items(self, num_items_in_batch, weight: float):
@@ -153,7 +154,7 @@ class GuardedStep:
                     " / k, gradient_accumulation_steps x k: memguard_hf.plan_training_arguments)")
                 logger.warning("memguard: in-place micro-batching disabled: %s", self.guard.split_disabled_reason)
             elif v2 or v1:
-                from memguard_core.distributed import flag_group
+                from memguard_torch.distributed import flag_group
                 from memguard_torch.preflight import world_size
 
                 self._fsdp_sync = OomSync(flag_group() if world_size() > 1 else None)
@@ -238,7 +239,7 @@ class GuardedStep:
                 if low >= 1 and top == 1 and k < units_left:
                     # no rank added a gradient in this chunk: every rank re-cuts the same rows
                     k = self.guard.agreed(self.guard.after_oom(exc, k, units_left, self.trainer.state.global_step,
-                                                               free=microbatch.free_after_oom))
+                                                               free=free_after_oom))
                     break
                 return None, exc
         return total, None
@@ -294,7 +295,7 @@ class GuardedStep:
 
     def _prepare_optimizer(self) -> None:
         """Before the first forward: allocate the optimizer's lazy states and make an OOM inside its
-        step name itself (``memguard_core.optim_state.prepare_optimizer``). Never raises."""
+        step name itself (``memguard_torch.optim_state.prepare_optimizer``). Never raises."""
         opt = getattr(self.trainer, "optimizer", None)
         if opt is not None:
             prepare_optimizer(opt, self.guard, lambda: self.trainer.args.per_device_train_batch_size, is_oom_error)
@@ -329,7 +330,7 @@ class GuardedStep:
                 self._snapshot_oom(exc)
                 failure = _without_frames(exc)
             # freed outside the except block: its traceback's frames hold the failed forward's activations
-            k = self._after_oom(failure, 1, microbatch.batch_rows(inputs))
+            k = self._after_oom(failure, 1, torch_microbatch.batch_rows(inputs))
         try:
             splitter = self._splitter(inputs)
         except ValueError:
@@ -415,8 +416,8 @@ class GuardedStep:
     def _units_of(inputs) -> int:
         """Units a batch can be cut into: rows, or packed sequences (1 when it cannot be cut)."""
         try:
-            seqs = microbatch.sequence_starts(inputs)
-            return len(seqs) if seqs is not None else microbatch.batch_rows(inputs)
+            seqs = torch_microbatch.sequence_starts(inputs)
+            return len(seqs) if seqs is not None else torch_microbatch.batch_rows(inputs)
         except Exception:
             return 1
 
@@ -426,14 +427,14 @@ class GuardedStep:
         the device (a 0-dim tensor, resolved at ``on_step_end``): ``sequence_starts`` would copy
         its ``position_ids`` to the host and synchronise the device at every micro-batch."""
         try:
-            rows = microbatch.batch_rows(inputs)
+            rows = torch_microbatch.batch_rows(inputs)
         except ValueError:
             return 0
         pos = inputs.get("position_ids")
         if rows == 1 and torch.is_tensor(pos) and pos.dim() == 2 and pos.device.type != "cpu":
             p = pos[0]
             return ((p == 0).sum() + (p[0] != 0).long()).clamp(min=1)
-        seqs = microbatch.sequence_starts(inputs)
+        seqs = torch_microbatch.sequence_starts(inputs)
         return rows if seqs is None else len(seqs)
 
 

@@ -85,11 +85,11 @@ def combine(outputs: List[Any], weights: List[float]) -> Any:
     return outputs[-1]
 
 
-class EvalSplit:
+class GuardedEval:
     """The evaluation split of one Lightning module (see the module doc).
 
     Args:
-        step: the fit's ``SplitStep`` (its ``splitter``: loss weighting, label key, shifted labels).
+        step: the fit's ``GuardedStep`` (its ``splitter``: loss weighting, label key, shifted labels).
         micro_batches: k_eval at the start (>= 1); doubled on each evaluation out-of-memory error.
 
     Attributes:

@@ -7,7 +7,10 @@ checkpointing on CPU".
 from __future__ import annotations
 
 
+from typing import Dict
+
 from .activations import activation_bytes
+from .gradients import grad_layers
 from .trainable import block_linear_shapes, lora_linears, num_lora_layers
 from .specs import DTYPE_BYTES, MiB, ModelSpec, TrainSpec
 
@@ -63,6 +66,36 @@ CPU_HEAP_SLACK_CHECKPOINTED = {"full": 0.25, "lora": 0.65}
 #: with the other factors on the small matrix (its long-row checkpointed cases included).
 CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS = 1.0
 MMAP_THRESHOLD_MAX = 32 * MiB
+
+
+def heap_slack(ms: ModelSpec, ts: TrainSpec, *, gradients: int, param_bytes: int, logits: int) -> Dict[str, int]:
+    """``device="cpu"``: moment -> glibc's resident heap slack above the live set, bytes.
+
+    ``gradients``: all ``.grad`` bytes; ``param_bytes``: bytes of one trainable element; ``logits``:
+    the loss moment's logits term (its holes count only when the logits tensor is below
+    ``MMAP_THRESHOLD_MAX``). Without checkpointing the slack is a factor of the activation traffic
+    (``activation_traffic``; ``CPU_HEAP_SLACK_FORWARD`` plus LoRA's temporaries at the loss,
+    ``CPU_HEAP_SLACK_BACKWARD`` later). Under checkpointing no moment holds every block's
+    activations: the arena is what the forward left or the holes of the last step's gradients
+    (``heap_gradient_bytes``), the larger, at every moment -- unless the run trims the heap at
+    every step's end (``ts.heap_trim``), which hands those holes back; a trimmed full fine-tune's
+    loss moment then holds about one block's traffic (``CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS``).
+    """
+    traffic = activation_traffic(ms, ts)
+    logits_tensor = ts.batch_size * ts.seq_length * ms.vocab_size * 4
+    small_logits = logits if logits_tensor < MMAP_THRESHOLD_MAX else 0
+    kind = "full" if ts.method == "full" else "lora"
+    if ts.grad_checkpoint:
+        held = 0 if ts.heap_trim else heap_gradient_bytes(ms, ts, gradients, param_bytes)
+        every = max(int(CPU_HEAP_SLACK_CHECKPOINTED[kind] * (traffic + small_logits)), held)
+        loss = every
+        if kind == "full" and ts.heap_trim:
+            one = traffic / max(1, grad_layers(ms, ts))
+            loss = int(CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS * one + CPU_HEAP_SLACK_CHECKPOINTED[kind] * small_logits)
+        return {"loss": loss, "backward": every, "optimizer": every}
+    loss = int(CPU_HEAP_SLACK_FORWARD[kind] * (traffic + small_logits) + LORA_TEMP_SLACK * lora_forward_traffic(ms, ts))
+    later = int(CPU_HEAP_SLACK_BACKWARD[kind] * traffic)
+    return {"loss": loss, "backward": later, "optimizer": later}
 
 
 def activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:

@@ -5,7 +5,7 @@ sees. docs/estimator.md, "CUDA".
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 from ..errors import ConfigError
 from .optimizer import paged_state_bytes
@@ -67,6 +67,12 @@ def cuda_segment_bytes(nbytes: int) -> int:
 #: range of ``memory_reserved / max_memory_allocated`` on training loops. An assumption, not fitted
 #: on GPU runs (docs/estimator.md, "CUDA").
 CUDA_FRAGMENTATION = 0.05
+
+
+def allocator_slack(totals: Dict[str, int], overhead: int) -> Dict[str, int]:
+    """moment -> the caching allocator's reserved-but-unallocated bytes: ``CUDA_FRAGMENTATION`` of
+    each moment's ``totals`` less the ``overhead`` outside the allocator (bytes)."""
+    return {k: int(CUDA_FRAGMENTATION * (v - overhead)) for k, v in totals.items()}
 #: Head dims the CUDA flash kernel takes (``check_head_dim_size_flash`` in torch
 #: ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: q, k, v of one head size <= 256).
 CUDA_FLASH_MAX_HEAD_DIM = 256

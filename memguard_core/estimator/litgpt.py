@@ -16,12 +16,13 @@ This module imports no framework; ``memguard_core.estimator.estimate`` calls it 
 
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, NamedTuple
+from typing import Any, Dict, FrozenSet, NamedTuple, Tuple
 
 from ..errors import ConfigError
 from .attention import dropout_bytes, sdpa_lse_per_token
 from .bnb import bnb_4bit_keeps_input, version_tuple
 from .cuda import cuda_sdpa_backend
+from .moments import StepTerms
 from .trainable import block_linear_shapes
 from .specs import DTYPE_BYTES, ModelSpec, PeftDefaultTargets, TrainSpec
 from .weights import weight_bits
@@ -357,3 +358,42 @@ def weights(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
     if stable_embedding(ts):
         b += ms.vocab_size * ms.hidden_size * e
     return int(b + trainable * e)
+
+
+#: What the loss moment of each head moment is, for the estimate's note.
+_HEAD_MOMENTS = {"loss": "the first loss chunk's backward", "head_backward": "the 4-bit head's backward",
+                 "forward_end": "the end of the forward (Fabric's fp32 copy of the logits)",
+                 "next_forward": "the next forward beside the kept graph"}
+
+
+def step_terms(ms: ModelSpec, ts: TrainSpec, trainable: int, shared: Dict[str, Any]) -> Tuple[StepTerms, str]:
+    """A LitGPT LoRA / QLoRA step's terms (bytes) and the head moment its loss moment is.
+
+    ``shared`` holds the terms the model code does not change (gradients, optimizer, vision, mask,
+    runtime). The loss moment is the largest of the moments the step peaks at (:func:`head_moments`:
+    the first loss chunk's backward; the 4-bit head's backward; the next forward beside a kept
+    graph), each adding its head terms to the blocks'. The head's dense weight exists only while the
+    head runs; the backward ends in the bottom block, whose 4-bit linears are dequantized one at a time.
+    """
+    tokens = ts.batch_size * ts.seq_length
+    saves, quant = block_saves(ms, ts), qlora_inputs(ms, ts)
+    stable = stable_embedding_terms(ms, ts)
+    n = ms.num_layers  # LitGPT adapts every block (check refuses lora_layers)
+    per = (n - 1) * (saves.block + quant.block) + saves.first + quant.first
+    scores = int(tokens * n * saves.lse)
+    heads = head_moments(ms, ts)
+    moment = max(heads, key=lambda k: sum(heads[k].values()))
+    h = heads[moment]
+    return StepTerms(weights=weights(ms, ts, trainable), weight_copies=h["weight_copies"],
+                     backward_weight_copies=block_dequant(ms, ts),
+                     blocks=int(tokens * (per + stable["per_token"])) - scores, scores=scores, lora=0,
+                     one_block=int(tokens * (saves.block + quant.block)), logits=h["logits"],
+                     head_inputs=h["activations"], recompute=0, last_step=0,
+                     kept_gradient=stable["gradient"], kept_transient=stable["transient"], **shared), moment
+
+
+def note(ts: TrainSpec, head_moment: str) -> str:
+    """The estimate's note on LitGPT's model code and its loss moment (a key of :func:`head_moments`)."""
+    return ("LitGPT's model code: fused qkv LoRA on " + ", ".join(sorted(lora_parts(ts)))
+            + f", adapters in {ts.dtype}, head in chunks of {LM_HEAD_CHUNK}; the loss moment is "
+            + _HEAD_MOMENTS[head_moment])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
+from .attention import dropout_bytes
 from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 
 
@@ -35,3 +36,19 @@ def logits_bytes(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int]:
     if ms.final_logit_softcapping:
         peak += (2 if amp else e) * n  # ``tanh(logits / cap) * cap``: the tanh output is saved
     return peak, 0
+
+
+def head_input_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
+    """transformers + PEFT (not mlx_lm): the final norm's saved input (fp32) and, when the head
+    trains (full fine-tune), the head's input in the compute dtype twice, plus the embedding
+    dropout's noise, bytes for the micro-batch."""
+    if ts.framework == "mlx":
+        return 0
+    e = DTYPE_BYTES[ts.dtype]
+    tokens = ts.batch_size * ts.seq_length
+    head_in = 4 * ms.hidden_size * tokens
+    if ts.method == "full":
+        head_in += e * ms.hidden_size * tokens * 2
+    if ms.embedding_dropout > 0:
+        head_in += dropout_bytes(ts, e) * ms.hidden_size * tokens  # the embedding dropout's noise
+    return head_in

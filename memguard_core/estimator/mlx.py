@@ -5,7 +5,7 @@ docs/estimator.md, "MLX constants".
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, Tuple
 
 from .gradients import grad_layers
 from .trainable import lora_linears, num_lora_layers
@@ -164,3 +164,20 @@ def mlx_activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
         blocks = n * MLX_CKPT_H * e * h * tokens + (per_block + probs) * tokens
         return int(blocks), int(bwd_scores), int(one_time), int(logits)
     return int(n * per_block * tokens), int(n * probs * tokens + bwd_scores), int(one_time), int(logits)
+
+
+def activation_terms(ms: ModelSpec, ts: TrainSpec) -> Dict[str, int]:
+    """mlx_lm's activation terms of a step, bytes, keyed as ``moments.StepTerms`` names them:
+    ``blocks``, ``scores``, ``lora`` (here the backward's one-time window), ``one_block`` (0: MLX
+    recomputes within its graph), ``logits``, ``head_inputs`` (0: inside the one-time window)."""
+    blocks, scores, one_time, logits = mlx_activations(ms, ts)
+    return dict(blocks=blocks, scores=scores, lora=one_time, one_block=0, logits=logits, head_inputs=0)
+
+
+def optimizer_moment(ms: ModelSpec, ts: TrainSpec, trainable: int) -> Dict[str, int]:
+    """mlx_lm full fine-tune: the optimizer moment's terms that the update window replaces, bytes
+    (``gradients``, ``optimizer_temporaries``, ``activations``, ``attention_scores``):
+    :func:`mlx_full_optimizer_moment`. The loss moment holds no update arrays; SGD's extra copy of
+    the trainable parameters (MLX SGD's ``v``) is counted as a state."""
+    g_fly, new_fly, acts, scores = mlx_full_optimizer_moment(ms, ts, trainable)
+    return dict(gradients=g_fly, optimizer_temporaries=new_fly, activations=acts, attention_scores=scores)

@@ -5,6 +5,8 @@ validated on a Mac. docs/estimator.md, "PyTorch on Apple Silicon".
 from __future__ import annotations
 
 
+from typing import Dict
+
 from .cuda import CUDA_FRAGMENTATION
 from .specs import TrainSpec
 
@@ -14,6 +16,12 @@ from .specs import TrainSpec
 #: ``driver_allocated_memory`` counts. Taken from CUDA_FRAGMENTATION by that likeness; NOT measured
 #: on a Mac (no Apple GPU here), so an mps estimate is a prediction from the code alone.
 MPS_FRAGMENTATION = CUDA_FRAGMENTATION
+
+
+def allocator_slack(totals: Dict[str, int], overhead: int) -> Dict[str, int]:
+    """moment -> the MPS allocator's cached-but-unused bytes: ``MPS_FRAGMENTATION`` of each
+    moment's ``totals`` less the ``overhead`` (bytes)."""
+    return {k: int(MPS_FRAGMENTATION * (v - overhead)) for k, v in totals.items()}
 
 
 def mps_sdpa_math(ts: TrainSpec) -> bool:

@@ -1,6 +1,6 @@
-"""The options every adapter takes (HF and Lightning ``MemGuardCallback``, ``MlxGuard``), with the
-same names in all three, validated once, here, with errors that name the field. The adapters hand
-the result to :class:`memguard_core.guard.Guard`; see docs/lifecycle.md.
+"""The options every adapter takes (HF and Lightning ``MemGuardCallback``, ``TorchGuard``,
+``MlxGuard``), with the same names in all four, validated once, here, with errors that name the
+field. The adapters hand the result to :class:`memguard_core.guard.Guard`; see docs/lifecycle.md.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class GuardOptions:
             (``memguard_core.monitor.GrowPolicy``; None: never).
         log_dir: folder of the run event log (``memguard_core.events``: one JSONL file per rank);
             None: ``MEMGUARD_LOG_DIR`` from the environment at train start, else no log.
-        cuda_snapshots: folder for CUDA allocator snapshots (``memguard_core.cuda_snapshots``:
+        cuda_snapshots: folder for CUDA allocator snapshots (``memguard_torch.cuda_snapshots``:
             history recorded from train start, dumps on entering critical pressure, on a caught
             out-of-memory error and at ``snapshot_steps``); None: ``MEMGUARD_CUDA_SNAPSHOTS``, else off.
             Only on CUDA devices; it costs time per allocation, see that module.
@@ -217,7 +217,7 @@ def option_kwargs(options: Mapping[str, object], own: Sequence[str] = ()) -> Map
     """
     unknown = sorted(set(options) - set(GUARD_OPTION_NAMES))
     if unknown:
-        names = ", ".join(list(own) + [n for n in GUARD_OPTION_NAMES if n != "split"])
+        names = ", ".join(list(own) + [n for n in GUARD_OPTION_NAMES if n != "split" and n not in own])
         raise ConfigError(unknown[0], f"a memguard option (one of: {names})", options[unknown[0]])
     return options
 

@@ -1,6 +1,7 @@
 """mlx_lm's validation, cut into micro-batches: :func:`evaluate` is ``mlx_lm.tuner.trainer.evaluate``
-(mlx-lm 0.32) with each validation batch run as k micro-batches, k the guard's current one (or more
-after an allocation failure caught here).
+(mlx-lm 0.32) with each validation batch run as k micro-batches, k the guard's current training k or
+the validation k when larger (``eval_micro_batches``, raised after an allocation failure caught
+here). docs/mlx.md, "Validation cut into micro-batches".
 
 Why: ``train()`` calls ``evaluate`` every ``steps_per_eval`` iterations on batches of the training
 ``batch_size``; a run whose training batches only fit cut into k micro-batches would run its
@@ -102,9 +103,11 @@ class GuardedEval:
         plan: ``() -> [str]``: the plan that would fit, for ``WindowOOMError``.
         on_redo: ``fn(message, iteration, k)`` after each allocation failure recovered here (the
             guard records it in its event log); its own failure is logged, never raised.
+        eval_micro_batches: the validation k before any allocation failure (``MlxGuard``'s
+            ``eval_micro_batches``; a batch is cut into the training k when that is larger).
 
     Attributes:
-        k: the validation k after an allocation failure raised it (1 before).
+        k: the validation k (``eval_micro_batches``, raised by an allocation failure).
         history: ``[(iteration, k)]``: the k each validation pass started with, and every raise.
         oom_retries: allocation failures recovered here.
         iteration: the training iteration the next pass belongs to (set by the caller).
@@ -112,12 +115,13 @@ class GuardedEval:
 
     def __init__(self, training_k: Callable[[], int], chunk_weight: Optional[Callable] = None,
                  plan: Callable[[], List[str]] = lambda: [],
-                 on_redo: Optional[Callable[[str, Optional[int], int], None]] = None):
+                 on_redo: Optional[Callable[[str, Optional[int], int], None]] = None,
+                 eval_micro_batches: int = 1):
         self.training_k = training_k
         self.on_redo = on_redo
         self.chunk_weight = chunk_weight
         self.plan = plan
-        self.k = 1
+        self.k = eval_micro_batches
         self.history: List[Tuple[int, int]] = []
         self.oom_retries = 0
         self.iteration: Optional[int] = None

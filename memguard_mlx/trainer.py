@@ -68,7 +68,6 @@ from mlx_lm's last numbered adapter save (:func:`resume_adapter_file`).
 from __future__ import annotations
 
 import gc
-import inspect
 import logging
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -81,8 +80,8 @@ from mlx_lm.tuner.trainer import TrainingArgs, default_loss, iterate_batches
 from memguard_core._deprecation import renamed_attribute
 from memguard_core.errors import ConfigError, WindowOOMError
 from memguard_core.guard import Guard, GuardAttributes
-from memguard_core.monitor import Action, GrowPolicy, Level, MemoryEvent, Thresholds
-from memguard_core.options import APPLY_CHOICES, GuardOptions
+from memguard_core.monitor import Action, Level, MemoryEvent
+from memguard_core.options import APPLY_CHOICES, GuardOptions, option_kwargs, with_guard_options
 from memguard_core.preflight import Preflight
 from memguard_core.preflight import default_budget as _core_default_budget
 
@@ -170,6 +169,26 @@ _batch_rows = batch_rows
 _slice = slice_batch
 
 
+def _mlx_options(options: Dict[str, Any]) -> GuardOptions:
+    """The guard options of an MLX run: those that mean nothing on MLX are refused when set, the
+    device is MLX's (docs/mlx.md, "Options").
+
+    Raises:
+        ConfigError: naming the field.
+    """
+    if options.get("loss_weighting", "auto") != "auto":
+        raise ConfigError("loss_weighting", '"auto" on MLX (a chunk weighs the loss\'s own second output, '
+                          'ntoks; a custom weight: chunk_weight)', options["loss_weighting"])
+    for name in ("cuda_snapshots", "snapshot_steps"):
+        if options.get(name):
+            raise ConfigError(name, "not set on MLX (CUDA allocator snapshots)", options[name])
+    device = options.pop("device", "auto")
+    if device not in ("auto", "mlx"):
+        raise ConfigError("device", '"auto" or "mlx" (MlxGuard probes MLX memory)', device)
+    # leak_detector=False: MLX's own detector (memory.LeakDetector, on active memory) runs instead
+    return GuardOptions.from_kwargs(**options, device="mlx", leak_detector=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # the guard
 
@@ -178,30 +197,27 @@ class MlxGuard(GuardAttributes):
     """Guard settings for :func:`train`, and what happened during the run.
 
     Args:
-        budget_bytes: bytes the run may use (``mx.get_peak_memory`` scale); default
-            :func:`default_budget` (``safety_ratio`` of MLX active + available).
-        safety_ratio: fraction of the available memory the default budget takes (0.8).
-        thresholds: ``memguard_core.monitor.Thresholds`` (warning 85 %, critical 90 %, emergency 95 %).
-        micro_batches: micro-batches each batch is cut into from the start (>= 1); default
-            ``MEMGUARD_MICRO_BATCHES`` in the environment, else 1. ``split`` is its deprecated name.
-        preflight: estimate and plan at the start (default True).
-        apply: what the preflight may change in place: ``grad_checkpoint``, ``micro_batch``.
-        fail_fast: raise ``DoesNotFitError`` at the start when the plan needs a change that cannot
-            be applied in place (sequence length, LoRA rank / layers) or nothing fits.
-        seq_length: tokens per row for the preflight (default: from the data, as
-            ``iterate_batches`` pads them).
         memory_controls: ``True`` (default limits, see :class:`MemoryControls`), ``False`` (leave
             MLX's limits alone; mlx_lm's own wired limit is still set, as ``mlx_lm`` does), or a
             :class:`MemoryControls`.
-        leak_detector: ``True`` (default :class:`LeakDetector`), ``False``, or a detector.
-        monitor_interval_s: background sampling period (0: no thread).
+        leak_detector: ``True`` (default :class:`LeakDetector`, on MLX active memory), ``False``, or
+            a detector.
         clear_cache_on_warning: ``mx.clear_cache()`` at the next batch boundary when the monitor
             enters the warning level (the monitor itself cleans at critical).
         chunk_weight: ``fn(chunk, value, weight) -> mx.array``: a chunk's loss weight for a custom
             loss (default: the loss's own second output, ``ntoks`` for ``default_loss``).
         on_event: callable receiving every ``MemoryEvent``.
-        grow: when the micro-batches per batch may halve again after pressure has gone
-            (``memguard_core.monitor.GrowPolicy``; None: never).
+        **options: the guard options every adapter takes
+            (``memguard_core.options.GuardOptions.from_kwargs``: ``budget_bytes`` /
+            ``budget_gib`` (``mx.get_peak_memory`` scale; default :func:`default_budget`),
+            ``safety_ratio``, ``thresholds``, ``micro_batches``, ``preflight``, ``apply``,
+            ``fail_fast``, ``seq_length`` (default: from the data, as ``iterate_batches`` pads
+            them), ``monitor_interval_s``, ``grow``, ``log_dir``, ...). On MLX:
+            ``eval_micro_batches`` is the k each validation batch starts cut into at least (the
+            training k when larger; doubled after an allocation failure there); ``device`` is
+            ``"auto"`` or ``"mlx"`` (MLX memory is probed); ``trim_heap`` is taken and does
+            nothing (the trim is the torch CPU device's); ``loss_weighting`` other than ``"auto"``
+            and ``cuda_snapshots`` / ``snapshot_steps`` are refused (docs/mlx.md, "Options").
 
     Attributes after a run:
         the guard's (``memguard_core.guard.Guard``): guard, preflight, monitor, events (dicts),
@@ -221,26 +237,12 @@ class MlxGuard(GuardAttributes):
         ConfigError: invalid settings.
     """
 
-    def __init__(self, *, budget_bytes: Optional[int] = None, safety_ratio: float = 0.8,
-                 thresholds: Optional[Thresholds] = None, micro_batches: Optional[int] = None,
-                 preflight: bool = True, apply: Sequence[str] = APPLY_CHOICES, fail_fast: bool = False,
-                 seq_length: Optional[int] = None, memory_controls: Any = True, leak_detector: Any = True,
-                 monitor_interval_s: float = 0.5, clear_cache_on_warning: bool = True,
-                 chunk_weight: Optional[Callable] = None,
-                 on_event: Optional[Callable[[MemoryEvent], None]] = None,
-                 grow: Optional[GrowPolicy] = GrowPolicy(), split: Optional[int] = None,
-                 budget_gib: Optional[float] = None, log_dir: Optional[str] = None, **unknown: Any):
-        if unknown:
-            # a misspelt or torch-only option (``tresholds``, ``device``): the same ConfigError the
-            # HF / Lightning / TorchGuard adapters raise, not Python's TypeError
-            name = sorted(unknown)[0]
-            raise ConfigError(name, f"an MlxGuard option (one of: {', '.join(MLX_GUARD_OPTIONS)})", unknown[name])
-        # leak_detector=False: MLX's own detector (memory.LeakDetector, on active memory) runs instead
-        options = GuardOptions.from_kwargs(
-            budget_bytes=budget_bytes, safety_ratio=safety_ratio, thresholds=thresholds, seq_length=seq_length,
-            apply=apply, fail_fast=fail_fast, micro_batches=micro_batches, monitor_interval_s=monitor_interval_s,
-            device="mlx", preflight=preflight, grow=grow, split=split, budget_gib=budget_gib, log_dir=log_dir,
-            leak_detector=False)
+    @with_guard_options
+    def __init__(self, *, memory_controls: Any = True, leak_detector: Any = True,
+                 clear_cache_on_warning: bool = True, chunk_weight: Optional[Callable] = None,
+                 on_event: Optional[Callable[[MemoryEvent], None]] = None, **options: Any):
+        own = ("memory_controls", "leak_detector", "clear_cache_on_warning", "chunk_weight", "on_event")
+        options = _mlx_options(dict(option_kwargs(options, own=own)))
         if not isinstance(clear_cache_on_warning, bool):
             raise ConfigError("clear_cache_on_warning", "True or False", clear_cache_on_warning)
         if memory_controls is True:
@@ -422,16 +424,6 @@ def _free_mlx() -> None:
 # train
 
 
-#: The keywords ``MlxGuard`` (and ``memguard_mlx.train``) take, in signature order; ``split`` is the
-#: deprecated name of ``micro_batches``. The catch-all for misspelt names is kept out of the
-#: signature that ``help()`` and IDEs show.
-_MLX_SIG = inspect.signature(MlxGuard.__init__)
-MLX_GUARD_OPTIONS = tuple(n for n, p in _MLX_SIG.parameters.items()
-                          if n not in ("self", "split") and p.kind is not inspect.Parameter.VAR_KEYWORD)
-MlxGuard.__init__.__signature__ = _MLX_SIG.replace(
-    parameters=[p for p in _MLX_SIG.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD])
-
-
 def train(
     model,
     optimizer,
@@ -559,6 +551,7 @@ def train(
 
     validation = guard.validation = GuardedEval(
         lambda: guard.monitor.split if guard.monitor is not None else 1, chunk_weight, guard.guard.fit_plan,
+        eval_micro_batches=guard.options.eval_micro_batches,
         on_redo=lambda message, it, k: guard.guard.recorder.decision(
             "oom_retry", message, it, warn=False, phase="validation", micro_batches=k))
 

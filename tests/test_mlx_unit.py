@@ -314,3 +314,39 @@ def test_split_evaluate_rejects_bad_micro_batches():
     with pytest.raises(ConfigError) as ei:
         evaluate(build_model("llama"), TokenRows(8), batch_size=8, num_batches=1, micro_batches=0)
     assert ei.value.field == "micro_batches"
+
+
+def test_guarded_eval_starts_at_eval_micro_batches():
+    """``eval_micro_batches`` is the validation k a pass starts at; the training k wins when larger."""
+    from mlx_lm.tuner.trainer import evaluate as mlx_lm_evaluate
+
+    from memguard_mlx import GuardedEval
+
+    model, data = build_model("qwen2"), TokenRows(24, seed=7)
+    np.random.seed(4)
+    ref = mlx_lm_evaluate(model, data, batch_size=8, num_batches=-1, max_seq_length=64)
+    for training_k, eval_k, started in ((1, 3, 3), (4, 2, 4)):
+        ev = GuardedEval(lambda: training_k, eval_micro_batches=eval_k)
+        np.random.seed(4)
+        assert ev.evaluate(model, data, batch_size=8, num_batches=-1, max_seq_length=64) == pytest.approx(ref, rel=1e-6)
+        assert ev.history == [(None, started)]
+
+
+def test_mlx_guard_takes_the_shared_guard_options():
+    """``MlxGuard`` is built from ``GuardOptions`` like the torch adapters: every shared option in its
+    signature; those that mean nothing on MLX refused by name (docs/mlx.md, "Options")."""
+    import inspect
+
+    from memguard_core.options import GUARD_OPTION_NAMES
+    from memguard_mlx import MlxGuard
+
+    own = ["memory_controls", "leak_detector", "clear_cache_on_warning", "chunk_weight", "on_event"]
+    assert list(inspect.signature(MlxGuard).parameters) == own + [n for n in GUARD_OPTION_NAMES if n not in own]
+    g = MlxGuard(eval_micro_batches=2, trim_heap=False, device="mlx", budget_gib=1.0)
+    assert (g.options.eval_micro_batches, g.options.trim_heap, g.options.device) == (2, False, "mlx")
+    assert g.options.budget_bytes == 2**30 and not g.options.leak_detector and g.leak is not None
+    for kw in (dict(device="cuda"), dict(loss_weighting="rows"), dict(cuda_snapshots="snaps"),
+               dict(snapshot_steps=(3,)), dict(eval_micro_batches=0)):
+        with pytest.raises(ConfigError) as ei:
+            MlxGuard(**kw)
+        assert ei.value.field == next(iter(kw))

@@ -21,7 +21,7 @@ placement side by side, each process with its own allocator and memory fraction)
 
 * ``probe``: memguard's CUDA probe (``memguard_core.probes.cuda.probe``, full and cheap) beside
   ``torch.cuda.mem_get_info`` and NVML, an allocator retry provoked and ``num_alloc_retries`` read
-  from ``torch.cuda.memory_stats()``, a snapshot written by ``memguard_core.cuda_snapshots`` and
+  from ``torch.cuda.memory_stats()``, a snapshot written by ``memguard_torch.cuda_snapshots`` and
   loaded back with ``pickle`` (``torch.cuda.memory._snapshot()`` format: ``segments``,
   ``device_traces``) and rendered by ``torch.cuda._memory_viz``.
 * ``est-*``: HF ``Trainer``, 3 optimizer steps on random token ids, random weights from the public
@@ -886,7 +886,7 @@ def child_probe(dry: bool) -> dict:
 
     import torch
 
-    from memguard_core.cuda_snapshots import CudaSnapshots
+    from memguard_torch.cuda_snapshots import CudaSnapshots
     from memguard_core.probes import cuda as pc
 
     rec: Dict[str, Any] = {}

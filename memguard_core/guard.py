@@ -18,9 +18,9 @@ import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .distributed import agree_max
+from . import frameworks
 from .errors import ConfigError, DoesNotFitError
-from .microbatch import empty_torch_cache, split_after_oom
+from .microbatch import free_caches, split_after_oom
 from .monitor import MemoryEvent, MemoryMonitor
 from .observe import RunRecorder
 from .options import GuardOptions
@@ -425,13 +425,13 @@ class Guard(WindowRedo):
         ZeRO-3 gathers would hang otherwise); ``k`` itself outside a process group, or with a
         warning when the all-reduce fails. Never raises."""
         try:
-            return agree_max(k)
+            return frameworks.agree_max(k)
         except Exception:
             self.log.warning("memguard: micro-batch all-reduce failed; using the local k", exc_info=True)
             return k
 
     def after_oom(self, exc: BaseException, k: int, units_left: int, step: Optional[int],
-                  free: Callable[[], None] = empty_torch_cache) -> int:
+                  free: Callable[[], None] = free_caches) -> int:
         """After an out-of-memory error in a micro-batch's forward (nothing of it kept): the CUDA
         snapshot of the moment (:meth:`snapshot_oom`, with ``cuda_snapshots``), then double the
         micro-batches for the ``units_left`` rows (sequences) not yet processed, free memory with

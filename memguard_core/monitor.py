@@ -20,10 +20,10 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import sys
 import time
 from typing import Callable, List, Optional
 
+from . import frameworks
 from .errors import ConfigError, require_fraction, require_int, require_number
 from .monitor_policy import (Action, AllocRetryEpisodes, AllocRetryPolicy, GrowPolicy, Level, MemoryEvent,
                              MemorystatusEpisodes, MemorystatusPolicy, PressureEpisodes, PsiPolicy, SplitPolicy,
@@ -528,26 +528,12 @@ class MemoryMonitor:
 
 def default_clean() -> None:
     """``gc.collect()``, the free heap handed back to the OS where the host can
-    (``probes.trim_heap``: glibc ``malloc_trim(0)`` on Linux), plus the cache of whichever framework
-    is loaded (never imports one): ``torch.cuda.empty_cache()`` where CUDA is initialised,
-    ``torch.mps.empty_cache()`` where torch's MPS backend is available (``probes.mps.empty_cache``),
-    ``mx.clear_cache()`` where mlx is imported. Never raises."""
+    (``probes.trim_heap``: glibc ``malloc_trim(0)`` on Linux), plus every registered framework's
+    cache (:func:`memguard_core.frameworks.clean_caches`: ``torch.cuda.empty_cache()`` where CUDA is
+    initialised, ``torch.mps.empty_cache()`` where MPS is available, ``mx.clear_cache()`` under
+    MLX). Never raises."""
     from .probes import trim_heap
 
     gc.collect()
     trim_heap()
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        try:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.empty_cache()
-        except Exception as exc:  # a broken device must not break the clean of the others
-            logger.debug("memguard: torch.cuda.empty_cache() failed: %r", exc)
-        from .probes import mps as _mps
-        _mps.empty_cache()
-    mx = sys.modules.get("mlx.core")
-    if mx is not None:
-        try:
-            mx.clear_cache()
-        except Exception as exc:
-            logger.debug("memguard: mx.clear_cache() failed: %r", exc)
+    frameworks.clean_caches()

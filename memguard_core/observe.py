@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any, Dict, Optional, Tuple
 
+from . import frameworks
 from .events import LOG_DIR_ENV, EventLog
 from .leak import LeakDetector
 
@@ -83,12 +83,9 @@ def fragmentation_note(step: int, reserved_peak: Optional[int], allocated_peak: 
 
 
 def _rank() -> int:
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except Exception:
-        pass
+    r = frameworks.rank()
+    if r is not None:
+        return int(r)
     try:
         return int(os.environ.get("RANK", "0"))
     except ValueError:
@@ -139,12 +136,7 @@ class RunRecorder:
             self._start_cuda(rank)
 
     def _start_cuda(self, rank: int) -> None:
-        try:
-            import torch
-
-            self.cuda_stats = torch.cuda.memory_stats
-        except Exception:
-            self.cuda_stats = None
+        self.cuda_stats = frameworks.cuda_memory_stats()
         try:
             from .probes.cuda import allocator_settings, expandable_segments
 
@@ -153,10 +145,11 @@ class RunRecorder:
             self.log.debug("memguard: allocator settings not read", exc_info=True)
         folder = self.options.cuda_snapshots or os.environ.get(SNAPSHOTS_ENV)
         if folder:
-            from .cuda_snapshots import CudaSnapshots
-
-            self.snapshots = CudaSnapshots(folder, rank=rank, at_steps=self.options.snapshot_steps)
-            if not self.snapshots.start():
+            factory = frameworks.cuda_snapshots()
+            self.snapshots = None if factory is None else factory(folder, rank, self.options.snapshot_steps)
+            if self.snapshots is None:
+                self.log.warning("memguard: cuda_snapshots needs torch (memguard_torch): no snapshots")
+            elif not self.snapshots.start():
                 self.snapshots = None
 
     def decision(self, kind: str, message: str, step: Optional[int] = None, *, warn: bool = True,

@@ -2,7 +2,7 @@
 the budget with only the steps the adapter may take, and sort the plan's changes into those the
 adapter applies in place (micro-batch split, activation checkpointing) and those the user must make.
 
-The adapters (``memguard_hf.preflight``, ``memguard_lightning.preflight``, ``memguard_mlx.spec``)
+The adapters (``memguard_hf.preflight``, ``memguard_lightning.preflight``, ``memguard_mlx.specs``)
 read the model and the framework's settings into a ``ModelSpec`` / ``TrainSpec``;
 ``memguard_core.guard.Guard.plan`` calls :func:`plan_in_place`. This module imports no framework.
 """
@@ -209,39 +209,6 @@ def attn_impl_from(name: Optional[str]) -> str:
     return "eager" if name == "eager" else "flash" if "flash" in name else "sdpa"
 
 
-def method_and_lora(model: Any, model_spec: ModelSpec) -> tuple:
-    """``(method, lora_kwargs)`` of a live torch module for a ``TrainSpec``: ``qlora`` when the block
-    weights are 4-bit, ``lora`` when PEFT adapters are on it (a ``peft_config`` or ``lora_A``
-    parameters), else ``full``; ``lora_kwargs`` holds ``lora_rank`` (found on the model, else 8),
-    ``lora_targets`` (PEFT's ``target_modules``, else the names of the adapted modules) and, from a
-    PEFT config, ``lora_dropout``.
-
-    Reads ``model.named_parameters()`` only: no framework import.
-    """
-    names = [n for n, _ in model.named_parameters()]
-    peft = hasattr(model, "peft_config") or any("lora_A" in n for n in names)
-    method = "qlora" if model_spec.weight_bits < 8 else "lora" if peft else "full"
-    if method == "full":
-        return method, {}
-    kwargs: dict = {"lora_rank": model_spec.lora_rank_found or 8}
-    targets = None
-    cfg = getattr(model, "peft_config", None)
-    if isinstance(cfg, dict) and cfg:
-        p = getattr(next(iter(cfg.values())), "lora_dropout", None)
-        if isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 <= p < 1.0:
-            kwargs["lora_dropout"] = float(p)
-        t = getattr(next(iter(cfg.values())), "target_modules", None)
-        if isinstance(t, str):
-            targets = ("all-linear",) if t == "all-linear" else (t,)
-        elif t:
-            targets = tuple(sorted(t))
-    if targets is None:
-        targets = tuple(sorted({n.split(".lora_A")[0].rsplit(".", 1)[-1] for n in names if ".lora_A" in n})) or None
-    if targets:
-        kwargs["lora_targets"] = targets
-    return method, kwargs
-
-
 def resident_bytes_for(train_spec: TrainSpec) -> Optional[int]:
     """What this process holds now (RSS) when the estimate predicts the CPU counter, for
     ``plan_in_place(resident_bytes=...)``; ``None`` for other counters or when it cannot be read
@@ -257,22 +224,3 @@ def resident_bytes_for(train_spec: TrainSpec) -> Optional[int]:
 
         logging.getLogger("memguard.preflight").debug("no RSS reading for the preflight", exc_info=True)
         return None
-
-
-def enable_hf_checkpointing(target: Any) -> None:
-    """Per-block activation checkpointing of a transformers ``PreTrainedModel``, in place:
-    non-reentrant (``use_reentrant=False``, so PEFT models need no ``enable_input_require_grads``),
-    through ``activation_checkpointing_enable`` (transformers >= 5) or
-    ``gradient_checkpointing_enable``; ``config.use_cache`` is turned off, as transformers requires
-    with checkpointing. Imports nothing (the model's own methods do the work).
-
-    Raises:
-        AttributeError: ``target`` has neither method.
-    """
-    if hasattr(target, "activation_checkpointing_enable"):
-        target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = getattr(target, "config", None)
-    if cfg is not None and hasattr(cfg, "use_cache"):
-        cfg.use_cache = False

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional
 
-from .distributed import agree_max
+from . import frameworks
 from .errors import WindowOOMError
 from .microbatch import free_after_oom
 
@@ -33,7 +33,7 @@ class WindowRedo:
         ``failed`` itself outside a process group, or with a warning when the all-reduce fails.
         Never raises."""
         try:
-            return bool(agree_max(int(bool(failed))))
+            return bool(frameworks.agree_max(int(bool(failed))))
         except Exception:
             self.log.warning("memguard: redo-flag all-reduce failed; using the local flag", exc_info=True)
             return bool(failed)
@@ -99,7 +99,7 @@ class WindowRedo:
         ``exc``: a step that failed part-way may already have updated some parameters or states in
         place, so it is never retried or redone (docs/lifecycle.md, "optimizer step"); the lazily
         allocated states, the one allocation a step makes that is redoable, are allocated before the
-        first forward instead (:func:`memguard_core.optim_state.preallocate_optimizer_state`).
+        first forward instead (:func:`memguard_torch.optim_state.preallocate_optimizer_state`).
         Logged; never raises itself."""
         self.log.error("memguard: out of memory in the optimizer step; a step that failed part-way cannot be "
                        "redone: %s", exc)

@@ -8,6 +8,10 @@ from memguard_core.extras import require as _require
 
 _require("memguard_torch", ['torch'], "torch")
 
+from .framework import register as _register
+
+_register()   # the core's cache clean, rank agreement and CUDA counters go through torch from here on
+
 from .guard import TorchGuard
 from .oom import is_oom_error
 from .sync import PeerOutOfMemoryError

@@ -13,7 +13,7 @@ import contextlib
 import logging
 from typing import Any, Iterator, List, Optional
 
-from memguard_core.torch_train import ddp_after_abort, find_ddp  # noqa: F401  (used through _compat)
+from .train_reading import ddp_after_abort, find_ddp  # noqa: F401  (used through _compat)
 from memguard_core.versions import warn_outside
 
 logger = logging.getLogger("memguard.torch")

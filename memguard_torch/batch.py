@@ -1,4 +1,4 @@
-"""A loop batch as the flat mapping ``memguard_core.microbatch.BatchSplitter`` cuts, and back."""
+"""A loop batch as the flat mapping ``memguard_torch.microbatch.BatchSplitter`` cuts, and back."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, Dict
 
 import torch
 
-from memguard_core.microbatch import BatchSplitter
+from .microbatch import BatchSplitter
 
 __all__ = ["LoopBatch", "batch_units"]
 

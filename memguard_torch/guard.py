@@ -26,12 +26,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from memguard_core import torch_train as tt
-from memguard_core.distributed import flag_group
+from . import train_reading as tt
+from .distributed import flag_group
 from memguard_core.errors import ConfigError
 from memguard_core.guard import Guard, GuardAttributes
-from memguard_core.microbatch import BatchSplitter, free_after_oom, without_frames as _without_frames
-from memguard_core.optim_state import prepare_optimizer
+from memguard_core.microbatch import free_after_oom, without_frames as _without_frames
+from .microbatch import BatchSplitter
+from .optim_state import prepare_optimizer
 from memguard_core.options import GuardOptions, option_kwargs, with_guard_options
 
 from . import _compat
@@ -195,7 +196,7 @@ class TorchGuard(RankAgreement, GuardAttributes):
 
     def _prepare_optimizer(self) -> None:
         """Allocate the optimizer's lazy states before the first forward and make an OOM inside its
-        step name itself (``memguard_core.optim_state.prepare_optimizer``). Never raises."""
+        step name itself (``memguard_torch.optim_state.prepare_optimizer``). Never raises."""
         if self.optimizer is not None:
             prepare_optimizer(self.optimizer, self.guard, lambda: self._last_rows, is_oom_error)
 

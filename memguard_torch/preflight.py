@@ -2,7 +2,7 @@
 first batch of a plain PyTorch / accelerate loop to a ``ModelSpec`` / ``TrainSpec``;
 ``memguard_core.guard.Guard`` estimates, plans and applies (docs/lifecycle.md).
 
-* model: the module given (through DDP / accelerate wrappers, ``memguard_core.torch_train.unwrap``),
+* model: the module given (through DDP / accelerate wrappers, ``memguard_torch.train_reading.unwrap``),
   its shapes from its HF ``config`` or its ``nn.Embedding`` and block ``ModuleList``
   (``memguard_core.spec.model_spec_from_module``); under FSDP2 the parameters are ``DTensor``s whose
   shapes are the full (unsharded) ones;
@@ -15,7 +15,7 @@ first batch of a plain PyTorch / accelerate loop to a ``ModelSpec`` / ``TrainSpe
   ``memguard_core.sharding_settings.accelerate_settings``), else ``none``;
 * sequence length = ``seq_length`` given, else the first batch's dimension 1 (the loop's data
   loader is never iterated);
-* optimizer from the optimizer object (``memguard_core.torch_train.optimizer_name``);
+* optimizer from the optimizer object (``memguard_torch.train_reading.optimizer_name``);
 * precision: the weights' dtype; ``mixed_precision`` from the accelerator (``fp16`` / ``bf16``
   autocast over fp32 weights);
 * activation checkpointing and the attention implementation from the HF model when there is one.
@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from memguard_core import torch_train as tt
-from memguard_core.preflight import attn_impl_from, method_and_lora
+from . import train_reading as tt
+from memguard_core.preflight import attn_impl_from
+from .train_reading import method_and_lora
 from memguard_core.sharding_settings import accelerate_settings
 from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
 

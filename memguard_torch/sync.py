@@ -4,7 +4,7 @@ never joins (docs/torch_loop.md, "One rank runs out of memory").
 
 The protocol (after MosaicML Composer's ``sync_hook`` in ``composer/trainer/trainer.py``, in one
 all-reduce instead of two): every sync point is one all-reduce (MAX) of three integers on a gloo
-group of its own (``memguard_core.distributed.flag_group``):
+group of its own (``memguard_torch.distributed.flag_group``):
 
 * a rank *inside* a micro-batch, at a sync point placed before each collective of its forward
   and backward, sends ``[0, 0, 1]``; when the first element comes back > 0 some rank failed, and
@@ -36,7 +36,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from memguard_core.distributed import all_reduce_max
+from .distributed import all_reduce_max
 
 from . import _compat
 
@@ -58,7 +58,7 @@ class OomSync:
     """The sync points of one run (see the module doc).
 
     Args:
-        group: the gloo group of the flags (``memguard_core.distributed.flag_group``); None
+        group: the gloo group of the flags (``memguard_torch.distributed.flag_group``); None
             outside a process group (then every call answers locally).
 
     Attributes:

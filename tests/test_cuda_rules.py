@@ -223,7 +223,7 @@ def test_a_loop_that_keeps_its_output_keeps_the_last_steps_bnb_inputs():
                                             ("adamw_bnb_8bit", "adamw-8bit"), ("adamw_8bit", "adamw-8bit"),
                                             ("adamw_torch_fused", "adamw")])
 def test_optimizer_names_as_hf_spells_them(name, canonical):
-    from memguard_core.torch_train import optimizer_name
+    from memguard_torch.train_reading import optimizer_name
 
     ts = _cuda(optimizer=name)
     assert ts.optimizer == canonical

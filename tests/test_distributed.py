@@ -1,4 +1,4 @@
-"""Rank agreement on k (memguard_core.distributed.agree_max) in two real gloo processes.
+"""Rank agreement on k (memguard_torch.distributed.agree_max) in two real gloo processes.
 
 This machine has no NCCL (no GPU): the NCCL case is reached by making ``get_backend`` report
 "nccl" inside the workers -- the one fake here, at the thinnest boundary -- so the gloo side group
@@ -27,7 +27,7 @@ def _worker(rank: int, port: int, pretend_nccl: bool, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        from memguard_core import distributed as md
+        from memguard_torch import distributed as md
 
         if pretend_nccl:
             dist.get_backend = lambda *a, **k: "nccl"  # no NCCL here: see the module docstring
@@ -57,6 +57,6 @@ def test_two_ranks_agree_on_the_max(pretend_nccl):
 
 
 def test_single_process_returns_k():
-    from memguard_core.distributed import agree_max
+    from memguard_torch.distributed import agree_max
 
     assert agree_max(3) == 3

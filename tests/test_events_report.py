@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from memguard_core.cuda_snapshots import CudaSnapshots
+from memguard_torch.cuda_snapshots import CudaSnapshots
 from memguard_core.errors import ConfigError
 from memguard_core.events import EventLog, read_events
 from memguard_core.leak import LeakDetector

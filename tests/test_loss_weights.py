@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from memguard_core.microbatch import BatchSplitter  # noqa: E402
+from memguard_torch.microbatch import BatchSplitter  # noqa: E402
 from memguard_hf import _compat  # noqa: E402
 from memguard_hf.loss_weights import LossWeights, watch_items  # noqa: E402
 

@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memguard_core.microbatch import BatchSplitter, split_batch, split_count  # noqa: E402
+from memguard_core.microbatch import split_count
+from memguard_torch.microbatch import BatchSplitter, split_batch  # noqa: E402
 
 
 def padded_batch():

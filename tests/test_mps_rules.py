@@ -76,7 +76,7 @@ def test_options_and_the_device_default_take_mps():
 
 def test_counter_device_follows_weights_on_mps():
     pytest.importorskip("torch")
-    from memguard_core.torch_train import counter_device
+    from memguard_torch.train_reading import counter_device
 
     assert counter_device("auto", "mps") == "mps"
     assert counter_device("auto", "cuda") == "cuda"

@@ -1,4 +1,4 @@
-"""Optimizer states allocated before the first step (memguard_core.optim_state): the run is the
+"""Optimizer states allocated before the first step (memguard_torch.optim_state): the run is the
 same as with the optimizer's lazy states, bit for bit, and a failed allocation leaves the optimizer
 as it was."""
 
@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from memguard_core import optim_state
-from memguard_core.optim_state import preallocate_optimizer_state, unwrap_optimizer
+from memguard_torch import optim_state
+from memguard_torch.optim_state import preallocate_optimizer_state, unwrap_optimizer
 
 
 def _train(model, opt, steps=3):

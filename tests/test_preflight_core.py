@@ -53,7 +53,8 @@ def test_method_and_lora_read_from_live_modules():
     peft = pytest.importorskip("peft")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from memguard_core.preflight import attn_impl_from, method_and_lora
+    from memguard_core.preflight import attn_impl_from
+    from memguard_torch.train_reading import method_and_lora
     from memguard_core.spec import model_spec_from_module
 
     torch.manual_seed(0)

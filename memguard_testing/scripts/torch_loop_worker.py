@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         resource.setrlimit(resource.RLIMIT_AS, (base + a.rlimit_headroom, hard))
     for step, batch in enumerate(batches):
         if guard is None and a.chunks > 1:
-            from memguard_core.microbatch import split_batch
+            from memguard_torch.microbatch import split_batch
 
             parts = split_batch(batch, a.chunks, shift_labels=True)
             for i, c in enumerate(parts):

@@ -46,7 +46,7 @@ class CudaSnapshots:
     def __init__(self, out_dir: str, *, rank: int = 0, max_entries: int = 100_000,
                  at_steps: Iterable[int] = (), on_critical: bool = True, on_oom: bool = True,
                  cuda_memory: Any = None):
-        from .errors import require_positive_int
+        from memguard_core.errors import require_positive_int
 
         self.out_dir = str(out_dir)
         self.rank = int(rank)

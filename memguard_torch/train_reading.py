@@ -2,8 +2,9 @@
 ``memguard_lightning``): the sequence length, the optimizer, activation checkpointing (reading and
 turning it on) and the weights' dtype and device.
 
-Imports torch only when a function runs (``memguard_core`` imports no framework at import time);
-the torch adapters are its only callers.
+Also what a live torch module says for a ``TrainSpec`` (:func:`method_and_lora`) and turning
+activation checkpointing on (:func:`enable_hf_checkpointing`). torch is imported only when a function
+runs, so the adapters import this module cheaply.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Tuple
 
 if TYPE_CHECKING:  # annotations only
     import torch
+
+from memguard_core.estimator.specs import ModelSpec
 
 logger = logging.getLogger("memguard.preflight")
 
@@ -63,13 +66,11 @@ def checkpointing_on(model: Any) -> bool:
 
 def enable_activation_checkpointing(model: Any) -> None:
     """Per-block activation checkpointing of the transformers model inside ``model``, in place
-    (``memguard_core.preflight.enable_hf_checkpointing``: non-reentrant, ``use_cache`` off).
+    (:func:`enable_hf_checkpointing`: non-reentrant, ``use_cache`` off).
 
     Raises:
         ValueError: the model has no ``gradient_checkpointing_enable`` (not a transformers model).
     """
-    from .preflight import enable_hf_checkpointing
-
     target = checkpoint_target(model)
     if target is None:
         raise ValueError("the model has no gradient_checkpointing_enable(): activation checkpointing cannot "
@@ -138,7 +139,7 @@ def file_pages_kwargs(device: str, kwargs: dict) -> dict:
     """``kwargs`` with ``resident_file_bytes`` read from this process on the CPU counter: the mapped
     libraries' resident pages are part of VmHWM and vary with the page cache."""
     if device == "cpu" and "resident_file_bytes" not in kwargs:
-        from .stats import process_file_resident_bytes
+        from memguard_core.stats import process_file_resident_bytes
 
         kwargs = dict(kwargs, resident_file_bytes=process_file_resident_bytes())
     return kwargs
@@ -243,7 +244,7 @@ def average_ddp_gradients(ddp: Any, flag_group: Optional[Any] = None) -> None:
     can run out of memory between agreeing and reducing. A parameter without a gradient on some
     rank (unused there) gets zeros first, so every rank reduces the same tensors. Which ones is
     agreed on ``flag_group``; when None, on memguard's gloo flag group
-    (:func:`memguard_core.distributed.flag_group`, created collectively at its first call, which
+    (:func:`memguard_torch.distributed.flag_group`, created collectively at its first call, which
     every rank makes here at the same point): the mask is a CPU tensor, which an NCCL group refuses.
 
     Raises:
@@ -270,3 +271,55 @@ def average_ddp_gradients(ddp: Any, flag_group: Optional[Any] = None) -> None:
         works.append(dist.all_reduce(p.grad, group=group, async_op=True))
     for w in works:
         w.wait()
+
+
+def method_and_lora(model: Any, model_spec: ModelSpec) -> tuple:
+    """``(method, lora_kwargs)`` of a live torch module for a ``TrainSpec``: ``qlora`` when the block
+    weights are 4-bit, ``lora`` when PEFT adapters are on it (a ``peft_config`` or ``lora_A``
+    parameters), else ``full``; ``lora_kwargs`` holds ``lora_rank`` (found on the model, else 8),
+    ``lora_targets`` (PEFT's ``target_modules``, else the names of the adapted modules) and, from a
+    PEFT config, ``lora_dropout``.
+
+    Reads ``model.named_parameters()`` only: no framework import.
+    """
+    names = [n for n, _ in model.named_parameters()]
+    peft = hasattr(model, "peft_config") or any("lora_A" in n for n in names)
+    method = "qlora" if model_spec.weight_bits < 8 else "lora" if peft else "full"
+    if method == "full":
+        return method, {}
+    kwargs: dict = {"lora_rank": model_spec.lora_rank_found or 8}
+    targets = None
+    cfg = getattr(model, "peft_config", None)
+    if isinstance(cfg, dict) and cfg:
+        p = getattr(next(iter(cfg.values())), "lora_dropout", None)
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 <= p < 1.0:
+            kwargs["lora_dropout"] = float(p)
+        t = getattr(next(iter(cfg.values())), "target_modules", None)
+        if isinstance(t, str):
+            targets = ("all-linear",) if t == "all-linear" else (t,)
+        elif t:
+            targets = tuple(sorted(t))
+    if targets is None:
+        targets = tuple(sorted({n.split(".lora_A")[0].rsplit(".", 1)[-1] for n in names if ".lora_A" in n})) or None
+    if targets:
+        kwargs["lora_targets"] = targets
+    return method, kwargs
+
+
+def enable_hf_checkpointing(target: Any) -> None:
+    """Per-block activation checkpointing of a transformers ``PreTrainedModel``, in place:
+    non-reentrant (``use_reentrant=False``, so PEFT models need no ``enable_input_require_grads``),
+    through ``activation_checkpointing_enable`` (transformers >= 5) or
+    ``gradient_checkpointing_enable``; ``config.use_cache`` is turned off, as transformers requires
+    with checkpointing. Imports nothing (the model's own methods do the work).
+
+    Raises:
+        AttributeError: ``target`` has neither method.
+    """
+    if hasattr(target, "activation_checkpointing_enable"):
+        target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = getattr(target, "config", None)
+    if cfg is not None and hasattr(cfg, "use_cache"):
+        cfg.use_cache = False

@@ -13,34 +13,18 @@ from .result import MemoryEstimate
 from .specs import DTYPE_BYTES, MiB, ModelSpec, TrainSpec
 
 
-#: cuda: the CUDA context (driver state, kernel images, cuDNN/cuBLAS handles), outside every torch
-#: counter (``memory_allocated`` / ``memory_reserved`` do not see it, ``nvidia-smi`` does). Bytes.
-#: Source: PyTorch docs, notes/cuda.html "Memory management" (the context takes hundreds of MiB per
-#: device, depending on the CUDA version and the kernels loaded); an assumption from that source,
-#: not fitted on GPU runs (docs/estimator.md, "CUDA").
+#: The CUDA context, outside every torch counter: an assumption from PyTorch's notes/cuda.html, docs/estimator.md#cuda.
 CUDA_CONTEXT_BYTES = 500 * MiB
-#: cuda: the cuBLAS workspaces of a training step, bytes. torch allocates one workspace per
-#: (cuBLAS handle, stream) through the caching allocator (``aten/src/ATen/cuda/CublasHandlePool.cpp``
-#: ``getCurrentCUDABlasHandle`` / ``cublas_handle_stream_to_workspace``), of the size
-#: ``CUBLAS_WORKSPACE_CONFIG`` names -- default ``:4096:2:16:8`` = 2 x 4096 KiB + 8 x 16 KiB =
-#: 8.125 MiB (``parseChosenWorkspaceSize``; Hopper builds default to 4 x that). Handles are per
-#: thread, and autograd runs the backward of CUDA ops on its own device thread
-#: (``torch/csrc/autograd/engine.cpp``), so a step holds two: the forward's and the backward's.
+#: Two cuBLAS workspaces (forward, backward thread) of the default ``:4096:2:16:8``: CublasHandlePool.cpp.
 CUDA_CUBLAS_WORKSPACES_BYTES = 2 * (8 * MiB + 128 * 1024)
-#: PyTorch CUDA caching allocator sizes, bytes (``c10/cuda/CUDACachingAllocator.cpp``,
-#: ``c10/core/AllocatorConfig.h``): every request is rounded up to a multiple of 512 B
-#: (``kMinBlockSize``, ``round_size``); requests up to 1 MiB (``kSmallSize``) come from 2 MiB
-#: segments of the small pool (``kSmallBuffer``); 1-10 MiB requests (``kMinLargeAlloc``) get 20 MiB
-#: segments (``kLargeBuffer``); larger ones a segment rounded up to 2 MiB (``kRoundLarge``,
-#: ``get_allocation_size``). ``memory_allocated`` counts the rounded block, ``memory_reserved`` the
-#: segments.
+#: Caching allocator sizes (``c10/cuda/CUDACachingAllocator.cpp``): kMinBlockSize, kSmallSize, kSmallBuffer,
+#: kLargeBuffer, kMinLargeAlloc, kRoundLarge; docs/estimator.md#cuda.
 CUDA_MIN_BLOCK = 512
 CUDA_SMALL_SIZE = 1 * MiB
 CUDA_SMALL_BUFFER = 2 * MiB
 CUDA_LARGE_BUFFER = 20 * MiB
 CUDA_MIN_LARGE_ALLOC = 10 * MiB
 CUDA_ROUND_LARGE = 2 * MiB
-
 
 def cuda_block_bytes(nbytes: int) -> int:
     """Bytes ``memory_allocated`` counts for one CUDA tensor of ``nbytes``: the caching allocator's
@@ -62,10 +46,7 @@ def cuda_segment_bytes(nbytes: int) -> int:
     return CUDA_ROUND_LARGE * ((n + CUDA_ROUND_LARGE - 1) // CUDA_ROUND_LARGE)
 
 
-#: Reserved-but-unallocated slack of PyTorch's CUDA caching allocator (blocks rounded to 512 B /
-#: 2 MiB segments, ``c10/cuda/CUDACachingAllocator.cpp``); 5% of the allocated peak is the usual
-#: range of ``memory_reserved / max_memory_allocated`` on training loops. An assumption, not fitted
-#: on GPU runs (docs/estimator.md, "CUDA").
+#: Reserved-but-unallocated share of the live peak: an assumption, not fitted on GPU runs, docs/estimator.md#cuda.
 CUDA_FRAGMENTATION = 0.05
 
 
@@ -73,12 +54,9 @@ def allocator_slack(totals: Dict[str, int], overhead: int) -> Dict[str, int]:
     """moment -> the caching allocator's reserved-but-unallocated bytes: ``CUDA_FRAGMENTATION`` of
     each moment's ``totals`` less the ``overhead`` outside the allocator (bytes)."""
     return {k: int(CUDA_FRAGMENTATION * (v - overhead)) for k, v in totals.items()}
-#: Head dims the CUDA flash kernel takes (``check_head_dim_size_flash`` in torch
-#: ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: q, k, v of one head size <= 256).
+#: Largest head dim of the flash kernel: ``check_head_dim_size_flash``, ``cuda/sdp_utils.cpp``.
 CUDA_FLASH_MAX_HEAD_DIM = 256
-#: The memory-efficient kernel pads its fp32 logsumexp to a multiple of 32 queries
-#: (``_efficient_attention_forward`` in ``aten/src/ATen/native/transformers/cuda/attention.cu``:
-#: ``logsumexp`` of shape (batch, heads, ceil(s / 32) * 32) when ``compute_log_sumexp``).
+#: The memory-efficient kernel pads its fp32 logsumexp to this many queries: ``_efficient_attention_forward``.
 CUDA_EFFICIENT_LSE_PAD = 32
 
 
@@ -87,23 +65,10 @@ def cuda_sdpa_backend(ms: ModelSpec, ts: TrainSpec) -> str:
     ``flash`` | ``efficient`` | ``math`` (or ``eager`` when ``attn_impl="eager"``: no SDPA at all;
     ``attn_impl="flash"``, the flash-attn package, saves what the flash kernel saves).
 
-    torch ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` ``select_sdp_backend`` tries the
-    backends in ``priority_order`` (flash, memory-efficient, math; cuDNN first only on sm90/sm100
-    with cuDNN > 9.15, ``check_prefer_cudnn_attention`` -- it saves the same output + statistics as
-    flash) and takes the first whose filters pass:
-
-    * flash (``use_flash_attention``): fp16/bf16 inputs only (``check_dtypes_low_precision``), q/k/v
-      of one head dim <= 256 (``check_head_dim_size_flash``), no explicit mask
-      (``check_for_attn_mask``; transformers passes ``is_causal=True`` and no mask when a batch has
-      no padding), sm80 or newer; dropout is supported (a philox seed and offset are kept and the
-      mask is regenerated in the backward), and grouped-query attention too (``enable_gqa``);
-    * memory-efficient (``use_mem_efficient_attention``): fp32 as well, head dim a multiple of the
-      GEMM alignment (``check_head_dim_size_mem_efficient``: 8 for fp16/bf16, 4 for fp32 on sm80),
-      masks and dropout (philox) supported;
-    * math otherwise (``_scaled_dot_product_attention_math``: the scores and probabilities are
-      materialised and saved).
-    The compute dtype is the autocast dtype under ``mixed_precision``. A GPU older than sm80 is not
-    modelled (flash is refused there; the memory-efficient kernel saves the same, bar the padding).
+    torch's ``select_sdp_backend`` order: flash for fp16/bf16 with a head dim up to
+    ``CUDA_FLASH_MAX_HEAD_DIM``, else memory-efficient for a head dim that is a multiple of 8 (half)
+    / 4 (fp32), else math; the compute dtype is the autocast dtype under ``mixed_precision``. The
+    filters and their sources: docs/estimator.md#cuda.
     """
     if ts.attn_impl == "eager":
         return "eager"

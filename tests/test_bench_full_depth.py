@@ -5,16 +5,22 @@ are built on the meta device only, to count their parameters)."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 import subprocess
 import sys
+from importlib import resources
 
 import pytest
 
-from memguard_bench import harness as bench
+from memguard_bench.baseline import baseline_summary
+from memguard_bench.cases import (CASE_SETS, CASES, FULL_DEPTH_LAYERS, HF_FULL_DEPTH_ARCHS, MLX_FULL_DEPTH_ARCHS,
+                                  build_case, num_layers_of, select)
+from memguard_bench.provenance import repo_root
+from memguard_bench.report import markdown_report
+from memguard_bench.score import CPU_BF16_MOE, cpu_bf16_moe, score, specs_of
+from memguard_bench.stats import summarize
 
-#: Published layer counts, typed from each hub config (independent of bench.FULL_DEPTH_LAYERS).
+#: Published layer counts, typed from each hub config (independent of cases.FULL_DEPTH_LAYERS).
 PUBLISHED_LAYERS = {
     "gpt2-12l": 12,                 # openai-community/gpt2: n_layer
     "smollm2-135m-30l": 30,         # HuggingFaceTB/SmolLM2-135M
@@ -38,45 +44,45 @@ PUBLISHED_PARAMS = {
 
 
 def _fd():
-    return bench.select(case_set="full-depth", backends=("hf", "mlx"))
+    return select(case_set="full-depth", backends=("hf", "mlx"))
 
 
 def _arch(case):
-    return (bench.HF_FULL_DEPTH_ARCHS if case["backend"] == "hf" else bench.MLX_FULL_DEPTH_ARCHS)[case["arch"]]
+    return (HF_FULL_DEPTH_ARCHS if case["backend"] == "hf" else MLX_FULL_DEPTH_ARCHS)[case["arch"]]
 
 
 def test_full_depth_set_is_selected_alone_and_kept_out_of_the_other_sets():
     fd = _fd()
     assert len(fd) >= 15
     assert all(c.get("full_depth") is True for c in fd)
-    assert [c for c in bench.CASES if c.get("full_depth")] == fd
+    assert [c for c in CASES if c.get("full_depth")] == fd
     names = [c["name"] for c in fd]
     assert len(names) == len(set(names)) and all(n.startswith(("hf-fd-", "mlx-fd-")) for n in names)
     for s in ("all", "matrix", "held-out"):
-        sel = bench.select(case_set=s, backends=("hf", "mlx"))
+        sel = select(case_set=s, backends=("hf", "mlx"))
         assert sel and not any(c.get("full_depth") for c in sel), s
     # `all` is still the matrix plus the held-out set, and --quick (make test) is unchanged
-    assert len(bench.select(case_set="all")) == (len(bench.select(case_set="matrix"))
-                                                 + len(bench.select(case_set="held-out")))
-    quick = bench.select(quick=True)
+    assert len(select(case_set="all")) == (len(select(case_set="matrix"))
+                                           + len(select(case_set="held-out")))
+    quick = select(quick=True)
     assert [c["name"] for c in quick] == ["hf-tiny-lora-r8-b1-s32-fp32", "hf-tiny-full-b1-s32-fp32",
                                          "mlx-tiny-lora-r4-b4-s64-fp32", "mlx-tiny-full-b4-s64-fp32"]
-    assert bench.select(quick=True, case_set="full-depth") == []
-    assert "full-depth" in bench.CASE_SETS
+    assert select(quick=True, case_set="full-depth") == []
+    assert "full-depth" in CASE_SETS
     with pytest.raises(ValueError):
-        bench.select(case_set="full_depth")
+        select(case_set="full_depth")
 
 
 def test_every_full_depth_case_runs_every_published_block():
-    assert set(bench.FULL_DEPTH_LAYERS) == set(PUBLISHED_LAYERS)
-    assert bench.FULL_DEPTH_LAYERS == PUBLISHED_LAYERS
+    assert set(FULL_DEPTH_LAYERS) == set(PUBLISHED_LAYERS)
+    assert FULL_DEPTH_LAYERS == PUBLISHED_LAYERS
     for c in _fd():
         arch = _arch(c)
-        assert bench.num_layers_of(arch) == PUBLISHED_LAYERS[c["arch"]], c["name"]
+        assert num_layers_of(arch) == PUBLISHED_LAYERS[c["arch"]], c["name"]
         assert c["model_type"] == arch["model_type"]
-    for table in (bench.HF_FULL_DEPTH_ARCHS, bench.MLX_FULL_DEPTH_ARCHS):
+    for table in (HF_FULL_DEPTH_ARCHS, MLX_FULL_DEPTH_ARCHS):
         for key, arch in table.items():
-            assert bench.num_layers_of(arch) == PUBLISHED_LAYERS[key], key
+            assert num_layers_of(arch) == PUBLISHED_LAYERS[key], key
 
 
 def test_full_depth_configs_have_the_published_parameter_counts():
@@ -85,7 +91,7 @@ def test_full_depth_configs_have_the_published_parameter_counts():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     for key, n in PUBLISHED_PARAMS.items():
-        arch = dict(bench.HF_FULL_DEPTH_ARCHS[key])
+        arch = dict(HF_FULL_DEPTH_ARCHS[key])
         cfg = AutoConfig.for_model(arch.pop("model_type"), **arch)
         with torch.device("meta"):  # (accelerate's init_empty_weights skips the tying here)
             model = AutoModelForCausalLM.from_config(cfg)
@@ -94,11 +100,12 @@ def test_full_depth_configs_have_the_published_parameter_counts():
 
 
 def test_every_full_depth_arch_names_its_source():
-    src = inspect.getsource(bench)
-    for key in list(bench.HF_FULL_DEPTH_ARCHS) + list(bench.MLX_FULL_DEPTH_ARCHS):
-        for m in re.finditer(rf'^(?P<pre>(?:\s*#.*\n)+)\s*"{re.escape(key)}": dict\(', src, re.M):
+    src = resources.files("memguard_bench").joinpath("data", "archs_full_depth.toml").read_text()
+    for backend, table in (("hf", HF_FULL_DEPTH_ARCHS), ("mlx", MLX_FULL_DEPTH_ARCHS)):
+        for key in table:
+            m = re.search(rf'^(?P<pre>(?:#.*\n)+)\[{backend}\."{re.escape(key)}"\]$', src, re.M)
+            assert m, key
             assert re.search(r"[A-Za-z0-9-]+/[A-Za-z0-9._-]+", m.group("pre")), key
-        assert re.search(rf'^\s*#.*\n\s*"{re.escape(key)}": dict\(', src, re.M), key
 
 
 def test_full_depth_set_covers_what_users_run():
@@ -134,14 +141,14 @@ def test_list_prints_the_full_depth_cases():
     p = subprocess.run([sys.executable, "-m", "memguard_bench", "--list", "--set", "full-depth", "--backend", "hf"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.split() == [c["name"] for c in bench.select(case_set="full-depth", backends=("hf",))]
+    assert p.stdout.split() == [c["name"] for c in select(case_set="full-depth", backends=("hf",))]
     h = subprocess.run([sys.executable, "-m", "memguard_bench", "--help"], capture_output=True, text=True,
                        timeout=120)
     assert "full-depth" in h.stdout and "--date" in h.stdout
 
 
 def test_a_per_step_record_is_scored_and_reported():
-    from memguard_core.spec import model_spec_from_numbers
+    from memguard_core.estimator.numbers import model_spec_from_numbers
 
     ms = model_spec_from_numbers(model_params=10_000_000, hidden_dim=256, num_layers=2, num_heads=4,
                                  vocab_size=1000, intermediate_size=512, model_bits=32)
@@ -150,14 +157,14 @@ def test_a_per_step_record_is_scored_and_reported():
     rec = dict(peak_bytes=540 << 20, counter="cpu", seconds=3.0, model_spec=dataclasses.asdict(ms),
                step_peak_bytes=steps, pre_train_peak_bytes=300 << 20, date="2026-11-25",
                model_config={"model_type": "granitemoe"})
-    row = bench.score(case, rec, seed=False)
+    row = score(case, rec, seed=False)
     assert row["full_depth"] and row["arch_fitted"] is False and row["step_peak_bytes"] == steps
     assert row["date"] == "2026-11-25"
-    base = dict(path=bench._root() + "/bench/results/bench_cpu.json", date="2026-11-24",
+    base = dict(path=repo_root() + "/bench/results/bench_cpu.json", date="2026-11-24",
                 date_source="the last commit of the file", cases=1,
-                hf=bench.summarize([dict(name="a", error=0.01)]), mlx={"cases": 0},
-                all=bench.summarize([dict(name="a", error=0.01)]))
-    md = bench.markdown_report([row], {"cores": 2}, date="2026-11-26", baseline=base)
+                hf=summarize([dict(name="a", error=0.01)]), mlx={"cases": 0},
+                all=summarize([dict(name="a", error=0.01)]))
+    md = markdown_report([row], {"cores": 2}, date="2026-11-26", baseline=base)
     assert "Report date: 2026-11-26; measured: 2026-11-25" in md
     assert "No constant of the estimator was fitted on the full-depth cases." in md
     assert "(a) **full-depth set**, measured 2026-11-25" in md
@@ -168,18 +175,18 @@ def test_a_per_step_record_is_scored_and_reported():
 def test_baseline_summary_rescored_from_the_saved_matrix(tmp_path):
     import json
 
-    from memguard_core.spec import model_spec_from_numbers
+    from memguard_core.estimator.numbers import model_spec_from_numbers
 
     ms = model_spec_from_numbers(model_params=10_000_000, hidden_dim=256, num_layers=2, num_heads=4,
                                  vocab_size=1000, intermediate_size=512, model_bits=32)
-    case = bench._case("hf", "tiny", batch_size=2, seq_length=64)
+    case = build_case("hf", "tiny", batch_size=2, seq_length=64)
     rec = dict(peak_bytes=500 << 20, counter="cpu", model_spec=dataclasses.asdict(ms))
     p = tmp_path / "b.json"
     p.write_text(json.dumps(dict(date="2026-11-20", cases=[dict(name=case["name"], case=case, measured=rec),
                                                            dict(name="x", case=case, measured={"error": "rc=1"})])))
-    b = bench.baseline_summary(str(p))
+    b = baseline_summary(str(p))
     assert b["date"] == "2026-11-20" and b["cases"] == 1 and b["hf"]["cases"] == 1 and b["mlx"] == {"cases": 0}
-    assert bench.baseline_summary(str(tmp_path / "missing.json")) is None
+    assert baseline_summary(str(tmp_path / "missing.json")) is None
 
 
 def test_bf16_moe_on_cpu_is_reported_apart_and_still_counted():
@@ -187,7 +194,7 @@ def test_bf16_moe_on_cpu_is_reported_apart_and_still_counted():
     (oneDNN's per-shape state): the report keeps its cases in every summary and shows the summary
     without them beside it, with the reason in plain words; dense and fp32 MoE cases are not
     labelled."""
-    from memguard_core.spec import model_spec_from_hf_config
+    from memguard_hf.model_spec import model_spec_from_hf_config
 
     fd = {c["name"]: c for c in _fd()}
     moe_bf16 = [c for c in fd.values() if c["backend"] == "hf" and c["model_type"] in ("granitemoe", "mixtral")
@@ -196,20 +203,20 @@ def test_bf16_moe_on_cpu_is_reported_apart_and_still_counted():
     assert moe_bf16 and dense
     rows = []
     for c in moe_bf16 + dense[:2]:
-        cfg = dict(bench.HF_FULL_DEPTH_ARCHS[c["arch"]])
+        cfg = dict(HF_FULL_DEPTH_ARCHS[c["arch"]])
         ms = model_spec_from_hf_config(cfg)
         rec = dict(peak_bytes=6 << 30, counter="cpu", seconds=3.0, model_spec=dataclasses.asdict(ms),
                    step_peak_bytes=[5 << 30, 6 << 30], date="2026-11-25", model_config=cfg)
-        rows.append(bench.score(c, rec, seed=False))
-    labelled = [r["name"] for r in rows if r.get("cpu_backend_effect") == bench.CPU_BF16_MOE]
+        rows.append(score(c, rec, seed=False))
+    labelled = [r["name"] for r in rows if r.get("cpu_backend_effect") == CPU_BF16_MOE]
     assert labelled == [c["name"] for c in moe_bf16]
     # the same MoE in fp32, or on mlx, is not labelled
-    ms_moe, ts_moe = bench.specs_of(moe_bf16[0], dict(model_spec=dataclasses.asdict(
-        model_spec_from_hf_config(dict(bench.HF_FULL_DEPTH_ARCHS[moe_bf16[0]["arch"]]))), counter="cpu"))
-    assert bench.cpu_bf16_moe(ms_moe, ts_moe)
-    assert not bench.cpu_bf16_moe(ms_moe, ts_moe.replace(dtype="fp32"))
-    assert not bench.cpu_bf16_moe(ms_moe, ts_moe.replace(framework="mlx", device="mlx"))
-    md = bench.markdown_report(rows, {"cores": 2}, date="2026-11-25")
+    ms_moe, ts_moe = specs_of(moe_bf16[0], dict(model_spec=dataclasses.asdict(
+        model_spec_from_hf_config(dict(HF_FULL_DEPTH_ARCHS[moe_bf16[0]["arch"]]))), counter="cpu"))
+    assert cpu_bf16_moe(ms_moe, ts_moe)
+    assert not cpu_bf16_moe(ms_moe, ts_moe.replace(dtype="fp32"))
+    assert not cpu_bf16_moe(ms_moe, ts_moe.replace(framework="mlx", device="mlx"))
+    md = markdown_report(rows, {"cores": 2}, date="2026-11-25")
     n_all, n_moe = len(rows), len(moe_bf16)
     assert f"full depth, hf: {n_all} cases" in md                     # counted in the whole
     assert f"without the bf16 MoE cases (what the estimator models): {n_all - n_moe} cases" in md

@@ -39,7 +39,7 @@ def test_adapter_features_are_registered_entry_points():
         pytest.skip("memguard is not installed with its metadata here")
     assert names == {"demo.hf": "memguard_hf.demo:run_demo", "demo.lightning": "memguard_lightning.demo:run_demo",
                      "demo.mlx": "memguard_mlx.demo:run_demo", "trace": "memguard_hf.trace",
-                     "bench": "memguard_bench.harness:main"}
+                     "bench": "memguard_bench.cli:main"}
 
 
 def test_a_missing_feature_is_one_line_naming_the_extra(monkeypatch):

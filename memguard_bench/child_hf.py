@@ -1,0 +1,195 @@
+"""The HF child of the bench: one ``Trainer`` run of a case on torch (CPU or CUDA) in a fresh
+interpreter, measured by the counter the estimate predicts (VmHWM on the CPU, the CUDA context +
+peak reserved bytes on a GPU), with the model facts recorded beside it. docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List
+
+from .cases import arch_of
+from .readings import json_safe, peak_rss_bytes
+
+__all__ = ["run_hf_child"]
+
+
+def _step_peaks_callback(read, reset):
+    """A ``TrainerCallback`` that records the peak of the counter in each optimizer step: at
+    ``on_step_begin`` it reads the peak since the last reset (the first read covers everything
+    before the first step: model, optimizer setup, ``on_train_begin``) and resets it; at
+    ``on_step_end`` it reads the step's peak and resets again (so the next read is the gap between
+    steps: logging, scheduler). ``read`` returns bytes; ``reset`` returns False when the counter
+    cannot be reset (then the per-step peaks are cumulative and ``resets_ok`` says so)."""
+    from transformers import TrainerCallback
+
+    class StepPeaks(TrainerCallback):
+        def __init__(self):
+            self.pre_train = None
+            self.steps: List[int] = []
+            self.gaps: List[int] = []
+            self.seconds: List[float] = []
+            self.resets_ok = True
+            self._t = 0.0
+
+        def _reset(self):
+            self.resets_ok = bool(reset()) and self.resets_ok
+
+        def on_step_begin(self, args, state, control, **kw):
+            v = read()
+            if self.pre_train is None:
+                self.pre_train = v
+            else:
+                self.gaps.append(v)
+            self._reset()
+            self._t = time.time()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.steps.append(read())
+            self.seconds.append(round(time.time() - self._t, 2))
+            self._reset()
+
+    return StepPeaks()
+
+
+def _trim_heap_callback():
+    """A ``TrainerCallback`` doing what a guarded run does at every optimizer step's end on a CPU
+    device (``GuardOptions.trim_heap``: ``probes.trim_heap``, glibc's ``malloc_trim(0)``), so the
+    peaks measured are a guarded run's. It runs after the per-step peak callback has read the step."""
+    from transformers import TrainerCallback
+
+    from memguard_core.probes import trim_heap
+
+    class TrimHeap(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            trim_heap()
+
+    return TrimHeap()
+
+
+def _build_model(case: dict, torch):
+    """(model, config, CUDA context bytes): the case's architecture with random weights in the
+    case's dtype, LoRA-wrapped by PEFT unless the method is full."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = case["train"]
+    arch = arch_of(case)
+    config = AutoConfig.for_model(arch.pop("model_type"), **arch)
+    half = kw["dtype"] in ("bf16", "fp16") and not kw["mixed_precision"]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(kw["dtype"]) if half else torch.float32
+    ctx = 0
+    if case.get("device", "cpu") == "cuda":
+        torch.zeros(1, device="cuda")
+        free, total = torch.cuda.mem_get_info()
+        ctx = (total - free) - torch.cuda.memory_reserved()  # context (assumes an otherwise idle GPU)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kw["attn_impl"])
+    if kw["method"] != "full":
+        from peft import LoraConfig, get_peft_model
+
+        targets = kw["lora_targets"]
+        lc = LoraConfig(r=kw["lora_rank"], lora_alpha=2 * kw["lora_rank"], lora_dropout=kw.get("lora_dropout", 0.0),
+                        target_modules="all-linear" if targets == ["all-linear"] else targets,
+                        task_type="CAUSAL_LM")
+        model = get_peft_model(model, lc)
+    return model, config, ctx
+
+
+def _dataset(n: int, s: int, vocab_size: int, torch):
+    """``n`` rows of ``s`` random token ids (labels = inputs), the same every run."""
+    from torch.utils.data import Dataset
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab_size, (n, s), generator=g)
+
+    class DS(Dataset):
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return {"input_ids": ids[i], "labels": ids[i], "attention_mask": torch.ones(s, dtype=torch.long)}
+
+    return DS()
+
+
+def _training_args(kw: dict, steps: int, device: str):
+    from transformers import TrainingArguments
+
+    optim = {"adamw": "adamw_torch_fused", "adam": "adamw_torch_fused", "sgd": "sgd",
+             "adafactor": "adafactor"}[kw["optimizer"]]
+    amp = kw["mixed_precision"]
+    return TrainingArguments(
+        output_dir="/tmp/memguard_bench_out", per_device_train_batch_size=kw["batch_size"],
+        gradient_accumulation_steps=kw["grad_accum"], max_steps=steps, learning_rate=1e-4,
+        optim=optim, bf16=amp and kw["dtype"] == "bf16", fp16=amp and kw["dtype"] == "fp16",
+        use_cpu=device == "cpu", gradient_checkpointing=kw["grad_checkpoint"], report_to=[],
+        save_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+        remove_unused_columns=False)
+
+
+def _counter(device: str, ctx: int, torch):
+    """(read, reset) of the peak the estimate predicts: the CUDA context + the caching allocator's
+    peak reserved bytes on a GPU, the process's VmHWM on the CPU."""
+    if device == "cuda":
+        def read() -> int:
+            return int(ctx + torch.cuda.max_memory_reserved())
+
+        def reset() -> bool:
+            torch.cuda.reset_peak_memory_stats()
+            return True
+
+        return read, reset
+    from memguard_core.probes.linux.peak import reset_peak
+
+    return peak_rss_bytes, reset_peak
+
+
+def run_hf_child(case: dict) -> dict:
+    """One HF ``Trainer`` run (``case["steps"]`` optimizer steps, default 2) on random token ids;
+    returns the measurement (bytes, seconds). With ``case["per_step"]`` the peak of every step is
+    recorded too (``step_peak_bytes``; ``peak_bytes`` stays the peak of the whole run: the largest of
+    the pre-train, per-step, between-step and after-train readings)."""
+    t0 = time.time()
+    import dataclasses
+
+    import torch
+    from transformers import Trainer
+
+    from memguard_torch.module_spec import model_spec_from_module
+
+    torch.manual_seed(0)
+    kw = case["train"]
+    device = case.get("device", "cpu")
+    steps = int(case.get("steps", 2))
+    model, config, ctx = _build_model(case, torch)
+    ms = model_spec_from_module(model, name=case["arch"])
+    spec = dataclasses.asdict(ms)
+    train_ds = _dataset(kw["batch_size"] * kw["grad_accum"] * steps, kw["seq_length"], config.vocab_size, torch)
+    args = _training_args(kw, steps, device)
+    read, reset = _counter(device, ctx, torch)
+    callbacks = [_step_peaks_callback(read, reset)] if case.get("per_step") else []
+    cb = callbacks[0] if callbacks else None
+    pinned = False
+    if device == "cpu" and case.get("trim_heap", True):
+        callbacks.append(_trim_heap_callback())
+        from memguard_core.guard import fix_mmap_threshold
+        from memguard_core.estimator.specs import TrainSpec
+
+        pinned = fix_mmap_threshold(ms, TrainSpec(dtype=kw["dtype"], device="cpu"))  # as the guard at train start
+    trainer = Trainer(model=model, args=args, train_dataset=train_ds, callbacks=callbacks or None)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    # read where a guard's preflight reads it (on_train_begin): the mapped libraries' pages
+    from memguard_core.stats import process_file_resident_bytes
+    resident_file = process_file_resident_bytes() if device == "cpu" else None
+    trainer.train()
+    peak = read()
+    rec = dict(peak_bytes=peak, counter=device, seconds=time.time() - t0, model_spec=spec,
+               resident_file_bytes=resident_file, heap_trim=bool(device == "cpu" and case.get("trim_heap", True)),
+               mmap_threshold_pinned=pinned,
+               model_config=json_safe(getattr(model, "config", config).to_dict()))
+    if cb is not None:
+        readings = [cb.pre_train or 0] + cb.steps + cb.gaps + [peak]
+        rec.update(peak_bytes=max(readings), step_peak_bytes=cb.steps, pre_train_peak_bytes=cb.pre_train,
+                   between_step_peak_bytes=cb.gaps, after_train_peak_bytes=peak, step_seconds=cb.seconds)
+        rec["step_peak_resets_ok"] = cb.resets_ok
+    return rec

@@ -13,7 +13,7 @@ from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 from .weights import trainable_param_bytes
 
 
-#: LoRA: the backward's one-time window per token, hidden / intermediate elements: fitted, docs/estimator.md#mlx-constants.
+#: LoRA: the backward's one-time window per token (x h, x i elements): fitted, docs/estimator.md#mlx-constants.
 MLX_ONE_TIME_H = 16
 MLX_ONE_TIME_I = 6
 #: Full fine-tune: the same window, and its score-sized arrays: fitted, docs/estimator.md#mlx-constants.
@@ -24,7 +24,7 @@ MLX_FULL_BWD_SCORES = 2
 MLX_LOGITS_COPIES = 4
 #: Hidden-sized arrays per token one ``mx.checkpoint``'d block keeps: measured slope, docs/estimator.md#mlx-constants.
 MLX_CKPT_H = 4
-#: Full fine-tune update window: arrays per trainable element, its depth in blocks: fitted, docs/estimator.md#mlx-constants.
+#: Full fine-tune update window: arrays per element, depth in blocks: fitted, docs/estimator.md#mlx-constants.
 MLX_UPDATE_ARRAYS = {"adam": 4, "adamw": 4, "sgd": 1.25, "sgd-momentum": 3}
 MLX_UPDATE_WINDOW_BLOCKS = 2.25
 

@@ -10,21 +10,8 @@ from .trainable import num_lora_layers
 from .specs import ModelSpec, TrainSpec
 
 
-#: Dense V x h gradient tensors beyond ``.grad`` in an HF full fine-tune (torch autograd; see
-#: ``embedding_grad_transients``), by (tied head, accumulating gradients):
-#: * tied: the head's and the embedding's uses of the one weight share one ``AccumulateGrad`` node,
-#:   so the head's V x h gradient waits in the node's input buffer the whole backward; at the end
-#:   ``embedding_dense_backward`` makes a dense V x h gradient and the buffer sums the two
-#:   (``torch/csrc/autograd/input_buffer.cpp``): 2 tensors beyond the one ``.grad`` counts.
-#: * untied, not accumulating: ``AccumulateGrad`` steals the fresh head gradient and the fresh
-#:   embedding gradient into ``.grad`` (``torch/csrc/autograd/functions/accumulate_grad.h``: the
-#:   new gradient becomes ``.grad`` when none exists): nothing beyond ``.grad``.
-#: * untied, accumulating (``grad_accum > 1``, from the 2nd micro-batch on): each new V x h
-#:   gradient is added into the existing ``.grad`` (``variable_grad += new_grad``) -- one copy, at
-#:   the end of the backward (the embedding) and at its start (the head, while the activations and
-#:   the logits' gradients are still alive: counted at the ``loss`` moment).
-#: Checked against bench cases (a tied and an untied model); docs/estimator.md, "Embedding-gradient
-#: copies".
+#: Dense V x h gradients beyond ``.grad`` by (tied head, accumulating): autograd's AccumulateGrad / InputBuffer,
+#: docs/estimator.md#embedding-gradient-copies.
 EMBEDDING_GRAD_COPIES = {(True, False): 2, (True, True): 2, (False, False): 0, (False, True): 1}
 
 

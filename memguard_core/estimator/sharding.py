@@ -1,72 +1,10 @@
 """Per-rank memory of data-parallel training: DDP, FSDP (``fully_shard`` / FSDP1) and DeepSpeed ZeRO.
 
-``estimate()`` first builds the three moments of ONE process holding the whole model (``loss``,
-``backward``, ``optimizer``; see ``memguard_core/estimator/estimate.py``), then :func:`apply_sharding`
-rewrites each moment's terms for one rank of ``TrainSpec.sharding``. Everything here is in bytes.
-Activations, attention scores, logits and the runtime overhead are per rank already (each rank runs
-its own micro-batch), so sharding never touches them; the CPU heap slack is recomputed by
-``estimate()`` from the rewritten moments.
-
-Rules (N = the shard group: ``world_size``, or ``shard_group_size`` under ``fsdp-hybrid``, 1 under
-``fsdp-no-shard``):
-
-``ddp``  (``torch/nn/parallel/distributed.py``, ``torch/csrc/distributed/c10d/reducer.cpp``)
-    Nothing is divided. The Reducer allocates, at construction, one flat gradient bucket per
-    ``bucket_cap_mb`` (25 MiB; the first 1 MiB, ``dist._DEFAULT_FIRST_BUCKET_BYTES``) covering
-    every trainable parameter: a second copy of the gradients that lives for the whole run
-    (``initialize_buckets``), so it is counted at every moment. ``.grad`` is a separate tensor into
-    which the autograd hook copies (``copy_grad_to_bucket`` and back after the all-reduce) unless
-    ``gradient_as_bucket_view=True``, where ``.grad`` are views of the buckets and the gradients
-    are counted once. gloo all-reduces one bucket at a time: one bucket of scratch
-    (``min(bucket_cap_mb, gradients)``) at the end of the backward.
-``fsdp-*`` (FSDP2 ``torch/distributed/fsdp/_fully_shard/``; one unit per decoder block + the root)
-    Weights, gradients, optimizer states, master weights and the optimizer's temporaries are
-    divided by N (``_fsdp_param.py`` ``_init_sharded_param``: dim-0 shards, padding ignored: at most
-    N-1 rows per parameter). Added, in ``param_dtype`` (``MixedPrecisionPolicy``: the compute dtype
-    with ``mixed_precision``, else the stored one) under ``weight_copies``:
-    * the root module's parameters (embeddings, final norm, untied head): the root is never
-      resharded after forward (``_fsdp_state.py`` ``_lazy_init``: "For the root, do not reshard
-      after forward"), so they are unsharded from its forward to the end of the backward;
-    * with ``reshard_after_forward=False`` (``fsdp-grad-op``, FSDP1 ``SHARD_GRAD_OP``) every block
-      stays unsharded from its forward to its backward: all of them at the ``loss`` moment and at
-      the start of the backward (nothing is all-gathered in the backward then);
-    * in the backward, the unit being processed and the next one, prefetched
-      (``_fsdp_param_group.py`` ``_backward_prefetch``; FSDP1 ``BackwardPrefetch.BACKWARD_PRE``);
-    * the root's unsharded gradients until its reduce-scatter at the end of the backward
-      (``_fsdp_collectives.py`` ``foreach_reduce``: the unsharded gradients are copied into a
-      ``reduce_scatter_input`` of the unit's size in ``reduce_dtype``); the copy and the embedding's
-      own gradient transients (``EMBEDDING_GRAD_COPIES``) do not coexist, the larger counts.
-    FSDP1 (``fsdp_version=1``) all-gathers into the flat parameter directly (no copy-out); the
-    model is otherwise the same.
-    cpu without a step-end heap trim (``TrainSpec.heap_trim=False``): every moment carries the
-    largest moment's heap slack (:func:`_untrimmed_holes_persist`; FSDP and ZeRO-3).
-    Offload (``CPUOffloadPolicy`` / FSDP1 ``CPUOffload(offload_params=True)``): the sharded
-    parameters, gradients and optimizer states live in host memory. On the ``cpu`` counter they
-    are still resident in the same process, so nothing changes; on ``cuda`` they leave the
-    device.
-    The model is assumed to be materialised sharded (meta-device init + ``to_empty``, or FSDP1
-    ``sync_module_states`` from rank 0): a rank that first builds the whole model peaks at least
-    at the full weights + their shards during ``fully_shard``, which this model does not add.
-``zero1`` / ``zero2`` / ``zero3`` (DeepSpeed ``deepspeed/runtime/zero/stage_1_and_2.py`` and
-    ``stage3.py``, 0.19.8) -- the model states follow DeepSpeed's own estimators
-    (:func:`deepspeed_zero2_model_states`, :func:`deepspeed_zero3_model_states`): ZeRO-2 per rank
-    ``2P + 18P/N`` = 16-bit weights (whole) + (16-bit gradient partition 2 + fp32 gradients 4 +
-    fp32 master 4 + Adam moments 8) x P/N; ZeRO-3 ``4 x largest layer + 18P/N`` (the gathered
-    largest module's 16-bit parameters and gradients + the partitions); ZeRO-1 has no DeepSpeed
-    estimator: the same accounting with the 16-bit gradients whole (stage 1 all-reduces them):
-    ``4P + 16P/N``. Plus the buckets (elements x bytes): the reduction buffer(s)
-    (``reduce_bucket_size``; two with ``overlap_comm``: ``stage_1_and_2.py`` ``buf_0`` / ``buf_1``;
-    one in stage 3, ``stage3.py`` "IPG"), and under ZeRO-3 the prefetch bucket
-    (``stage3_prefetch_bucket_size``) of gathered parameters, capped by
-    ``stage3_max_live_parameters``. Bucket sizes by framework (:data:`ZERO_BUCKETS`): HF ``Trainer``
-    fills its "auto" values from the model (transformers ``integrations/deepspeed.py``
-    ``trainer_config_process``: ``reduce_bucket_size = hidden_size**2``,
-    ``stage3_prefetch_bucket_size = 0.9 * hidden_size**2``,
-    ``stage3_param_persistence_threshold = 10 * hidden_size``); Lightning's ``DeepSpeedStrategy``
-    defaults to 2e8 for the all-gather and reduce buckets; DeepSpeed's own defaults
-    (``runtime/zero/config.py``) are 5e8, prefetch 5e7, max live 1e9, persistence 1e5, and
-    ``overlap_comm`` is on for stage 3 only. Offload (``offload_optimizer`` / ``offload_param``):
-    host memory on ``cuda``, in the same process on ``cpu``.
+``estimate()`` builds the three moments of ONE process holding the whole model, then
+:func:`apply_sharding` rewrites each moment's terms for one rank of ``TrainSpec.sharding`` (bytes).
+Activations, attention scores, logits and the runtime overhead are per rank already; the allocator
+slack is recomputed. What each layout divides and adds, and the sources: docs/distributed.md,
+"Rules and their sources"; details: docs/estimator.md, "Data-parallel ranks".
 """
 
 from __future__ import annotations
@@ -80,58 +18,20 @@ from .specs import DTYPE_BYTES
 
 MiB = 1 << 20
 
-#: cpu: a rank's fixed cost beyond ``RUNTIME_OVERHEAD_BYTES["cpu"]`` (bytes): ``torch.distributed``
-#: with a gloo process group (its threads and pair buffers) and the DDP / FSDP / DTensor modules.
-#: Calibrated on a negligible model (the ``tiny`` case of ``bench/distributed.py``, 2 blocks,
-#: hidden 64, vocab 256), where nothing else is left to explain; not fitted on the scored rows
-#: (figures: docs/distributed.md, "cpu fixed cost and heap slack"). With the heap trimmed at every
-#: step's end, as the guard runs a loop, the tiny ranks peak 9-13 MiB *below* the single-process
-#: estimate of the same loop (the runtime figure's own error is larger than this cost), so the
-#: calibration gives 0; kept as a named term for the rule's sake.
+#: cpu: a rank's fixed cost (torch.distributed, gloo): calibrated to 0, docs/distributed.md#rules-and-their-sources.
 DIST_CPU_RUNTIME_BYTES = 0
 
-#: cpu, DeepSpeed: a rank's fixed cost beyond ``DIST_CPU_RUNTIME_BYTES`` (bytes): ``import deepspeed``
-#: (its accelerator, ops and config machinery) and the shared-memory comm op its CPU accelerator
-#: builds and loads. Calibrated, like the constant above, on the ``tiny`` case (DeepSpeed 0.19.8,
-#: ``DS_ACCELERATOR=cpu``); not fitted on the scored rows (docs/distributed.md, "cpu fixed cost and
-#: heap slack").
+#: cpu, DeepSpeed: its import and comm op on top: calibrated, docs/distributed.md#rules-and-their-sources.
 DEEPSPEED_CPU_RUNTIME_BYTES = 60 * MiB
 
-#: cpu, FSDP: glibc heap slack beyond the single-process rule, as a multiple of the unsharded
-#: block bytes one step passes through the heap (``_unit_heap_traffic``: every block's all-gather
-#: output and its unsharded gradients), at the end of the backward and the optimizer step.
-#: Why: FSDP2 pushes every block's all-gather output, unsharded parameters, unsharded gradients and
-#: reduce-scatter input (each a block's size, below glibc's 32 MiB mmap threshold, so from the
-#: heap) through the heap between the activations the backward frees, and keeps only the 1/N
-#: gradient shard, so the holes they leave are not refilled by gradients as in one process, and
-#: the heap does not shrink with N while the sharded state inside it does. The live set alone is
-#: the module's rule above (checked with ``MALLOC_MMAP_THRESHOLD_=131072``, which removes the
-#: slack). FITTED on the 30M-parameter rows of ``bench/distributed.py`` (2 and 4 ranks, the heap
-#: trimmed at every step's end as the guard does) and scored on the 135M rows only: 1.15 = the
-#: median over the 30M full-shard, grad-op and CPU-offload rows (1.125, to the 0.05 above); no-shard
-#: (one-rank shards: the gradients are whole again and refill part of the holes) 0.6, the median
-#: of its 30M rows. The driver was the activation traffic until 2026-11-26; the block bytes were
-#: chosen after the trimmed 135M 4-rank rows showed the activation-based factor fitted at 30M 6-12 %
-#: under there (the factor itself is fitted on 30M rows only). Hybrid takes the sharded value and
-#: FSDP1 the same rule, neither fitted on rows of its own. ZeRO-3 gathers and releases every
-#: module's parameters and reduce-scatters its gradients through the heap the same way, so it takes
-#: the sharded FSDP value: a transfer by mechanism, not a fit on ZeRO rows. Fit and scores:
-#: docs/distributed.md, "cpu fixed cost and heap slack" and "Measured". Single ranks still differ
-#: from each other (their heaps' extent differs between ranks that make the same requests:
-#: docs/distributed.md, "Per-rank spread").
+#: cpu, FSDP / ZeRO-3: heap slack per byte of ``_unit_heap_traffic``: fitted on 30M rows, docs/distributed.md.
 FSDP_CPU_HEAP_SLACK = {"fsdp-full": 1.15, "fsdp-grad-op": 1.15, "fsdp-hybrid": 1.15, "fsdp-no-shard": 0.6,
                        "zero3": 1.15}
 
 #: DDP's first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), bytes.
 DDP_FIRST_BUCKET_BYTES = 1 * MiB
 
-#: DeepSpeed bucket settings per framework (elements): reduce, all-gather, stage-3 prefetch,
-#: stage-3 max live parameters, stage-3 persistence threshold, overlap_comm for stages 1/2.
-#: ``hf``: transformers' "auto" values (functions of hidden_size, see the module docstring);
-#: ``lightning``: ``lightning/pytorch/strategies/deepspeed.py`` ``DeepSpeedStrategy.__init__``
-#: (``allgather_bucket_size=200_000_000``, ``reduce_bucket_size=200_000_000``,
-#: ``overlap_comm=True``); ``torch`` (a plain ``deepspeed.initialize``): DeepSpeed's defaults,
-#: ``deepspeed/runtime/zero/config.py``.
+#: DeepSpeed bucket sizes (elements): ``runtime/zero/config.py``, Lightning's ``DeepSpeedStrategy``; docs/estimator.md.
 ZERO_BUCKETS = {
     "deepspeed": dict(reduce=int(5e8), allgather=int(5e8), prefetch=int(5e7), max_live=int(1e9),
                       persistence=int(1e5), overlap_comm=False),
@@ -442,25 +342,9 @@ def _fp32_states_per_param(ts) -> int:
 def _untrimmed_holes_persist(phases) -> None:
     """cpu, FSDP / ZeRO-3, a run that does NOT return glibc's free heap at the step's end
     (``TrainSpec.heap_trim=False``: a plain loop without memguard's guard): every moment's heap slack
-    becomes the largest of the moments' (bytes), in place.
-
-    Why (glibc ``malloc/malloc.c``): ``free()`` gives pages back only from the top of the main heap
-    (``systrim``, once the top chunk exceeds ``M_TRIM_THRESHOLD``) and never from a hole below it;
-    only ``malloc_trim`` (``mtrim``: ``MADV_DONTNEED`` on every free page) returns the holes. So
-    without a trim the holes the backward left (this module's end-of-backward slack: the
-    single-process activation holes plus :data:`FSDP_CPU_HEAP_SLACK`'s unit-sized ones) stay resident
-    through the optimizer step and the next forward, and the loss moment's live set (every block's
-    saved activations, the logits and their loss temporaries) comes on top of them. It is not placed
-    inside them: measured per rank (135M, 2 ranks x 2 x 256 tokens, untrimmed, ``mallinfo2`` at every
-    FSDP unit's backward hooks) the 2nd step's forward raised the main arena by 390-550 MiB while
-    1.8-2.1 GiB of it was free (the 3rd step's by 0-240 MiB), as FSDP2's unit-sized buffers (all-gather outputs, unsharded gradients, reduce-scatter
-    inputs: ``_fsdp_collectives.py`` ``foreach_all_gather`` / ``foreach_reduce``) and the 1/N
-    gradient shards freed by ``zero_grad(set_to_none=True)`` leave holes between the long-lived
-    shards and AdamW moments that the forward's requests do not fit. In a trimmed run those pages
-    were handed back and the forward touches only what it uses, so the slack stays per moment (the
-    trimmed rows the factors were fitted and scored on). Nothing is fitted here: the rule reuses the
-    moments' own slack. DDP is left as it is (its untrimmed ranks on the same run read within 1 % of
-    the unchanged estimate); one process (``sharding="none"``) is not rewritten here at all."""
+    becomes the largest of the moments' (bytes), in place -- ``free()`` returns no hole below the
+    heap's top, so the backward's holes stay under the next forward. Measured:
+    docs/distributed.md, "A plain loop that does not trim the heap"."""
     held = max(v["allocator_slack"] for v in phases.values())
     for v in phases.values():
         v["allocator_slack"] = held

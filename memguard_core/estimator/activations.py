@@ -19,15 +19,8 @@ from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 
 
 _GPT2_LIKE = ("gpt2", "gpt_bigcode", "gpt_neo", "gptj", "bloom", "falcon", "phi")
-#: LayerNorm blocks with a plain (non-gated) MLP whose saved tensors are modelled from their own
-#: transformers 5.x modules (``_plain_mlp_block_act``) rather than GPT-2's: model_type ->
-#: (MLP activation, attention dropout in training, residual dropouts per block, fused q/k/v
-#: buffer, parallel residual). From the config defaults and modules:
-#: ``models/opt``: ``activation_function="relu"``, ``attention_dropout=0.0``, ``dropout=0.1``
-#: after the attention and after ``fc2``, separate q/k/v projections, sequential residual;
-#: ``models/gpt_neox``: ``hidden_act="gelu"`` (exact), ``attention_dropout=0.0``,
-#: ``hidden_dropout=0.0``, fused ``query_key_value`` chunked into q/k/v, ``use_parallel_residual=True``
-#: (both LayerNorms read the block input).
+#: model_type -> (MLP activation, attention dropout, residual dropouts per block, fused q/k/v, parallel residual)
+#: of the plain-MLP LayerNorm blocks modelled from their own modules: docs/estimator.md#attention-and-dropout-rules.
 _PLAIN_MLP_ARCHS = {
     "opt": ("relu", False, 2, False),
     "gpt_neox": ("gelu", False, 0, True),

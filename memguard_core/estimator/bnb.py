@@ -12,10 +12,7 @@ from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 from .weights import weight_bits
 
 
-#: The first bitsandbytes release whose ``MatMul4Bit.forward`` no longer keeps its input:
-#: ``ctx.tensors = (A, B)`` became ``(None, B)`` in commit 9e75374 ("fix QLoRA mem bug: delete useless
-#: buffered activation", #1270, 2024-07-16; github.com/bitsandbytes-foundation/bitsandbytes,
-#: ``bitsandbytes/autograd/_functions.py``), first tagged in 0.43.2.
+#: First bitsandbytes whose ``MatMul4Bit`` keeps no input (commit 9e75374, #1270): docs/estimator.md#cuda.
 BNB_4BIT_INPUT_DROPPED = (0, 43, 2)
 
 #: Attention output projections by name (the rest of a block's attention linears read the

@@ -12,11 +12,7 @@ from .specs import ModelSpec, TrainSpec
 from .weights import master_weight_bytes, trainable_param_bytes
 
 
-#: bitsandbytes optimizers keep the state of a tensor below ``1e5`` elements in ordinary device
-#: memory even when paged (``bitsandbytes/optim/optimizer.py`` ``Optimizer8bit.get_state_buffer``:
-#: ``if not self.is_paged or A.numel() < 1e5: return torch.zeros_like(...)``); larger ones go to
-#: CUDA unified memory (``F.get_paged``: ``cudaMallocManaged``), prefetched to the GPU for each
-#: ``step`` and evicted to the host only under device-memory pressure.
+#: Smallest tensor whose paged state goes to unified memory: bnb ``Optimizer8bit.get_state_buffer``, docs/estimator.md#cuda.
 BNB_PAGED_MIN_NUMEL = 100_000
 
 

@@ -35,12 +35,7 @@ def weight_bytes(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
     return int(math.ceil(b))
 
 
-#: bitsandbytes 4-bit quantization (``bitsandbytes/functional.py`` ``quantize_4bit``, the default
-#: ``blocksize=64`` that ``Params4bit`` / ``Linear4bit`` and transformers' ``BitsAndBytesConfig``
-#: use): weights packed two per byte, one fp32 absmax per block of 64; with double quantization
-#: (``compress_statistics=True``, ``bnb_4bit_use_double_quant``) the absmax minus their mean are
-#: quantized blockwise again (``quantize_blockwise(absmax, blocksize=256)``): one uint8 per block, an
-#: fp32 absmax per 256 blocks, the 256-entry fp32 dynamic code and the fp32 offset.
+#: NF4 absmax block and double quantization's block: bnb ``quantize_4bit`` / ``quantize_blockwise``, docs/estimator.md#cuda.
 BNB_4BIT_BLOCKSIZE = 64
 BNB_DQ_BLOCKSIZE = 256
 

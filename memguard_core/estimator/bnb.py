@@ -12,7 +12,7 @@ from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 from .weights import weight_bits
 
 
-#: First bitsandbytes whose ``MatMul4Bit`` keeps no input (commit 9e75374, #1270): docs/estimator.md#cuda.
+#: First bitsandbytes whose ``MatMul4Bit`` keeps no input: commit 9e75374 (#1270), docs/estimator.md#cuda.
 BNB_4BIT_INPUT_DROPPED = (0, 43, 2)
 
 #: Attention output projections by name (the rest of a block's attention linears read the

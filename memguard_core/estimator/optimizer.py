@@ -12,7 +12,7 @@ from .specs import ModelSpec, TrainSpec
 from .weights import master_weight_bytes, trainable_param_bytes
 
 
-#: Smallest tensor whose paged state goes to unified memory: bnb ``Optimizer8bit.get_state_buffer``, docs/estimator.md#cuda.
+#: Smallest tensor whose paged state goes to unified memory: bnb ``Optimizer8bit.get_state_buffer``.
 BNB_PAGED_MIN_NUMEL = 100_000
 
 

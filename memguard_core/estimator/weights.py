@@ -35,7 +35,7 @@ def weight_bytes(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
     return int(math.ceil(b))
 
 
-#: NF4 absmax block and double quantization's block: bnb ``quantize_4bit`` / ``quantize_blockwise``, docs/estimator.md#cuda.
+#: NF4's absmax block, and double quantization's: bnb ``quantize_4bit`` / ``quantize_blockwise(absmax, 256)``.
 BNB_4BIT_BLOCKSIZE = 64
 BNB_DQ_BLOCKSIZE = 256
 

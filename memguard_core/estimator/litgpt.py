@@ -1,17 +1,8 @@
-"""LitGPT's own model code: what a LoRA / QLoRA step of ``litgpt finetune lora`` keeps for the
-backward (``TrainSpec.model_code = "litgpt"``).
-
-LitGPT (Lightning-AI/litgpt) does not run transformers' modules: its ``GPT`` (``litgpt/model.py``)
-fuses q, k and v into one linear, adds LoRA to chosen parts of it with one ``LoRAQKVLinear``
-(``litgpt/lora.py``), keeps the adapters in the weights' dtype, computes the head in chunks of 128
-positions and the loss with ``chunked_cross_entropy``, and quantizes with Lightning's
-``BitsandbytesPrecision``. What autograd keeps therefore differs from transformers + PEFT (the
-default, ``memguard_core.estimate``), per block and at the head. The rules below were read from
-LitGPT at commit 8641822 (2023-10, ``lit_gpt/``) and 00af8b0d (2024-09, ``litgpt/``), with
-Lightning 2.1 and bitsandbytes 0.41.1, and checked by running those sources on fake tensors
-(docs/estimator.md, "LitGPT's model code"); line numbers name the 2024 tree.
-
-This module imports no framework; ``memguard_core.estimator.estimate`` calls it for ``model_code="litgpt"``.
+"""LitGPT's own model code (``TrainSpec.model_code = "litgpt"``): what a LoRA / QLoRA step of
+``litgpt finetune lora`` keeps for the backward -- a fused qkv linear with one ``LoRAQKVLinear``,
+adapters in the weights' dtype, the head in chunks, Lightning's ``BitsandbytesPrecision``.
+``step_terms`` is what ``estimate()`` calls. Rules read from LitGPT at 8641822 and 00af8b0d (line
+numbers name the 2024 tree): docs/estimator.md, "LitGPT's model code".
 """
 
 from __future__ import annotations
@@ -61,11 +52,7 @@ DEFAULT_TARGETS: FrozenSet[str] = frozenset({"q", "v"})
 #: LitGPT's ``finetune/lora.py`` default ``lora_dropout`` (PEFT's ``LoraConfig`` default is 0).
 DEFAULT_LORA_DROPOUT = 0.05
 
-#: From LitGPT 0.5.0 on, ``finetune/lora.py`` replaces the token embedding of a QLoRA model with
-#: bitsandbytes' ``StableEmbedding`` after ``mark_only_lora_as_trainable`` and after the optimizer
-#: is built (0.5.13: l.219-229): its weight and LayerNorm train -- a dense vocab x hidden gradient
-#: kept from the first backward on, which no optimizer steps or zeroes -- and the bottom block's
-#: input then needs a gradient. LitGPT 0.4.13 (= 00af8b0d for these files) has no such swap.
+#: First LitGPT whose QLoRA swaps in a trainable ``StableEmbedding`` (finetune/lora.py): docs/estimator.md.
 STABLE_EMBEDDING_FROM = (0, 5, 0)
 
 
@@ -261,7 +248,7 @@ def qlora_inputs(ms: ModelSpec, ts: TrainSpec) -> Saves:
     ``module_init_context``) replaces every ``torch.nn.Linear`` -- the frozen base of the LoRA
     linear, the projection, the MLP's and the head -- with a 4-bit ``Linear4bit``; ``MatMul4Bit``
     keeps its input A as ``ctx.tensors`` whenever an input needs a gradient
-    (``bitsandbytes/autograd/_functions.py``; ``memguard_core.estimate.bnb_4bit_keeps_input``).
+    (``bitsandbytes/autograd/_functions.py``; ``memguard_core.estimator.bnb.bnb_4bit_keeps_input``).
     New tensors per block: the qkv input (``norm_1`` output, e x C; with p = 0 ``lora_A`` keeps
     it already), the projection's input (the attention output made contiguous, e x q), the MLP's
     input when it has its own norm (e x C) and the MLP projection's input (e x I). The bottom
@@ -344,7 +331,7 @@ def block_dequant(ms: ModelSpec, ts: TrainSpec) -> int:
 def weights(ms: ModelSpec, ts: TrainSpec, trainable: int) -> int:
     """Stored weights, bytes: the frozen model in the weights' dtype (``bf16-true``), under QLoRA
     every linear -- the head included, :func:`qlora_inputs` -- as NF4 (4.5 bits, 4.127 with double
-    quantization: ``memguard_core.estimate.nf4_storage_bytes``) and the embedding and norms in the
+    quantization: ``memguard_core.estimator.weights.nf4_storage_bytes``) and the embedding and norms in the
     dtype; the adapters in the dtype too (LitGPT converts the whole module). With the
     ``StableEmbedding`` swap (:func:`stable_embedding`) the old embedding stays too:
     ``finetune/lora.py``'s ``main`` keeps it in a local (``old_embedding``) for the whole run."""

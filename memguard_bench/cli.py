@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .baseline import baseline_summary
 from .cases import CASE_SETS, select
 from .child import print_result
-from .console import print_summaries, rich_table
+from .console import print_closing_summaries, print_summaries, rich_table
 from .gate import gate_failures
 from .measure import run_case
 from .provenance import machine_fingerprint, reported_fingerprint, repo_root, today
@@ -213,8 +213,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.reuse and all(c["name"] in saved for c in sel):
         elapsed = max(elapsed, measured_s)  # the wall time of the runs the reused file measured
     con.print(rich_table(rows))
-    baseline = _baseline(a, rows)
-    print_summaries(con, rows, baseline)
+    print_summaries(con, rows)
+    baseline = _baseline(a, rows)  # after the lines above: re-scoring it may log warnings
+    print_closing_summaries(con, rows, baseline)
     con.print(f"wall time {elapsed:.0f} s{' (of the reused measurements)' if a.reuse else ''}")
     fp = reported_fingerprint(machine_fingerprint(), saved_fp if a.reuse else None, fresh)
     _write_reports(a, rows, records, elapsed, fp, date, baseline)

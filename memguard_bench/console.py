@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 from .report import fmt_err, fmt_mib
 from .stats import summarize, summary_line
 
-__all__ = ["rich_table", "print_summaries"]
+__all__ = ["rich_table", "print_summaries", "print_closing_summaries"]
 
 
 def rich_table(rows: Sequence[dict]):
@@ -39,10 +39,9 @@ def rich_table(rows: Sequence[dict]):
     return t
 
 
-def print_summaries(con, rows: Sequence[dict], baseline: Optional[dict] = None) -> None:
+def print_summaries(con, rows: Sequence[dict]) -> None:
     """Print the summary lines of the rows on the rich console ``con``: per backend, all, fitted vs
-    held out, full depth per backend (without the bf16 MoE cases too), the small matrix re-scored
-    (``baseline``), the seed's."""
+    held out, full depth per backend (without the bf16 MoE cases too)."""
     ok = [r for r in rows if "error" in r]
     for backend in sorted({r["backend"] for r in ok}):
         con.print(summary_line(summarize([r for r in ok if r["backend"] == backend]), f"memguard {backend}"))
@@ -59,6 +58,12 @@ def print_summaries(con, rows: Sequence[dict], baseline: Optional[dict] = None) 
         if moe:
             con.print(summary_line(summarize([r for r in fd if r["backend"] == backend and r not in moe]),
                                    f"memguard full depth {backend} without the bf16 MoE cases"))
+
+
+def print_closing_summaries(con, rows: Sequence[dict], baseline: Optional[dict] = None) -> None:
+    """Print the summary lines after :func:`print_summaries`: the small matrix re-scored
+    (``baseline``), the seed's on the same rows."""
+    ok = [r for r in rows if "error" in r]
     if baseline:
         con.print(summary_line(baseline["all"], f"memguard small matrix ({baseline['date']}, re-scored)"))
     if any("seed_error" in r for r in ok):

@@ -1,4 +1,5 @@
-"""The logits term: the logits and loss working set (fp32 upcast, log_softmax and its gradient).
+"""The logits term: the logits and loss working set (fp32 upcast, log_softmax and its gradient) and
+the head's saved inputs. docs/estimator.md, "How the peak is composed".
 """
 
 from __future__ import annotations

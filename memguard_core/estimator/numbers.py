@@ -1,5 +1,5 @@
 """``model_spec_from_numbers``: a ``ModelSpec`` from plain numbers (total parameters, hidden size,
-layers, heads, ...), for when no config or module is at hand.
+layers, heads, ...), for when no config or module is at hand. docs/estimator.md.
 """
 
 from __future__ import annotations

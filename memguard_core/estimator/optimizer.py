@@ -1,5 +1,6 @@
 """The optimizer-state terms: AdamW / SGD / Adafactor / 8-bit and paged bitsandbytes states and the
-optimizer step's temporaries.
+optimizer step's temporaries. docs/estimator.md, "bitsandbytes: QLoRA (NF4) and LLM.int8" for the
+paged states.
 """
 
 from __future__ import annotations

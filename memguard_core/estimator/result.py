@@ -1,4 +1,5 @@
-"""``MemoryEstimate``, the estimator's result, and the order of its breakdown.
+"""``MemoryEstimate``, the estimator's result, and the order of its breakdown. docs/estimator.md,
+"How the peak is composed".
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Shapes and trainable parameters: the block's linears (from the spec, or the Llama layout built
 from the numbers), PEFT's target matching, LoRA / full trainable counts, the training dtype of the
-weights and the checks of a ``TrainSpec`` against a ``ModelSpec``.
+weights and the checks of a ``TrainSpec`` against a ``ModelSpec``. docs/estimator.md, "How the peak
+is composed".
 """
 
 from __future__ import annotations

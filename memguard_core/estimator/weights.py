@@ -1,5 +1,6 @@
 """The weights terms: stored weights (dense and bitsandbytes-quantized), the dequantized transient,
 fp32 master weights and autocast weight copies; the bytes of a trainable parameter.
+docs/estimator.md, "bitsandbytes: QLoRA (NF4) and LLM.int8".
 """
 
 from __future__ import annotations

@@ -179,36 +179,11 @@ class Saves(NamedTuple):
 
 
 def block_saves(ms: ModelSpec, ts: TrainSpec) -> Saves:
-    """What autograd keeps per token in one LitGPT block under LoRA on the fused qkv linear, bytes.
-
-    With e the weights' dtype bytes (LitGPT trains ``bf16-true``: weights and adapters in bf16),
-    C = hidden, q / kv the query / key-value widths, I = intermediate:
-
-    * norm inputs: ``LayerNorm`` keeps its input (e x C, once for a parallel residual whose norms
-      read the same x, ``litgpt/model.py`` ``Block.forward`` l.201-206); LitGPT's ``RMSNorm`` works
-      on ``x.float()`` and keeps that fp32 copy (4 x C per norm; two in a sequential block);
-    * LoRA input: ``lora_A`` runs on ``lora_dropout(x)`` (``lora.py`` l.426): with p > 0 its bf16
-      output (e x C) and the dropout's mask (``memguard_core.estimator.attention.dropout_bytes``: 1 byte
-      on CUDA, e on CPU); with p = 0 the norm output
-      itself (e x C). One dropout for the whole fused linear, whatever the parts;
-    * the zero-padding of the adapter output (``LoRAQKVLinear.zero_pad``, ``lora.py`` l.347
-      ``index_copy``): ``IndexCopyBackward`` keeps its source, e x (widths of the trained parts),
-      unless q, k and v all train (no padding then);
-    * attention (``CausalSelfAttention.forward`` l.242-267, 318): the fused output is viewed as
-      (B, groups, q_per_kv + 2, T, hs); with one query per group (multi-head attention) q, k and
-      v stay views of it and SDPA's saved v keeps the whole buffer alive (e x (q + 2 kv)); with
-      grouped queries ``reshape`` after ``expand`` copies, so v is a q-sized copy and the buffer
-      is freed. RoPE's ``cat`` makes new q and k (e x q each with grouped queries, e x (q + kv)
-      otherwise), SDPA keeps q, k, v, its output (e x q) and an fp32 logsumexp (4 x heads, padded
-      as ``memguard_core.estimator.attention.sdpa_lse_per_token`` says for the memory-efficient kernel);
-    * MLP (frozen linears keep no input): ``GptNeoxMLP``'s ``F.gelu`` keeps its input (e x I,
-      l.356-357); ``LLaMAMLP``'s ``silu(fc_1) * fc_2`` keeps fc_1's output for the silu and both
-      factors for the product (3 e x I).
-
-    The bottom block's input needs no gradient (unless a trainable ``StableEmbedding`` feeds it:
-    :func:`stable_embedding`): its dropout keeps no mask, its first norm keeps no input (in a
-    parallel residual block neither norm, which read the same x), and in a parallel residual block
-    its MLP keeps nothing (its input never leads to a trained parameter).
+    """What autograd keeps per token in one LitGPT block under LoRA on the fused qkv linear, bytes:
+    the norms' inputs, the LoRA input (and its dropout mask), the adapter output's zero padding, the
+    attention's roped q / k, v, output and fp32 logsumexp, and the MLP's activation inputs; the
+    bottom block (``first``) keeps less, its input needing no gradient unless a trainable
+    ``StableEmbedding`` feeds it. Tensor by tensor, with sources: docs/estimator.md, "LitGPT's model code".
     """
     b = block_of(ms)
     e = DTYPE_BYTES[ts.dtype]
@@ -242,18 +217,10 @@ def block_saves(ms: ModelSpec, ts: TrainSpec) -> Saves:
 
 def qlora_inputs(ms: ModelSpec, ts: TrainSpec) -> Saves:
     """Bytes per token bitsandbytes' 4-bit linears of one LitGPT block keep beyond
-    :func:`block_saves`, under QLoRA with bitsandbytes before 0.43.2.
-
-    Lightning's ``BitsandbytesPrecision`` (``lightning/fabric/plugins/precision/bitsandbytes.py``,
-    ``module_init_context``) replaces every ``torch.nn.Linear`` -- the frozen base of the LoRA
-    linear, the projection, the MLP's and the head -- with a 4-bit ``Linear4bit``; ``MatMul4Bit``
-    keeps its input A as ``ctx.tensors`` whenever an input needs a gradient
-    (``bitsandbytes/autograd/_functions.py``; ``memguard_core.estimator.bnb.bnb_4bit_keeps_input``).
-    New tensors per block: the qkv input (``norm_1`` output, e x C; with p = 0 ``lora_A`` keeps
-    it already), the projection's input (the attention output made contiguous, e x q), the MLP's
-    input when it has its own norm (e x C) and the MLP projection's input (e x I). The bottom
-    block's qkv linear and, in a parallel residual block, its MLP see inputs without gradient:
-    nothing kept there.
+    :func:`block_saves`, under QLoRA with bitsandbytes before 0.43.2: Lightning's
+    ``BitsandbytesPrecision`` makes every linear 4-bit, and ``MatMul4Bit`` keeps its input whenever
+    an input needs a gradient (the qkv, projection and MLP inputs; nothing for the bottom block's
+    linears whose inputs need none). docs/estimator.md, "LitGPT's model code".
     """
     if ts.method != "qlora" or not bnb_4bit_keeps_input(ts):
         return Saves(0.0, 0.0, 0.0)
@@ -270,28 +237,14 @@ def qlora_inputs(ms: ModelSpec, ts: TrainSpec) -> Saves:
 
 def head_moments(ms: ModelSpec, ts: TrainSpec) -> Dict[str, Dict[str, int]]:
     """The head's and the loss's bytes at the moments where a LitGPT LoRA step peaks, beyond the
-    blocks' saved tensors: ``{moment: {"logits": ..., "weight_copies": ..., "activations": ...}}``,
-    with n = B x T x V elements of logits.
+    blocks' saved tensors: ``{moment: {"logits": ..., "weight_copies": ..., "activations": ...}}``.
 
-    * ``loss`` (the first chunk's ``log_softmax`` backward): Fabric's ``_FabricModule.forward``
-      casts the outputs to the default dtype (``precision.convert_output``, fp32), so the
-      ``logits`` list the loop holds is fp32 (4n) until the backward ends, and
-      ``chunked_cross_entropy`` keeps each fp32 chunk's ``log_softmax`` output (4n); the chunk's
-      backward adds two fp32 chunk-sized gradients (2 x 4 x B x 128 x V);
-    * ``forward_end`` (``convert_output`` itself): the e-sized chunks the model returned and their
-      fp32 copies (e·n + 4n), beside the previous step's fp32 ``logits`` (4n) and, under QLoRA,
-      its quantized linears' kept inputs when the loop keeps the last step's output
-      (``TrainSpec.last_graph_kept``: LitGPT's ``fit`` reassigns ``logits = model(...)``,
-      00af8b0d ``finetune/lora.py`` l.304-307);
-    * ``head_backward`` (QLoRA: the 4-bit head's backward, after every loss node ran): the fp32
-      logits, their gradients cast back to e (e·n) and the head's weight dequantized to fp16 then
-      cast to e (``MatMul4Bit.backward``: (2 + e) x V x C);
-    * ``next_forward`` (QLoRA with the last step's output kept): the previous step's fp32 logits
-      and kept inputs beside the new step's head forward -- its e-sized chunks and the dequantized
-      head weight.
-    ``activations`` are what the moment adds to the blocks: the final norm's saved input (LayerNorm
-    e x C, RMSNorm 4 x C per token), the 4-bit head's kept input (e x C, bitsandbytes before
-    0.43.2) and the previous step's kept inputs where the moment has them.
+    Moments: ``loss`` (the first chunk's ``log_softmax`` backward beside Fabric's fp32 logits),
+    ``forward_end`` (``convert_output``'s fp32 copies, beside the previous step's logits when the
+    loop keeps them), and under QLoRA ``head_backward`` (the 4-bit head's backward, its weight
+    dequantized) and, with the last step's output kept, ``next_forward``. ``activations`` are the
+    final norm's and the 4-bit head's kept inputs (and the previous step's where the moment has
+    them). docs/estimator.md, "LitGPT's model code".
     """
     b = block_of(ms)
     e = DTYPE_BYTES[ts.dtype]

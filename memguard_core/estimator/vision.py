@@ -17,28 +17,12 @@ def vision_activation_bytes(ms: ModelSpec, ts: TrainSpec, images: float) -> int:
     LoRA'd (nothing on the vision side then requires grad), without a ``ModelSpec.vision_tower`` or
     under mlx (no vision-language models there).
 
-    Per patch (``VisionTower.patches_per_image``: the tokens the blocks run on, before any merger
-    or pixel shuffle), per block, with e = compute bytes, r = residual / norm bytes (fp32 under
-    autocast), the same rules as the text blocks (``block_act_per_token_modules``):
-
-    * pre-norms: a LayerNorm saves its input (r x h; ``native_layer_norm``), Qwen2.5-VL's RMSNorm its
-      fp32 input (4h); block 0's first norm runs before anything requires grad (the patch
-      embedding is a frozen convolution) and saves nothing;
-    * LoRA'd frozen linears save their adapters' inputs as ``lora_input_bytes`` says (q/k/v or fused
-      ``qkv`` share one input; the MLP's input linears share one) and ``x @ A`` (r per linear);
-    * attention (SDPA's CPU flash kernel, no mask: ``sdpa_attention_forward``): q, k, v and the
-      output (e x h each; Qwen2-VL's RoPE'd q and k are new tensors and its ``v`` a view that keeps
-      the whole ``qkv`` output alive: e x 5h), the fp32 logsumexp per head; eager attention: the
-      same q, k, v, and the fp32 probabilities (+ their cast to e when e < 4) instead of the output
-      and logsumexp;
-    * MLP: QuickGELU (``x * sigmoid(1.702 x)``) saves x and the sigmoid (2 x e x i), exact / tanh
-      GELU its input (e x i), the gated SiLU MLP gate, up and act (3 x e x i).
-    Projector, per projector token: the norm ahead of it (Qwen2-VL's ``ln_q``), the GELU between
-    its linears and the LoRA'd linears' inputs; tower-level norms / pooling
-    (``extra_patch_features``) in e per patch. Under gradient checkpointing each vision block keeps
-    its input (r x h per patch) instead of its saved tensors (the projector is not checkpointed).
-    Source: transformers 5 modeling files named at ``spec.vision_tower_from_config``; checked with
-    ``saved_tensors_hooks`` on a real LoRA step of a narrowed Qwen2-VL (tests/test_vlm_lora.py)."""
+    Per patch (``VisionTower.patches_per_image``) and block, with the text blocks' rules
+    (``block_act_per_token_modules``): the pre-norms' inputs, the LoRA'd linears' inputs
+    (``lora_input_bytes``), the attention's q, k, v, output and logsumexp (or eager's
+    probabilities), the MLP activation's inputs; the projector per projector token; one input per
+    block under checkpointing. Tensor by tensor, and how it was checked: docs/estimator.md,
+    "Vision-language models: LoRA that reaches the vision tower"."""
     vt = ms.vision_tower
     if vt is None or images <= 0 or ts.method == "full" or ts.framework == "mlx":
         return 0

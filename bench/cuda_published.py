@@ -10,7 +10,7 @@ script's settings) and the counter it reports. Each row is estimated offline (no
 the model from the published config.json numbers in the file (``model_spec_from_hf_config`` on a
 dict: transformers ``AutoConfig`` + a meta-device build), the settings from the row; the estimate
 is then reduced to the counter the source reports with
-``memguard_core.estimate.cuda_counter_bytes``:
+``memguard_core.estimator.cuda.cuda_counter_bytes``:
 
 * ``max_memory_allocated``: without the CUDA context and the allocator's cached slack (and without
   a paged optimizer's states in unified memory: a row's ``optimizer`` ``paged-adamw-32bit`` /
@@ -52,7 +52,7 @@ def load(path: str = DATA) -> Dict[str, Any]:
 
 
 def _train_spec(row: Dict[str, Any], src: Dict[str, Any]):
-    from memguard_core.spec import TrainSpec
+    from memguard_core.estimator.specs import TrainSpec
 
     return TrainSpec(batch_size=int(row["batch_size"]), seq_length=int(row["seq_length"]),
                      method=row["method"], lora_rank=int(row.get("lora_rank") or 8),
@@ -72,8 +72,9 @@ def score_row(row: Dict[str, Any], data: Dict[str, Any], _specs: Optional[dict] 
     """Estimate one row: a dict with the row's ``case``, ``source``, ``gpu``, ``counter``, ``measured``
     and ``estimate`` (bytes, the counter's share of the estimate), ``error`` (fraction), ``within``
     (the issue's band), ``phase`` and ``breakdown`` (GB) of the estimate."""
-    from memguard_core.estimate import cuda_counter_bytes, estimate
-    from memguard_core.spec import model_spec_from_hf_config
+    from memguard_core.estimator.cuda import cuda_counter_bytes
+    from memguard_core.estimator.estimate import estimate
+    from memguard_hf.model_spec import model_spec_from_hf_config
 
     src = data["sources"][row["source"]]
     quant = row.get("quantization")
@@ -145,7 +146,7 @@ def render_md(results: List[Dict[str, Any]], data: Dict[str, Any], date: Optiona
         "# CUDA cross-check: memguard estimate vs published measured peaks", "",
         f"Scored {date} by `python bench/cuda_published.py` ({sw}, Python {platform.python_version()}; "
         "analytic, no GPU). Data: `bench/cuda_published.json`. Error = estimate / measured - 1, the "
-        "estimate reduced to the counter the source reports (`memguard_core.estimate.cuda_counter_bytes`). "
+        "estimate reduced to the counter the source reports (`memguard_core.estimator.cuda.cuda_counter_bytes`). "
         f"Target band: {UNDER_LIMIT * 100:+.0f} % .. {OVER_LIMIT * 100:+.0f} %.", "",
     ]
     lines += table_lines(results)

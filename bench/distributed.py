@@ -113,12 +113,12 @@ def _vm_count(field: str) -> int:
 def _heap() -> tuple:
     """glibc's ``mallinfo2()`` (all arenas summed), bytes: (arena = heap the arenas hold,
     uordblks = in use in them, hblkhd = in use in mmapped chunks); zeros without glibc >= 2.33."""
-    from memguard_core.probes.linux import _Mallinfo2, libc
+    from memguard_core.probes.linux.heap import Mallinfo2, libc
 
     fn = getattr(libc(), "mallinfo2", None)
     if fn is None:
         return (0, 0, 0)
-    fn.restype, fn.argtypes = _Mallinfo2, []
+    fn.restype, fn.argtypes = Mallinfo2, []
     m = fn()
     return (int(m.arena), int(m.uordblks), int(m.hblkhd))
 
@@ -131,7 +131,7 @@ def _arenas() -> list:
     import ctypes
     import re
 
-    from memguard_core.probes.linux import libc
+    from memguard_core.probes.linux.heap import libc
 
     c = libc()
     if c is None or not hasattr(c, "malloc_info"):
@@ -306,8 +306,9 @@ def estimate_case(mode: str, size: str, world: int, resident_file_bytes=None, se
     a freshly written venv maps its libraries in large folios and reads higher), None = typical;
     ``seq``: tokens per row (the row's own, ``MEMGUARD_BENCH_SEQ``); ``trim``: whether the ranks
     returned glibc's free heap at every step's end (``MEMGUARD_BENCH_TRIM``, ``TrainSpec.heap_trim``)."""
-    from memguard_core.estimate import estimate
-    from memguard_core.spec import TrainSpec, model_spec_from_hf_config
+    from memguard_core.estimator.estimate import estimate
+    from memguard_core.estimator.specs import TrainSpec
+    from memguard_hf.model_spec import model_spec_from_hf_config
 
     ms = model_spec_from_hf_config(config_dict(size), name=size)
     sharding = "fsdp-full" if mode == "fsdp-offload" else mode.replace("fsdp1-", "fsdp-")

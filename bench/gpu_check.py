@@ -19,7 +19,7 @@ tiny models (what needs CUDA is simulated or faked; the estimate rows are scored
 Cases (each in fresh child processes, so every peak is that run's alone; the four runs of one OOM
 placement side by side, each process with its own allocator and memory fraction):
 
-* ``probe``: memguard's CUDA probe (``memguard_core.probes.cuda.probe``, full and cheap) beside
+* ``probe``: memguard's CUDA probe (``memguard_torch.probes_cuda.probe``, full and cheap) beside
   ``torch.cuda.mem_get_info`` and NVML, an allocator retry provoked and ``num_alloc_retries`` read
   from ``torch.cuda.memory_stats()``, a snapshot written by ``memguard_torch.cuda_snapshots`` and
   loaded back with ``pickle`` (``torch.cuda.memory._snapshot()`` format: ``segments``,
@@ -339,7 +339,7 @@ class NvmlPeak:
         """One reading, bytes (None: NVML unavailable)."""
         import torch
 
-        from memguard_core.probes.cuda import nvml_process_bytes
+        from memguard_torch.probes_cuda import nvml_process_bytes
 
         v = nvml_process_bytes(0, torch.cuda)
         if v is not None:
@@ -473,7 +473,7 @@ def child_estimate(case: dict, dry: bool) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 
-    from memguard_core.spec import model_spec_from_module
+    from memguard_torch.module_spec import model_spec_from_module
 
     device = "cpu" if dry else "cuda"
     cfg_dict = _config_dict(case, dry, for_build=True)
@@ -887,7 +887,7 @@ def child_probe(dry: bool) -> dict:
     import torch
 
     from memguard_torch.cuda_snapshots import CudaSnapshots
-    from memguard_core.probes import cuda as pc
+    from memguard_torch import probes_cuda as pc
 
     rec: Dict[str, Any] = {}
     out_dir = tempfile.mkdtemp(prefix="gpu_check_snap_")
@@ -1276,15 +1276,17 @@ class Runner:
         """memguard's estimate of ``case`` per counter, scored against the child's measurement:
         the estimate from the config file (as ``memguard estimate CONFIG --device cuda``) and the
         preflight's (the live module's spec) beside it."""
-        from memguard_bench.harness import _model_spec
-        from memguard_core.estimate import cuda_counter_bytes, estimate
-        from memguard_core.spec import TrainSpec, model_spec_from_hf_config
+        from memguard_bench.score import model_spec_from_dict
+        from memguard_core.estimator.cuda import cuda_counter_bytes
+        from memguard_core.estimator.estimate import estimate
+        from memguard_core.estimator.specs import TrainSpec
+        from memguard_hf.model_spec import model_spec_from_hf_config
 
         # as `memguard estimate CONFIG --device cuda ...` reads it: the file itself (dry run: the tiny dict)
         cfg = _config_dict(case, True) if self.dry else _cfg(case["config"])
         q = case["method"] == "qlora"
         ms_cfg = model_spec_from_hf_config(cfg, name=case["name"], quantization_bits=4 if q else None, double_quant=q)
-        ms_live = _model_spec(rec["model_spec"])
+        ms_live = model_spec_from_dict(rec["model_spec"])
 
         def ts(device: str) -> "TrainSpec":
             b, s = (DRY_TRAIN["batch_size"], DRY_TRAIN["seq_length"]) if self.dry else (case["batch_size"], case["seq_length"])

@@ -5,7 +5,7 @@ there, beside memguard's estimate of the same run.
     python bench/heap_probe.py --arch smollm2-135m --layers 2 --method full --seq-length 128 --saved-tensors
 
 One HF ``Trainer`` run on CPU in this process, as ``memguard bench`` runs its HF cases: an
-architecture of ``memguard_bench.harness.HF_ARCHS`` / ``HF_FULL_DEPTH_ARCHS`` built from its config
+architecture of ``memguard_bench.cases.HF_ARCHS`` / ``HF_FULL_DEPTH_ARCHS`` built from its config
 numbers (``--layers`` cuts or extends the blocks), random weights seeded with 0, weights in
 ``--dtype`` (pure bf16, no autocast), SDPA attention, full fine-tune or PEFT LoRA (alpha = 2 x rank,
 no dropout), ``adamw_torch_fused``, random token ids seeded with 1 (labels = inputs), and glibc's
@@ -27,7 +27,7 @@ mmapped places the live peak. A 5 ms thread can miss a peak shorter than that; t
 cannot, so the table shows both. The samples cost time (a /proc read and a walk of glibc's
 free lists each), not memory worth counting.
 
-Then memguard's estimate (``memguard_core.estimate.estimate``) of the same model (read from the
+Then memguard's estimate (``memguard_core.estimator.estimate.estimate``) of the same model (read from the
 live module) and settings, with the file-backed pages read before training as a guard's preflight
 reads them, its peak moment and breakdown, and its error against the largest step VmHWM.
 
@@ -167,7 +167,7 @@ def arch_config(arch: str, layers: Optional[int]):
     with ``layers`` blocks when given. Raises KeyError for an unknown arch."""
     from transformers import AutoConfig
 
-    from memguard_bench import harness as B
+    from memguard_bench import cases as B
 
     a = dict({**B.HF_ARCHS, **B.HF_FULL_DEPTH_ARCHS}[arch])
     mt = a.pop("model_type")
@@ -252,7 +252,7 @@ def train(model, cfg, a, sampler: Sampler) -> Tuple[Optional[int], List[dict], O
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from memguard_core.probes import trim_heap
-    from memguard_core.probes.linux import reset_peak
+    from memguard_core.probes.linux.peak import reset_peak
     from memguard_core.stats import process_file_resident_bytes
 
     b, s, steps = a.batch_size, a.seq_length, a.steps
@@ -302,7 +302,8 @@ def train(model, cfg, a, sampler: Sampler) -> Tuple[Optional[int], List[dict], O
     resident_file = process_file_resident_bytes()  # where a guard's preflight reads it (on_train_begin)
     if not a.no_trim:  # and what the guard does there for a mixture-of-experts model in bf16 on a CPU
         from memguard_core.guard import fix_mmap_threshold
-        from memguard_core.spec import TrainSpec, model_spec_from_module
+        from memguard_core.estimator.specs import TrainSpec
+        from memguard_torch.module_spec import model_spec_from_module
 
         fix_mmap_threshold(model_spec_from_module(model), TrainSpec(dtype=a.dtype, device="cpu"))
     t0 = time.perf_counter()
@@ -317,8 +318,9 @@ def train(model, cfg, a, sampler: Sampler) -> Tuple[Optional[int], List[dict], O
 def memguard_estimate(model, arch: str, a, resident_file: Optional[int], grad_checkpoint: Optional[bool] = None):
     """memguard's estimate (a ``MemoryEstimate``) of this run: the live model's spec and the run's
     settings (``heap_trim`` as the run; ``grad_checkpoint`` overrides the run's)."""
-    from memguard_core.estimate import estimate
-    from memguard_core.spec import TrainSpec, model_spec_from_module
+    from memguard_core.estimator.estimate import estimate
+    from memguard_core.estimator.specs import TrainSpec
+    from memguard_torch.module_spec import model_spec_from_module
 
     ms = model_spec_from_module(model, name=arch)
     kw = dict(batch_size=a.batch_size, seq_length=a.seq_length, method=a.method, lora_rank=a.lora_rank,
@@ -422,13 +424,13 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     ap.add_argument("--arch", required=True,
-                    help="a key of memguard_bench.harness.HF_ARCHS or HF_FULL_DEPTH_ARCHS (e.g. mixtral-4l, tinyllama-2l)")
+                    help="a key of memguard_bench.cases.HF_ARCHS or HF_FULL_DEPTH_ARCHS (e.g. mixtral-4l, tinyllama-2l)")
     ap.add_argument("--layers", type=int, default=0, help="decoder blocks [the arch's own]")
     ap.add_argument("--method", choices=("full", "lora"), default="lora", help="[lora]")
     ap.add_argument("--lora-rank", type=int, default=16, help="[16]")
     ap.add_argument("--lora-targets", default="",
                     help="comma list of module names, or all-linear [PEFT's default for the model type: "
-                         "memguard_core.spec.peft_default_lora_targets]")
+                         "memguard_core.estimator.lora_targets.peft_default_lora_targets]")
     ap.add_argument("--batch-size", type=int, default=2, help="rows per micro-batch [2]")
     ap.add_argument("--seq-length", type=int, default=512, help="tokens per row [512]")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
@@ -456,7 +458,7 @@ def main(argv=None) -> int:
         print("heap_probe.py needs Linux (/proc/self/status, /proc/self/clear_refs, glibc's mallinfo2); "
               f"this is {sys.platform}.", file=sys.stderr)
         return 2
-    from memguard_bench import harness as B
+    from memguard_bench import cases as B
 
     if a.arch not in B.HF_ARCHS and a.arch not in B.HF_FULL_DEPTH_ARCHS:
         print(f"unknown --arch {a.arch!r}; one of: " + ", ".join([*B.HF_ARCHS, *B.HF_FULL_DEPTH_ARCHS]),
@@ -470,7 +472,7 @@ def main(argv=None) -> int:
     cfg = arch_config(a.arch, a.layers or None)
     n_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
     if a.method == "lora" and a.targets is None:
-        from memguard_core.spec import peft_default_lora_targets
+        from memguard_core.estimator.lora_targets import peft_default_lora_targets
 
         # named here, so that PEFT and the estimate get the same list
         a.targets = peft_default_lora_targets(cfg.model_type)

@@ -37,9 +37,10 @@ def child(path: str) -> dict:
     import transformers  # noqa: F401
     import accelerate  # noqa: F401
     from memguard_core.errors import DoesNotFitError
-    from memguard_core.estimate import estimate
+    from memguard_core.estimator.estimate import estimate
     from memguard_core.plan import plan
-    from memguard_core.spec import TrainSpec, model_spec_from_hf_config
+    from memguard_core.estimator.specs import TrainSpec
+    from memguard_hf.model_spec import model_spec_from_hf_config
     # the model's own transformers modules (configuration + modeling): every training process has
     # imported them already to build the model it trains, so they are timed apart, not in "first"
     import importlib

@@ -19,7 +19,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 import memguard_testing  # noqa: E402
-from memguard_core.estimate import estimate  # noqa: E402
+from memguard_core.estimator.estimate import estimate  # noqa: E402
 from memguard_lightning import MemGuardCallback  # noqa: E402
 from memguard_testing.lightning_tiny import TinyLM, fit, max_param_diff  # noqa: E402
 
@@ -94,7 +94,8 @@ def test_preflight_under_a_tight_budget_splits_in_place(base_runs, monkeypatch):
     checkpointing on and halves the micro-batch (accumulation doubled), both applied in place before
     the first forward; the run keeps the unsplit run's steps, LR, samples per step and parameters."""
     from memguard_testing.hf_tiny import tiny_llama
-    from memguard_core.spec import TrainSpec, model_spec_from_module
+    from memguard_core.estimator.specs import TrainSpec
+    from memguard_torch.module_spec import model_spec_from_module
 
     ms = model_spec_from_module(tiny_llama(0))
     ts = TrainSpec(batch_size=8, seq_length=24, grad_accum=2, method="full", optimizer="adamw", dtype="fp32",

@@ -82,7 +82,7 @@ def test_hf_preflight_change_is_one_warning_and_a_decision(tmp_path, caplog):
     # figures: estimate + what the process already holds, against 85 % of the budget), so the real
     # preflight must halve the micro-batch
     def squeeze(read_specs, *a, **k):
-        from memguard_core.estimate import estimate
+        from memguard_core.estimator.estimate import estimate
 
         ms, ts = read_specs()
         first = orig(read_specs, *a, **k)

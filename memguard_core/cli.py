@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_spec(args):
-    from .spec import model_spec_from_hf_config, model_spec_from_numbers
+    from .estimator.numbers import model_spec_from_numbers
 
     qbits = None
     if args.method.strip().lower() == "qlora":
@@ -245,6 +245,10 @@ def _model_spec(args):
         _note(args, f"--revision {args.revision} ignored: --config is a local file (a revision applies to a "
                     "hub id given as MODEL)")
     if args.config:
+        from .features import load
+
+        # transformers builds the config class and counts on the meta device: memguard_hf's reader
+        model_spec_from_hf_config = load("config.hf", "hf")
         return model_spec_from_hf_config(args.config, quantization_bits=qbits, double_quant=args.double_quant)
     if args.trace:
         raise ConfigError("--trace", "a model config (MODEL: a hub id, model folder or config.json; or --config "
@@ -271,7 +275,7 @@ def resolve_dtype(dtype, mixed_precision: bool, model_spec) -> str:
     ``--mixed-precision`` bf16; else the dtype the model source declares (the config's
     ``torch_dtype``, fp32 when it has none; ``--model-bits`` 32 -> fp32, 16 -> bf16 for plain
     numbers). Without ``--mixed-precision`` this is also the weights' dtype
-    (``memguard_core.spec.weights_for_training``).
+    (``memguard_core.estimator.trainable.weights_for_training``).
 
     Raises:
         ConfigError: ``--dtype fp32`` with ``--mixed-precision`` (autocast needs a half dtype).
@@ -358,7 +362,8 @@ def _train_spec(args, model_spec):
             with ``--sharding`` / ``--offload``, or a config it cannot read (naming the key);
             ``--budget-gib`` together with ``--available-gib``.
     """
-    from .spec import DEFAULT_LORA_TARGETS, TrainSpec, with_default_lora_targets
+    from .estimator.lora_targets import with_default_lora_targets
+    from .estimator.specs import DEFAULT_LORA_TARGETS, TrainSpec
 
     full = str(args.method).strip().lower() == "full"
     if full:
@@ -383,7 +388,7 @@ def _train_spec(args, model_spec):
     world = args.ranks if args.ranks is not None else args.world_size
     sharding, offload, zero_buckets = args.sharding, args.offload, None
     if getattr(args, "deepspeed", None):
-        from .sharding_settings import zero_settings
+        from .deepspeed_config import zero_settings
 
         for flag, value, default in (("--sharding", args.sharding, None), ("--offload", args.offload, "none")):
             if value != default:
@@ -451,7 +456,7 @@ def _train_spec(args, model_spec):
 
 
 def cmd_estimate(args) -> int:
-    from .estimate import estimate
+    from .estimator.estimate import estimate
     from .plan import budget_from_available, plan
 
     ms = _model_spec(args)

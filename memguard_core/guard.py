@@ -39,7 +39,7 @@ _MMAP_THRESHOLD_PINNED = False
 
 
 def fix_mmap_threshold(model_spec: Any, train_spec: Any) -> bool:
-    """For a run :func:`memguard_core.spec.routed_half_precision_on_cpu` names (a mixture-of-experts
+    """For a run :func:`memguard_core.estimator.trainable.routed_half_precision_on_cpu` names (a mixture-of-experts
     model computing in bf16 / fp16 on a CPU), fix glibc's mmap threshold at
     ``probes.MOE_MMAP_THRESHOLD_BYTES`` for the rest of the process (``probes.pin_mmap_threshold``),
     once per process. What the guard does at train start under ``GuardOptions.trim_heap``; the
@@ -51,7 +51,7 @@ def fix_mmap_threshold(model_spec: Any, train_spec: Any) -> bool:
     """
     global _MMAP_THRESHOLD_PINNED
     from .probes import pin_mmap_threshold
-    from .spec import routed_half_precision_on_cpu
+    from .estimator.trainable import routed_half_precision_on_cpu
 
     if _MMAP_THRESHOLD_PINNED or not routed_half_precision_on_cpu(model_spec, train_spec):
         return False

@@ -495,7 +495,7 @@ class SplitPolicy:
         The peak measured at ``k`` itself if any (the largest one); else a least-squares fit of
         ``peak = base + per_row / k`` (weights, gradients and optimizer states do not depend on the
         chunk size, activations and logits grow linearly with the rows of a chunk: the estimator's
-        model, ``memguard_core.estimate``) through the peaks measured at two or more k; else None.
+        model, ``memguard_core.estimator``) through the peaks measured at two or more k; else None.
         """
         pts = self.peak_at_split
         if k in pts:

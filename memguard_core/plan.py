@@ -143,9 +143,9 @@ def _divisors_desc(n: int) -> List[int]:
 
 def _validate(ms, ts, budget_bytes, allow, min_batch) -> Tuple[int, Tuple[str, ...], int]:
     if not isinstance(ms, ModelSpec):
-        raise ConfigError("model_spec", "a memguard_core.spec.ModelSpec", type(ms).__name__)
+        raise ConfigError("model_spec", "a memguard_core.estimator.specs.ModelSpec", type(ms).__name__)
     if not isinstance(ts, TrainSpec):
-        raise ConfigError("train_spec", "a memguard_core.spec.TrainSpec", type(ts).__name__)
+        raise ConfigError("train_spec", "a memguard_core.estimator.specs.TrainSpec", type(ts).__name__)
     budget = require_positive_int("budget_bytes", budget_bytes)
     if isinstance(allow, str):
         allow = (allow,)

@@ -9,7 +9,7 @@ import contextlib
 import logging
 from typing import Any, Iterator, Optional
 
-from memguard_core.torch_train import attn_implementation  # noqa: F401  (shared with Lightning)
+from memguard_torch.train_reading import attn_implementation  # noqa: F401  (shared with Lightning)
 from memguard_core.versions import warn_outside
 
 logger = logging.getLogger("memguard.hf")
@@ -20,7 +20,7 @@ CHECKED = ("5.24", "5.24")
 NAMES = ("Trainer._loss_shifts_labels",
          "Trainer.loss_is_scaled_for_ga / model_accepts_loss_kwargs / compute_loss_func",
          "TRL's DPOTrainer.loss_types and RewardTrainer's batch layout (chosen rows, then rejected rows)",
-         "PretrainedConfig._attn_implementation (memguard_core.torch_train.attn_implementation)",
+         "PretrainedConfig._attn_implementation (memguard_torch.train_reading.attn_implementation)",
          "reordering Trainer.callback_handler.callbacks",
          "Trainer._get_num_items_in_batch (replaced on the instance during an evaluation batch)",
          "Seq2SeqTrainer._gen_kwargs")

@@ -24,11 +24,11 @@ from typing import Any, List, Sequence, Tuple
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from memguard_core.estimate import estimate
+from memguard_core.estimator.estimate import estimate
 from memguard_core.probes import probe
 from memguard_core.report import (console, demo_budget, demo_result_table, demo_rows, demo_squeeze, estimate_table,
                                   print_applied_plan, probe_table, yes_no)
-from memguard_core.spec import model_spec_from_module
+from memguard_torch.module_spec import model_spec_from_module
 
 from .callback import MemGuardCallback
 from .preflight import trainspec_from_trainer

@@ -22,7 +22,7 @@ from memguard_core.errors import ConfigError
 from memguard_core.guard import Guard
 from memguard_core.options import GuardOptions
 from memguard_core.preflight import Preflight
-from memguard_core.sharding_settings import deepspeed_config
+from memguard_core.deepspeed_config import deepspeed_config
 
 from .preflight import read_specs
 

@@ -14,10 +14,10 @@ The mapping:
 * sequence length = given, else ``args.max_length`` / ``max_seq_length`` (TRL ``SFTConfig``), else
   the longest ``input_ids`` among the first 2048 training rows;
 * method = ``qlora`` for 4-bit weights, ``lora`` for a PEFT model, else ``full``;
-* optimizer from ``args.optim`` (``memguard_core.torch_train.optimizer_name``; ``paged_adamw_8bit`` /
+* optimizer from ``args.optim`` (``memguard_torch.train_reading.optimizer_name``; ``paged_adamw_8bit`` /
   ``paged_adamw_32bit`` -> the paged optimizers, whose large states the CUDA counters leave out);
 * ``bnb_version`` = the installed bitsandbytes for 4-bit weights (whether its 4-bit matmul keeps
-  its input: ``memguard_core.estimate.bnb_4bit_keeps_input``);
+  its input: ``memguard_core.estimator.bnb.bnb_4bit_keeps_input``);
 * dtype / mixed precision from the weights' dtype and ``args.bf16`` / ``args.fp16``;
 * attention implementation from the model's config (``_compat.attn_implementation``).
 """
@@ -30,11 +30,13 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from memguard_core import torch_train as tt
-from memguard_core.preflight import attn_impl_from, method_and_lora
-from memguard_core.sharding_settings import (accelerate_settings, ddp_handler_settings, fsdp_plugin_settings,
-                                             zero_settings)
-from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
+from memguard_torch import train_reading as tt
+from memguard_core.preflight import attn_impl_from
+from memguard_torch.train_reading import method_and_lora
+from memguard_core.deepspeed_config import zero_settings
+from memguard_torch.sharding_settings import accelerate_settings, ddp_handler_settings, fsdp_plugin_settings
+from memguard_core.estimator.specs import ModelSpec, TrainSpec
+from memguard_torch.module_spec import model_spec_from_module
 from memguard_core.versions import installed_version
 
 from . import _compat
@@ -45,7 +47,7 @@ SEQ_LENGTH_ARGS = ("max_length", "max_seq_length")
 
 def layout_of_trainer(trainer: Any, world: int) -> Dict[str, Any]:
     """``TrainSpec`` layout keywords of a ``Trainer`` run by ``world`` processes: from
-    ``trainer.accelerator`` (``memguard_core.sharding_settings.accelerate_settings``), else, for a
+    ``trainer.accelerator`` (``memguard_torch.sharding_settings.accelerate_settings``), else, for a
     trainer without one, from ``TrainingArguments`` (``hf_deepspeed_config`` / ``deepspeed``,
     ``fsdp_plugin_args``, ``ddp_bucket_cap_mb``); ``{"sharding": "none"}`` for one process without
     DeepSpeed (which counts at any world size).

@@ -23,7 +23,8 @@ import torch
 
 from memguard_torch.train_reading import method_and_lora
 from memguard_core.report import demo_result_table, demo_squeeze, print_applied_plan
-from memguard_core.spec import TrainSpec, model_spec_from_module
+from memguard_core.estimator.specs import TrainSpec
+from memguard_torch.module_spec import model_spec_from_module
 from memguard_hf.demo import outcome, requested_and_budget, start
 
 from .callback import MemGuardCallback

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
+from memguard_core.estimator.specs import ModelSpec, TrainSpec
+from memguard_torch.module_spec import model_spec_from_module
 
 from .specs import find_model, train_spec
 

@@ -18,12 +18,12 @@
   never iterated for this: an extra iterator would draw from the sampler's random generator and
   change the data order of the run;
 * method = ``qlora`` for 4-bit weights, ``lora`` for a PEFT model, else ``full``;
-* optimizer from ``trainer.optimizers[0]`` (``memguard_core.torch_train.optimizer_name``);
+* optimizer from ``trainer.optimizers[0]`` (``memguard_torch.train_reading.optimizer_name``);
 * precision from ``trainer.precision`` (Lightning's ``precision=`` strings): ``32-true`` -> fp32;
   ``16-mixed`` / ``bf16-mixed`` -> fp16 / bf16 autocast over fp32 weights (``mixed_precision``);
   ``16-true`` / ``bf16-true`` -> weights stored in half;
 * activation checkpointing: on when the HF model says ``is_gradient_checkpointing``; attention
-  implementation from its config (``memguard_core.torch_train.attn_implementation``).
+  implementation from its config (``memguard_torch.train_reading.attn_implementation``).
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from memguard_core import torch_train as tt
-from memguard_core.preflight import attn_impl_from, method_and_lora
-from memguard_core.sharding_settings import fsdp_plugin_settings, zero_settings
-from memguard_core.spec import ModelSpec, TrainSpec
+from memguard_torch import train_reading as tt
+from memguard_core.preflight import attn_impl_from
+from memguard_torch.train_reading import method_and_lora
+from memguard_core.deepspeed_config import zero_settings
+from memguard_torch.sharding_settings import fsdp_plugin_settings
+from memguard_core.estimator.specs import ModelSpec, TrainSpec
 
 from .batch import batch_units
 
@@ -71,7 +73,7 @@ def precision_settings(precision: Any, weight_dtype) -> tuple:
 
 def layout_of_strategy(trainer, pl_module, world: int) -> Dict[str, Any]:
     """``TrainSpec`` layout keywords of a Lightning run on ``world`` processes, from its strategy:
-    ``DeepSpeedStrategy.config`` (``memguard_core.sharding_settings.zero_settings``);
+    ``DeepSpeedStrategy.config`` (``memguard_core.deepspeed_config.zero_settings``);
     ``FSDPStrategy`` (FSDP1): ``sharding_strategy`` (``HYBRID_SHARD``: the sharding size of its
     ``device_mesh``, else the ``num_processes`` of one node), ``cpu_offload``; otherwise the model as the strategy wrapped it
     (``memguard_torch.preflight.layout_of``: ``DistributedDataParallel``'s bucket settings,

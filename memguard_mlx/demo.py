@@ -31,7 +31,7 @@ from mlx_lm.tuner.callbacks import TrainingCallback
 from mlx_lm.tuner.trainer import TrainingArgs, iterate_batches
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from memguard_core.estimate import estimate
+from memguard_core.estimator.estimate import estimate
 from memguard_core.probes import probe
 from memguard_core.report import (console, demo_budget, demo_result_table, demo_rows, demo_squeeze, mib,
                                   print_applied_plan, probe_table, yes_no)

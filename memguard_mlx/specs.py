@@ -14,7 +14,7 @@ Counting rules (the arrays are read, nothing is typed by hand):
   docs) is counted as ``out x in`` real weights with ``in = packed_in * 32 / bits``; its storage
   bits per weight are measured from the arrays' bytes: ``(weight + scales + biases) * 8 / (out*in)``
   (= ``bits + 32 / group_size`` for 16-bit scales/biases);
-* kinds by path as the HF route classifies them (``memguard_core.spec._component_kind``); mlx_lm's
+* kinds by path as the HF route classifies them (``memguard_core.estimator.components.component_kind``); mlx_lm's
   MoE keeps the stacked experts in ``switch_mlp`` (``models/switch_layers.py``), counted as experts.
 
 mlx is imported only inside functions.
@@ -27,7 +27,7 @@ import math
 from typing import Any, Dict, Optional, Tuple
 
 from memguard_core.errors import ConfigError
-from memguard_core.estimator.readers_torch import component_kind as _component_kind
+from memguard_core.estimator.components import component_kind as _component_kind
 from memguard_core.estimator.specs import LinearShape, ModelSpec, ParamCounts, TrainSpec, dtype_bits as _dtype_bits
 
 logger = logging.getLogger("memguard.mlx")

@@ -219,8 +219,9 @@ def check_tight_budget_run(script_name: str, out_dir: str, **train_spec: Any) ->
     is counted), the run did its 3 steps of 16 samples, and its measured peak stayed under the
     budget, less the library pages mapped after the preflight beyond the overhead's growth (see
     below). Returns the script's result."""
-    from memguard_core.estimate import estimate
-    from memguard_core.spec import TrainSpec, model_spec_from_hf_config
+    from memguard_core.estimator.estimate import estimate
+    from memguard_core.estimator.specs import TrainSpec
+    from memguard_hf.model_spec import model_spec_from_hf_config
 
     ms = model_spec_from_hf_config(PREFLIGHT_CONFIG)
     requested = TrainSpec(batch_size=16, seq_length=256, method="full", optimizer="adamw", dtype="fp32",

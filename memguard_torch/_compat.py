@@ -443,7 +443,7 @@ def fsdp2_layout(model: Any, world_size: int) -> dict:
 
 def fsdp1_layout(model: Any, world_size: int) -> dict:
     """``TrainSpec`` keywords of an FSDP1 (``FullyShardedDataParallel``) model: ``sharding`` from the
-    root's public ``sharding_strategy`` (``memguard_core.sharding_settings.fsdp1_sharding``),
+    root's public ``sharding_strategy`` (``memguard_torch.sharding_settings.fsdp1_sharding``),
     ``fsdp_version`` 1, ``offload="params"`` under ``CPUOffload(offload_params=True)``, and for a
     hybrid strategy ``shard_group_size`` = the size of the root's (intra-node) ``process_group``.
     ``{}`` without FSDP1 modules; ``fsdp-full`` when the strategy cannot be read."""
@@ -452,7 +452,7 @@ def fsdp1_layout(model: Any, world_size: int) -> dict:
         return {}
     out: dict = {"sharding": "fsdp-full", "fsdp_version": 1}
     try:
-        from memguard_core.sharding_settings import fsdp1_sharding
+        from .sharding_settings import fsdp1_sharding
 
         root = mods[0]
         out["sharding"] = fsdp1_sharding(root.sharding_strategy)

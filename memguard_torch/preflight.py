@@ -4,7 +4,7 @@ first batch of a plain PyTorch / accelerate loop to a ``ModelSpec`` / ``TrainSpe
 
 * model: the module given (through DDP / accelerate wrappers, ``memguard_torch.train_reading.unwrap``),
   its shapes from its HF ``config`` or its ``nn.Embedding`` and block ``ModuleList``
-  (``memguard_core.spec.model_spec_from_module``); under FSDP2 the parameters are ``DTensor``s whose
+  (``memguard_torch.module_spec.model_spec_from_module``); under FSDP2 the parameters are ``DTensor``s whose
   shapes are the full (unsharded) ones;
 * micro-batch = rows (packed: sequences) of the first batch; accumulation = ``grad_accum`` given,
   else the accelerator's ``gradient_accumulation_steps``, else 1; ``world_size`` =
@@ -12,7 +12,7 @@ first batch of a plain PyTorch / accelerate loop to a ``ModelSpec`` / ``TrainSpe
   ``DistributedDataParallel`` wrapper (``ddp``, its bucket size and ``gradient_as_bucket_view``) or
   ``fully_shard``-ed modules (``fsdp-full`` / ``fsdp-grad-op`` / ``fsdp-hybrid`` /
   ``fsdp-no-shard``, CPU offload) -- else from the accelerator's plugins (DeepSpeed ZeRO, FSDP1:
-  ``memguard_core.sharding_settings.accelerate_settings``), else ``none``;
+  ``memguard_torch.sharding_settings.accelerate_settings``), else ``none``;
 * sequence length = ``seq_length`` given, else the first batch's dimension 1 (the loop's data
   loader is never iterated);
 * optimizer from the optimizer object (``memguard_torch.train_reading.optimizer_name``);
@@ -28,8 +28,9 @@ from typing import Any, Dict, Optional, Tuple
 from . import train_reading as tt
 from memguard_core.preflight import attn_impl_from
 from .train_reading import method_and_lora
-from memguard_core.sharding_settings import accelerate_settings
-from memguard_core.spec import ModelSpec, TrainSpec, model_spec_from_module
+from .sharding_settings import accelerate_settings
+from memguard_core.estimator.specs import ModelSpec, TrainSpec
+from memguard_torch.module_spec import model_spec_from_module
 
 from . import _compat
 from .batch import batch_units
@@ -47,7 +48,7 @@ def layout_of(model: Any, accelerator: Any = None, world: Optional[int] = None) 
     ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``fsdp_version``, ``zero_buckets``) of a live
     model run by ``world`` processes (default: ``torch.distributed``'s): what its wrappers were
     given (``_compat.ddp_layout`` / ``_compat.fsdp2_layout`` / ``_compat.fsdp1_layout``), else what
-    ``accelerator``'s state says (``memguard_core.sharding_settings.accelerate_settings``: DeepSpeed), else
+    ``accelerator``'s state says (``memguard_torch.sharding_settings.accelerate_settings``: DeepSpeed), else
     ``{"sharding": "none"}``; for one process, DeepSpeed's layout only (its fp32 partitions and
     buckets exist with one rank too), else ``none``.
 

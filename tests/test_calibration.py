@@ -11,9 +11,10 @@ import sqlite3
 import pytest
 
 from memguard_core import calibration as cal
-from memguard_core.estimate import estimate
+from memguard_core.estimator.estimate import estimate
 from memguard_core.preflight import plan_in_place
-from memguard_core.spec import TrainSpec, model_spec_from_numbers
+from memguard_core.estimator.numbers import model_spec_from_numbers
+from memguard_core.estimator.specs import TrainSpec
 
 
 @pytest.fixture(autouse=True)

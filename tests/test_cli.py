@@ -150,8 +150,8 @@ def test_console_script_help_and_exit_code():
 
 
 def test_core_imports_no_framework():
-    code = ("import sys, memguard_core, memguard_core.cli, memguard_core.estimate, memguard_core.plan, "
-            "memguard_core.monitor, memguard_core.probes, memguard_core.stats, memguard_core.spec; "
+    code = ("import sys, memguard_core, memguard_core.cli, memguard_core.estimator, memguard_core.plan, "
+            "memguard_core.monitor, memguard_core.probes, memguard_core.stats, memguard_core.estimator.estimate; "
             "bad = [m for m in ('torch', 'mlx', 'transformers', 'accelerate') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -167,7 +167,7 @@ NUMBERS = ("--model-params", "7e9", "--hidden-dim", "4096", "--num-layers", "32"
 
 def test_default_lora_targets_are_peft_defaults_for_the_model_type(capsys):
     # gpt2 has no q_proj: PEFT's LoraConfig(target_modules=None) adapts c_attn there
-    from memguard_core.spec import peft_default_lora_targets
+    from memguard_core.estimator.lora_targets import peft_default_lora_targets
 
     code, out, err = run(capsys, "estimate", GPT2, "--device", "cpu", "--json")
     assert code == 0, err
@@ -188,7 +188,7 @@ def test_default_lora_targets_are_peft_defaults_for_the_model_type(capsys):
 def test_peft_default_targets_match_peft_itself():
     # read from the installed peft's source without importing it; the same table peft applies
     peft_constants = pytest.importorskip("peft.utils.constants")
-    from memguard_core.spec import peft_default_lora_targets
+    from memguard_core.estimator.lora_targets import peft_default_lora_targets
 
     table = peft_constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
     for model_type, names in table.items():
@@ -200,9 +200,11 @@ def test_peft_default_targets_match_peft_itself():
 
 def test_python_api_applies_peft_default_targets():
     # TrainSpec() without lora_targets on a config-built spec: PEFT's targets, in estimate and plan
-    from memguard_core.estimate import estimate
+    from memguard_core.estimator.estimate import estimate
     from memguard_core.plan import plan
-    from memguard_core.spec import TrainSpec, model_spec_from_hf_config, model_spec_from_numbers
+    from memguard_core.estimator.numbers import model_spec_from_numbers
+    from memguard_core.estimator.specs import TrainSpec
+    from memguard_hf.model_spec import model_spec_from_hf_config
 
     ms = model_spec_from_hf_config(GPT2)
     est = estimate(ms, TrainSpec(batch_size=2, seq_length=128))

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from memguard_core.estimate import CUDA_COUNTERS
+from memguard_core.estimator.cuda import CUDA_COUNTERS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,12 +12,15 @@ import pytest
 from memguard_core.estimator.bnb import bnb_last_step_inputs, bnb_saved_inputs
 from memguard_core.estimator.optimizer import optimizer_state_bytes
 from memguard_core.estimator.weights import dequant_transient_bytes
-from memguard_core.estimate import (CUDA_CONTEXT_BYTES, CUDA_CUBLAS_WORKSPACES_BYTES, RUNTIME_OVERHEAD_BYTES,
-                                    bnb_4bit_keeps_input, cuda_block_bytes,
-                                    cuda_counter_bytes, cuda_sdpa_backend, cuda_segment_bytes, estimate,
-                                    nf4_storage_bytes, paged_state_bytes)
+from memguard_core.estimator.bnb import bnb_4bit_keeps_input
+from memguard_core.estimator.cuda import (CUDA_CONTEXT_BYTES, CUDA_CUBLAS_WORKSPACES_BYTES, cuda_block_bytes, cuda_counter_bytes, cuda_sdpa_backend, cuda_segment_bytes)
+from memguard_core.estimator.estimate import estimate
+from memguard_core.estimator.optimizer import paged_state_bytes
+from memguard_core.estimator.runtime import RUNTIME_OVERHEAD_BYTES
+from memguard_core.estimator.weights import nf4_storage_bytes
 from memguard_core.errors import ConfigError
-from memguard_core.spec import NF4_BITS, NF4_DOUBLE_QUANT_BITS, TrainSpec, model_spec_from_hf_config
+from memguard_core.estimator.specs import NF4_BITS, NF4_DOUBLE_QUANT_BITS, TrainSpec
+from memguard_hf.model_spec import model_spec_from_hf_config
 
 HERE = os.path.join(os.path.dirname(__file__), "configs")
 PHI = os.path.join(HERE, "phi-1_5.json")

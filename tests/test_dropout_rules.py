@@ -6,8 +6,10 @@ import os
 
 import pytest
 
-from memguard_core.estimate import estimate
-from memguard_core.spec import TrainSpec, dropout_probabilities, model_spec_from_hf_config
+from memguard_core.estimator.estimate import estimate
+from memguard_core.estimator.config_fields import dropout_probabilities
+from memguard_core.estimator.specs import TrainSpec
+from memguard_hf.model_spec import model_spec_from_hf_config
 
 GPT2 = os.path.join(os.path.dirname(__file__), "configs", "gpt2.json")
 

@@ -10,8 +10,10 @@ import os
 import pytest
 
 from memguard_core.cli import main
-from memguard_core.estimate import estimate
-from memguard_core.spec import TrainSpec, model_spec_from_hf_config, weights_for_training
+from memguard_core.estimator.estimate import estimate
+from memguard_core.estimator.specs import TrainSpec
+from memguard_core.estimator.trainable import weights_for_training
+from memguard_hf.model_spec import model_spec_from_hf_config
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
 

@@ -14,9 +14,12 @@ import json
 import pytest
 
 from memguard_core.errors import ConfigError
-from memguard_core.estimate import (HF_DATASETS_IMPORT_BYTES, NF4_BITS, RUNTIME_OVERHEAD_BYTES, runtime_overhead_bytes, MemoryEstimate, estimate,
-                                    trainable_param_count)
-from memguard_core.spec import ModelSpec, ParamCounts, TrainSpec
+from memguard_core.estimator.estimate import estimate
+from memguard_core.estimator.result import MemoryEstimate
+from memguard_core.estimator.runtime import (HF_DATASETS_IMPORT_BYTES, RUNTIME_OVERHEAD_BYTES, runtime_overhead_bytes)
+from memguard_core.estimator.specs import NF4_BITS
+from memguard_core.estimator.trainable import trainable_param_count
+from memguard_core.estimator.specs import ModelSpec, ParamCounts, TrainSpec
 
 TOTAL = 202048
 
@@ -93,7 +96,7 @@ def test_embedding_gradient_transients_by_tied_head_and_accumulation():
 def test_opt_and_gpt_neox_block_activations_hand_computed():
     # Per token and block, fp32, sdpa, h 64, i 128, 4 heads (logsumexp 4 x 4 = 16 B):
     from memguard_core.estimator.activations import block_act_per_token
-    from memguard_core.spec import LinearShape
+    from memguard_core.estimator.specs import LinearShape
     opt_lins = (LinearShape("q_proj", 64, 64, kind="attention"), LinearShape("k_proj", 64, 64, kind="attention"),
                 LinearShape("v_proj", 64, 64, kind="attention"), LinearShape("out_proj", 64, 64, kind="attention"),
                 LinearShape("fc1", 64, 128, kind="mlp"), LinearShape("fc2", 128, 64, kind="mlp"))
@@ -352,7 +355,7 @@ def test_bad_inputs():
 
 
 def test_measured_file_pages_replace_the_typical_figure():
-    from memguard_core.estimate import CPU_FILE_PAGES_AT_START_BYTES
+    from memguard_core.estimator.runtime import CPU_FILE_PAGES_AT_START_BYTES
 
     MiB = 2**20
     ms = tiny()
@@ -391,7 +394,7 @@ def _gpt2_like(**kw) -> ModelSpec:
     tensors), read by the config reader."""
     import dataclasses
 
-    from memguard_core.spec import model_spec_from_hf_config
+    from memguard_hf.model_spec import model_spec_from_hf_config
     cfg = dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024,
                attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1, torch_dtype="float32")
     return dataclasses.replace(model_spec_from_hf_config(cfg), **kw)

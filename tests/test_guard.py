@@ -16,7 +16,8 @@ from memguard_core._deprecation import renamed_attribute
 from memguard_core.errors import ConfigError, DoesNotFitError
 from memguard_core.guard import Guard
 from memguard_core.options import GuardOptions, micro_batches_from_env
-from memguard_core.spec import TrainSpec, model_spec_from_hf_config
+from memguard_core.estimator.specs import TrainSpec
+from memguard_hf.model_spec import model_spec_from_hf_config
 
 SMOL = os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")
 GiB = 2**30

@@ -50,7 +50,8 @@ def test_trim_heap_takes_a_bool():
 
 
 def test_the_mmap_threshold_is_fixed_for_routed_half_precision_runs_on_a_cpu_only():
-    from memguard_core.spec import ModelSpec, ParamCounts, TrainSpec, routed_half_precision_on_cpu
+    from memguard_core.estimator.specs import ModelSpec, ParamCounts, TrainSpec
+    from memguard_core.estimator.trainable import routed_half_precision_on_cpu
 
     moe = ModelSpec(name="m", model_type="mixtral", vocab_size=96, hidden_size=32, intermediate_size=64,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, params=ParamCounts(),

@@ -32,7 +32,8 @@ pytest.importorskip("lightning")
 pytest.importorskip("litgpt.lora")
 
 from memguard_core.estimator import litgpt as _litgpt  # noqa: E402
-from memguard_core.spec import TrainSpec, model_spec_from_hf_config  # noqa: E402
+from memguard_core.estimator.specs import TrainSpec  # noqa: E402
+from memguard_hf.model_spec import model_spec_from_hf_config
 
 C, HEADS, LAYERS, VOCAB, INTER = 256, 8, 3, 512, 1024
 #: the two sequence lengths whose difference gives bytes per token (multiples of the head chunk, 128)

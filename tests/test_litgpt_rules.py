@@ -14,8 +14,10 @@ import pytest
 from memguard_core.estimator import litgpt as _litgpt
 from memguard_core.cli import main
 from memguard_core.errors import ConfigError
-from memguard_core.estimate import estimate, trainable_param_count
-from memguard_core.spec import TrainSpec, model_spec_from_hf_config
+from memguard_core.estimator.estimate import estimate
+from memguard_core.estimator.trainable import trainable_param_count
+from memguard_core.estimator.specs import TrainSpec
+from memguard_hf.model_spec import model_spec_from_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "bench", "cuda_published.json")

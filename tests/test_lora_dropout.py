@@ -17,7 +17,8 @@ pytest.importorskip("transformers")
 from memguard_core.estimator import activations as E  # noqa: E402
 from memguard_core.errors import ConfigError  # noqa: E402
 from memguard_torch.train_reading import method_and_lora  # noqa: E402
-from memguard_core.spec import TrainSpec, model_spec_from_module  # noqa: E402
+from memguard_core.estimator.specs import TrainSpec  # noqa: E402
+from memguard_torch.module_spec import model_spec_from_module
 
 TOKENS = 512
 

@@ -15,10 +15,12 @@ import pytest
 
 from memguard_core.cli import default_device
 from memguard_core.errors import ConfigError
-from memguard_core.estimate import estimate
+from memguard_core.estimator.estimate import estimate
 from memguard_core.sources import looks_like_hub_id, resolve_model_config
-from memguard_core.spec import (TrainSpec, check_train_spec, image_tokens_per_image,
-                                model_spec_from_hf_config, trainable_params)
+from memguard_core.estimator.config_fields import image_tokens_per_image
+from memguard_core.estimator.specs import TrainSpec
+from memguard_core.estimator.trainable import check_train_spec, trainable_params
+from memguard_hf.model_spec import model_spec_from_hf_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -177,7 +179,7 @@ def test_live_vision_language_module_counts_the_same():
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from memguard_core.spec import model_spec_from_module
+    from memguard_torch.module_spec import model_spec_from_module
 
     small = json.loads(json.dumps(QWEN2_VL_2B))
     small["text_config"].update(num_hidden_layers=2, hidden_size=128, intermediate_size=256,

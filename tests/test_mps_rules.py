@@ -11,9 +11,12 @@ import os
 import pytest
 
 from memguard_core.cli import default_device
-from memguard_core.estimate import MPS_FRAGMENTATION, RUNTIME_OVERHEAD_BYTES, estimate
+from memguard_core.estimator.estimate import estimate
+from memguard_core.estimator.mps import MPS_FRAGMENTATION
+from memguard_core.estimator.runtime import RUNTIME_OVERHEAD_BYTES
 from memguard_core.options import GuardOptions
-from memguard_core.spec import TrainSpec, model_spec_from_hf_config
+from memguard_core.estimator.specs import TrainSpec
+from memguard_hf.model_spec import model_spec_from_hf_config
 
 SMOL = os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")
 

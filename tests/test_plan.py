@@ -7,9 +7,9 @@ planner's choice against the estimator it plans with.
 import pytest
 
 from memguard_core.errors import ConfigError, DoesNotFitError
-from memguard_core.estimate import estimate
+from memguard_core.estimator.estimate import estimate
 from memguard_core.plan import MICRO_BATCH_OVERHEAD_TOKENS, Plan, budget_from_available, plan, relative_step_time
-from memguard_core.spec import ModelSpec, ParamCounts, TrainSpec
+from memguard_core.estimator.specs import ModelSpec, ParamCounts, TrainSpec
 
 
 def spec() -> ModelSpec:

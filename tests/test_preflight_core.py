@@ -8,9 +8,10 @@ import os
 import pytest
 
 from memguard_core.errors import DoesNotFitError
-from memguard_core.estimate import estimate
+from memguard_core.estimator.estimate import estimate
 from memguard_core.preflight import budget_that_fits, plan_in_place, resident_extra
-from memguard_core.spec import TrainSpec, model_spec_from_hf_config
+from memguard_core.estimator.specs import TrainSpec
+from memguard_hf.model_spec import model_spec_from_hf_config
 
 SMOL = os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")
 MiB = 2**20
@@ -55,7 +56,7 @@ def test_method_and_lora_read_from_live_modules():
 
     from memguard_core.preflight import attn_impl_from
     from memguard_torch.train_reading import method_and_lora
-    from memguard_core.spec import model_spec_from_module
+    from memguard_torch.module_spec import model_spec_from_module
 
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -11,10 +11,12 @@ import pytest
 
 from memguard_core.cli import main
 from memguard_core.errors import ConfigError
-from memguard_core.estimate import CUDA_FRAGMENTATION, estimate
+from memguard_core.estimator.cuda import CUDA_FRAGMENTATION
+from memguard_core.estimator.estimate import estimate
 from memguard_core.estimator.sharding import (DEEPSPEED_CPU_RUNTIME_BYTES, DIST_CPU_RUNTIME_BYTES, FSDP_CPU_HEAP_SLACK, deepspeed_zero2_model_states, deepspeed_zero3_model_states, shard_group,
                                     zero1_model_states, zero_buckets)
-from memguard_core.spec import TrainSpec, model_spec_from_hf_config
+from memguard_core.estimator.specs import TrainSpec
+from memguard_hf.model_spec import model_spec_from_hf_config
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
 SMOL = os.path.join(CONFIGS, "smollm2-135m.json")

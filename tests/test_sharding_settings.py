@@ -1,4 +1,4 @@
-"""Reading the data-parallel layout from where users set it (memguard_core/sharding_settings.py and
+"""Reading the data-parallel layout from where users set it (memguard_core/deepspeed_config.py, memguard_torch/sharding_settings.py and
 the adapters' readers): DeepSpeed configs, accelerate's real plugin objects, HF ``TrainingArguments``,
 live DDP / ``fully_shard`` wrappers in a real one-process gloo group.
 
@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import pytest
 
 from memguard_core.errors import ConfigError
-from memguard_core.sharding_settings import (accelerate_settings, fsdp1_sharding, fsdp_plugin_settings,
-                                             zero_settings)
-from memguard_core.spec import TrainSpec
+from memguard_core.deepspeed_config import zero_settings
+from memguard_torch.sharding_settings import accelerate_settings, fsdp1_sharding, fsdp_plugin_settings
+from memguard_core.estimator.specs import TrainSpec
 
 
 def _zo(**zo):
@@ -80,8 +80,8 @@ def test_zero_bucket_keys_left_out_are_deepspeeds_defaults_and_field_names_count
 
 
 def test_zero_config_without_bucket_sizes_is_estimated_with_deepspeeds_buckets():
-    from memguard_core.estimate import estimate
-    from memguard_core.spec import model_spec_from_hf_config
+    from memguard_core.estimator.estimate import estimate
+    from memguard_hf.model_spec import model_spec_from_hf_config
 
     with open(os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")) as f:
         ms = model_spec_from_hf_config({k: v for k, v in json.load(f).items() if not k.startswith("_")})
@@ -95,8 +95,8 @@ def test_zero_config_without_bucket_sizes_is_estimated_with_deepspeeds_buckets()
 
 
 def test_zero_buckets_change_the_estimate():
-    from memguard_core.estimate import estimate
-    from memguard_core.spec import model_spec_from_hf_config
+    from memguard_core.estimator.estimate import estimate
+    from memguard_hf.model_spec import model_spec_from_hf_config
 
     with open(os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")) as f:
         ms = model_spec_from_hf_config({k: v for k, v in json.load(f).items() if not k.startswith("_")})

@@ -1,4 +1,4 @@
-"""Model introspection (memguard_core.spec): exact parameter counts by kind, block linears,
+"""Model introspection (memguard_core.estimator): exact parameter counts by kind, block linears,
 LoRA sizes, trainable counts and input validation.
 
 Real architectures are built from their config numbers with random weights (no model hub here);
@@ -23,10 +23,11 @@ peft = pytest.importorskip("peft")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from memguard_core.errors import ConfigError  # noqa: E402
-from memguard_core.spec import (  # noqa: E402
-    NF4_BITS, NF4_DOUBLE_QUANT_BITS, LinearShape, TrainSpec, lora_trainable_params,
-    model_spec_from_hf_config, model_spec_from_module, model_spec_from_numbers, trainable_params,
-)
+from memguard_core.estimator.numbers import model_spec_from_numbers  # noqa: E402
+from memguard_core.estimator.specs import NF4_BITS, NF4_DOUBLE_QUANT_BITS, LinearShape, TrainSpec
+from memguard_core.estimator.trainable import lora_trainable_params, trainable_params
+from memguard_hf.model_spec import model_spec_from_hf_config
+from memguard_torch.module_spec import model_spec_from_module
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from memguard_core.estimator import readers_hf_meta as S  # noqa: E402
+from memguard_hf import model_spec as S  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REAL = sorted(glob.glob(os.path.join(ROOT, "tests", "configs", "*.json"))

@@ -1,5 +1,5 @@
 """``memguard_hf.trace``: one training step of the model's own code on fake tensors, against the
-analytic estimate (``memguard_core.estimate``).
+analytic estimate (``memguard_core.estimator``).
 
 Every trace here is a real step of the transformers model (2 blocks, 2 x 128 tokens) run on
 FakeTensors under torch's MemTracker; nothing is mocked. The analytic side is
@@ -37,8 +37,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from memguard_core.errors import ConfigError  # noqa: E402
-from memguard_core.estimate import estimate  # noqa: E402
-from memguard_core.spec import TrainSpec, model_spec_from_hf_config  # noqa: E402
+from memguard_core.estimator.estimate import estimate  # noqa: E402
+from memguard_core.estimator.specs import TrainSpec  # noqa: E402
+from memguard_hf.model_spec import model_spec_from_hf_config
 from memguard_hf.trace import STAGES, compare, trace_step  # noqa: E402
 from memguard_testing import script_env  # noqa: E402
 
@@ -284,7 +285,7 @@ def test_1b_config_allocates_nothing_of_its_size():
     process that traces it -- interpreter, torch, transformers, peft included -- peaks far below."""
     code = f"""
 import json
-from memguard_core.spec import TrainSpec
+from memguard_core.estimator.specs import TrainSpec
 from memguard_hf.trace import trace_step
 d = json.load(open({os.path.join(HERE, "configs", "tinyllama-1.1b.json")!r})); d.pop("_comment", None)
 tr = trace_step(d, TrainSpec(method="full", dtype="fp32", batch_size=1, seq_length=256))

@@ -13,10 +13,11 @@ import pytest
 
 from memguard_core.cli import main as cli_main
 from memguard_core.errors import ConfigError
-from memguard_core.estimate import estimate
+from memguard_core.estimator.estimate import estimate
 from memguard_core.monitor import MemoryMonitor, PsiPolicy, Thresholds
 from memguard_core.plan import budget_from_available, plan
-from memguard_core.spec import TrainSpec, model_spec_from_numbers
+from memguard_core.estimator.numbers import model_spec_from_numbers
+from memguard_core.estimator.specs import TrainSpec
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
 SMOL = os.path.join(CONFIGS, "smollm2-135m.json")

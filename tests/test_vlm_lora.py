@@ -9,10 +9,13 @@ import warnings
 
 import pytest
 
-from memguard_core.estimate import CUDA_FRAGMENTATION, estimate
+from memguard_core.estimator.cuda import CUDA_FRAGMENTATION
+from memguard_core.estimator.estimate import estimate
 from memguard_core.estimator.vision import vision_activation_bytes
-from memguard_core.spec import (TrainSpec, lora_trainable_params, model_spec_from_hf_config,
-                                model_spec_from_module, vision_lora_linears)
+from memguard_core.estimator.specs import TrainSpec
+from memguard_core.estimator.trainable import lora_trainable_params, vision_lora_linears
+from memguard_hf.model_spec import model_spec_from_hf_config
+from memguard_torch.module_spec import model_spec_from_module
 from test_model_sources import QWEN2_VL_2B
 
 #: a Qwen2-VL narrowed to 2 decoder and 2 vision blocks; 16 x 16 patches per image (224 px) -> 64 tokens
@@ -225,10 +228,10 @@ def test_a_recorded_vision_language_spec_scores_as_the_live_one():
     # bench --reuse rebuilds specs from their JSON records: the tower must come back as a VisionTower
     import dataclasses
 
-    from memguard_bench.harness import _model_spec
+    from memguard_bench.score import model_spec_from_dict
 
     ms = model_spec_from_hf_config(QWEN2_VL_2B)
-    back = _model_spec(json.loads(json.dumps(dataclasses.asdict(ms))))
+    back = model_spec_from_dict(json.loads(json.dumps(dataclasses.asdict(ms))))
     assert back == ms
     ts = TrainSpec(method="lora", lora_targets=("all-linear",), dtype="bf16", device="cuda",
                    image_tokens=ms.image_tokens)

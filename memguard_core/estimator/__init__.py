@@ -4,7 +4,8 @@
 the terms of memory have a module each (``weights``, ``gradients``, ``optimizer``, ``activations``,
 ``attention``, ``logits``, ``runtime``, ``vision``, ``bnb``), as have the devices (``cpu_heap``,
 ``cuda``, ``mps``, ``mlx``), LitGPT's model code (``litgpt``) and the data-parallel layouts
-(``sharding``); ``estimate.estimate`` composes them. ``readers_hf`` / ``readers_hf_meta`` /
-``readers_torch`` / ``numbers`` build a ``ModelSpec`` from a config, a live module or plain numbers.
+(``sharding``); ``estimate.estimate`` composes them. ``config_fields`` / ``numbers`` read a config's numbers and plain
+numbers into a ``ModelSpec``; the adapters count a config on the meta device
+(``memguard_hf.model_spec``) and a live module (``memguard_torch.module_spec``).
 The rules and how their constants were fitted: docs/estimator.md.
 """

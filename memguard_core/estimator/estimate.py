@@ -32,8 +32,8 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     """Estimate the peak of ``train_spec.device``'s counter for one training process.
 
     Args:
-        model_spec: the architecture (``memguard_core.spec.ModelSpec``).
-        train_spec: the training settings (``memguard_core.spec.TrainSpec``).
+        model_spec: the architecture (``memguard_core.estimator.specs.ModelSpec``).
+        train_spec: the training settings (``memguard_core.estimator.specs.TrainSpec``).
         correction: multiplicative calibration factor (e.g. from past runs); the difference is
             reported as the ``calibration`` term.
 
@@ -43,7 +43,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
 
     The weights are counted in the dtype ``train_spec`` implies (``train_spec.dtype``, or fp32
     with ``mixed_precision``) unless the spec was read from a live module:
-    ``memguard_core.spec.weights_for_training``; ``MemoryEstimate.model_spec`` is that spec.
+    ``memguard_core.estimator.trainable.weights_for_training``; ``MemoryEstimate.model_spec`` is that spec.
 
     Raises:
         ConfigError: a spec of the wrong type, a non-positive shape, a bad correction, full
@@ -83,9 +83,9 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
 
 def _validate(ms, ts, correction) -> None:
     if not isinstance(ms, ModelSpec):
-        raise ConfigError("model_spec", "a memguard_core.spec.ModelSpec", type(ms).__name__)
+        raise ConfigError("model_spec", "a memguard_core.estimator.specs.ModelSpec", type(ms).__name__)
     if not isinstance(ts, TrainSpec):
-        raise ConfigError("train_spec", "a memguard_core.spec.TrainSpec", type(ts).__name__)
+        raise ConfigError("train_spec", "a memguard_core.estimator.specs.TrainSpec", type(ts).__name__)
     if isinstance(correction, bool) or not isinstance(correction, (int, float)) \
             or not (0 < float(correction) < 100) or math.isnan(float(correction)):
         raise ConfigError("correction", "a positive factor (e.g. 1.0)", correction)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
 from typing import Any, Optional
 
 from .specs import ModelSpec, PeftDefaultTargets, TrainSpec
@@ -38,12 +37,10 @@ _PEFT_MAPPING_NAME = "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"
 
 
 def _peft_lora_mapping() -> tuple:
-    """(mapping, where it came from). peft/utils/constants.py imports torch and transformers, so
-    unless peft is already imported its source is read (``ast.literal_eval`` of the dict) without
-    importing it; the vendored copy when peft is not installed or the file has changed shape."""
-    mod = sys.modules.get("peft.utils.constants")
-    if mod is not None and isinstance(getattr(mod, _PEFT_MAPPING_NAME, None), dict):
-        return getattr(mod, _PEFT_MAPPING_NAME), "peft"
+    """(mapping, where it came from). peft/utils/constants.py imports torch and transformers, so its
+    source is read (``ast.literal_eval`` of the dict) without importing it, whether or not peft is
+    imported (the core imports no framework); the vendored copy when peft is not installed or the file
+    has changed shape."""
     try:
         import ast
         import importlib.util

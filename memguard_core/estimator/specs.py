@@ -337,7 +337,7 @@ class TrainSpec:
             ``overlap_comm`` (bool); only with ``zero1``..``zero3``. ``None`` = none set.
         resident_file_bytes: this process's file-backed resident pages (``RssFile``: mapped
             libraries) when training starts, bytes, as the adapters read it on Linux; ``None`` =
-            the typical figure of :data:`memguard_core.estimate.CPU_FILE_PAGES_AT_START_BYTES`. It
+            the typical figure of :data:`memguard_core.estimator.runtime.CPU_FILE_PAGES_AT_START_BYTES`. It
             is part of VmHWM and depends on the page cache, not on the model (a freshly written
             copy of a venv reads higher): docs/estimator.md, "Runtime overhead".
         image_tokens: image tokens per row of a vision-language model, on top of ``seq_length``
@@ -352,7 +352,7 @@ class TrainSpec:
             the last step's gradients: docs/estimator.md, "Gradient checkpointing on CPU").
         bnb_version: the bitsandbytes version of a QLoRA run (``"0.42.0"``); it decides whether
             each 4-bit linear keeps its input for the backward (before 0.43.2) or not
-            (``memguard_core.estimate.bnb_4bit_keeps_input``). ``None`` = unknown: the older rule,
+            (``memguard_core.estimator.bnb.bnb_4bit_keeps_input``). ``None`` = unknown: the older rule,
             the larger estimate. The HF adapter passes the installed version.
         keeps_last_graph: the training loop holds the last micro-batch's output (logits, loss)
             until the next forward returns -- a hand-written loop's ``logits = model(x)``

@@ -1,6 +1,7 @@
-"""Reading a Hugging Face config (path, dict or ``AutoConfig``) into a ``ModelSpec``: the config's
-numbers, dropout probabilities, image tokens and vision tower; the parameters are counted on the meta
-device by :mod:`.meta_count`. transformers is imported inside functions only.
+"""The numbers of a Hugging Face model config (a config.json path, a dict, or a config object read
+by attribute): sizes, dropout probabilities, image tokens, the vision tower, quantization. Plain
+reading, no transformers: building the config class and counting on the meta device is
+``memguard_hf.model_spec``.
 """
 
 from __future__ import annotations
@@ -284,7 +285,8 @@ def fill_intermediate(nums: dict, linears: tuple) -> None:
             return
 
 
-_REQUIRED_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+#: The keys a raw config dict must hold for memguard to read it.
+REQUIRED_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
 def load_config_dict(config: Any) -> tuple:
@@ -310,57 +312,6 @@ def load_config_dict(config: Any) -> tuple:
         return d, path
     raise ConfigError("config", "a config.json path, a directory, a dict or a PretrainedConfig",
                       type(config).__name__)
-
-
-def config_from_dict(d: dict, label: str) -> Any:
-    """A transformers config from a raw dict, checking the fields memguard needs exist."""
-    from transformers import AutoConfig, CONFIG_MAPPING
-
-    mt = d.get("model_type")
-    if not isinstance(mt, str) or not mt:
-        raise ConfigError(f"{label}: model_type", "the transformers model_type (e.g. 'llama')", mt)
-    if mt not in CONFIG_MAPPING:
-        raise ConfigError(f"{label}: model_type", "a model_type this transformers knows", mt)
-    cls = CONFIG_MAPPING[mt]
-    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
-    amap = getattr(cls, "attribute_map", {}) or {}
-    sub = getattr(cls, "sub_configs", {}) or {}
-    if text is not d and "text_config" in sub:
-        amap = getattr(sub["text_config"], "attribute_map", {}) or {}
-    for key in _REQUIRED_KEYS[1:]:
-        alias = amap.get(key)
-        if key not in text and (alias is None or alias not in text):
-            raise ConfigError(f"{label}: {key}" + (f" (or {alias})" if alias else ""),
-                              "present in the model config", None)
-    _check_heads(text, amap, label)
-    d = {k: v for k, v in d.items() if k not in ("quantization_config", "model_type")}
-    if "torch_dtype" in d and "dtype" not in d:  # transformers 5 renamed it (and warns)
-        d["dtype"] = d.pop("torch_dtype")
-    try:
-        return AutoConfig.for_model(mt, **d)
-    except Exception as exc:  # TypeError / ValueError, huggingface_hub's strict-dataclass validators
-        cause = exc.__cause__ if exc.__cause__ is not None else exc
-        raise ConfigError(label, f"a valid {mt} config", str(cause)) from None
-
-
-def _check_heads(text: dict, amap: dict, label: str) -> None:
-    """The head counts of a raw config dict divide what they must (else transformers' validators
-    raise deep inside the config class): ``num_attention_heads`` divides ``hidden_size`` unless the
-    config gives ``head_dim``, and ``num_key_value_heads`` divides ``num_attention_heads``.
-
-    Raises:
-        ConfigError: naming the field and the path.
-    """
-    def get(key):
-        v = text.get(key, text.get(amap.get(key, ""), None))
-        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
-
-    hidden, heads, kv = get("hidden_size"), get("num_attention_heads"), get("num_key_value_heads")
-    if hidden and heads and not get("head_dim") and hidden % heads:
-        raise ConfigError(f"{label}: num_attention_heads", f"a divisor of hidden_size ({hidden}), or a "
-                          "head_dim in the config", heads)
-    if heads and kv and heads % kv:
-        raise ConfigError(f"{label}: num_key_value_heads", f"a divisor of num_attention_heads ({heads})", kv)
 
 
 def is_vision_language(cfg: Any) -> bool:

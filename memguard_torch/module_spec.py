@@ -11,36 +11,17 @@ import math
 import re
 from typing import Any, Mapping, Optional
 
-from ..errors import ConfigError
-from .readers_hf import config_numbers, fill_intermediate, image_tokens_per_image, vision_tower_from_config
-from .specs import dtype_bits, LinearShape, ModelSpec, NF4_BITS, NF4_DOUBLE_QUANT_BITS, ParamCounts
+from memguard_core.errors import ConfigError
+from memguard_core.estimator.components import component_kind
+from memguard_core.estimator.config_fields import (config_numbers, fill_intermediate, image_tokens_per_image,
+                                                   vision_tower_from_config)
+from memguard_core.estimator.specs import dtype_bits, LinearShape, ModelSpec, NF4_BITS, NF4_DOUBLE_QUANT_BITS, ParamCounts
 
 
 _log = logging.getLogger("memguard.spec")
-_ROUTER_NAMES = frozenset({"gate", "router", "shared_expert_gate", "e_score_correction_bias"})
-_SHARED_EXPERT_NAMES = frozenset({"shared_expert", "shared_experts", "shared_mlp"})
-_MLP_NAMES = frozenset({"mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "feedforward"})
 _LORA_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
                          "lora_magnitude_vector", "lora_dropout"})
 #: torch dtype names -> the estimator's dtype names.
-
-
-def component_kind(parts: list, is_moe: bool) -> str:
-    """Kind of a parameter inside a block from its dotted path (numeric parts removed).
-
-    Order matters: router before experts (``mlp.gate``), shared experts before experts.
-    """
-    if is_moe and any(p in _ROUTER_NAMES for p in parts):
-        return "router"
-    if any(p in _SHARED_EXPERT_NAMES for p in parts):
-        return "shared_experts"
-    if "experts" in parts:
-        return "experts"
-    if any("attn" in p.lower() or "attention" in p.lower() for p in parts):
-        return "attention"
-    if any(p in _MLP_NAMES or "mlp" in p.lower() or "ffn" in p.lower() for p in parts):
-        return "mlp"
-    return "other"
 
 
 #: Module names of a vision-language model's vision side (transformers 5 modeling code:

@@ -1,8 +1,8 @@
 """``model_spec_from_hf_config``: a ``ModelSpec`` from a Hugging Face config, its parameters counted
 exactly on the meta device, with the truncation cache:
 for a uniform stack two short copies (1-2 and 2-4 blocks) are counted and extended per layer; other
-layouts fall back to the full meta build. torch / transformers / accelerate are imported inside
-functions only.
+layouts fall back to the full meta build; and ``config_from_dict``, the transformers config class of a
+raw config dict. torch / transformers / accelerate are imported inside functions only.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ import json
 import re
 from typing import Any, Mapping, Optional
 
-from ..errors import ConfigError
-from .numbers import quant_bits_arg
-from .readers_hf import (cfg_get, config_from_dict, config_numbers, fill_intermediate, image_tokens_per_image,
-                         is_vision_language, load_config_dict, quant_bits_from_config, vision_tower_from_config)
-from .readers_torch import count_params, torch_block_linears
-from .specs import DTYPE_NAMES, ModelSpec, ParamCounts, dtype_bits
+from memguard_core.errors import ConfigError
+from memguard_core.estimator.numbers import quant_bits_arg
+from memguard_core.estimator.config_fields import (REQUIRED_KEYS, cfg_get, config_numbers, fill_intermediate,
+                                                   image_tokens_per_image, is_vision_language, load_config_dict,
+                                                   quant_bits_from_config, vision_tower_from_config)
+from memguard_core.estimator.specs import DTYPE_NAMES, ModelSpec, ParamCounts, dtype_bits
+
+from memguard_torch.module_spec import count_params, torch_block_linears
 
 _log = logging.getLogger("memguard.spec")
 
@@ -89,6 +91,57 @@ _HARMLESS_KEYS = frozenset({"num_hidden_layers", "num_layers", "n_layers", "n_la
 _LAYOUT_KEY_RE = re.compile(r"first_k|dense_(layers|replace)|sparse_step|layer_(freq|step|period|offset|"
                             r"interval)|_(start|end)_index|every_n|per_layer|layers?_ids?$|layer_idxs?$|"
                             r"_idxs$|block_configs?|override_pattern|shared_layers|_layers$")
+
+
+def config_from_dict(d: dict, label: str) -> Any:
+    """A transformers config from a raw dict, checking the fields memguard needs exist."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    mt = d.get("model_type")
+    if not isinstance(mt, str) or not mt:
+        raise ConfigError(f"{label}: model_type", "the transformers model_type (e.g. 'llama')", mt)
+    if mt not in CONFIG_MAPPING:
+        raise ConfigError(f"{label}: model_type", "a model_type this transformers knows", mt)
+    cls = CONFIG_MAPPING[mt]
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
+    amap = getattr(cls, "attribute_map", {}) or {}
+    sub = getattr(cls, "sub_configs", {}) or {}
+    if text is not d and "text_config" in sub:
+        amap = getattr(sub["text_config"], "attribute_map", {}) or {}
+    for key in REQUIRED_KEYS[1:]:
+        alias = amap.get(key)
+        if key not in text and (alias is None or alias not in text):
+            raise ConfigError(f"{label}: {key}" + (f" (or {alias})" if alias else ""),
+                              "present in the model config", None)
+    _check_heads(text, amap, label)
+    d = {k: v for k, v in d.items() if k not in ("quantization_config", "model_type")}
+    if "torch_dtype" in d and "dtype" not in d:  # transformers 5 renamed it (and warns)
+        d["dtype"] = d.pop("torch_dtype")
+    try:
+        return AutoConfig.for_model(mt, **d)
+    except Exception as exc:  # TypeError / ValueError, huggingface_hub's strict-dataclass validators
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        raise ConfigError(label, f"a valid {mt} config", str(cause)) from None
+
+
+def _check_heads(text: dict, amap: dict, label: str) -> None:
+    """The head counts of a raw config dict divide what they must (else transformers' validators
+    raise deep inside the config class): ``num_attention_heads`` divides ``hidden_size`` unless the
+    config gives ``head_dim``, and ``num_key_value_heads`` divides ``num_attention_heads``.
+
+    Raises:
+        ConfigError: naming the field and the path.
+    """
+    def get(key):
+        v = text.get(key, text.get(amap.get(key, ""), None))
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    hidden, heads, kv = get("hidden_size"), get("num_attention_heads"), get("num_key_value_heads")
+    if hidden and heads and not get("head_dim") and hidden % heads:
+        raise ConfigError(f"{label}: num_attention_heads", f"a divisor of hidden_size ({hidden}), or a "
+                          "head_dim in the config", heads)
+    if heads and kv and heads % kv:
+        raise ConfigError(f"{label}: num_key_value_heads", f"a divisor of num_attention_heads ({heads})", kv)
 
 
 def _freeze(v: Any) -> Any:

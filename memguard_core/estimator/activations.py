@@ -65,10 +65,7 @@ def block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tra
       * MoE (``MixtralExperts``): per (token, expert) pair, k per token: gate_up (2i), act (i),
         down output (h, saved by the routing-weight multiply), the gathered input (h) and the
         product (i) when the experts train; router logits and fp32 softmax (E per token).
-    GPT-2 family (LayerNorm, fused c_attn, gelu_new, dropout 0.1 -- ``modeling_gpt2.py``):
-      LayerNorm saves its input (e*h); ``c_attn``'s output (3h) stays alive through q/k/v views;
-      ``gelu_new`` written in Python saves x, tanh(.), 0.5x and 1+tanh (4 x e*i); each dropout saves
-      a bool mask (1 byte) and the attention dropout forces SDPA's math path on CPU (O(s^2)).
+    GPT-2 family: ``_gpt2_block_act``; OPT / GPT-NeoX: ``_plain_mlp_block_act``.
     """
     e = DTYPE_BYTES[ts.dtype]
     s = ts.seq_length
@@ -77,9 +74,6 @@ def block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tra
     nh = ms.num_heads
     lins = {ls.name: ls for ls in block_linear_shapes(ms)}
     lora_names = {ls.name for ls in lora_linears(ms, ts)} if lora else set()
-
-    def saves(name: str) -> bool:
-        return trainable_block or name in lora_names
 
     a = _Act()
     gpt2 = ms.model_type in _GPT2_LIKE
@@ -107,34 +101,7 @@ def block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tra
     if ms.model_type in _PLAIN_MLP_ARCHS:
         return _plain_mlp_block_act(ms, ts, a, lora_names, trainable_block, e, r, amp)
     if gpt2:
-        # transformers 5.x ``modeling_gpt2.py``; saved tensors per ``derivatives.yaml`` (checked with
-        # ``saved_tensors_hooks`` on GPT-2 blocks; docs/estimator.md, "Attention and dropout rules")
-        n_res = 2 if ms.residual_dropout > 0 else 0  # after the attention's c_proj and the MLP
-        def lora_in(name: str, fin: int) -> float:
-            """A linear's saved input: ``e x fin``; a LoRA'd frozen one's under LoRA dropout as
-            ``lora_input_bytes`` says."""
-            if ts.lora_dropout > 0 and not trainable_block and name in lora_names:
-                return lora_input_bytes(ts, 1, fin, e, amp)
-            return e * fin
-
-        a.hidden += r * h                       # ln_1 input (native_layer_norm: input, mean, rstd)
-        if saves("c_attn"):
-            a.hidden += lora_in("c_attn", h)    # c_attn input (ln_1 output)
-        core_h, core_s = attention_core(ms, ts, e, views_of_one_buffer=True)
-        a.hidden += core_h
-        a.scores += core_s
-        if saves("c_proj"):
-            a.hidden += lora_in("c_proj", h)    # merged heads (a contiguous copy), c_proj's input
-        a.hidden += n_res / 2 * h * dropout_bytes(ts, e)
-        a.hidden += r * h                       # ln_2 input
-        i = ms.intermediate_size
-        if saves("c_fc"):
-            a.hidden += lora_in("c_fc", h)
-        a.hidden += 4 * e * i                   # gelu_new in Python: x, tanh(.), 0.5 x, 1 + tanh(.)
-        if trainable_block or "c_proj" in lora_names:
-            a.hidden += lora_in("c_proj", i)    # mlp c_proj input
-        a.hidden += n_res / 2 * h * dropout_bytes(ts, e)
-        return a
+        return _gpt2_block_act(ms, ts, a, lora_names, trainable_block, e, r, amp)
 
     # Llama family
     a.hidden += 4 * h                           # input_layernorm: fp32 input
@@ -188,6 +155,47 @@ def block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tra
     a.hidden += group_input(("gate_proj", "up_proj"), h)
     a.hidden += 3 * e * i                       # gate, up, act
     a.hidden += group_input(("down_proj",), i)
+    return a
+
+
+def _gpt2_block_act(ms: ModelSpec, ts: TrainSpec, a: _Act, lora_names: set, trainable_block: bool,
+                    e: int, r: int, amp: bool) -> _Act:
+    """Saved bytes per token of a GPT-2-family block (``_GPT2_LIKE``; transformers 5.x
+    ``modeling_gpt2.py``), added to ``a``: LayerNorm inputs (r x h), ``c_attn``'s output alive
+    through the q/k/v views, ``gelu_new`` in Python (x, tanh(.), 0.5x, 1 + tanh: 4 x e x i), the
+    dropout masks; the attention dropout forces SDPA's math path on CPU. Checked with
+    ``saved_tensors_hooks``: docs/estimator.md, "Attention and dropout rules"."""
+    h = ms.hidden_size
+
+    n_res = 2 if ms.residual_dropout > 0 else 0  # after the attention's c_proj and the MLP
+
+    def saves(name: str) -> bool:
+        return trainable_block or name in lora_names
+
+    def lora_in(name: str, fin: int) -> float:
+        """A linear's saved input: ``e x fin``; a LoRA'd frozen one's under LoRA dropout as
+        ``lora_input_bytes`` says."""
+        if ts.lora_dropout > 0 and not trainable_block and name in lora_names:
+            return lora_input_bytes(ts, 1, fin, e, amp)
+        return e * fin
+
+    a.hidden += r * h                       # ln_1 input (native_layer_norm: input, mean, rstd)
+    if saves("c_attn"):
+        a.hidden += lora_in("c_attn", h)    # c_attn input (ln_1 output)
+    core_h, core_s = attention_core(ms, ts, e, views_of_one_buffer=True)
+    a.hidden += core_h
+    a.scores += core_s
+    if saves("c_proj"):
+        a.hidden += lora_in("c_proj", h)    # merged heads (a contiguous copy), c_proj's input
+    a.hidden += n_res / 2 * h * dropout_bytes(ts, e)
+    a.hidden += r * h                       # ln_2 input
+    i = ms.intermediate_size
+    if saves("c_fc"):
+        a.hidden += lora_in("c_fc", h)
+    a.hidden += 4 * e * i                   # gelu_new in Python: x, tanh(.), 0.5 x, 1 + tanh(.)
+    if trainable_block or "c_proj" in lora_names:
+        a.hidden += lora_in("c_proj", i)    # mlp c_proj input
+    a.hidden += n_res / 2 * h * dropout_bytes(ts, e)
     return a
 
 

@@ -29,9 +29,9 @@ def _runs(*kinds: str) -> dict:
 
 
 def test_a_bf16_moe_run_fixes_the_mmap_threshold_and_the_others_do_not():
-    from memguard_core.probes import linux
+    from memguard_core.probes.linux import heap
 
-    if linux.malloc_in_use() is None:
+    if heap.malloc_in_use() is None:
         pytest.skip("glibc < 2.33: no mallinfo2")
     # the runs that must leave the threshold alone share a process; the one that fixes it gets a
     # fresh one, whose heap holds no free chunk from the others' 16 MiB tensors to serve 6 MiB from

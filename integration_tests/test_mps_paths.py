@@ -45,9 +45,9 @@ class FakeMps:
 
 @pytest.fixture
 def fake_mps(monkeypatch):
-    from memguard_core.probes import _reset_warned
+    from memguard_core.probes.common import reset_warned
 
-    _reset_warned()
+    reset_warned()
     fake = FakeMps(recommended=psutil.virtual_memory().total // 2)
     for name in ("current_allocated_memory", "driver_allocated_memory", "recommended_max_memory", "empty_cache"):
         monkeypatch.setattr(torch.mps, name, getattr(fake, name))

@@ -62,7 +62,7 @@ def pressure_kind(snapshot) -> Optional[str]:
     if source == "darwin":
         return "memorystatus"
     if source == "mlx":
-        from .probes import host_source
+        from .probes.host import host_source
         return "memorystatus" if host_source() == "darwin" else "psi"
     if source in (None, "linux"):
         return "psi"
@@ -138,9 +138,9 @@ class MemoryMonitor:
         if grow is not None and not isinstance(grow, GrowPolicy):
             raise ConfigError("grow", "a memguard_core.monitor.GrowPolicy, or None", grow)
         require_int("planned_split", planned_split, "an integer >= 1, or None", allow_none=True)
-        from .probes import _DEVICE_CHOICES, _DEVICE_RE
-        if not isinstance(device, str) or _DEVICE_RE.match(device) is None:
-            raise ConfigError("device", _DEVICE_CHOICES, device)
+        from .probes import DEVICE_CHOICES, DEVICE_RE
+        if not isinstance(device, str) or DEVICE_RE.match(device) is None:
+            raise ConfigError("device", DEVICE_CHOICES, device)
         for name, fn in (("clean_fn", clean_fn), ("on_event", on_event), ("probe_fn", probe_fn),
                          ("peak_fn", peak_fn), ("live_fn", live_fn)):
             if fn is not None and not callable(fn):

@@ -138,7 +138,7 @@ class RunRecorder:
     def _start_cuda(self, rank: int) -> None:
         self.cuda_stats = frameworks.cuda_memory_stats()
         try:
-            from .probes.cuda import allocator_settings, expandable_segments
+            from .probes.alloc_conf import allocator_settings, expandable_segments
 
             self._segments_off = expandable_segments(allocator_settings()) is False
         except Exception:

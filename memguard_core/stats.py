@@ -15,14 +15,14 @@ key                     cuda:<i>                 mlx                        cpu 
                                                                             since the last reset
 ``free_bytes``          ``snapshot.available_bytes``: what this process can still take
                         (cuda: driver free + own cached blocks; cpu: container-aware
-                        ``min(MemAvailable, cgroup limit - working set)``; mlx: see probes.mlx)
+                        ``min(MemAvailable, cgroup limit - working set)``; mlx: see memguard_mlx.probes)
 ``total_bytes``         ``snapshot.total_bytes``: min(device or host total, container limit)
 ``utilization``         ``1 - free/total`` (= ``snapshot.used_fraction``), 0..1
 ======================  =======================  =========================  ======================
 
 On ``mps`` (PyTorch on Apple Silicon): ``allocated_bytes`` = ``torch.mps.current_allocated_memory``,
 ``reserved_bytes`` and ``peak_bytes`` = ``torch.mps.driver_allocated_memory`` (cache included;
-torch.mps has no peak counter), see :mod:`memguard_core.probes.mps`.
+torch.mps has no peak counter), see :mod:`memguard_torch.probes_mps`.
 
 Why ``utilization`` is ``1 - free/total`` and not ``peak/total`` or ``allocated/total``: it is
 the only one of the three that counts other processes, the CUDA context and the container
@@ -45,7 +45,8 @@ import os
 import threading
 from typing import Any, Dict, Optional
 
-from memguard_core.probes import MemorySnapshot, probe, resolve_device
+from memguard_core.probes import (MemorySnapshot, allocator_counters, probe, reset_allocator_peak,
+                                  resolve_device)
 
 __all__ = ["memory_stats", "memory_utilization", "format_memory_stats", "reset_peak_memory",
            "process_file_resident_bytes"]
@@ -96,22 +97,8 @@ def memory_stats(device: str = "auto", *, cheap: bool = True) -> Dict[str, Any]:
     allocated = reserved = snap.process_bytes
     peak: Optional[int] = snap.process_peak_bytes
     try:
-        if snap.source == "cuda":
-            from memguard_core.probes import cuda
-
-            c = cuda.read_counters(int(dev.split(":")[1]), cuda.torch_cuda_module())
-            allocated, reserved, peak = c.allocated, c.reserved, c.peak_allocated
-        elif snap.source == "mlx":
-            from memguard_core.probes import mlx
-
-            c = mlx.read_counters(mlx.mlx_module())
-            allocated, reserved, peak = c.active, c.active + c.cache, c.peak
-        elif snap.source == "mps":
-            from memguard_core.probes import mps
-
-            c = mps.read_counters(mps.torch_mps_module())
-            # torch.mps has no peak counter: the driver's figure (cache included) bounds it
-            allocated, reserved, peak = c.allocated, c.driver_allocated, c.driver_allocated
+        if snap.source in ("cuda", "mlx", "mps"):   # the device's own probe, not a fallback
+            allocated, reserved, peak = allocator_counters(dev)
         else:
             peak = _cpu_peak(snap)
     except Exception as exc:  # a stats read never breaks training
@@ -191,27 +178,17 @@ def reset_peak_memory(device: str = "auto", *, proc_root: str = "/proc") -> str:
     global _cpu_baseline
     dev = resolve_device(device)
     try:
-        if dev.startswith("cuda"):
-            from memguard_core.probes import cuda
-
-            cuda.reset_peak(int(dev.split(":")[1]))
-            return "allocator"
-        if dev == "mlx":
-            from memguard_core.probes import mlx
-
-            mlx.reset_peak()
-            return "allocator"
-        if dev == "mps":
-            return "none"
+        if dev != "cpu":
+            return "allocator" if reset_allocator_peak(dev) else "none"
     except Exception as exc:
         log.warning("memguard: resetting the %s peak failed: %r", dev, exc)
         return "failed"
 
     try:
         if proc_root == "/proc":
-            from memguard_core.probes import linux
+            from memguard_core.probes.linux import peak
 
-            if not linux.reset_peak():   # keeps the descriptor and notes the ru_maxrss floor
+            if not peak.reset_peak():   # keeps the descriptor and notes the ru_maxrss floor
                 raise OSError("/proc/self/clear_refs not writable")
         else:
             with open(os.path.join(proc_root, "self", "clear_refs"), "w") as fh:
@@ -232,9 +209,9 @@ def process_file_resident_bytes() -> Optional[int]:
     """This process's file-backed resident pages (``RssFile`` of /proc/self/status: mapped
     libraries and files), bytes; None off Linux or when unreadable. Never raises."""
     try:
-        from memguard_core.probes import linux
+        from memguard_core.probes.linux import proc
 
-        return linux.read_status(keys=frozenset(("RssFile",))).get("RssFile")
+        return proc.read_status(keys=frozenset(("RssFile",))).get("RssFile")
     except Exception:
         return None
 

@@ -31,7 +31,7 @@ Deciding "killed for memory" (:func:`classify_exit`):
 
 * Linux: the child died of SIGKILL (``-9``, or ``137`` through a shell) AND an OOM-kill counter
   rose while it ran: the ``oom_kill`` count of the supervisor's memory cgroup
-  (``memguard_core.probes.linux.cgroup_memory``: v1 ``memory.oom_control``, v2
+  (``memguard_core.probes.linux.cgroup.cgroup_memory``: v1 ``memory.oom_control``, v2
   ``memory.events``; the child runs in the same cgroup, as in a container) or the host's
   ``/proc/vmstat`` ``oom_kill`` (Linux 4.13+, kernel Documentation/admin-guide/mm). Where neither
   counter can be read, a SIGKILL is taken as a memory kill and the report says it was assumed.
@@ -112,7 +112,7 @@ def child_alloc_conf(env: Dict[str, str], platform: Optional[str] = None) -> Opt
     """Set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in the child's ``env`` (in place)
     unless it names an allocator configuration already: ``PYTORCH_CUDA_ALLOC_CONF``,
     ``PYTORCH_ALLOC_CONF`` (its device-generic name, torch >= 2.9) or ``PYTORCH_HIP_ALLOC_CONF``
-    (ROCm), set to anything, even empty (``memguard_core.probes.cuda.ALLOC_CONF_NAMES``). Linux only
+    (ROCm), set to anything, even empty (``memguard_core.probes.alloc_conf.ALLOC_CONF_NAMES``). Linux only
     (``platform``: default ``sys.platform``): torch's expandable segments use the CUDA driver's
     virtual memory API, which the caching allocator supports there; elsewhere it warns and ignores
     the setting.
@@ -127,7 +127,7 @@ def child_alloc_conf(env: Dict[str, str], platform: Optional[str] = None) -> Opt
     Returns:
         the line to say (stderr) when it was set, else None.
     """
-    from .probes.cuda import ALLOC_CONF_NAMES
+    from .probes.alloc_conf import ALLOC_CONF_NAMES
 
     plat = sys.platform if platform is None else platform
     if not plat.startswith("linux") or any(name in env for name in ALLOC_CONF_NAMES):
@@ -174,7 +174,7 @@ def _vmstat_oom_kills(proc_root: str = "/proc") -> Optional[int]:
 
 def _cgroup_oom_kills() -> Optional[int]:
     try:
-        from .probes.linux import cgroup_memory
+        from .probes.linux.cgroup import cgroup_memory
 
         cg = cgroup_memory(refresh=True, detail=True)
         return None if cg is None else cg.oom_kill

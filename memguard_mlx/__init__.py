@@ -12,6 +12,10 @@ from .framework import register as _register
 
 _register()   # the core's cache clean reaches mx.clear_cache() from here on
 
+from .probes import register as _register_probes
+
+_register_probes()   # the core's probes and device="auto" see mlx from here on
+
 from .memory import (LeakDetector, LeakReport, MemoryControls, MemoryTimeline, PeakProfile,
                      find_max_batch_size, is_allocation_error, profile_peak)
 from .specs import model_spec_from_mlx_module, train_spec

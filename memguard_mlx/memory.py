@@ -135,7 +135,7 @@ class MemoryControls:
     def apply(self, budget_bytes: int, planned_peak_bytes: Optional[int] = None) -> Dict[str, int]:
         """Set the limits; returns what was set. Never raises (a failing setter is logged)."""
         mx = _mx()
-        from memguard_core.probes.mlx import device_info
+        from .probes import device_info
 
         try:
             wanted = self.plan(budget_bytes, planned_peak_bytes, device_info(mx))
@@ -270,7 +270,7 @@ class MemoryTimeline:
 
     def mark(self, label: str = "") -> Dict[str, Any]:
         """Record a point; returns ``{"label", "t", "active", "peak", "cache"}`` (bytes, seconds)."""
-        from memguard_core.probes.mlx import read_counters
+        from .probes import read_counters
 
         mx = _mx()
         c = read_counters(mx)

@@ -108,7 +108,7 @@ MlxPreflight = Preflight
 def default_budget(safety_ratio: float = 0.8) -> int:
     """(MLX active memory + memory available) x ``safety_ratio`` (bytes): on Metal the available
     part is bounded by the device's recommended working set (``mx.device_info()``), on CPU by the
-    host / container (``memguard_core.probes.mlx``)."""
+    host / container (``memguard_mlx.probes``)."""
     return _core_default_budget("mlx", safety_ratio)
 
 

@@ -67,3 +67,18 @@ class FakeTorchCuda:
 
     def get_device_properties(self, i):
         return types.SimpleNamespace(uuid=self.uuid, total_memory=self.total)
+
+
+def use_fake_torch(monkeypatch, fake) -> None:
+    """Make ``fake`` (e.g. ``SimpleNamespace(cuda=FakeTorchCuda(...))``) the ``torch`` memguard
+    reads for the rest of the test: the torch device probes' module (``memguard_torch.probes_cuda``
+    / ``probes_mps``, registered by importing them) and ``sys.modules["torch"]`` (what a
+    function-level ``import torch`` finds)."""
+    import sys
+
+    import memguard_torch  # noqa: F401  (registers the cuda / mps probes with the core)
+    from memguard_torch import probes_cuda, probes_mps
+
+    monkeypatch.setattr(probes_cuda, "torch", fake)
+    monkeypatch.setattr(probes_mps, "torch", fake)
+    monkeypatch.setitem(sys.modules, "torch", fake)

@@ -12,6 +12,10 @@ from .framework import register as _register
 
 _register()   # the core's cache clean, rank agreement and CUDA counters go through torch from here on
 
+from .probes import register as _register_probes
+
+_register_probes()   # the core's probes and device="auto" see cuda and mps from here on
+
 from .guard import TorchGuard
 from .oom import is_oom_error
 from .sync import PeerOutOfMemoryError

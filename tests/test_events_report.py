@@ -219,8 +219,9 @@ def _guard_on_fake_cuda(monkeypatch, tmp_path, order, **options):
 
     from memguard_core.guard import Guard
     from memguard_core.options import GuardOptions
-    from memguard_core.probes import cuda
-    from memguard_testing.fakes import FakeTorchCuda
+    from memguard_core.probes import nvml
+    from memguard_testing.fakes import FakeTorchCuda, use_fake_torch
+    from memguard_torch import probes_cuda as cuda
 
     tc = FakeTorchCuda(allocated=20 * GiB, reserved=24 * GiB, peak_alloc=22 * GiB, peak_res=26 * GiB,
                        free=50 * GiB, total=80 * GiB)
@@ -229,9 +230,9 @@ def _guard_on_fake_cuda(monkeypatch, tmp_path, order, **options):
     mem._dump_snapshot = lambda filename: (order.append("dump"), dump(filename))
     tc.memory = mem
     tc.empty_cache = lambda: order.append("empty_cache")
-    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=tc))
+    use_fake_torch(monkeypatch, types.SimpleNamespace(cuda=tc))
     monkeypatch.setattr(cuda, "torch_cuda_module", lambda: tc)
-    monkeypatch.setattr(cuda, "_nvml", lambda nvml=None: None)
+    monkeypatch.setattr(nvml, "nvml_module", lambda nvml=None: None)
     monkeypatch.setenv("RANK", "3")
     g = Guard(GuardOptions.from_kwargs(device="cuda:0", budget_bytes=60 * GiB, monitor_interval_s=0, preflight=False,
                                        cuda_snapshots=str(tmp_path), **options))

@@ -336,9 +336,10 @@ def test_background_reads_only_psi_while_step_samples_are_fresh(monkeypatch):
     # the real Linux probe and PSI reader, counted (each call goes through to the real one)
     from memguard_core import monitor as monitor_mod
     from memguard_core.probes import linux
+    from memguard_core.probes.linux import psi as lpsi
 
     calls = {"full": 0, "cheap": 0, "psi": 0}
-    real_probe, real_pressure = linux.probe, linux.pressure
+    real_probe, real_pressure = linux.probe, lpsi.pressure
 
     def counted_probe(cheap=False, **kw):
         calls["cheap" if cheap else "full"] += 1

@@ -4,7 +4,7 @@ allocator's window peaks in the step figures.
 No CUDA device here: ``torch.cuda`` is replaced by the thin fake of its counter functions
 (``memguard_testing.fakes.FakeTorchCuda``: ``memory_stats_as_nested_dict`` with torch's key
 layout, ``num_alloc_retries`` / ``num_ooms`` set by the test, ``empty_cache`` counted), as
-``sys.modules["torch"].cuda``; everything above it is the real code: the CUDA step reader and probe,
+``torch.cuda`` (``memguard_testing.fakes.use_fake_torch``); everything above it is the real code: the CUDA step reader and probe,
 ``MemoryMonitor``, ``SplitPolicy``, the default clean, ``Guard`` and its event log.
 """
 
@@ -17,8 +17,10 @@ import pytest
 
 from memguard_core.errors import ConfigError
 from memguard_core.monitor import Action, AllocRetryPolicy, MemoryMonitor, SplitPolicy, Thresholds
-from memguard_core.probes import _reset_warned, cuda
-from memguard_testing.fakes import FakeTorchCuda
+from memguard_core.probes import alloc_conf, nvml
+from memguard_core.probes.common import reset_warned
+from memguard_testing.fakes import FakeTorchCuda, use_fake_torch
+from memguard_torch import probes_cuda as cuda
 
 GiB = 1 << 30
 
@@ -28,11 +30,11 @@ def gpu(monkeypatch):
     """An 80 GiB card, a third in use: far from every usage level, so only the retries act."""
     tc = FakeTorchCuda(allocated=20 * GiB, reserved=24 * GiB, peak_alloc=22 * GiB, peak_res=26 * GiB,
                        free=50 * GiB, total=80 * GiB)
-    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=tc))
+    use_fake_torch(monkeypatch, types.SimpleNamespace(cuda=tc))
     monkeypatch.setattr(cuda, "torch_cuda_module", lambda: tc)
-    monkeypatch.setattr(cuda, "_nvml", lambda nvml=None: None)
+    monkeypatch.setattr(nvml, "nvml_module", lambda nvml=None: None)
     cuda._reset_baseline()
-    _reset_warned()
+    reset_warned()
     yield tc
     cuda._reset_baseline()
 
@@ -173,7 +175,8 @@ def test_the_allocator_setting_is_read_from_torch_itself():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("import torch\n"
-            "from memguard_core.probes.cuda import allocator_settings as a, expandable_segments as e\n"
+            "import memguard_torch\n"
+            "from memguard_core.probes.alloc_conf import allocator_settings as a, expandable_segments as e\n"
             "print(a(), e(a()))\n"
             "torch._C._accelerator_setAllocatorSettings('expandable_segments:False')\n"
             "print(a(), e(a()))\n")
@@ -186,14 +189,15 @@ def test_the_allocator_setting_is_read_from_torch_itself():
 
 
 def test_expandable_segments_parse_and_the_environment_fallback():
-    assert cuda.expandable_segments("") is False                       # torch's default
-    assert cuda.expandable_segments("max_split_size_mb:64, expandable_segments:True") is True
-    assert cuda.expandable_segments("expandable_segments:True,expandable_segments:False") is False
-    assert cuda.expandable_segments("backend:cudaMallocAsync") is None   # no segments of torch's
+    assert alloc_conf.expandable_segments("") is False                       # torch's default
+    assert alloc_conf.expandable_segments("max_split_size_mb:64, expandable_segments:True") is True
+    assert alloc_conf.expandable_segments("expandable_segments:True,expandable_segments:False") is False
+    assert alloc_conf.expandable_segments("backend:cudaMallocAsync") is None   # no segments of torch's
     no_getter = types.SimpleNamespace(_C=types.SimpleNamespace())
+    assert cuda.allocator_settings(no_getter) is None                   # no such call: the environment
     env = {"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    assert cuda.allocator_settings(no_getter, env) == "expandable_segments:True"   # CUDA's own name first
-    assert cuda.allocator_settings(no_getter, {}) == ""
+    assert alloc_conf.allocator_settings(env, reader=lambda: None) == "expandable_segments:True"   # CUDA's own name first
+    assert alloc_conf.allocator_settings({}, reader=lambda: None) == ""
 
 
 def _guard(tmp_path):
@@ -210,7 +214,7 @@ def test_the_guard_says_once_that_segments_are_off_and_what_fragmentation_cost(g
     from memguard_core import observe
 
     monkeypatch.setattr(observe, "_SEGMENTS_NOTED", False)
-    for name in cuda.ALLOC_CONF_NAMES:
+    for name in alloc_conf.ALLOC_CONF_NAMES:
         monkeypatch.delenv(name, raising=False)
     g = _guard(tmp_path)
     with caplog.at_level(logging.INFO, logger="memguard.test"):

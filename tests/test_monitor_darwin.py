@@ -5,7 +5,7 @@ This machine is not a Mac. What is replaced, and only that:
   readings of ``kern.memorystatus_level``, ``kern.memorystatus_vm_pressure_level`` and
   ``vm.swapusage`` (tests/fixtures/probes/darwin_pressure_sequences.json, with the note on how
   they were written);
-- ``probes.host_source`` returns ``"darwin"`` so the monitor builds the darwin step reader;
+- ``probes.host.host_source`` returns ``"darwin"`` so the monitor builds the darwin step reader;
 - the monotonic clock follows the recorded timestamps (the monitor's windows are in seconds).
 Everything else is real: darwin.probe (psutil's total / available and this process's RSS),
 the step reader, MemoryMonitor, SplitPolicy.
@@ -26,7 +26,8 @@ from memguard_core.errors import ConfigError
 from memguard_core.monitor import (Action, GrowPolicy, MemoryMonitor, MemorystatusPolicy, PsiPolicy,
                                    pressure_kind)
 from memguard_core.monitor_policy import MemorystatusEpisodes, PressureEpisodes
-from memguard_core.probes import MemorySnapshot, _reset_warned, darwin
+from memguard_core.probes import MemorySnapshot, darwin, host
+from memguard_core.probes.common import reset_warned
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SEQ = json.load(open(os.path.join(HERE, "fixtures", "probes", "darwin_pressure_sequences.json")))["sequences"]
@@ -56,11 +57,11 @@ class FakeSysctl:
 
 @pytest.fixture
 def mac(monkeypatch):
-    _reset_warned()
+    reset_warned()
     fake = FakeSysctl()
     clock = [1000.0]
     monkeypatch.setattr(darwin, "_sysctlbyname", fake)
-    monkeypatch.setattr(probes, "host_source", lambda: "darwin")
+    monkeypatch.setattr(host, "host_source", lambda: "darwin")
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     return fake, clock
 

@@ -19,7 +19,11 @@ import time
 
 import pytest
 
-from memguard_core.probes import MemorySnapshot, _reset_warned, linux, probe
+from memguard_core.probes import MemorySnapshot, linux, probe
+from memguard_core.probes.common import reset_warned
+from memguard_core.probes.linux import cgroup, files, heap, proc
+from memguard_core.probes.linux import peak as lpeak
+from memguard_core.probes.linux import psi as lpsi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -37,10 +41,10 @@ MiB = 1 << 20
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
-    _reset_warned()
-    linux._loc_cache.clear()
+    reset_warned()
+    cgroup._loc_cache.clear()
     yield
-    linux._loc_cache.clear()
+    cgroup._loc_cache.clear()
 
 
 def _copy(tree, tmp_path):
@@ -56,23 +60,23 @@ def _v1(root):
 # ---------------------------------------------------------------- parse functions, recorded v1
 
 def test_parse_meminfo_recorded():
-    mem = linux.read_meminfo(os.path.join(V1, "proc"))
+    mem = proc.read_meminfo(os.path.join(V1, "proc"))
     assert mem["MemTotal"] == 24684084 * 1024
     assert mem["MemAvailable"] == 22719516 * 1024
     assert mem["HugePages_Total"] == 0          # unitless lines stay as counts
 
 
 def test_parse_status_recorded():
-    st = linux.read_status(os.path.join(V1, "proc"))
+    st = proc.read_status(os.path.join(V1, "proc"))
     assert st["VmRSS"] == 74252 * 1024
     assert st["VmHWM"] == 74252 * 1024
     assert "Pid" not in st
 
 
 def test_parse_psi_recorded_and_v2():
-    psi = linux.parse_psi(open(os.path.join(V1, "proc/pressure/memory")).read())
+    psi = lpsi.parse_psi(open(os.path.join(V1, "proc/pressure/memory")).read())
     assert (psi.some_avg10, psi.some_total_us, psi.full_total_us) == (0.0, 7651, 1506)
-    psi2 = linux.parse_psi(open(V2 + V2_CTR + "/memory.pressure").read())
+    psi2 = lpsi.parse_psi(open(V2 + V2_CTR + "/memory.pressure").read())
     assert psi2.some_avg10 == pytest.approx(3.12)
     assert psi2.some_avg60 == pytest.approx(1.05)
     assert psi2.full_avg10 == pytest.approx(1.40)
@@ -82,24 +86,24 @@ def test_parse_psi_recorded_and_v2():
 def test_parse_psi_garbage_is_dropped_and_logged_once(caplog):
     text = "some avg10=abc avg60=250.0 avg300=0.10 total=-4\nfull avg10=0.5 avg60=0 avg300=0 total=9\n"
     with caplog.at_level(logging.WARNING, logger="memguard.probes"):
-        psi = linux.parse_psi(text, "fakepsi")
-        linux.parse_psi(text, "fakepsi")
+        psi = lpsi.parse_psi(text, "fakepsi")
+        lpsi.parse_psi(text, "fakepsi")
     assert psi.some_avg10 is None and psi.some_avg60 is None and psi.some_total_us is None
     assert psi.some_avg300 == pytest.approx(0.10)
     assert psi.full_avg10 == pytest.approx(0.5) and psi.full_total_us == 9
     assert len([r for r in caplog.records if "fakepsi some avg10" in r.getMessage()]) == 1
-    assert linux.parse_psi("nothing here\n") is None
+    assert lpsi.parse_psi("nothing here\n") is None
 
 
 def test_locate_cgroups_recorded_v1():
-    loc = linux.locate_cgroups(**_v1(V1))
+    loc = cgroup.locate_cgroups(**_v1(V1))
     assert loc.v1_dir == V1 + V1_CHILD
     assert loc.v1_mount == V1 + "/sys/fs/cgroup/memory"
     assert loc.v2_dir == V1 + "/sys/fs/cgroup/unified"   # hybrid: cgroup2 mounted, 0::/
 
 
 def test_cgroup_memory_v1_smallest_ancestor_limit_wins():
-    cg = linux.cgroup_memory(**_v1(V1))
+    cg = cgroup.cgroup_memory(**_v1(V1))
     assert cg.version == 1
     assert cg.path == V1 + V1_CHILD
     assert cg.limit == 300 * MiB                    # parent's 300 MiB beats the child's 500 MiB
@@ -129,7 +133,7 @@ def test_v1_huge_limit_means_no_limit(tmp_path):
     root = _copy(V1, tmp_path)
     for d in (V1_PARENT, V1_CHILD):
         open(root + d + "/memory.limit_in_bytes", "w").write("9223372036854771712\n")
-    cg = linux.cgroup_memory(**_v1(root))
+    cg = cgroup.cgroup_memory(**_v1(root))
     assert cg.limit is None and cg.available is None
     s = linux.probe(**_v1(root))
     assert s.limit_bytes is None and s.limit_source == "host"
@@ -142,7 +146,7 @@ def test_v1_inactive_file_is_subtracted(tmp_path):
     p = root + V1_CHILD + "/memory.stat"
     text = open(p).read().replace("total_inactive_file 0\n", "total_inactive_file 20971520\n")
     open(p, "w").write(text)
-    cg = linux.cgroup_memory(**_v1(root))
+    cg = cgroup.cgroup_memory(**_v1(root))
     assert cg.working_set == 70516736 - 20971520
 
 
@@ -162,7 +166,7 @@ def test_garbage_and_negative_files_logged_once_and_ignored(tmp_path, caplog):
     assert s1.limit_bytes == s2.limit_bytes == 300 * MiB
     assert s1.available_bytes == s2.available_bytes
     assert s1.available_bytes == 300 * MiB - 70516736
-    cg = linux.cgroup_memory(**_v1(root))
+    cg = cgroup.cgroup_memory(**_v1(root))
     assert cg.oom_kill is None
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     for needle in ("mg-child/memory.limit_in_bytes", "mg-parent/memory.usage_in_bytes",
@@ -179,7 +183,7 @@ def test_missing_proc_files_fall_back_without_raising(tmp_path):
 # ---------------------------------------------------------------- fabricated v2 tree
 
 def test_cgroup_memory_v2_high_preferred():
-    cg = linux.cgroup_memory(**_v1(V2))
+    cg = cgroup.cgroup_memory(**_v1(V2))
     assert cg.version == 2
     assert cg.path == V2 + V2_CTR
     assert cg.limit == 2040107008                     # memory.high, below memory.max 2 GiB
@@ -198,22 +202,22 @@ def test_probe_v2_uses_own_memory_pressure():
     assert s.available_bytes == 2040107008 - 990281728
     assert s.pressure == pytest.approx(3.12)          # not /proc/pressure/memory's 0.50
     assert s.process_bytes == 987652 * 1024 and s.process_peak_bytes == 1154220 * 1024
-    psi = linux.read_psi(**_v1(V2))
+    psi = lpsi.read_psi(**_v1(V2))
     assert psi.path == V2 + V2_CTR + "/memory.pressure"
 
 
 def test_v2_max_used_when_high_is_max_and_smaller_parent_wins(tmp_path):
     root = _copy(V2, tmp_path)
     open(root + V2_CTR + "/memory.high", "w").write("max\n")
-    cg = linux.cgroup_memory(**_v1(root))
+    cg = cgroup.cgroup_memory(**_v1(root))
     assert cg.limit == 2 << 30 and cg.limit_path == root + V2_CTR
     open(root + V2_POD + "/memory.max", "w").write(str(1536 * MiB) + "\n")
-    cg = linux.cgroup_memory(**_v1(root))
+    cg = cgroup.cgroup_memory(**_v1(root))
     assert cg.limit == 1536 * MiB and cg.limit_path == root + V2_POD
     # room at the pod: 1.5 GiB - (1201582080 - 209780736)
     assert cg.available == 1536 * MiB - (1201582080 - 209780736)
     open(root + V2_CTR + "/memory.high", "w").write(str(1 << 30) + "\n")
-    assert linux.cgroup_memory(**_v1(root)).limit == 1 << 30
+    assert cgroup.cgroup_memory(**_v1(root)).limit == 1 << 30
 
 
 def test_v2_without_cgroup_pressure_uses_proc(tmp_path):
@@ -236,15 +240,15 @@ def test_mount_root_not_slash_and_escaped_mount_point(tmp_path):
     open(d + "/memory.limit_in_bytes", "w").write(str(512 * MiB))
     open(d + "/memory.usage_in_bytes", "w").write(str(100 * MiB))
     open(d + "/memory.stat", "w").write("total_inactive_file 10485760\n")
-    cg = linux.cgroup_memory(proc_root=root + "/proc", sys_root=root)
+    cg = cgroup.cgroup_memory(proc_root=root + "/proc", sys_root=root)
     assert cg.path == d and cg.limit == 512 * MiB
     assert cg.available == 512 * MiB - 90 * MiB
 
 
 def test_parse_proc_cgroup_and_mountinfo_units():
-    assert linux.parse_proc_cgroup("12:cpu,memory:/a/b\n0::/x\n") == ("/a/b", "/x")
-    assert linux.parse_proc_cgroup("0::/only/v2\n") == (None, "/only/v2")
-    m = linux.parse_mountinfo("bad line\n31 23 0:28 / /sys/fs/cgroup rw shared:9 - cgroup2 "
+    assert cgroup.parse_proc_cgroup("12:cpu,memory:/a/b\n0::/x\n") == ("/a/b", "/x")
+    assert cgroup.parse_proc_cgroup("0::/only/v2\n") == (None, "/only/v2")
+    m = cgroup.parse_mountinfo("bad line\n31 23 0:28 / /sys/fs/cgroup rw shared:9 - cgroup2 "
                               "cgroup2 rw,nsdelegate\n")
     assert len(m) == 1 and m[0].fstype == "cgroup2" and m[0].mount_point == "/sys/fs/cgroup"
 
@@ -252,7 +256,7 @@ def test_parse_proc_cgroup_and_mountinfo_units():
 # ---------------------------------------------------------------- live
 
 def test_live_probe_sane():
-    mem = linux.read_meminfo()
+    mem = proc.read_meminfo()
     for cheap in (False, True):
         s = probe("cpu", cheap=cheap)
         assert s.source == "linux" and s.device == "cpu"
@@ -279,7 +283,7 @@ def test_cheap_probe_between_meminfo_readings_follows_own_growth():
     t0 = time.monotonic()
     buf = bytearray(300 * MiB)
     cheap = linux.probe(cheap=True)
-    fresh_enough = time.monotonic() - t0 < linux.SLOW_FIGURES_MAX_AGE_S
+    fresh_enough = time.monotonic() - t0 < files.SLOW_FIGURES_MAX_AGE_S
     del buf
     assert cheap.process_bytes - full.process_bytes >= 250 * MiB
     if fresh_enough:                          # the cached reading was used: adjusted by own growth
@@ -287,16 +291,16 @@ def test_cheap_probe_between_meminfo_readings_follows_own_growth():
 
 
 def test_cheap_probe_rereads_meminfo_when_the_reading_is_old(monkeypatch):
-    monkeypatch.setattr(linux, "SLOW_FIGURES_MAX_AGE_S", 0.0)
+    monkeypatch.setattr(files, "SLOW_FIGURES_MAX_AGE_S", 0.0)
     linux.probe(cheap=False)
-    before = dict(linux._slow_cache)
+    before = dict(files.slow_cache)
     linux.probe(cheap=True)
     key = "meminfo:/proc"
-    assert linux._slow_cache[key][0] > before[key][0]   # read again, not reused
+    assert files.slow_cache[key][0] > before[key][0]   # read again, not reused
 
 
 def _own_v1_memory_dir():
-    loc = linux.locate_cgroups()
+    loc = cgroup.locate_cgroups()
     if loc.v1_dir is None:
         return None, "no cgroup v1 memory controller for this process"
     if not os.access(loc.v1_dir, os.W_OK):
@@ -306,9 +310,10 @@ def _own_v1_memory_dir():
 
 _CHILD_CODE = r"""
 import json, sys
-from memguard_core.probes import probe, linux
+from memguard_core.probes import probe
+from memguard_core.probes.linux import cgroup
 buf = bytearray(int(sys.argv[1]))
-s = probe("cpu"); c = probe("cpu", cheap=True); cg = linux.cgroup_memory()
+s = probe("cpu"); c = probe("cpu", cheap=True); cg = cgroup.cgroup_memory()
 print(json.dumps({"limit": s.limit_bytes, "src": s.limit_source, "total": s.total_bytes,
                   "avail": s.available_bytes, "cheap_limit": c.limit_bytes,
                   "cg_path": cg.path, "cg_usage": cg.usage, "rss": s.process_bytes}))
@@ -377,11 +382,11 @@ def test_live_cgroup_v1_limit_is_reported():
 # the per-step resident-set reading: /proc/self/statm + ru_maxrss after a reset (real kernel)
 
 def _status_peak():
-    return linux.read_status(keys=frozenset(("VmHWM",)))["VmHWM"]
+    return proc.read_status(keys=frozenset(("VmHWM",)))["VmHWM"]
 
 
 def test_step_peak_follows_a_transient_allocation_after_reset():
-    if not linux.reset_peak():
+    if not lpeak.reset_peak():
         pytest.skip("/proc/self/clear_refs not writable here")
     rss0 = linux.probe(cheap=True).process_bytes
     buf = b"\x01" * (96 * MiB)        # touched, then freed before the reading
@@ -390,27 +395,27 @@ def test_step_peak_follows_a_transient_allocation_after_reset():
     hwm = _status_peak()
     assert s.process_peak_bytes >= rss0 + 90 * MiB
     # ru_maxrss reads the kernel's batched per-CPU counters: a few hundred KiB from VmHWM at most
-    assert abs(s.process_peak_bytes - hwm) <= linux._RU_DRIFT_BYTES
-    assert abs(s.process_bytes - linux.read_status(keys=frozenset(("VmRSS",)))["VmRSS"]) <= 8 * MiB
+    assert abs(s.process_peak_bytes - hwm) <= lpeak.RU_DRIFT_BYTES
+    assert abs(s.process_bytes - proc.read_status(keys=frozenset(("VmRSS",)))["VmRSS"]) <= 8 * MiB
     # and a reset brings it back down
-    assert linux.reset_peak()
+    assert lpeak.reset_peak()
     assert linux.probe(cheap=True).process_peak_bytes < rss0 + 48 * MiB
 
 
 def test_step_figures_agree_with_the_cheap_probe():
     """``step_figures`` (the per-step check's path without a snapshot) gives what the cheap probe
     gives: RSS, the peak since the reset (a transient 96 MiB), RSS + available."""
-    if not linux.reset_peak():
+    if not lpeak.reset_peak():
         pytest.skip("/proc/self/clear_refs not writable here")
     linux.probe(cheap=False)                       # fresh meminfo and cgroup readings
     before = linux.probe(cheap=True)
-    if linux._step_levels is None or linux._step_levels[2]:
+    if cgroup.step_levels() is None or cgroup.step_levels()[2]:
         pytest.skip("this test process runs in a limited memory cgroup")
-    assert linux.reset_peak()
+    assert lpeak.reset_peak()
     buf = b"\x01" * (96 * MiB)
     del buf
     s = linux.probe(cheap=True)
-    got = linux.step_figures()
+    got = lpeak.step_figures()
     assert got is not None
     now, rss, peak, cap = got
     assert abs(rss - s.process_bytes) <= 4 * MiB
@@ -422,30 +427,32 @@ def test_step_figures_agree_with_the_cheap_probe():
 def test_step_figures_decline_when_a_reading_is_stale(monkeypatch):
     """Past the cache age of the meminfo reading the caller must take the cheap probe (which
     re-reads it): step_figures returns None rather than an old MemAvailable."""
-    if not linux.reset_peak():
+    if not lpeak.reset_peak():
         pytest.skip("/proc/self/clear_refs not writable here")
     # the clock stands still from the readings to the first call: a loaded machine that stalls this
     # test for a second must not make the fresh reading stale
     t0 = time.monotonic()
-    monkeypatch.setattr(linux.time, "monotonic", lambda: t0)
+    monkeypatch.setattr(time, "monotonic", lambda: t0)
     linux.probe(cheap=False)
     linux.probe(cheap=True)
-    if linux._step_levels is None or linux._step_levels[2]:
+    if cgroup.step_levels() is None or cgroup.step_levels()[2]:
         pytest.skip("this test process runs in a limited memory cgroup")
     buf = b"\x01" * (32 * MiB)          # a peak above the floor's bound: unambiguous
     del buf
-    assert linux.step_figures() is not None
-    monkeypatch.setattr(linux.time, "monotonic", lambda: t0 + linux.SLOW_FIGURES_MAX_AGE_S + 0.1)
-    assert linux.step_figures() is None
+    assert lpeak.step_figures() is not None
+    monkeypatch.setattr(time, "monotonic", lambda: t0 + files.SLOW_FIGURES_MAX_AGE_S + 0.1)
+    assert lpeak.step_figures() is None
 
 
 _FLOOR_CHILD = r"""
 import json, resource
 from memguard_core.probes import linux
-assert linux.reset_peak()
+from memguard_core.probes.linux import proc
+from memguard_core.probes.linux import peak as lpeak
+assert lpeak.reset_peak()
 buf = b"\x01" * (48 << 20); del buf
 cheap = linux.probe(cheap=True).process_peak_bytes
-hwm = linux.read_status(keys=frozenset(("VmHWM",)))["VmHWM"]
+hwm = proc.read_status(keys=frozenset(("VmHWM",)))["VmHWM"]
 print(json.dumps({"cheap": cheap, "hwm": hwm,
                   "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -463,14 +470,14 @@ def test_step_peak_is_not_the_floor_a_large_parent_leaves():
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["ru_maxrss"] >= 350 * MiB > r["hwm"]          # the floor is really there
-    assert abs(r["cheap"] - r["hwm"]) <= linux._RU_DRIFT_BYTES
+    assert abs(r["cheap"] - r["hwm"]) <= lpeak.RU_DRIFT_BYTES
 
 
 def test_kept_descriptors_are_not_inherited_by_a_forked_child():
     """procfs binds /proc/self/* to the task at open: a forked child must not read (or reset) its
     parent's figures through descriptors the parent kept."""
     linux.probe(cheap=True)                      # the parent opens its kept descriptors
-    assert linux.reset_peak()
+    assert lpeak.reset_peak()
     parent_rss = linux.probe(cheap=True).process_bytes
     r, w = os.pipe()
     pid = os.fork()
@@ -479,8 +486,8 @@ def test_kept_descriptors_are_not_inherited_by_a_forked_child():
             os.close(r)
             buf = b"\x03" * (200 * MiB)
             s = linux.probe(cheap=True)
-            own = linux.read_status(keys=frozenset(("VmRSS", "VmHWM")))   # opened in the child
-            ok = linux.reset_peak()
+            own = proc.read_status(keys=frozenset(("VmRSS", "VmHWM")))   # opened in the child
+            ok = lpeak.reset_peak()
             os.write(w, json.dumps({"rss": s.process_bytes, "peak": s.process_peak_bytes,
                                     "own_rss": own["VmRSS"], "own_hwm": own["VmHWM"],
                                     "reset": ok, "n": len(buf)}).encode())
@@ -498,7 +505,7 @@ def test_kept_descriptors_are_not_inherited_by_a_forked_child():
     # of the parent's pages into the child's RSS, so the child is compared with itself
     assert abs(child["rss"] - child["own_rss"]) <= 8 * MiB
     assert child["own_rss"] >= 200 * MiB
-    assert abs(child["peak"] - child["own_hwm"]) <= linux._RU_DRIFT_BYTES + 8 * MiB
+    assert abs(child["peak"] - child["own_hwm"]) <= lpeak.RU_DRIFT_BYTES + 8 * MiB
     assert linux.probe(cheap=True).process_bytes < parent_rss + 100 * MiB
 
 
@@ -512,12 +519,14 @@ def test_cheap_probe_in_a_limited_cgroup_rereads_usage_every_call():
     code = r"""
 import json
 from memguard_core.probes import linux
+from memguard_core.probes.linux import cgroup
+from memguard_core.probes.linux import peak as lpeak
 linux.probe(cheap=False); a = linux.probe(cheap=True)
 buf = b"\x01" * (120 << 20)
 b = linux.probe(cheap=True)
-linux.reset_peak()
+lpeak.reset_peak()
 print(json.dumps({"a": a.available_bytes, "b": b.available_bytes, "limit": b.limit_bytes,
-                  "levels": [d for _, d in linux._step_levels[2]], "fast": linux.step_figures()}))
+                  "levels": [d for _, d in cgroup.step_levels()[2]], "fast": lpeak.step_figures()}))
 """
     try:
         _makedirs_or_skip(cg, own)
@@ -533,25 +542,25 @@ print(json.dumps({"a": a.available_bytes, "b": b.available_bytes, "limit": b.lim
 
 _MALLINFO_CHILD = r"""
 import ctypes, json
-from memguard_core.probes import linux
+from memguard_core.probes.linux import heap
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 libc = ctypes.CDLL(None)
-r = {"in_use0": linux.malloc_in_use(), "rss0": rss()}
+r = {"in_use0": heap.malloc_in_use(), "rss0": rss()}
 chunks = [bytearray(16 << 10) for _ in range(4096)]   # 64 MiB of 16 KiB heap chunks (under the mmap threshold)
 for c in chunks:
     c[::4096] = b"\x01" * len(c[::4096])              # touch every page
 fence = bytearray(16 << 10)                          # keeps the freed heap off the top (no automatic trim)
-r.update(in_use1=linux.malloc_in_use(), rss1=rss())
+r.update(in_use1=heap.malloc_in_use(), rss1=rss())
 del chunks
-r.update(in_use2=linux.malloc_in_use(), rss2=rss())
+r.update(in_use2=heap.malloc_in_use(), rss2=rss())
 libc.malloc_trim(0)
-r.update(in_use3=linux.malloc_in_use(), rss3=rss())
+r.update(in_use3=heap.malloc_in_use(), rss3=rss())
 print(json.dumps(r))
 """
 
 
-@pytest.mark.skipif(linux.malloc_in_use() is None, reason="no glibc mallinfo2() here")
+@pytest.mark.skipif(heap.malloc_in_use() is None, reason="no glibc mallinfo2() here")
 def test_malloc_in_use_counts_live_heap_and_not_what_malloc_trim_returns():
     """glibc's in-use bytes follow live allocations: 64 MiB of heap chunks raise them by 64 MiB,
     freeing the chunks lowers them while RSS stays (the free heap is kept), and ``malloc_trim``

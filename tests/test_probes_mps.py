@@ -1,6 +1,7 @@
 """``mps`` (PyTorch on Apple Silicon) on the probe side: device selection, the probe's arithmetic,
 the step reader, the monitor's clean. NOT validated on a Mac: this machine has no Apple GPU, so
-``torch`` is replaced by the thinnest fake that has what memguard calls (``torch.mps``'s three
+``torch`` is replaced (``memguard_testing.fakes.use_fake_torch``) by the thinnest fake that has what
+memguard calls (``torch.mps``'s three
 counters and ``empty_cache``, ``torch.backends.mps.is_available``, ``torch.cuda.is_available``);
 the values are what a 16 GB M2 reports in shape (recommended working set ~ 2/3 of RAM).
 """
@@ -8,7 +9,6 @@ the values are what a 16 GB M2 reports in shape (recommended working set ~ 2/3 o
 from __future__ import annotations
 
 import logging
-import sys
 import types
 
 import pytest
@@ -17,7 +17,10 @@ import memguard_core.probes as probes
 from memguard_core import stats
 from memguard_core.errors import ConfigError
 from memguard_core.monitor import Action, MemoryMonitor, default_clean
-from memguard_core.probes import MemorySnapshot, _reset_warned, mps, probe, resolve_device, step_reader
+from memguard_core.probes import MemorySnapshot, host, probe, resolve_device, step_reader
+from memguard_core.probes.common import reset_warned
+from memguard_testing.fakes import use_fake_torch
+from memguard_torch import probes_mps as mps
 
 GiB = 1 << 30
 
@@ -51,19 +54,19 @@ HOST = MemorySnapshot("cpu", 16 * GiB, 3 * GiB, GiB, None, 40.0, None, "host", "
 
 @pytest.fixture
 def torch_mps(monkeypatch):
-    _reset_warned()
+    reset_warned()
     m = FakeMps()
-    monkeypatch.setitem(sys.modules, "torch", fake_torch(m))
-    monkeypatch.setattr(probes, "_host_probe", lambda cheap: HOST)   # the host is not what is tested
+    use_fake_torch(monkeypatch, fake_torch(m))
+    monkeypatch.setattr(host, "host_probe", lambda cheap: HOST)   # the host is not what is tested
     return m
 
 
 def test_device_selection(torch_mps, monkeypatch):
     assert resolve_device("mps") == "mps"
     assert resolve_device("auto") == "mps"                     # torch imported, MPS available
-    monkeypatch.setitem(sys.modules, "torch", fake_torch(torch_mps, cuda=True))
+    use_fake_torch(monkeypatch, fake_torch(torch_mps, cuda=True))
     assert resolve_device("auto") == "cuda:0"                  # CUDA first
-    monkeypatch.setitem(sys.modules, "torch", fake_torch(torch_mps, available=False))
+    use_fake_torch(monkeypatch, fake_torch(torch_mps, available=False))
     assert resolve_device("auto") == "cpu"
     with pytest.raises(ConfigError):
         probe("mps")                                           # named, but no MPS
@@ -118,13 +121,13 @@ def test_monitor_on_mps_cleans_with_empty_cache_and_splits(torch_mps):
 def test_default_clean_calls_empty_cache_only_where_mps_is_available(torch_mps, monkeypatch):
     default_clean()
     assert torch_mps.cleans == 1
-    monkeypatch.setitem(sys.modules, "torch", fake_torch(torch_mps, available=False))
+    use_fake_torch(monkeypatch, fake_torch(torch_mps, available=False))
     default_clean()
     assert torch_mps.cleans == 1
 
     def boom():
         raise RuntimeError("MPS error")
-    monkeypatch.setitem(sys.modules, "torch", fake_torch(torch_mps))
+    use_fake_torch(monkeypatch, fake_torch(torch_mps))
     torch_mps.empty_cache = boom
     default_clean()                                            # logged, never raised
 

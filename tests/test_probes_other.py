@@ -7,8 +7,9 @@ What this Linux machine cannot have is replaced at the thinnest boundary, and sa
   not exercised.
 - Windows: MEMORYSTATUSEX field values (windows_win11_32gb_memorystatusex.json) go through
   the parse function and the real ctypes struct layout; GlobalMemoryStatusEx is not called.
-- CUDA: a thin fake of the torch.cuda counter functions (no CUDA device here).
-- MLX: the real mlx (``mlx[cpu]``) when installed, else skipped.
+- CUDA: a thin fake of the torch.cuda counter functions (no CUDA device here), read by torch's
+  probe (``memguard_torch.probes_cuda``) through the core's registry.
+- MLX: the real mlx (``mlx[cpu]``) when installed, else skipped (``memguard_mlx.probes``).
 """
 
 import json
@@ -21,9 +22,10 @@ import types
 import pytest
 
 from memguard_core.errors import ConfigError
-from memguard_core.probes import (MemorySnapshot, _reset_warned, cuda, darwin, probe,
-                                  resolve_device, windows)
-from memguard_testing.fakes import FakeTorchCuda
+from memguard_core.probes import MemorySnapshot, darwin, nvml, probe, resolve_device, windows
+from memguard_core.probes.common import reset_warned
+from memguard_testing.fakes import FakeTorchCuda, use_fake_torch
+from memguard_torch import probes_cuda as cuda
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -37,7 +39,7 @@ def _fix(name):
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    _reset_warned()
+    reset_warned()
     cuda._reset_baseline()
     yield
     cuda._reset_baseline()
@@ -208,7 +210,7 @@ def test_cuda_cheap_first_call_and_no_nvml():
 def test_cuda_device_via_package_probe(monkeypatch):
     tc = _h100()
     monkeypatch.setattr(cuda, "torch_cuda_module", lambda: tc)
-    monkeypatch.setattr(cuda, "_nvml", lambda nvml=None: None)
+    monkeypatch.setattr(nvml, "nvml_module", lambda nvml=None: None)
     s = probe("cuda:0")
     assert s.device == "cuda:0" and s.total_bytes == 80 * GiB
 
@@ -253,13 +255,13 @@ def test_auto_never_imports_torch_or_mlx():
 
 
 def test_auto_with_torch_cpu_only_is_cpu():
-    pytest.importorskip("torch")
+    pytest.importorskip("memguard_torch")         # registers the cuda and mps probes
     assert resolve_device("auto") == "cpu"          # torch imported, CUDA not available
 
 
 def test_auto_picks_cuda_when_torch_cuda_available(monkeypatch):
     tc = _h100()
-    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=tc))
+    use_fake_torch(monkeypatch, types.SimpleNamespace(cuda=tc))
     assert resolve_device("auto") == "cuda:0"
 
 
@@ -267,7 +269,7 @@ def test_auto_picks_cuda_when_torch_cuda_available(monkeypatch):
 
 def test_mlx_probe_real_counters():
     mx = pytest.importorskip("mlx.core")
-    from memguard_core.probes import mlx as mlxp
+    from memguard_mlx import probes as mlxp
 
     assert resolve_device("auto") == "cpu" or mlxp.metal_available(mx)
     mx.reset_peak_memory()
@@ -293,7 +295,7 @@ def test_mlx_metal_interpretation_with_fake_module():
         device_info=lambda: {"memory_size": 16 * GiB,
                              "max_recommended_working_set_size": 12 * GiB},
         metal=types.SimpleNamespace(is_available=lambda: True))
-    from memguard_core.probes import mlx as mlxp
+    from memguard_mlx import probes as mlxp
 
     host = MemorySnapshot("cpu", 16 * GiB, 4 * GiB, 8 * GiB, None, 40.0, None, "host",
                           "darwin", 0.0)
@@ -327,7 +329,7 @@ def test_live_bytes_mlx_follows_live_arrays_not_the_cache():
 def test_live_bytes_cuda_is_memory_allocated(monkeypatch):
     """No CUDA device here: ``torch`` is a thin fake whose ``cuda`` holds the counters."""
     tc = _h100()
-    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=tc))
+    use_fake_torch(monkeypatch, types.SimpleNamespace(cuda=tc))
     from memguard_core.probes import live_bytes
 
     assert live_bytes("cuda:0") == 20 * GiB              # allocated, not the 30 GiB reserved
@@ -338,7 +340,7 @@ def test_live_bytes_cuda_is_memory_allocated(monkeypatch):
 def test_live_bytes_unknown_off_linux(monkeypatch):
     import memguard_core.probes as probes
 
-    monkeypatch.setattr(probes, "host_source", lambda: "darwin")
+    monkeypatch.setattr(probes.host, "host_source", lambda: "darwin")
     assert probes.live_bytes("cpu") is None
 
 

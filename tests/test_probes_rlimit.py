@@ -17,6 +17,7 @@ import textwrap
 import pytest
 
 from memguard_core.probes import linux
+from memguard_core.probes.linux import rlimit
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux rlimits")
 
@@ -109,17 +110,17 @@ def test_prlimit_as_from_outside_is_seen():
 
 def test_address_limit_picks_the_least_room():
     GiB = 1 << 30
-    lim = linux.address_limit(3 * GiB, 1 * GiB, (4 * GiB, 1536 * MiB))
+    lim = rlimit.address_limit(3 * GiB, 1 * GiB, (4 * GiB, 1536 * MiB))
     assert (lim.source, lim.limit, lim.counted, lim.headroom) == ("RLIMIT_DATA", 1536 * MiB, GiB, 512 * MiB)
-    lim = linux.address_limit(3 * GiB, 1 * GiB, (4 * GiB, None))
+    lim = rlimit.address_limit(3 * GiB, 1 * GiB, (4 * GiB, None))
     assert (lim.source, lim.headroom) == ("RLIMIT_AS", GiB)
-    assert linux.address_limit(5 * GiB, None, (4 * GiB, None)).headroom == 0     # never negative
-    assert linux.address_limit(3 * GiB, 1 * GiB, (None, None)) is None
-    assert linux.address_limit(None, None, (4 * GiB, 2 * GiB)) is None           # counters unknown
+    assert rlimit.address_limit(5 * GiB, None, (4 * GiB, None)).headroom == 0     # never negative
+    assert rlimit.address_limit(3 * GiB, 1 * GiB, (None, None)) is None
+    assert rlimit.address_limit(None, None, (4 * GiB, 2 * GiB)) is None           # counters unknown
 
 
 def test_no_limit_in_this_process_reports_none():
-    if linux.read_rlimits() != (None, None):
+    if rlimit.read_rlimits() != (None, None):
         pytest.skip("this test process runs under an address-space limit")
     s = linux.probe()
     assert s.address_limit_bytes is None and s.address_limit_source is None
@@ -191,7 +192,7 @@ def test_probe_command_names_the_rlimit_that_set_the_total(flag, source):
 def test_probe_rows_without_limits_name_the_host():
     from memguard_core.probes import display_rows, total_limit
 
-    if linux.read_rlimits() != (None, None):
+    if rlimit.read_rlimits() != (None, None):
         pytest.skip("this test process runs under an address-space limit")
     s = linux.probe()
     lim, src = total_limit(s)

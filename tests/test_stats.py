@@ -10,7 +10,8 @@ import pytest
 
 from memguard_core import stats
 from memguard_core.errors import ConfigError
-from memguard_core.probes import _reset_warned, cuda
+from memguard_core.probes.common import reset_warned
+from memguard_torch import probes_cuda as cuda
 
 MiB, GiB = 1 << 20, 1 << 30
 KEYS = {"allocated_bytes", "reserved_bytes", "peak_bytes", "free_bytes", "total_bytes",
@@ -19,7 +20,7 @@ KEYS = {"allocated_bytes", "reserved_bytes", "peak_bytes", "free_bytes", "total_
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    _reset_warned()
+    reset_warned()
     cuda._reset_baseline()
     stats._cpu_baseline = None
     yield

@@ -36,7 +36,9 @@ import struct
 import time
 from typing import Dict, Mapping, Optional, Tuple
 
-from memguard_core.probes import MemorySnapshot, StepReader, _warn_once
+from .common import warn_once
+from .reader import StepReader
+from .snapshot import MemorySnapshot
 
 __all__ = ["parse_vm_stat", "parse_sysctl", "available_from_vm_stat", "snapshot_from_outputs",
            "probe", "step_reader", "SYSCTL_NAMES", "KERNEL_PRESSURE_LEVELS", "read_pressure",
@@ -86,11 +88,11 @@ def parse_vm_stat(text: str) -> Dict[str, int]:
         try:
             n = int(raw)
         except ValueError:
-            _warn_once(f"vm_stat:{label.strip()}", "memguard: vm_stat %s: garbage %r; ignored",
+            warn_once(f"vm_stat:{label.strip()}", "memguard: vm_stat %s: garbage %r; ignored",
                        label.strip(), raw[:40])
             continue
         if n < 0:
-            _warn_once(f"vm_stat:{label.strip()}", "memguard: vm_stat %s: negative; ignored",
+            warn_once(f"vm_stat:{label.strip()}", "memguard: vm_stat %s: negative; ignored",
                        label.strip())
             continue
         out[_key(label)] = n
@@ -114,10 +116,10 @@ def _sysctl_int(values: Mapping[str, str], name: str) -> Optional[int]:
     try:
         v = int(raw)
     except ValueError:
-        _warn_once(f"sysctl:{name}", "memguard: sysctl %s: garbage %r; ignored", name, raw[:40])
+        warn_once(f"sysctl:{name}", "memguard: sysctl %s: garbage %r; ignored", name, raw[:40])
         return None
     if v < 0:
-        _warn_once(f"sysctl:{name}", "memguard: sysctl %s: negative; ignored", name)
+        warn_once(f"sysctl:{name}", "memguard: sysctl %s: negative; ignored", name)
         return None
     return v
 
@@ -153,7 +155,7 @@ def snapshot_from_outputs(vm_stat_text: str, sysctl_text: str, *, rss: int,
             vm["page_size"] = ps
     level = _sysctl_int(sc, "kern.memorystatus_level")
     if level is not None and level > 100:
-        _warn_once("sysctl:kern.memorystatus_level", "memguard: memorystatus_level %d > 100; "
+        warn_once("sysctl:kern.memorystatus_level", "memguard: memorystatus_level %d > 100; "
                    "ignored", level)
         level = None
     if total is None and "page_size" in vm:
@@ -164,7 +166,7 @@ def snapshot_from_outputs(vm_stat_text: str, sysctl_text: str, *, rss: int,
     if avail is None and total is not None and level is not None:
         avail = total * level // 100
     if total is None or avail is None:
-        _warn_once("darwin.snapshot", "memguard: vm_stat/sysctl output did not parse "
+        warn_once("darwin.snapshot", "memguard: vm_stat/sysctl output did not parse "
                    "(total=%r, available=%r)", total, avail)
     total = total or 0
     avail = max(0, min(avail or 0, total))
@@ -223,7 +225,7 @@ def _sysctl_uint(name: str) -> Optional[int]:
     raw = _sysctlbyname(name)
     if raw is None or len(raw) not in (4, 8):
         if raw is not None:
-            _warn_once(f"sysctl:{name}", "memguard: sysctl %s: %d bytes, not an integer; ignored",
+            warn_once(f"sysctl:{name}", "memguard: sysctl %s: %d bytes, not an integer; ignored",
                        name, len(raw))
         return None
     return int.from_bytes(raw, "little")
@@ -243,21 +245,21 @@ def read_pressure() -> Tuple[Optional[float], Optional[str], Optional[int]]:
         if level is not None and 0 <= level <= 100:
             used = float(100 - level)
         elif level is not None:
-            _warn_once("sysctl:kern.memorystatus_level", "memguard: memorystatus_level %d > 100; "
+            warn_once("sysctl:kern.memorystatus_level", "memguard: memorystatus_level %d > 100; "
                        "ignored", level)
         flag = _sysctl_uint("kern.memorystatus_vm_pressure_level")
         if flag is not None:
             kernel = KERNEL_PRESSURE_LEVELS.get(flag)
             if kernel is None:
-                _warn_once("sysctl:kern.memorystatus_vm_pressure_level",
+                warn_once("sysctl:kern.memorystatus_vm_pressure_level",
                            "memguard: memorystatus_vm_pressure_level %d is no known level; ignored", flag)
         raw = _sysctlbyname("vm.swapusage")
         if raw is not None and len(raw) >= 24:
             _total, _avail, swap = struct.unpack_from("<QQQ", raw)
         elif raw is not None:
-            _warn_once("sysctl:vm.swapusage", "memguard: vm.swapusage: %d bytes; ignored", len(raw))
+            warn_once("sysctl:vm.swapusage", "memguard: vm.swapusage: %d bytes; ignored", len(raw))
     except Exception as exc:  # defensive: a probe never raises
-        _warn_once("darwin.sysctlbyname", "memguard: sysctlbyname failed: %r", exc)
+        warn_once("darwin.sysctlbyname", "memguard: sysctlbyname failed: %r", exc)
     return used, kernel, swap
 
 
@@ -273,7 +275,7 @@ def probe(cheap: bool = False) -> MemorySnapshot:
     try:
         rss, peak = _process_figures()
     except Exception as exc:
-        _warn_once("darwin.process", "memguard: process memory unavailable: %r", exc)
+        warn_once("darwin.process", "memguard: process memory unavailable: %r", exc)
         rss, peak = 0, None
     total = avail = 0
     try:
@@ -282,7 +284,7 @@ def probe(cheap: bool = False) -> MemorySnapshot:
         vm = psutil.virtual_memory()
         total, avail = int(vm.total), int(vm.available)
     except Exception as exc:
-        _warn_once("darwin.psutil", "memguard: psutil.virtual_memory() failed: %r", exc)
+        warn_once("darwin.psutil", "memguard: psutil.virtual_memory() failed: %r", exc)
     used, kernel, swap = read_pressure()
     return MemorySnapshot(device="cpu", total_bytes=total, available_bytes=max(0, min(avail, total)),
                           process_bytes=rss, process_peak_bytes=peak, pressure=used,

@@ -28,7 +28,9 @@ import ctypes
 import time
 from typing import Dict, Mapping, Optional
 
-from memguard_core.probes import MemorySnapshot, StepReader, _warn_once
+from .common import warn_once
+from .reader import StepReader
+from .snapshot import MemorySnapshot
 
 __all__ = ["MEMORYSTATUSEX", "FIELDS", "parse_memorystatusex", "struct_to_fields",
            "read_memorystatusex", "snapshot_from_fields", "probe", "step_reader"]
@@ -66,25 +68,25 @@ def parse_memorystatusex(fields: Mapping[str, int]) -> Dict[str, Optional[int]]:
         try:
             v = int(v)
         except (TypeError, ValueError):
-            _warn_once(f"MEMORYSTATUSEX.{name}", "memguard: %s: garbage %r; ignored", name, v)
+            warn_once(f"MEMORYSTATUSEX.{name}", "memguard: %s: garbage %r; ignored", name, v)
             return None
         if v < 0:
-            _warn_once(f"MEMORYSTATUSEX.{name}", "memguard: %s: negative; ignored", name)
+            warn_once(f"MEMORYSTATUSEX.{name}", "memguard: %s: negative; ignored", name)
             return None
         return v
 
     total, avail, load = get("ullTotalPhys"), get("ullAvailPhys"), get("dwMemoryLoad")
     commit, commit_avail = get("ullTotalPageFile"), get("ullAvailPageFile")
     if commit is not None and commit_avail is not None and commit_avail > commit:
-        _warn_once("MEMORYSTATUSEX.ullAvailPageFile", "memguard: ullAvailPageFile > ullTotalPageFile; "
+        warn_once("MEMORYSTATUSEX.ullAvailPageFile", "memguard: ullAvailPageFile > ullTotalPageFile; "
                    "clamped")
         commit_avail = commit
     if total is not None and avail is not None and avail > total:
-        _warn_once("MEMORYSTATUSEX.ullAvailPhys", "memguard: ullAvailPhys > ullTotalPhys; "
+        warn_once("MEMORYSTATUSEX.ullAvailPhys", "memguard: ullAvailPhys > ullTotalPhys; "
                    "clamped")
         avail = total
     if load is not None and load > 100:
-        _warn_once("MEMORYSTATUSEX.dwMemoryLoad", "memguard: dwMemoryLoad > 100; ignored")
+        warn_once("MEMORYSTATUSEX.dwMemoryLoad", "memguard: dwMemoryLoad > 100; ignored")
         load = None
     return {"total": total, "available": avail, "load_percent": load, "commit_limit": commit,
             "commit_available": commit_avail}
@@ -137,14 +139,14 @@ def probe(cheap: bool = False) -> MemorySnapshot:
         vm = psutil.virtual_memory()
         fields = {"ullTotalPhys": int(vm.total), "ullAvailPhys": int(vm.available)}
     except Exception as exc:
-        _warn_once("windows.psutil", "memguard: psutil memory figures unavailable: %r", exc)
+        warn_once("windows.psutil", "memguard: psutil memory figures unavailable: %r", exc)
     try:
         st = read_memorystatusex()
         fields.setdefault("ullTotalPhys", st["ullTotalPhys"])
         fields.setdefault("ullAvailPhys", st["ullAvailPhys"])
         fields["ullTotalPageFile"], fields["ullAvailPageFile"] = st["ullTotalPageFile"], st["ullAvailPageFile"]
     except Exception as exc:
-        _warn_once("windows.GlobalMemoryStatusEx", "memguard: GlobalMemoryStatusEx failed: %r", exc)
+        warn_once("windows.GlobalMemoryStatusEx", "memguard: GlobalMemoryStatusEx failed: %r", exc)
     return snapshot_from_fields(fields, rss=rss, peak=peak, now=now)
 
 

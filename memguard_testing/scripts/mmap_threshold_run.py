@@ -18,14 +18,14 @@ import tempfile
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Trainer, TrainingArguments
 
-from memguard_core.probes import linux
+from memguard_core.probes.linux import heap
 from memguard_hf import MemGuardCallback
 from memguard_testing.hf_tiny import RowsDataset, pad_collate
 
 
 def mmapped_bytes() -> int:
-    fn = linux.libc().mallinfo2
-    fn.restype, fn.argtypes = linux._Mallinfo2, []
+    fn = heap.libc().mallinfo2
+    fn.restype, fn.argtypes = heap.Mallinfo2, []
     return int(fn().hblkhd)
 
 

@@ -1,4 +1,6 @@
-"""MLX memory probe: the MLX allocator counters and Metal device limits.
+"""MLX memory probe: the MLX allocator counters and Metal device limits, registered with the core
+(:mod:`memguard_core.probes.registry`) when ``memguard_mlx`` is imported, or when the core loads the
+entry point ``device.mlx`` for ``device="mlx"`` named explicitly. See docs/monitor.md, "Probes".
 
 Sources (MLX docs, "Memory management" / python/src/memory.cpp and metal.cpp):
 - ``mx.get_active_memory()``: bytes held by live arrays; ``mx.get_peak_memory()``: peak of
@@ -17,21 +19,24 @@ Snapshot meaning on ``"mlx"``:
 - CPU (``mlx[cpu]``, e.g. Linux): total / available / limit / pressure from the host probe
   (container-aware on Linux); the process figures come from the MLX counters.
 - ``process_bytes = active``, ``process_peak_bytes = peak``.
-
-mlx may not be installed; it is imported only inside functions.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
-from memguard_core.probes import MemorySnapshot, StepReader, _warn_once
+import mlx.core as mx_core
 
-__all__ = ["MlxCounters", "mlx_module", "metal_available", "read_counters", "reset_peak",
-           "device_info", "memory_limit", "probe", "step_reader"]
+from memguard_core.probes import MemorySnapshot, StepReader
+from memguard_core.probes import host as _host
+from memguard_core.probes.common import warn_once
+from memguard_core.probes.registry import DeviceProbe, register_device_probe
+from memguard_core.probes.snapshot import host_pressure_fields
+
+__all__ = ["MlxCounters", "mlx_module", "metal_available", "in_use", "read_counters", "reset_peak",
+           "device_info", "memory_limit", "probe", "step_reader", "register"]
 
 
 @dataclass(frozen=True)
@@ -44,16 +49,8 @@ class MlxCounters:
 
 
 def mlx_module():
-    """``mlx.core`` (imported if needed), or None if mlx is not installed."""
-    mx = sys.modules.get("mlx.core")
-    if mx is not None:
-        return mx
-    try:
-        import mlx.core as mx  # noqa: F811
-
-        return mx
-    except Exception:
-        return None
+    """``mlx.core`` (tests replace this function to hand in a fake)."""
+    return mx_core
 
 
 def _fn(mx, name: str):
@@ -71,6 +68,16 @@ def metal_available(mx) -> bool:
         return bool(metal is not None and metal.is_available())
     except Exception:
         return False
+
+
+def in_use() -> Optional[str]:
+    """``"mlx"``, what ``device="auto"`` resolves to, where MLX runs on Metal; None elsewhere (a
+    failing check is logged once and read as None)."""
+    try:
+        return "mlx" if metal_available(mlx_module()) else None
+    except Exception as exc:
+        warn_once("mlx.metal.is_available", "memguard: mlx Metal check failed: %r", exc)
+        return None
 
 
 def read_counters(mx) -> MlxCounters:
@@ -97,13 +104,11 @@ def reset_peak(mx=None) -> None:
 def step_reader() -> StepReader:
     """The runtime monitor's reader on MLX: the probe through ``probes.probe("mlx")`` (allocator
     counters, the host's figures for what is available), the allocator's peak reset
-    (:func:`reset_peak`) and active memory as the live bytes (read only where mlx is already
-    imported). No snapshot-free path and no pressure read alone (the host's comes with the
-    snapshot)."""
+    (:func:`reset_peak`) and active memory as the live bytes. No snapshot-free path and no
+    pressure read alone (the host's comes with the snapshot)."""
 
     def live() -> Optional[int]:
-        mx = sys.modules.get("mlx.core")
-        return None if mx is None else read_counters(mx).active
+        return read_counters(mlx_module()).active
 
     return StepReader("mlx", reset_peak=reset_peak, live_bytes=live)
 
@@ -124,7 +129,7 @@ def device_info(mx) -> Dict[str, object]:
     try:
         info = dict(f())
     except Exception as exc:
-        _warn_once("mlx.device_info", "memguard: mx.device_info() failed: %r", exc)
+        warn_once("mlx.device_info", "memguard: mx.device_info() failed: %r", exc)
         return {}
     _device_info_cache[id(mx)] = (mx, info)
     return info
@@ -159,9 +164,7 @@ def probe(cheap: bool = False, *, mx=None, host: Optional[MemorySnapshot] = None
     now = time.monotonic()
     c = read_counters(mx)
     if host is None:
-        from memguard_core.probes import _host_probe
-
-        host = _host_probe(cheap)
+        host = _host.host_probe(cheap)
     if metal_available(mx):
         info = device_info(mx)
         wset = info.get("max_recommended_working_set_size") or info.get("memory_size")
@@ -177,21 +180,27 @@ def probe(cheap: bool = False, *, mx=None, host: Optional[MemorySnapshot] = None
             return MemorySnapshot(device="mlx", total_bytes=total, available_bytes=avail,
                                   process_bytes=c.active, process_peak_bytes=c.peak,
                                   pressure=host.pressure, limit_bytes=total, limit_source="mlx",
-                                  source="mlx", timestamp=now, **_host_pressure(host))
+                                  source="mlx", timestamp=now, **host_pressure_fields(host))
     avail = max(0, min(host.total_bytes, host.available_bytes))
     return MemorySnapshot(device="mlx", total_bytes=host.total_bytes, available_bytes=avail,
                           process_bytes=c.active, process_peak_bytes=c.peak,
                           pressure=host.pressure, limit_bytes=host.limit_bytes,
                           limit_source=host.limit_source, source="mlx", timestamp=now,
-                          **_host_pressure(host))
+                          **host_pressure_fields(host))
 
 
-def _host_pressure(host: MemorySnapshot) -> Dict[str, object]:
-    """The host's pressure fields, named by their model (the host's own probe decided it: PSI on
-    Linux, memorystatus on macOS)."""
-    kind = getattr(host, "pressure_kind", None)
-    if kind is None and host.pressure is not None:
-        kind = {"darwin": "memorystatus", "linux": "psi"}.get(host.source)
-    return {"pressure_kind": kind,
-            "kernel_pressure": getattr(host, "kernel_pressure", None),
-            "swap_used_bytes": getattr(host, "swap_used_bytes", None)}
+def _probe(device: str, cheap: bool) -> Optional[MemorySnapshot]:
+    return probe(cheap=cheap, mx=mlx_module())
+
+
+def _counters(device: str) -> Tuple[int, int, Optional[int]]:
+    c = read_counters(mlx_module())
+    return c.active, c.active + c.cache, c.peak
+
+
+def register() -> None:
+    """Register the ``mlx`` probe with the core (idempotent): ``device="auto"`` picks it after CUDA
+    and before torch's MPS."""
+    register_device_probe(DeviceProbe(
+        kind="mlx", priority=20, label="MLX", detect=lambda: in_use(), probe=_probe,
+        step_reader=lambda device: step_reader(), counters=_counters, reset_peak=lambda device: reset_peak()))

@@ -1,4 +1,6 @@
-"""CUDA memory probe: torch.cuda caching-allocator counters, ``mem_get_info``, NVML.
+"""CUDA memory probe: torch.cuda caching-allocator counters, ``mem_get_info``, NVML
+(:mod:`memguard_core.probes.nvml`). Registered with the core by :mod:`memguard_torch.probes`; see
+docs/monitor.md, "Probes".
 
 Sources (PyTorch docs, "CUDA semantics / memory management" and torch/cuda/memory.py):
 - ``torch.cuda.memory_allocated(i)``: bytes held by live tensors; ``memory_reserved(i)``: bytes
@@ -21,25 +23,23 @@ The cheap path (per training step) reads only the allocator counters; the device
 (``total - free - reserved``: other processes + context) is taken from the last full reading
 (one ``mem_get_info`` on the first cheap call per device if there was none), so it does not
 see other processes change until the next full probe.
-
-torch is never imported at module level; :func:`torch_cuda_module` imports it only when a
-CUDA device was asked for explicitly.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from memguard_core.probes import MemorySnapshot, StepReader, _torch_backend, _warn_once, log
+import torch
 
-__all__ = ["CudaCounters", "torch_cuda_module", "read_counters", "reset_peak", "nvml_process_bytes",
-           "snapshot_from_counters", "probe", "step_reader", "CudaStepReader", "allocator_settings",
-           "expandable_segments", "ALLOC_CONF_NAMES"]
+from memguard_core.probes import MemorySnapshot, StepReader
+from memguard_core.probes.common import warn_once
+from memguard_core.probes.nvml import process_bytes
+
+__all__ = ["CudaCounters", "torch_cuda_module", "in_use", "read_counters", "reset_peak",
+           "nvml_process_bytes", "snapshot_from_counters", "probe", "step_reader", "CudaStepReader",
+           "allocator_settings"]
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,29 @@ class CudaCounters:
 
 
 def torch_cuda_module():
-    """``torch.cuda`` if CUDA is available (imports torch if not yet imported), else None."""
-    return _torch_backend("cuda", lambda torch: torch.cuda.is_available())
+    """``torch.cuda`` if CUDA is available, else None. A failing availability check is logged once
+    and read as unavailable."""
+    try:
+        return torch.cuda if torch.cuda.is_available() else None
+    except Exception as exc:  # a broken torch install must not break probing
+        warn_once("torch.cuda.is_available", "memguard: torch.cuda.is_available() failed: %r", exc)
+        return None
+
+
+def in_use() -> Optional[str]:
+    """The device ``device="auto"`` resolves to on CUDA: ``"cuda:<current device>"`` where CUDA
+    is available and initialised, ``"cuda:0"`` where available but not initialised yet, None where
+    CUDA is not available. Initialises nothing."""
+    cuda = torch_cuda_module()
+    if cuda is None:
+        return None
+    idx = 0
+    try:
+        if cuda.is_initialized():
+            idx = int(cuda.current_device())
+    except Exception:
+        idx = 0
+    return f"cuda:{idx}"
 
 
 def read_counters(index: int, torch_cuda) -> CudaCounters:
@@ -104,8 +125,8 @@ def reset_peak(index: int, torch_cuda=None) -> None:
 class CudaStepReader(StepReader):
     """The runtime monitor's reader on CUDA device ``index``: the probe through
     ``probes.probe("cuda:<index>")`` (allocator counters on the cheap path, psutil if it fails),
-    the allocator's peak reset (:func:`reset_peak`) and ``memory_allocated`` as the live bytes
-    (read only where torch is already imported). No snapshot-free path: the counters are
+    the allocator's peak reset (:func:`reset_peak`) and ``memory_allocated`` as the live bytes.
+    No snapshot-free path: the counters are
     host-side already; no pressure signal.
 
     Each peak reset closes a *window* (a step sample's: the micro-batches since the one before):
@@ -122,8 +143,7 @@ class CudaStepReader(StepReader):
         self.window: Optional[CudaCounters] = None
 
     def _live(self) -> Optional[int]:
-        torch = sys.modules.get("torch")
-        return None if torch is None else int(torch.cuda.memory_allocated(self.index))
+        return int(torch.cuda.memory_allocated(self.index))
 
     def _close_window(self) -> None:
         tc = torch_cuda_module()
@@ -131,7 +151,7 @@ class CudaStepReader(StepReader):
             self.window = read_counters(self.index, tc) if tc is not None else None
         except Exception as exc:
             self.window = None
-            _warn_once(f"cuda.window:{self.index}", "memguard: CUDA window counters not read: %r", exc)
+            warn_once(f"cuda.window:{self.index}", "memguard: CUDA window counters not read: %r", exc)
         reset_peak(self.index, tc)
 
 
@@ -140,105 +160,31 @@ def step_reader(index: int = 0) -> CudaStepReader:
     return CudaStepReader(index)
 
 
-#: The environment variables the CUDA caching allocator reads its settings from, in the order
-#: torch 2.13 reads them (c10/cuda/CUDAAllocatorConfig.h: ``PYTORCH_CUDA_ALLOC_CONF``, on ROCm
-#: ``PYTORCH_HIP_ALLOC_CONF``, then ``PYTORCH_ALLOC_CONF``, the device-generic name of torch >= 2.9).
-ALLOC_CONF_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-
-
-def allocator_settings(torch_module=None, environ=None) -> str:
-    """The caching allocator's settings string (``key:value,...``): what torch parsed last
+def allocator_settings(torch_module=None) -> Optional[str]:
+    """The caching allocator's settings string (``key:value,...``) torch parsed last
     (``torch._C._accelerator_getAllocatorSettings()``, torch >= 2.9: the environment variable at
-    start, or a later ``torch._C._accelerator_setAllocatorSettings``), else the first of
-    :data:`ALLOC_CONF_NAMES` set in ``environ`` (default ``os.environ``); ``""`` when none.
-    ``torch_module``: the ``torch`` module (default: the imported one, never imported here)."""
-    torch = torch_module if torch_module is not None else sys.modules.get("torch")
-    getter = getattr(getattr(torch, "_C", None), "_accelerator_getAllocatorSettings", None)
-    if getter is not None:
-        try:
-            return str(getter() or "")
-        except Exception as exc:
-            log.debug("memguard: allocator settings not read from torch: %r", exc)
-    env = os.environ if environ is None else environ
-    for name in ALLOC_CONF_NAMES:
-        if name in env:
-            return str(env[name])
-    return ""
-
-
-def expandable_segments(settings: str) -> Optional[bool]:
-    """Whether an allocator settings string (:func:`allocator_settings`) turns the caching
-    allocator's expandable segments on: the last ``expandable_segments:`` entry (``True`` / ``true``
-    on, anything else off; absent: off, torch's default). None where they do not apply: the
-    ``backend:cudaMallocAsync`` allocator (the driver's pool, no segments of torch's)."""
-    on = False
-    for part in str(settings).split(","):
-        key, _, value = part.strip().partition(":")
-        key, value = key.strip(), value.strip()
-        if key == "backend" and value == "cudaMallocAsync":
-            return None
-        if key == "expandable_segments":
-            on = value.lower() == "true"
-    return on
-
-
-_nvml_state: Dict[str, object] = {"init": None}
-_nvml_lock = threading.Lock()
-
-
-def _nvml(nvml=None):
-    """The initialised ``pynvml`` module, or None (not installed / no driver)."""
-    if nvml is not None:
-        return nvml
-    with _nvml_lock:
-        if _nvml_state["init"] is False:
-            return None
-        if _nvml_state["init"] is None:
-            try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                _nvml_state["init"] = pynvml
-            except Exception as exc:
-                log.debug("memguard: NVML unavailable: %r", exc)
-                _nvml_state["init"] = False
-                return None
-        return _nvml_state["init"]
-
-
-def _nvml_handle(nvml, index: int, torch_cuda):
-    """NVML handle of torch's device ``index`` (UUID first, so CUDA_VISIBLE_DEVICES holds)."""
-    try:
-        uuid = getattr(torch_cuda.get_device_properties(index), "uuid", None)
-        if uuid is not None:
-            s = str(uuid)
-            return nvml.nvmlDeviceGetHandleByUUID(s if s.startswith("GPU-") else "GPU-" + s)
-    except Exception:
-        pass
-    return nvml.nvmlDeviceGetHandleByIndex(index)
+    start, or a later ``torch._C._accelerator_setAllocatorSettings``); None where this torch has no
+    such call (then :func:`memguard_core.probes.alloc_conf.allocator_settings` reads the
+    environment). ``torch_module``: the ``torch`` module (tests; default the imported one)."""
+    t = torch if torch_module is None else torch_module
+    getter = getattr(getattr(t, "_C", None), "_accelerator_getAllocatorSettings", None)
+    return None if getter is None else str(getter() or "")
 
 
 def nvml_process_bytes(index: int, torch_cuda, *, pid: Optional[int] = None,
                        nvml=None) -> Optional[int]:
-    """This process's memory on device ``index`` per NVML (``usedGpuMemory``), bytes.
+    """This process's memory on torch's device ``index`` per NVML (``usedGpuMemory``), bytes: the
+    device found by its UUID first (so ``CUDA_VISIBLE_DEVICES`` holds), else by index
+    (:func:`memguard_core.probes.nvml.process_bytes`).
 
     Returns None if NVML is not installed, the process is not listed (e.g. a container's PID
     namespace hides it) or the driver does not report per-process usage.
     """
-    nv = _nvml(nvml)
-    if nv is None:
-        return None
-    pid = os.getpid() if pid is None else pid
     try:
-        handle = _nvml_handle(nv, index, torch_cuda)
-        used = None
-        for p in nv.nvmlDeviceGetComputeRunningProcesses(handle):
-            if getattr(p, "pid", None) == pid and getattr(p, "usedGpuMemory", None) is not None:
-                used = (used or 0) + int(p.usedGpuMemory)
-        return used
-    except Exception as exc:
-        _warn_once(f"nvml:{index}", "memguard: NVML per-process query failed: %r", exc)
-        return None
+        uuid = getattr(torch_cuda.get_device_properties(index), "uuid", None)
+    except Exception:
+        uuid = None
+    return process_bytes(index, uuid=None if uuid is None else str(uuid), pid=pid, nvml=nvml)
 
 
 def snapshot_from_counters(index: int, counters: CudaCounters, free: int, total: int, *,

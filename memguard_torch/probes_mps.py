@@ -1,4 +1,6 @@
 """PyTorch on Apple Silicon (``mps``): the MPS allocator counters and Metal's working-set limit.
+Registered with the core by :mod:`memguard_torch.probes`; see docs/monitor.md, "PyTorch on Apple
+Silicon".
 
 NOT validated on a Mac: this project's machines have no Apple GPU; the tests run the code below
 against the thinnest fake of ``torch.mps`` (tests/test_probes_mps.py). The figures' meaning comes
@@ -14,7 +16,8 @@ from PyTorch's documentation and sources:
   also the base of the allocator's hard limit, ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` x it (1.7 by
   default), past which it raises "MPS backend out of memory" (PyTorch docs, "MPS Environment
   Variables"; ``torch.mps.set_per_process_memory_fraction``).
-- ``torch.mps.empty_cache()``: hands the cached blocks back (the monitor's clean).
+- ``torch.mps.empty_cache()``: hands the cached blocks back (the monitor's clean,
+  :mod:`memguard_torch.framework`).
 
 Snapshot meaning on ``"mps"``:
 - ``total = recommended_max_memory`` (``limit_bytes`` the same, ``limit_source="mps"``); the host
@@ -28,22 +31,23 @@ Snapshot meaning on ``"mps"``:
   the recommended size on unified memory), so the step samples read it as the step's figure;
   after an ``empty_cache`` it drops towards the live tensors.
 - pressure: the host's (macOS memorystatus), with its ``pressure_kind``.
-
-torch is imported only inside functions, and only where the caller named ``mps`` or torch is
-already imported.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
 
-from memguard_core.probes import MemorySnapshot, StepReader, _torch_backend, _warn_once
+import torch
 
-__all__ = ["MpsCounters", "torch_mps_module", "mps_in_use", "read_counters", "empty_cache", "probe",
-           "step_reader", "live_bytes"]
+from memguard_core.probes import MemorySnapshot, StepReader
+from memguard_core.probes import host as _host
+from memguard_core.probes.common import warn_once
+from memguard_core.probes.snapshot import host_pressure_fields
+
+__all__ = ["MpsCounters", "torch_mps_module", "mps_in_use", "read_counters", "probe", "step_reader",
+           "live_bytes"]
 
 
 @dataclass(frozen=True)
@@ -55,28 +59,28 @@ class MpsCounters:
     recommended_max: Optional[int]
 
 
-def _available(torch) -> bool:
+def _available() -> bool:
     backends = getattr(torch, "backends", None)
     mps = getattr(backends, "mps", None) if backends is not None else None
     return bool(mps is not None and mps.is_available() and hasattr(torch, "mps"))
 
 
 def mps_in_use() -> bool:
-    """True if torch is already imported and its MPS backend is available. Imports nothing; a
-    broken torch is logged once and read as False."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
+    """True if torch's MPS backend is available; a broken torch is logged once and read as False."""
     try:
-        return _available(torch)
+        return _available()
     except Exception as exc:
-        _warn_once("torch.backends.mps.is_available", "memguard: torch MPS check failed: %r", exc)
+        warn_once("torch.backends.mps.is_available", "memguard: torch MPS check failed: %r", exc)
         return False
 
 
 def torch_mps_module():
-    """``torch.mps`` (torch imported if needed), or None where torch or its MPS backend is absent."""
-    return _torch_backend("mps", _available)
+    """``torch.mps``, or None where its MPS backend is absent (a failing check is logged once)."""
+    try:
+        return torch.mps if _available() else None
+    except Exception as exc:
+        warn_once("torch.mps.available", "memguard: torch mps availability check failed: %r", exc)
+        return None
 
 
 def read_counters(mps) -> MpsCounters:
@@ -92,16 +96,6 @@ def read_counters(mps) -> MpsCounters:
     return MpsCounters(allocated=int(mps.current_allocated_memory()),
                        driver_allocated=int(mps.driver_allocated_memory()),
                        recommended_max=recommended)
-
-
-def empty_cache(mps=None) -> None:
-    """``torch.mps.empty_cache()`` where torch is imported with MPS available. Never raises."""
-    try:
-        mps = mps if mps is not None else (torch_mps_module() if mps_in_use() else None)
-        if mps is not None:
-            mps.empty_cache()
-    except Exception as exc:
-        _warn_once("torch.mps.empty_cache", "memguard: torch.mps.empty_cache() failed: %r", exc)
 
 
 def probe(cheap: bool = False, *, mps=None, host: Optional[MemorySnapshot] = None) -> MemorySnapshot:
@@ -121,11 +115,7 @@ def probe(cheap: bool = False, *, mps=None, host: Optional[MemorySnapshot] = Non
     now = time.monotonic()
     c = read_counters(mps)
     if host is None:
-        from memguard_core.probes import _host_probe
-
-        host = _host_probe(cheap)
-    from memguard_core.probes.mlx import _host_pressure
-
+        host = _host.host_probe(cheap)
     cached = max(0, c.driver_allocated - c.allocated)
     if c.recommended_max:
         total, limit, limit_source = c.recommended_max, c.recommended_max, "mps"
@@ -135,14 +125,14 @@ def probe(cheap: bool = False, *, mps=None, host: Optional[MemorySnapshot] = Non
     return MemorySnapshot(device="mps", total_bytes=int(total), available_bytes=int(avail),
                           process_bytes=c.driver_allocated, process_peak_bytes=None,
                           pressure=host.pressure, limit_bytes=limit, limit_source=limit_source,
-                          source="mps", timestamp=now, **_host_pressure(host))
+                          source="mps", timestamp=now, **host_pressure_fields(host))
 
 
 def live_bytes() -> Optional[int]:
-    """``torch.mps.current_allocated_memory()`` where torch is already imported with MPS, else None."""
+    """``torch.mps.current_allocated_memory()`` where the MPS backend is available, else None."""
     if not mps_in_use():
         return None
-    return int(sys.modules["torch"].mps.current_allocated_memory())
+    return int(torch.mps.current_allocated_memory())
 
 
 def step_reader() -> StepReader:

@@ -1,0 +1,168 @@
+"""This process's resident set and its peak on the Linux per-step path: /proc/self/statm, the peak
+from ``ru_maxrss`` after a ``clear_refs`` reset, and the per-step figures without a snapshot. See
+docs/monitor.md, "Probes".
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional, Tuple
+
+from .cgroup import step_levels
+from . import files
+from .files import slow_cache
+from .proc import MEMINFO_KEY, STATUS_KEYS, read_status
+from .rlimit import cached_rlimits
+
+try:
+    import resource as _resource
+except ImportError:   # not on Windows; this module is only used on Linux, but must import anywhere
+    _resource = None
+
+__all__ = ["reset_peak", "step_rss_and_peak", "step_figures", "RU_DRIFT_BYTES"]
+
+
+#: Generating /proc/self/status makes the kernel sum per-CPU RSS counters and format dozens of
+#: lines, where /proc/self/statm is one short line and getrusage(2) a syscall without text. The
+#: per-step path therefore reads the current RSS from statm and the peak
+#: from ``ru_maxrss`` (kernel/sys.c: ``max(signal->maxrss, mm hiwater_rss)``, KiB), which
+#: ``clear_refs`` = 5 resets like VmHWM (both read the mm's hiwater_rss) -- except for
+#: ``signal->maxrss``, the high-water mark of the mm the process had before its ``execve``
+#: (fs/exec.c ``exec_mmap``): a process started by a large parent (a launcher, a notebook
+#: kernel) keeps that figure as a floor under ``ru_maxrss`` for life. The floor is bounded from
+#: above by what ``ru_maxrss`` reads right after a reset (``max(floor, RSS)``); a later reading
+#: above that bound is the true peak, one at or below it is ambiguous and VmHWM is read instead.
+_ru_floor_kib: Optional[int] = None      # upper bound of signal->maxrss; None before our first reset
+_clear_refs_fd: Optional[int] = None
+_clear_refs_tried = False
+_statm_fd: Optional[int] = None
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: ``ru_maxrss`` reads the batched per-CPU RSS counters, VmHWM their exact sum: a reading this far
+#: above VmHWM is the floor, not drift (the batch is a few hundred KiB per CPU that ran the process).
+RU_DRIFT_BYTES = 4 << 20
+
+
+def reset_peak() -> bool:
+    """Reset this process's peak resident set (VmHWM := VmRSS) by writing ``5`` to
+    ``/proc/self/clear_refs`` (kernel Documentation/filesystems/proc.rst, "clear_refs"), through a
+    descriptor kept open, and note the bound of the ``ru_maxrss`` floor (see above).
+
+    Returns:
+        True when the kernel took the reset; False where ``clear_refs`` cannot be written
+        (old kernel, seccomp, read-only /proc). Never raises.
+    """
+    global _clear_refs_fd, _clear_refs_tried, _ru_floor_kib
+    try:
+        fd = _clear_refs_fd
+        if fd is None:
+            if _clear_refs_tried:
+                return False
+            _clear_refs_tried = True
+            fd = _clear_refs_fd = os.open("/proc/self/clear_refs", os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        os.write(fd, b"5")
+    except OSError:
+        _clear_refs_fd = None
+        return False
+    try:
+        after = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
+        # max(floor, RSS now): the floor is at most this; keep the tightest bound seen
+        if _ru_floor_kib is None or after < _ru_floor_kib:
+            _ru_floor_kib = after
+    except Exception:
+        pass
+    return True
+
+
+def step_rss_and_peak() -> Tuple[Optional[int], Optional[int]]:
+    """(VmRSS, peak since the last reset) in bytes, for the per-step path: statm (its second field,
+    resident pages; proc(5)) + ``ru_maxrss`` where that is unambiguous, else /proc/self/status
+    (see above), which also stands in when statm cannot be read. ``ru_maxrss`` comes from the
+    kernel's batched per-CPU counters and reads up to a few hundred KiB below VmHWM."""
+    global _ru_floor_kib, _statm_fd
+    rss = None
+    try:
+        fd = _statm_fd
+        if fd is None:
+            fd = _statm_fd = os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        rss = int(os.pread(fd, 256, 0).split()[1]) * _PAGE_SIZE
+    except (OSError, IndexError, ValueError):
+        if _statm_fd is not None:   # reopened next time
+            try:
+                os.close(_statm_fd)
+            except OSError:
+                pass
+            _statm_fd = None
+    floor = _ru_floor_kib
+    if rss is not None and floor is not None:
+        try:
+            peak_kib = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
+        except Exception:
+            peak_kib = 0
+        if peak_kib > floor:
+            return rss, max(rss, peak_kib * 1024)
+    status = read_status(keys=STATUS_KEYS)
+    hwm = status.get("VmHWM")
+    if hwm is not None and floor is not None:
+        try:
+            peak_kib = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
+            if peak_kib * 1024 > hwm + RU_DRIFT_BYTES:
+                _ru_floor_kib = min(floor, peak_kib)   # ru_maxrss reads the floor itself: its exact value
+        except Exception:
+            pass
+    return status.get("VmRSS", rss), hwm
+
+
+def step_figures() -> Optional[Tuple[float, int, int, int]]:
+    """The per-step check's figures in the common case, without building a snapshot:
+    ``(monotonic seconds, RSS, peak since the last reset, RSS + available)``, sizes in bytes, as
+    :func:`memguard_core.probes.linux.probe` ``(cheap=True)`` would give them (the peak is ``max(RSS, ru_maxrss)``;
+    ``available`` comes from the cached /proc/meminfo reading, moved by this process's growth
+    since). The check runs at every micro-batch, right after a training step, when every cache is
+    cold: this path skips the cheap probe's extra reads and its snapshot object.
+
+    Returns None, and the caller takes :func:`probe`, when the common case does not hold: a limited
+    cgroup level (its usage must be read), an ``RLIMIT_AS`` / ``RLIMIT_DATA`` in force, the cgroup levels or /proc/meminfo last read
+    :data:`.files.SLOW_FIGURES_MAX_AGE_S` or more ago (the cheap probe re-reads them), no peak reset yet,
+    or an ambiguous ``ru_maxrss`` (see above). Never raises.
+    """
+    levels, floor, fd = step_levels(), _ru_floor_kib, _statm_fd
+    if levels is None or levels[2] or floor is None or fd is None:
+        return None
+    if cached_rlimits() != (None, None):
+        return None   # a virtual-memory limit caps what is available: the cheap probe applies it
+    now = time.monotonic()
+    hit = slow_cache.get(MEMINFO_KEY)
+    age = files.SLOW_FIGURES_MAX_AGE_S
+    if hit is None or now - hit[0] >= age or now - levels[0] >= age:
+        return None
+    mem, rss_then = hit[1]
+    total, avail = mem.get("MemTotal"), mem.get("MemAvailable")
+    if total is None or avail is None or rss_then is None or total <= 0:
+        return None
+    try:
+        rss = int(os.pread(fd, 256, 0).split()[1]) * _PAGE_SIZE
+        peak_kib = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
+    except Exception:
+        return None
+    if peak_kib <= floor:
+        return None
+    avail = max(0, min(avail - (rss - rss_then), total))   # the probe's rule where no cgroup level limits
+    return now, rss, max(rss, peak_kib * 1024), rss + avail
+
+
+def _forget_after_fork() -> None:
+    """In a forked child (DataLoader workers, multiprocessing): the kept descriptors of
+    /proc/self/* still name the parent (procfs binds a file to the task at open), and a kept
+    ``clear_refs`` would reset the parent's peak. Drop them, and what was read through them."""
+    global _clear_refs_fd, _clear_refs_tried, _ru_floor_kib, _statm_fd
+    for fd in [f for f in (_clear_refs_fd, _statm_fd) if f is not None]:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _clear_refs_fd, _clear_refs_tried, _ru_floor_kib, _statm_fd = None, False, None, None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)

@@ -68,10 +68,8 @@ def block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tra
     GPT-2 family: ``_gpt2_block_act``; OPT / GPT-NeoX: ``_plain_mlp_block_act``.
     """
     e = DTYPE_BYTES[ts.dtype]
-    s = ts.seq_length
-    h, hd = ms.hidden_size, ms.head_dim
-    qd, kvd = ms.num_heads * hd, ms.num_kv_heads * hd
-    nh = ms.num_heads
+    h = ms.hidden_size
+    qd = ms.num_heads * ms.head_dim
     lins = {ls.name: ls for ls in block_linear_shapes(ms)}
     lora_names = {ls.name for ls in lora_linears(ms, ts)} if lora else set()
 
@@ -108,29 +106,7 @@ def block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tra
     if trainable_block:
         a.hidden += r * h                       # normalised (norm weight grad; fp32 under amp)
     a.hidden += group_input(("q_proj", "k_proj", "v_proj"), h)
-    eager = ts.attn_impl == "eager"
-    cuda_backend = cuda_sdpa_backend(ms, ts) if ts.device == "cuda" else None
-    cpu_math = ts.attn_impl == "sdpa" and ((ts.device != "cuda" and ms.attention_dropout > 0) or mps_sdpa_math(ts))
-    if cpu_math or cuda_backend == "math":
-        core_h, core_s = attention_core(ms, ts, e, views_of_one_buffer=False)
-        a.hidden += core_h                      # SDPA's math path: fp32 copies, GQA repeated
-        a.scores += core_s
-    elif eager:
-        a.hidden += e * 3 * qd                  # q, k (RoPE'd), v; ``repeat_kv`` copies k, v to every head
-        a.scores += nh * s * (4 + (e if e < 4 else 0))
-        if ms.attn_logit_softcapping:
-            a.scores += nh * s * e              # soft-capping: ``tanh`` saves its output (Gemma-2)
-        if amp:
-            a.scores += nh * s * 2
-        if ms.attention_dropout > 0:
-            # dropout noise (CPU, in e) or 1-byte mask (CUDA ``native_dropout``) and the dropped
-            # probabilities
-            a.scores += nh * s * (e + dropout_bytes(ts, e))
-    else:
-        a.hidden += e * (qd + 2 * kvd)          # q, k (RoPE'd), v
-        a.hidden += e * qd                      # sdpa output (flash backward needs it)
-        # fp32 logsumexp (CUDA memory-efficient kernel: padded to 32 queries)
-        a.scores += sdpa_lse_per_token(ms, ts, cuda_backend or "flash")
+    _attention_act(ms, ts, a, e, amp)
     a.hidden += group_input(("o_proj",), qd)  # o_proj input (contiguous copy)
     a.hidden += 4 * h                           # post_attention_layernorm: fp32 input
     if trainable_block:
@@ -156,6 +132,37 @@ def block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tra
     a.hidden += 3 * e * i                       # gate, up, act
     a.hidden += group_input(("down_proj",), i)
     return a
+
+
+def _attention_act(ms: ModelSpec, ts: TrainSpec, a: _Act, e: int, amp: bool) -> None:
+    """Adds to ``a`` what a Llama-family attention core saves per token, from q / k / v to its
+    output: SDPA's math path (``attention_core``), eager's probabilities, or a fused kernel's q, k,
+    v, output and fp32 logsumexp."""
+    s, nh = ts.seq_length, ms.num_heads
+    qd, kvd = nh * ms.head_dim, ms.num_kv_heads * ms.head_dim
+    eager = ts.attn_impl == "eager"
+    cuda_backend = cuda_sdpa_backend(ms, ts) if ts.device == "cuda" else None
+    cpu_math = ts.attn_impl == "sdpa" and ((ts.device != "cuda" and ms.attention_dropout > 0) or mps_sdpa_math(ts))
+    if cpu_math or cuda_backend == "math":
+        core_h, core_s = attention_core(ms, ts, e, views_of_one_buffer=False)
+        a.hidden += core_h                      # SDPA's math path: fp32 copies, GQA repeated
+        a.scores += core_s
+    elif eager:
+        a.hidden += e * 3 * qd                  # q, k (RoPE'd), v; ``repeat_kv`` copies k, v to every head
+        a.scores += nh * s * (4 + (e if e < 4 else 0))
+        if ms.attn_logit_softcapping:
+            a.scores += nh * s * e              # soft-capping: ``tanh`` saves its output (Gemma-2)
+        if amp:
+            a.scores += nh * s * 2
+        if ms.attention_dropout > 0:
+            # dropout noise (CPU, in e) or 1-byte mask (CUDA ``native_dropout``) and the dropped
+            # probabilities
+            a.scores += nh * s * (e + dropout_bytes(ts, e))
+    else:
+        a.hidden += e * (qd + 2 * kvd)          # q, k (RoPE'd), v
+        a.hidden += e * qd                      # sdpa output (flash backward needs it)
+        # fp32 logsumexp (CUDA memory-efficient kernel: padded to 32 queries)
+        a.scores += sdpa_lse_per_token(ms, ts, cuda_backend or "flash")
 
 
 def _gpt2_block_act(ms: ModelSpec, ts: TrainSpec, a: _Act, lora_names: set, trainable_block: bool,

@@ -113,7 +113,7 @@ class StepSampler:
     def take_window(self):
         """The counters the device's reader read as the last peak window closed, taken (a second
         call returns None until the next window closes): on CUDA the allocator's window peaks and
-        its ``num_alloc_retries`` / ``num_ooms`` counts (``probes.cuda.CudaStepReader.window``);
+        its ``num_alloc_retries`` / ``num_ooms`` counts (``memguard_torch.probes_cuda.CudaStepReader.window``);
         None on other devices, before a reader was built, or with a ``peak_fn`` (no reader
         window is closed then)."""
         reader = self._reader

@@ -303,26 +303,29 @@ def default_device(framework: str = "hf", torch_cuda=None, *, nvidia_gpus: Optio
     arm64: what HF ``Trainer`` and Lightning pick there; ``apple_silicon`` replaces the check:
     tests); else ``cpu``.
 
-    Visible: ``torch.cuda.is_available()`` when torch is already imported (or ``torch_cuda`` is
-    given: tests); otherwise without importing torch (the analytic path stays framework-free):
+    Visible: ``torch.cuda.is_available()`` when memguard_torch is loaded (it registers with
+    :mod:`memguard_core.frameworks`; ``torch_cuda``, an object with ``is_available()``, replaces it:
+    tests); otherwise without importing torch (the analytic path stays framework-free):
     ``CUDA_VISIBLE_DEVICES`` not set to an empty list / -1, and NVML's device count (nvidia-ml-py,
     the ``[cuda]`` extra) or, without it, the GPUs the NVIDIA driver lists in
     ``/proc/driver/nvidia/gpus``; ``nvidia_gpus`` replaces that count (tests)."""
     if str(framework).strip().lower() == "mlx":
         return "mlx"
-    if torch_cuda is None and "torch" in sys.modules:
-        torch_cuda = getattr(sys.modules["torch"], "cuda", None)
     if apple_silicon is None:
         import platform
 
         apple_silicon = sys.platform == "darwin" and platform.machine() == "arm64"
     if torch_cuda is not None:
         try:
-            if torch_cuda.is_available():
-                return "cuda"
+            available: Optional[bool] = bool(torch_cuda.is_available())
         except Exception:
-            pass
-        return "mps" if apple_silicon else "cpu"
+            available = False
+    else:
+        from . import frameworks
+
+        available = frameworks.cuda_available()
+    if available is not None:
+        return "cuda" if available else "mps" if apple_silicon else "cpu"
     if apple_silicon:
         return "mps"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -25,7 +25,7 @@ from memguard_torch.train_reading import method_and_lora
 from memguard_core.report import demo_result_table, demo_squeeze, print_applied_plan
 from memguard_core.estimator.specs import TrainSpec
 from memguard_torch.module_spec import model_spec_from_module
-from memguard_hf.demo import outcome, requested_and_budget, start
+from memguard_torch.demo import outcome, requested_and_budget, start
 
 from .callback import MemGuardCallback
 

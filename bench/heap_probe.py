@@ -11,7 +11,7 @@ numbers (``--layers`` cuts or extends the blocks), random weights seeded with 0,
 no dropout), ``adamw_torch_fused``, random token ids seeded with 1 (labels = inputs), and glibc's
 free heap returned at every optimizer step's end (``memguard_core.probes.trim_heap``, what the guard
 does on a CPU device) and, for a mixture-of-experts model in bf16, glibc's mmap threshold fixed at
-train start (``memguard_core.guard.fix_mmap_threshold``, as the guard does); ``--no-trim`` for a
+train start (``memguard_core.step_heap.fix_mmap_threshold``, as the guard does); ``--no-trim`` for a
 plain run.
 
 What it measures, per optimizer step: the step's VmHWM (reset with ``/proc/self/clear_refs`` at the
@@ -301,7 +301,7 @@ def train(model, cfg, a, sampler: Sampler) -> Tuple[Optional[int], List[dict], O
     trainer = Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[Probe()])
     resident_file = process_file_resident_bytes()  # where a guard's preflight reads it (on_train_begin)
     if not a.no_trim:  # and what the guard does there for a mixture-of-experts model in bf16 on a CPU
-        from memguard_core.guard import fix_mmap_threshold
+        from memguard_core.step_heap import fix_mmap_threshold
         from memguard_core.estimator.specs import TrainSpec
         from memguard_torch.module_spec import model_spec_from_module
 

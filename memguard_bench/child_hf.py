@@ -171,7 +171,7 @@ def run_hf_child(case: dict) -> dict:
     pinned = False
     if device == "cpu" and case.get("trim_heap", True):
         callbacks.append(_trim_heap_callback())
-        from memguard_core.guard import fix_mmap_threshold
+        from memguard_core.step_heap import fix_mmap_threshold
         from memguard_core.estimator.specs import TrainSpec
 
         pinned = fix_mmap_threshold(ms, TrainSpec(dtype=kw["dtype"], device="cpu"))  # as the guard at train start

@@ -13,7 +13,7 @@ __all__ = ["CPU_BF16_MOE", "model_spec_from_dict", "specs_of", "cpu_bf16_moe", "
 #: The label of the cases whose CPU counter carries a backend effect beyond the estimator's tensors:
 #: a mixture-of-experts model computing in bf16 on torch's CPU backend (the experts' slices take new
 #: sizes every step and glibc keeps the freed space resident; docs/estimator.md, "MoE in bf16 on CPU").
-#: A guarded run fixes the mmap threshold (``guard.fix_mmap_threshold``) and so do these cases' children.
+#: A guarded run fixes the mmap threshold (``memguard_core.step_heap.fix_mmap_threshold``) and so do these cases' children.
 CPU_BF16_MOE = "cpu-bf16-moe"
 
 #: ModelSpec fields read from the config that records made before the field existed lack.

@@ -13,51 +13,20 @@ Imports no framework: the adapters pass callables.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import frameworks
-from .errors import ConfigError, DoesNotFitError
-from .microbatch import free_caches, split_after_oom
+from .errors import ConfigError
+from .guard_preflight import PreflightMoment, SpecReader
 from .monitor import MemoryEvent, MemoryMonitor
 from .observe import RunRecorder
+from .oom_recovery import OomRecovery
 from .options import GuardOptions
-from .preflight import Preflight, default_budget, plan_in_place, resident_bytes_for
-from .window import MAX_WINDOW_REDOS, WindowRedo  # noqa: F401  (MAX_WINDOW_REDOS: public here too)
+from .preflight import Preflight, default_budget
+from .step_heap import StepHeap
 
-__all__ = ["Guard", "GuardAttributes", "RunSummary", "SpecReader", "MAX_WINDOW_REDOS", "fix_mmap_threshold"]
-
-#: ``read_specs() -> (ModelSpec, TrainSpec)``: the adapter's reading of the run it guards.
-SpecReader = Callable[[], Tuple[Any, Any]]
-
-
-#: glibc's mmap threshold was fixed in this process (:func:`fix_mmap_threshold`): it cannot be
-#: undone, so a second start (Lightning's second ``fit``) neither sets nor logs it again.
-_MMAP_THRESHOLD_PINNED = False
-
-
-def fix_mmap_threshold(model_spec: Any, train_spec: Any) -> bool:
-    """For a run :func:`memguard_core.estimator.trainable.routed_half_precision_on_cpu` names (a mixture-of-experts
-    model computing in bf16 / fp16 on a CPU), fix glibc's mmap threshold at
-    ``probes.MOE_MMAP_THRESHOLD_BYTES`` for the rest of the process (``probes.pin_mmap_threshold``),
-    once per process. What the guard does at train start under ``GuardOptions.trim_heap``; the
-    bench's training children call it to measure a guarded run.
-
-    Returns:
-        True when this call fixed it; False for other runs, when it was fixed before, or where
-        the C library cannot (``probes.pin_mmap_threshold`` never raises).
-    """
-    global _MMAP_THRESHOLD_PINNED
-    from .probes import pin_mmap_threshold
-    from .estimator.trainable import routed_half_precision_on_cpu
-
-    if _MMAP_THRESHOLD_PINNED or not routed_half_precision_on_cpu(model_spec, train_spec):
-        return False
-    _MMAP_THRESHOLD_PINNED = pin_mmap_threshold()
-    return _MMAP_THRESHOLD_PINNED
-
+__all__ = ["Guard", "GuardAttributes", "RunSummary"]
 
 class RunSummary(dict):
     """The run summary (a dict). The MLX adapter's old key names still read, with a
@@ -82,7 +51,7 @@ class RunSummary(dict):
             return default
 
 
-class Guard(WindowRedo):
+class Guard(PreflightMoment, StepHeap, OomRecovery):
     """The lifecycle of one guarded run (see the module doc and docs/lifecycle.md).
 
     Args:
@@ -194,110 +163,6 @@ class Guard(WindowRedo):
         self.monitor.start()
         return self.monitor
 
-    def _record_start(self, k: int) -> None:
-        """Open the run's records (event log, leak check, CUDA snapshots) and record the preflight's
-        changes: one WARNING line and a ``preflight`` decision. Never raises."""
-        try:
-            from .probes import resolve_device
-
-            self.recorder.start(resolve_device(self.options.device), self.budget_bytes)
-            pf = self.preflight
-            if self._nothing_fits_line is not None:   # _nothing_fits logged it at ERROR already
-                self.recorder.decision("preflight", self._nothing_fits_line, step=0, warn=False, micro_batches=k)
-            elif pf is not None and (pf.applied or pf.not_applied):
-                done = sorted({c.reason for c in pf.applied})
-                todo = sorted({c.reason for c in pf.not_applied})
-                self.recorder.decision("preflight", "preflight changed the run: " + "; ".join(done)
-                                       + (("; NOT applied (change it yourself): " + "; ".join(todo)) if todo else "")
-                                       + f" (estimate {pf.estimate.peak_bytes / 2**30:.2f} GiB -> "
-                                       f"{pf.best_peak_bytes / 2**30:.2f} GiB, budget {pf.budget_bytes / 2**30:.2f} GiB)",
-                                       step=0, micro_batches=k)
-        except Exception:
-            self.log.warning("memguard: could not open the run records", exc_info=True)
-
-    def _run_preflight(self, read_specs: SpecReader, enable_checkpointing: Optional[Callable[[], None]],
-                       rows: int, plan_hint: str) -> int:
-        """The preflight moment: returns the micro-batches per batch it asks for (1: none)."""
-        opts = self.options
-        try:
-            self.preflight = pf = self.plan(read_specs, enable_checkpointing)
-        except DoesNotFitError as exc:
-            if opts.fail_fast:
-                raise
-            return self._nothing_fits(exc, enable_checkpointing, rows)
-        except ConfigError as exc:
-            if opts.fail_fast:
-                raise
-            self.log.warning("memguard: preflight skipped: %s; the runtime guard still runs", exc)
-            return 1
-        except Exception:
-            self.log.warning("memguard: preflight failed; the runtime guard still runs", exc_info=True)
-            return 1
-        for line in pf.report_lines():
-            self.log.info("%s", line)
-        if pf.split_factor > 1 and self.split_disabled_reason is not None:
-            ts = pf.plan.train_spec
-            self.log.warning("memguard: the plan needs micro-batch %d x accumulation %d, which cannot be applied "
-                             "in place here (%s)%s", ts.batch_size, ts.grad_accum,
-                             self.split_disabled_reason.split(":")[0], plan_hint)
-        if pf.not_applied and opts.fail_fast:
-            raise DoesNotFitError(pf.shortfall_bytes, pf.budget_bytes, pf.best_peak_bytes,
-                                  [c.reason for c in pf.not_applied])
-        self.budget_bytes = pf.budget_bytes
-        return pf.split_factor
-
-    def plan(self, read_specs: SpecReader, enable_checkpointing: Optional[Callable[[], None]] = None) -> Preflight:
-        """Estimate the run ``read_specs()`` describes, plan it against the budget (the option, else
-        the default budget of its device) below the monitor's warning level, with what this
-        process already holds counted, and turn activation checkpointing on when the plan asks
-        for it. Starts nothing; :meth:`start` calls it for its preflight.
-
-        Raises:
-            ConfigError: the run cannot be read or a setting is invalid.
-            DoesNotFitError: nothing in the allowed search fits.
-        """
-        opts = self.options
-        model_spec, train_spec = read_specs()
-        # the estimate is of the run as guarded: with or without the step-end heap trim
-        train_spec = train_spec.replace(heap_trim=bool(opts.trim_heap))
-        self._specs = (model_spec, train_spec)   # read even when nothing fits (the mmap threshold needs them)
-        budget = opts.budget_bytes
-        if budget is None:
-            budget = default_budget(train_spec.device if opts.device == "auto" else opts.device, opts.safety_ratio)
-        self._plan_budget = int(budget)   # what a nothing-fits line names (the error has the target)
-        apply = tuple(a for a in opts.apply if a != "grad_checkpoint" or enable_checkpointing is not None)
-        # plan below the warning level: a run planned up to the budget would sit at the critical level
-        # from its first step and be split further for nothing
-        pf = plan_in_place(model_spec, train_spec, budget, apply=apply, plan_fraction=opts.thresholds.warning,
-                           resident_bytes=resident_bytes_for(train_spec))
-        if pf.checkpointing_planned and enable_checkpointing is not None:
-            enable_checkpointing()
-        return pf
-
-    def _nothing_fits(self, exc: DoesNotFitError, enable_checkpointing: Optional[Callable[[], None]],
-                      rows: int) -> int:
-        """Nothing fits: the closest the allowed in-place steps get (one-row micro-batches,
-        checkpointing on), the runtime guard watching."""
-        apply = self.options.apply
-        k = rows if "micro_batch" in apply else 1
-        checkpointing = "grad_checkpoint" in apply and enable_checkpointing is not None
-        if checkpointing:
-            try:
-                enable_checkpointing()
-            except Exception:
-                checkpointing = False
-                self.log.warning("memguard: could not enable activation checkpointing", exc_info=True)
-        budget = self._plan_budget or exc.budget_bytes
-        self._nothing_fits_line = (
-            f"preflight: nothing fits the budget of {budget / 2**30:.2f} GiB: the smallest plan is "
-            f"{exc.shortfall_bytes / 2**30:.2f} GiB over the planning target ("
-            f"{self.options.thresholds.warning:.0%} of the budget, the monitor's warning level, less what the "
-            f"process already holds). Training continues with {k} micro-batches per batch"
-            + (" and activation checkpointing" if checkpointing else "") + ", the runtime guard watching. Try: "
-            + "; ".join(exc.suggestions))
-        self.log.error("memguard: %s", self._nothing_fits_line)
-        return k
-
     def _on_event(self, event: MemoryEvent) -> None:
         self.events.append(event.to_dict())  # may run on the monitor's thread: only appends here
         try:
@@ -378,103 +243,6 @@ class Guard(WindowRedo):
         except Exception:
             self.log.debug("memguard: step end not recorded", exc_info=True)
         self._trim_step_heap()
-
-    def _pin_mmap_threshold(self) -> None:
-        """``trim_heap``: :func:`fix_mmap_threshold` for the specs the preflight read (whether or
-        not a plan fitted), before the first forward, logged when it fixes the threshold. The
-        step-end trim returns what a step left; within a step, a bf16 MoE run's freed tensors would
-        otherwise stay resident beside oneDNN's cache entries (docs/monitor.md, "The CPU heap
-        between steps"). Without a preflight (``preflight=False``, or specs that could not be read)
-        nothing is fixed. Never raises."""
-        try:
-            if not (self.options.trim_heap and self._specs is not None):
-                return
-            if fix_mmap_threshold(*self._specs):
-                from .probes import MOE_MMAP_THRESHOLD_BYTES
-
-                mib = MOE_MMAP_THRESHOLD_BYTES / 2**20
-                self.log.info("memguard: glibc's mmap threshold fixed at %g MiB for this process (a mixture-of-"
-                              "experts model in %s on the CPU: tensors of %g MiB and more go back to the kernel "
-                              "when freed instead of staying in the heap as holes; GuardOptions(trim_heap=False) "
-                              "leaves malloc alone)", mib, self._specs[1].dtype, mib)
-        except Exception:
-            self.log.debug("memguard: mmap threshold left alone", exc_info=True)
-
-    def _trim_step_heap(self) -> None:
-        """``trim_heap``: after the step's peak was read, glibc's free heap goes back to the kernel
-        on a CPU device (``probes.trim_heap``). The sizes a step allocates change from step to step
-        (mixture-of-experts routing, ragged batches): new sizes do not fit the holes the last step
-        left, the heap grows, and the holes stay resident and count in RSS until trimmed
-        (docs/monitor.md, "The CPU heap between steps"). Never raises."""
-        try:
-            if self._trim_device is None:
-                from .probes import resolve_device
-
-                # probes.trim_heap itself does nothing off glibc / Linux
-                self._trim_device = bool(self.options.trim_heap and resolve_device(self.options.device) == "cpu")
-            if self._trim_device:
-                from .probes import trim_heap
-
-                trim_heap()
-        except Exception:
-            self._trim_device = False
-            self.log.debug("memguard: heap trim off", exc_info=True)
-
-    def agreed(self, k: int) -> int:
-        """The MAX of ``k`` over ``torch.distributed`` ranks (every rank must cut alike: FSDP /
-        ZeRO-3 gathers would hang otherwise); ``k`` itself outside a process group, or with a
-        warning when the all-reduce fails. Never raises."""
-        try:
-            return frameworks.agree_max(k)
-        except Exception:
-            self.log.warning("memguard: micro-batch all-reduce failed; using the local k", exc_info=True)
-            return k
-
-    def after_oom(self, exc: BaseException, k: int, units_left: int, step: Optional[int],
-                  free: Callable[[], None] = free_caches) -> int:
-        """After an out-of-memory error in a micro-batch's forward (nothing of it kept): the CUDA
-        snapshot of the moment (:meth:`snapshot_oom`, with ``cuda_snapshots``), then double the
-        micro-batches for the ``units_left`` rows (sequences) not yet processed, free memory with
-        ``free`` and return the new k; counts ``oom_retries``.
-
-        Raises:
-            ``exc`` itself when a single row already failed (no split can help).
-        """
-        self.snapshot_oom(step)   # before anything is freed: the moment a user wants to see
-        self._oom_snapshot_taken = False
-        if self.monitor is not None:
-            k_new = split_after_oom(self.monitor, exc, k, units_left, step, self.log, free=free)
-        else:
-            if units_left <= 1 or k >= units_left:
-                raise exc
-            k_new = min(max(2, 2 * k), units_left)
-            gc.collect()
-            free()
-        self.oom_retries += 1
-        return k_new
-
-    _oom_snapshot_taken = False
-
-    def snapshot_oom(self, step: Optional[int], *, peer: bool = False) -> None:
-        """An out-of-memory error was caught: with ``cuda_snapshots`` on, dump this rank's allocator
-        snapshot (``rank{r}_step{n}_oom.pickle``, n = optimizer steps completed, as the event
-        log's ``oom_retry`` record) before anything is freed. :meth:`after_oom` and
-        :meth:`after_window_oom` call it first; an adapter may call it earlier, where the failed
-        step's tensors are still referenced (its ``except`` block), and the guard's own call for
-        that failure then dumps nothing. ``peer``: another rank failed (``_peer-oom``). Never
-        raises."""
-        if self._oom_snapshot_taken:
-            return
-        self._oom_snapshot_taken = True
-        try:
-            self.recorder.oom(step, peer=peer)
-        except Exception:
-            self.log.debug("memguard: OOM snapshot failed", exc_info=True)
-
-    def oom_handled(self) -> None:
-        """The caught out-of-memory error has been dealt with (an adapter's own handling, e.g. an
-        evaluation re-split): the next one dumps its snapshot again (:meth:`snapshot_oom`)."""
-        self._oom_snapshot_taken = False
 
     # ------------------------------------------------------------------ end
     def finish(self, optimizer_steps: int, *, measured_bytes: Optional[Callable[[], Optional[int]]] = None,

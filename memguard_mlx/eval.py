@@ -18,7 +18,7 @@ An allocation failure (Metal; see ``memguard_mlx.trainer``) while a validation m
 evaluated drops the attempt, clears the cache, doubles the validation k and recomputes that batch;
 the training k is never changed by it (a validation failure says nothing the training step has not
 already survived, and changing it would change nothing about validation). One row per micro-batch
-that still fails after the free, or :data:`memguard_core.window.MAX_WINDOW_REDOS` redos of one batch,
+that still fails after the free, or :data:`memguard_core.oom_recovery.MAX_WINDOW_REDOS` redos of one batch,
 raises ``WindowOOMError`` (phase ``validation``).
 """
 
@@ -33,7 +33,7 @@ from mlx_lm.tuner.trainer import default_loss, iterate_batches as _iterate_batch
 
 from memguard_core.errors import WindowOOMError
 from memguard_core.microbatch import merge_empty, split_count
-from memguard_core.window import MAX_WINDOW_REDOS
+from memguard_core.oom_recovery import MAX_WINDOW_REDOS
 
 from . import _compat
 from .memory import is_allocation_error

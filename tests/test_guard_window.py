@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from memguard_core.errors import WindowOOMError
-from memguard_core.guard import MAX_WINDOW_REDOS, Guard
+from memguard_core.guard import Guard
+from memguard_core.oom_recovery import MAX_WINDOW_REDOS
 from memguard_core.options import GuardOptions
 
 OOM = RuntimeError("DefaultCPUAllocator: can't allocate memory")

@@ -1,19 +1,20 @@
-"""The accumulation-window redo of a guarded run: after an out-of-memory error in a backward (or
-the optimizer step) that left the window's gradients partly summed, the micro-batches are raised and
-the whole window is redone, or a ``WindowOOMError`` names the plan that would fit
-(docs/lifecycle.md, "Redoing the accumulation window"). A mixin of
-:class:`memguard_core.guard.Guard`; imports no framework.
+"""What a guarded run does after an out-of-memory error: in a forward, the rows not yet processed are
+redone in more micro-batches; in a backward (or the optimizer step) that left the window's gradients
+partly summed, the micro-batches are raised and the whole accumulation window is redone, or a
+``WindowOOMError`` names the plan that would fit; every rank agrees on the new k. A mixin of
+:class:`memguard_core.guard.Guard`; the rules: docs/lifecycle.md, "Redoing the accumulation window".
 """
 
 from __future__ import annotations
 
+import gc
 from typing import Callable, List, Optional
 
 from . import frameworks
 from .errors import WindowOOMError
-from .microbatch import free_after_oom
+from .microbatch import free_after_oom, free_caches, split_after_oom
 
-__all__ = ["WindowRedo", "MAX_WINDOW_REDOS"]
+__all__ = ["OomRecovery", "MAX_WINDOW_REDOS"]
 
 #: Redos of one accumulation window after which a further OOM raises ``WindowOOMError``: each
 #: redo doubles the micro-batches, so a window that keeps failing at this many doublings fails
@@ -21,11 +22,67 @@ __all__ = ["WindowRedo", "MAX_WINDOW_REDOS"]
 MAX_WINDOW_REDOS = 4
 
 
-class WindowRedo:
-    """The window-redo moments of :class:`memguard_core.guard.Guard` (uses its ``monitor``,
-    ``preflight``, ``recorder``, ``log``, ``agreed``, ``snapshot_oom`` and ``oom_retries``)."""
+class OomRecovery:
+    """The out-of-memory moments of :class:`memguard_core.guard.Guard` (uses its ``monitor``,
+    ``preflight``, ``recorder``, ``log`` and ``oom_retries``)."""
 
     _floor_redone = False
+
+    def agreed(self, k: int) -> int:
+        """The MAX of ``k`` over ``torch.distributed`` ranks (every rank must cut alike: FSDP /
+        ZeRO-3 gathers would hang otherwise); ``k`` itself outside a process group, or with a
+        warning when the all-reduce fails. Never raises."""
+        try:
+            return frameworks.agree_max(k)
+        except Exception:
+            self.log.warning("memguard: micro-batch all-reduce failed; using the local k", exc_info=True)
+            return k
+
+    def after_oom(self, exc: BaseException, k: int, units_left: int, step: Optional[int],
+                  free: Callable[[], None] = free_caches) -> int:
+        """After an out-of-memory error in a micro-batch's forward (nothing of it kept): the CUDA
+        snapshot of the moment (:meth:`snapshot_oom`, with ``cuda_snapshots``), then double the
+        micro-batches for the ``units_left`` rows (sequences) not yet processed, free memory with
+        ``free`` and return the new k; counts ``oom_retries``.
+
+        Raises:
+            ``exc`` itself when a single row already failed (no split can help).
+        """
+        self.snapshot_oom(step)   # before anything is freed: the moment a user wants to see
+        self._oom_snapshot_taken = False
+        if self.monitor is not None:
+            k_new = split_after_oom(self.monitor, exc, k, units_left, step, self.log, free=free)
+        else:
+            if units_left <= 1 or k >= units_left:
+                raise exc
+            k_new = min(max(2, 2 * k), units_left)
+            gc.collect()
+            free()
+        self.oom_retries += 1
+        return k_new
+
+    _oom_snapshot_taken = False
+
+    def snapshot_oom(self, step: Optional[int], *, peer: bool = False) -> None:
+        """An out-of-memory error was caught: with ``cuda_snapshots`` on, dump this rank's allocator
+        snapshot (``rank{r}_step{n}_oom.pickle``, n = optimizer steps completed, as the event
+        log's ``oom_retry`` record) before anything is freed. :meth:`after_oom` and
+        :meth:`after_window_oom` call it first; an adapter may call it earlier, where the failed
+        step's tensors are still referenced (its ``except`` block), and the guard's own call for
+        that failure then dumps nothing. ``peer``: another rank failed (``_peer-oom``). Never
+        raises."""
+        if self._oom_snapshot_taken:
+            return
+        self._oom_snapshot_taken = True
+        try:
+            self.recorder.oom(step, peer=peer)
+        except Exception:
+            self.log.debug("memguard: OOM snapshot failed", exc_info=True)
+
+    def oom_handled(self) -> None:
+        """The caught out-of-memory error has been dealt with (an adapter's own handling, e.g. an
+        evaluation re-split): the next one dumps its snapshot again (:meth:`snapshot_oom`)."""
+        self._oom_snapshot_taken = False
 
     def agree_redo(self, failed: bool) -> bool:
         """Whether any ``torch.distributed`` rank must redo its accumulation window (the MAX of the

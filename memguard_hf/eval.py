@@ -32,10 +32,11 @@ import torch
 from memguard_torch import train_reading as tt
 from memguard_core.errors import ConfigError
 from memguard_core.microbatch import free_after_oom, without_frames as _without_frames
+from memguard_torch.oom import is_oom_error
 
 from . import _compat
 from .loss_weights import watch_items
-from .step import GuardedStep, is_oom_error
+from .rows import units_of
 
 __all__ = ["GuardedEval", "concat_outputs"]
 
@@ -205,7 +206,7 @@ class GuardedEval:
         why_not = self._why_not_split(model, inputs, kwargs)
         if why_not is not None:
             return orig(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
-        units = GuardedStep._units_of(inputs)
+        units = units_of(inputs)
         # the batch's token count taken once, for every chunk and retry (under DDP its gather then
         # runs once per batch, as unsplit: a retry on one rank makes no collective the others miss)
         with _compat.count_items_once(self.trainer, inputs) as counted:
@@ -312,7 +313,7 @@ class GuardedEval:
                 splitter = None
         ranges = splitter.ranges(k) if splitter is not None else []
         if len(ranges) <= 1:
-            self.eval_micro_batch_rows.append(GuardedStep._units_of(inputs))
+            self.eval_micro_batch_rows.append(units_of(inputs))
             return orig(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
         losses, logits, labels, weights, loss_weights = [], [], [], [], []
         for u0, u1 in ranges:

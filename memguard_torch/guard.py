@@ -14,8 +14,9 @@
 
 The lifecycle (preflight, budget, monitor, OOM re-split, window redo, run summary, event log) is
 ``memguard_core.guard.Guard``'s (docs/lifecycle.md); this adapter gives it the loop's batches and
-runs the chunks. The design, what is guaranteed under DDP / FSDP2 / DeepSpeed and the limits are in
-docs/torch_loop.md.
+runs the chunks; what it decides about the run (whether the split can run, the sync points, the
+gradient watch, the splitter) is in ``memguard_torch.guard_setup``. The design, what is guaranteed
+under DDP / FSDP2 / DeepSpeed and the limits are in docs/torch_loop.md.
 """
 
 from __future__ import annotations
@@ -24,23 +25,20 @@ import contextlib
 import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-import torch
-
-from . import train_reading as tt
-from .distributed import flag_group
 from memguard_core.errors import ConfigError
 from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.microbatch import free_after_oom, without_frames as _without_frames
-from .microbatch import BatchSplitter
-from .optim_state import prepare_optimizer
 from memguard_core.options import GuardOptions, option_kwargs, with_guard_options
 
 from . import _compat
+from . import train_reading as tt
 from .batch import LoopBatch as _Batch, batch_units
+from .guard_setup import GradientWatch, check_loop_args, chunk_context, install_sync, loop_splitter, why_no_split
 from .oom import is_oom_error
+from .optim_state import prepare_optimizer
 from .preflight import read_specs, world_size
 from .ranks import RankAgreement
-from .sync import Fsdp1SyncHooks, FsdpSyncHooks, OomSync, PeerOutOfMemoryError
+from .sync import OomSync, PeerOutOfMemoryError
 
 logger = logging.getLogger("memguard.torch")
 
@@ -89,18 +87,7 @@ class TorchGuard(RankAgreement, GuardAttributes):
             raise ConfigError("eval_micro_batches", "not set for TorchGuard (split an evaluation batch "
                               "with guard.chunks(batch))", options["eval_micro_batches"])
         opts = GuardOptions.from_kwargs(**option_kwargs(options, own=own))
-        if model is not None and not isinstance(model, torch.nn.Module):
-            raise ConfigError("model", "a torch.nn.Module, or None", model)
-        if optimizer is not None and not callable(getattr(optimizer, "step", None)):
-            raise ConfigError("optimizer", "a torch optimizer (with a step method), or None", optimizer)
-        if grad_accum is not None and (isinstance(grad_accum, bool) or not isinstance(grad_accum, int)
-                                       or grad_accum < 1):
-            raise ConfigError("grad_accum", "an integer >= 1, or None", grad_accum)
-        if label_key is not None and (isinstance(label_key, bool) or not isinstance(label_key, (str, int))):
-            raise ConfigError("label_key", "a dict key (str), a tuple index (int) or None", label_key)
-        for name, flag in (("shift_labels", shift_labels), ("oom_sync", oom_sync)):
-            if flag is not None and not isinstance(flag, bool):
-                raise ConfigError(name, "True, False or None (auto)", flag)
+        check_loop_args(model, optimizer, grad_accum, label_key, shift_labels, oom_sync)
         _compat.check_version()
         self.options = opts
         self.model, self.optimizer, self.accelerator = model, optimizer, accelerator
@@ -116,8 +103,7 @@ class TorchGuard(RankAgreement, GuardAttributes):
         self._can_recover = True
         self._failure: Optional[BaseException] = None
         self.oom_errors: List[str] = []
-        self._grads_added = False
-        self._handles: List[Any] = []
+        self._grads = GradientWatch()
         self._fsdp_hooks: Optional[Any] = None          # FsdpSyncHooks, or Fsdp1SyncHooks
         self._fsdp1 = False             # set at the first chunks(): the model may be wrapped after __init__
         self._fsdp1_unsynced = False
@@ -129,21 +115,12 @@ class TorchGuard(RankAgreement, GuardAttributes):
         self._started = True
         model, opts = self.model, self.options
         self._fsdp1 = bool(_compat.fsdp1_modules(model))
-        self.guard.split_disabled_reason = self._why_no_split()
+        self.guard.split_disabled_reason = why_no_split(model, self.accelerator)
         if self.guard.split_disabled_reason is not None:
             logger.warning("memguard: in-place micro-batching is off: %s", self.guard.split_disabled_reason)
         if world_size() > 1 and self.oom_sync is not False:
-            self.sync = OomSync(flag_group())   # collective: every rank's first chunks() call
-            if model is not None and _compat.fsdp_modules(model):
-                self._fsdp_hooks = FsdpSyncHooks(model, self.sync)
-            elif model is not None and _compat.fsdp1_modules(model):
-                hooks = Fsdp1SyncHooks(model, self.sync)
-                if hooks.installed:
-                    self._fsdp_hooks = hooks
-                else:
-                    self._fsdp1_unsynced = True
-                    logger.warning("memguard: FSDP1 without OOM sync points (a hybrid sharding strategy or a "
-                                   "communication hook of its own): an out-of-memory error is raised, not redone")
+            # collective: every rank's first chunks() call
+            self.sync, self._fsdp_hooks, self._fsdp1_unsynced = install_sync(model)
         self._manual_reduce = self._ddp is not None and self.sync.group is not None
         # with more than one rank and no sync points, a redo on one rank alone would leave the
         # others in a collective: the error is raised instead (the run ends, as without memguard)
@@ -156,43 +133,9 @@ class TorchGuard(RankAgreement, GuardAttributes):
                                            device=opts.device)) if model is not None else None,
             enable_checkpointing=(lambda: tt.enable_activation_checkpointing(model)) if can_checkpoint else None,
             plan_hint=": set the data loader's batch size and the accumulation steps to these numbers")
-        self._watch_gradients()
+        if model is not None:
+            self._grads.watch(model)
         self._prepare_optimizer()
-
-    def _why_no_split(self) -> Optional[str]:
-        name = type(self.model).__name__ if self.model is not None else ""
-        accel = str(getattr(self.accelerator, "distributed_type", "") or "")
-        if "DeepSpeed" in name or "DEEPSPEED" in accel:
-            return ("DeepSpeed counts micro-steps inside its engine (accelerator.backward steps the engine on "
-                    "an accumulation boundary; ZeRO keeps the window's gradients in its own buffers, which "
-                    "an OOM redo cannot zero). Apply memguard's plan instead: train_micro_batch_size_per_gpu "
-                    "/ k and gradient_accumulation_steps x k (docs/torch_loop.md)")
-        if accel == "DistributedType.FSDP" and not (_compat.fsdp_modules(self.model)
-                                                    or _compat.fsdp1_modules(self.model)):
-            return ("the accelerator runs FSDP but the model given to TorchGuard holds no FSDP module (pass "
-                    "the model accelerator.prepare returned)")
-        if _compat.fsdp1_offloads_params(self.model):
-            return f"{_compat.FSDP1_OFFLOAD_NO_SPLIT}; apply memguard's plan as batch size / k and accumulation x k"
-        return None
-
-    def _watch_gradients(self) -> None:
-        """A post-accumulate-grad hook on every trainable (non-FSDP) parameter: tells an OOM that
-        struck before any gradient was added (the rows not yet processed are redone) from one after
-        (the window is redone)."""
-        if self.model is None:
-            return
-
-        def added(_param):
-            self._grads_added = True
-
-        try:
-            for p in tt.unwrap(self.model).parameters():
-                if p.requires_grad and type(p).__name__ != "DTensor":
-                    self._handles.append(p.register_post_accumulate_grad_hook(added))
-        except Exception:
-            logger.warning("memguard: cannot watch the gradients; every OOM redoes the whole window",
-                           exc_info=True)
-            self._grads_added = True
 
     def _prepare_optimizer(self) -> None:
         """Allocate the optimizer's lazy states before the first forward and make an OOM inside its
@@ -305,39 +248,19 @@ class TorchGuard(RankAgreement, GuardAttributes):
         self.guard.stop()
 
     def _remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._grads.remove()
         if self._fsdp_hooks is not None:
             self._fsdp_hooks.remove()
             self._fsdp_hooks = None
 
     # ------------------------------------------------------------------ one batch
-    def _splitter(self, flat: _Batch) -> BatchSplitter:
-        weighting = self.options.loss_weighting
-        sp = BatchSplitter(flat.mapping, weighting="rows" if weighting == "rows" else "tokens",
-                           shift_labels=self._shift(flat), label_key=flat.label_name)
-        if weighting == "auto" and not sp.has_labels:
-            sp = BatchSplitter(flat.mapping, weighting="rows", shift_labels=False, label_key=flat.label_name)
-        return sp
-
-    def _shift(self, flat: _Batch) -> bool:
-        if self.shift_labels is not None:
-            return self.shift_labels
-        if flat.kind != "map":
-            return False
-        ids, labels = flat.mapping.get("input_ids"), flat.mapping.get(flat.label_name)
-        if not (torch.is_tensor(ids) and torch.is_tensor(labels) and ids.shape == labels.shape):
-            return False
-        return type(tt.unwrap(self.model)).__name__.endswith("ForCausalLM") if self.model is not None else False
-
     def _run_batch(self, batch: Any, k: int, final: bool):
         """Yield the chunks of one batch at ``k``; re-cut the rows not yet processed after an OOM that
         added no gradient on any rank. Returns None when the batch is done, else the error (this
         rank's, or a ``PeerOutOfMemoryError``) that needs the window redone."""
         try:
             flat = _Batch(batch, self.label_key)
-            sp = self._splitter(flat)
+            sp = loop_splitter(flat, self.options.loss_weighting, self.shift_labels, self.model)
         except ValueError:
             top, _low, exc = yield from self._one_chunk(batch, 1.0, self._last_rows, final)
             return None if top == 0 else (exc or PeerOutOfMemoryError("at the end of the micro-batch"))
@@ -369,16 +292,10 @@ class TorchGuard(RankAgreement, GuardAttributes):
         """Yield one chunk; returns ``(max_flag, min_flag, error)`` over the ranks (flags: 0 done,
         1 stopped before adding a gradient, 2 after)."""
         self.guard.micro_batch_rows.append(rows)
-        self._failure, self._grads_added = None, False
+        self._failure = None
+        self._grads.reset()
         self.sync.grads_added = False
-        if self._fsdp1:
-            # every chunk reduce-scatters, also inside an ambient no_sync (accelerator.accumulate),
-            # which would keep FSDP1's unsharded gradients until the window's last backward
-            ctx = _compat.fsdp1_sync_on(self.model)
-        elif self._ddp is not None and (not last or self._manual_reduce):
-            ctx = self._ddp.no_sync()
-        else:
-            ctx = contextlib.nullcontext()
+        ctx = chunk_context(self.model, self._fsdp1, self._ddp, not last or self._manual_reduce)
         self._in_chunk = True
         self.sync.inside = self.sync.group is not None
         if self._fsdp_hooks is not None:
@@ -390,7 +307,7 @@ class TorchGuard(RankAgreement, GuardAttributes):
             self._in_chunk = False
             self.sync.inside = False
         exc, self._failure = self._failure, None
-        flag = 0 if exc is None else (2 if (self._grads_added or self.sync.grads_added) else 1)
+        flag = 0 if exc is None else (2 if (self._grads.added or self.sync.grads_added) else 1)
         top, low = self.sync.end(flag)
         if top == 0:
             self._rows_this_step += rows
@@ -400,7 +317,7 @@ class TorchGuard(RankAgreement, GuardAttributes):
     def _redo_window(self, failure: BaseException, k: int, redos: int) -> int:
         """Zero the window's gradients and return the k to redo it with (``Guard.after_window_oom``;
         every rank passes an error, its own or a peer's, so all raise ``WindowOOMError`` alike)."""
-        phase = "backward" if (self._grads_added or self.sync.grads_added) else "forward"
+        phase = "backward" if (self._grads.added or self.sync.grads_added) else "forward"
         if self.model is not None:
             self.model.zero_grad(set_to_none=True)
         if self.optimizer is not None:

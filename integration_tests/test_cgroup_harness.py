@@ -16,12 +16,10 @@ import time
 
 import pytest
 
-from memguard_testing.cgroup_harness import (
-    CgroupError,
-    CgroupLimitBusyError,
-    MemoryCgroup,
+from memguard_testing.cgroup_errors import CgroupError, CgroupLimitBusyError
+from memguard_testing.cgroup_harness import MemoryCgroup, cgroups_writable
+from memguard_testing.cgroup_locate import (
     MountEntry,
-    cgroups_writable,
     locate_memory_cgroup,
     map_cgroup_path,
     parse_mountinfo,

@@ -10,150 +10,17 @@ in docs/monitor.md.
 
 from __future__ import annotations
 
-import enum
-import math
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
-from .errors import ConfigError, require_fraction, require_int, require_number
+from .errors import ConfigError
 from .monitor_pressure import (AllocRetryEpisodes, AllocRetryPolicy, MemorystatusEpisodes, MemorystatusPolicy,
                                PressureEpisodes, PsiPolicy)
+from .monitor_types import Action, GrowPolicy, Level, MemoryEvent, Thresholds
+from .policy_pressure import PressureDecisions
 
-__all__ = ["Level", "Action", "Thresholds", "PsiPolicy", "GrowPolicy", "MemoryEvent",
-           "PressureEpisodes", "SplitPolicy", "MemorystatusPolicy", "MemorystatusEpisodes",
-           "AllocRetryPolicy", "AllocRetryEpisodes"]
-
-
-class Level(enum.IntEnum):
-    """Memory pressure level (ordered)."""
-
-    OK = 0
-    WARNING = 1
-    CRITICAL = 2
-    EMERGENCY = 3
-
-
-class Action(str, enum.Enum):
-    """What the monitor asks for."""
-
-    NONE = "none"
-    LOG = "log"
-    CLEAN = "clean"
-    SPLIT = "split"
-    GROW = "grow"
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Fractions of the effective budget at which each level starts, and the hysteresis band.
-
-    A level is left only when usage falls below ``threshold - hysteresis`` (prevents flapping
-    around a threshold). Defaults 85 / 90 / 95 %, 5 points of hysteresis.
-
-    Raises:
-        ConfigError: a value outside (0, 1], or not warning < critical < emergency.
-    """
-
-    warning: float = 0.85
-    critical: float = 0.90
-    emergency: float = 0.95
-    hysteresis: float = 0.05
-
-    def __post_init__(self) -> None:
-        for name in ("warning", "critical", "emergency"):
-            require_fraction(f"thresholds.{name}", getattr(self, name))
-        if not (0.0 <= self.hysteresis < self.warning):
-            raise ConfigError("thresholds.hysteresis", f"a number in [0, {self.warning})", self.hysteresis)
-        if not (self.warning < self.critical < self.emergency):
-            raise ConfigError("thresholds", "warning < critical < emergency",
-                              (self.warning, self.critical, self.emergency))
-
-    def level_for(self, usage: float, current: Level) -> Level:
-        """Level for ``usage`` given the ``current`` level (hysteresis on the way down)."""
-        bounds = [(Level.EMERGENCY, self.emergency), (Level.CRITICAL, self.critical),
-                  (Level.WARNING, self.warning)]
-        for level, bound in bounds:
-            if usage >= bound:
-                return level
-            if current >= level and usage >= bound - self.hysteresis:
-                return level
-        return Level.OK
-
-
-@dataclass(frozen=True)
-class GrowPolicy:
-    """When the split factor k may halve again after pressure has gone (see :class:`SplitPolicy`).
-
-    Args:
-        below: usage (fraction of the effective budget) under which a step sample counts as calm;
-            must be <= ``thresholds.warning - thresholds.hysteresis`` (checked by the monitor), so a
-            calm sample is always at the OK level. Default 0.70: a halving of k roughly doubles the
-            per-row part of the peak, and below 70 % there is room for that before the 85 % warning.
-        steps: consecutive calm step samples (micro-batches) needed before a halving (>= 1).
-        seconds: and at least this many seconds since the first calm sample of the stretch (>= 0).
-            Defaults 16 samples and 30 s: longer than PSI's 10 s average and a few optimizer
-            steps, so a co-tenant that pauses briefly does not invite a grow-back.
-        backoff: after a grow-back that failed (undone, or followed by a split within ``steps``
-            samples), the stretch needed for the next attempt is multiplied by this (> 1, default 2:
-            exponential backoff, as in TCP's retransmission timer, RFC 6298 5.5).
-        max_backoff: cap of that multiplier (>= 1, default 32).
-
-    Raises:
-        ConfigError: a value out of range (the error names ``grow.<field>``).
-    """
-
-    below: float = 0.70
-    steps: int = 16
-    seconds: float = 30.0
-    backoff: float = 2.0
-    max_backoff: float = 32.0
-
-    def __post_init__(self) -> None:
-        require_fraction("grow.below", self.below)
-        require_int("grow.steps", self.steps, "an integer >= 1")
-        for name, lo, strict in (("seconds", 0.0, False), ("backoff", 1.0, True), ("max_backoff", 1.0, False)):
-            require_number(f"grow.{name}", getattr(self, name), f"a number {'>' if strict else '>='} {lo:g}",
-                           lo=lo, lo_open=strict)
-
-
-@dataclass
-class MemoryEvent:
-    """One decision of the monitor.
-
-    Attributes:
-        step: optimizer step (``None`` from the background thread between steps).
-        level: pressure level after this sample.
-        action: what was asked for.
-        usage: used / effective budget (0..1+).
-        used_bytes: the process figure compared (step peak or current).
-        budget_bytes: the effective budget at this sample.
-        split: the split factor k after this decision.
-        source: ``step`` (per-step sample), ``background``, ``psi`` (sustained memory pressure,
-            see :class:`PsiPolicy`; ``usage`` is then the latest usage), ``memorystatus`` (macOS
-            pressure, see :class:`MemorystatusPolicy`), ``alloc_retries`` (the CUDA allocator's
-            retries, see :class:`AllocRetryPolicy`) or ``request``. A
-            grow-back (action ``grow``) and its undo (action ``split``) come from ``step``.
-        message: one human line.
-    """
-
-    step: Optional[int]
-    level: Level
-    action: Action
-    usage: float
-    used_bytes: int
-    budget_bytes: int
-    split: int
-    source: str
-    message: str
-    timestamp: float = field(default_factory=time.time)
-
-    def to_dict(self) -> dict:
-        return {"step": self.step, "level": self.level.name.lower(), "action": self.action.value,
-                "usage": round(self.usage, 4), "used_bytes": self.used_bytes,
-                "budget_bytes": self.budget_bytes, "split": self.split, "source": self.source,
-                "message": self.message}
+__all__ = ["SplitPolicy"]
 
 
 def _gib(n: float) -> str:
@@ -166,7 +33,7 @@ def _share(used: float, budget: float, usage: float) -> str:
 
 
 
-class SplitPolicy:
+class SplitPolicy(PressureDecisions):
     """The monitor's decision state: the level, the split factor k, PSI episodes and growing back.
 
     Each ``observe*`` method takes one sample's numbers and returns the :class:`MemoryEvent` it
@@ -380,113 +247,6 @@ class SplitPolicy:
                    f"micro-batches {old} -> {self._split}")
             return MemoryEvent(step, self.level, Action.SPLIT, predicted / budget, predicted, budget,
                                self._split, "step", msg)
-
-    def observe_pressure(self, pressure: Optional[float], now: float, *, step: Optional[int] = None,
-                         used_bytes: int = 0, budget_bytes: int = 0,
-                         act: bool = True) -> Optional[MemoryEvent]:
-        """Feed one PSI reading (``some avg10``, percent) taken at ``now`` (monotonic s), see
-        :class:`PsiPolicy`: the first action of an episode is a clean, later ones split. ``None``
-        (no PSI here) is ignored, as is every reading when ``psi`` is None. With ``act=False`` the
-        reading is recorded but nothing is decided. ``used_bytes`` / ``budget_bytes`` only go into
-        the event.
-
-        Returns the event (action ``clean``, ``split``, or ``log`` when k is at ``max_split``), or
-        None.
-
-        Raises:
-            ValueError: ``pressure`` is not a number in 0..100.
-        """
-        if self.psi is None or pressure is None:
-            return None
-        if isinstance(pressure, bool) or not isinstance(pressure, (int, float)) \
-                or not math.isfinite(pressure) or not (0.0 <= pressure <= 100.0):
-            raise ValueError(f"PSI reading {pressure!r} is not a percentage")
-        p = float(pressure)
-        usage = used_bytes / budget_bytes if budget_bytes > 0 else 0.0
-        with self._lock:
-            self.last_pressure = p
-            hit = self._episodes.feed(p, now, act)
-            return self._pressure_event(hit, "psi", step, usage, used_bytes, budget_bytes)
-
-    def _pressure_event(self, hit: Optional[Tuple[int, str]], source: str, step: Optional[int],
-                        usage: float, used_bytes: int, budget_bytes: int) -> Optional[MemoryEvent]:
-        """The event of an episode's n-th action (lock held): the first cleans, later ones split."""
-        if hit is None:
-            return None
-        nth, what = hit
-        if nth == 1:
-            action, msg = Action.CLEAN, f"{what}: cleaning caches"
-        else:
-            old = self.raise_split()
-            if old is not None:
-                action = Action.SPLIT
-                msg = f"{what} after a clean: splitting micro-batches {old} -> {self._split}"
-            else:
-                action = Action.LOG
-                msg = f"{what}; the micro-batch cannot be split further (k={self._split})"
-        return MemoryEvent(step, self.level, action, usage, int(used_bytes), int(budget_bytes),
-                           self._split, source, msg)
-
-    def observe_memorystatus(self, used_percent: Optional[float], now: float, *,
-                             kernel_level: Optional[str] = None, swap_used_bytes: Optional[int] = None,
-                             step: Optional[int] = None, used_bytes: int = 0, budget_bytes: int = 0,
-                             act: bool = True) -> Optional[MemoryEvent]:
-        """Feed one macOS pressure reading taken at ``now`` (monotonic s), see
-        :class:`MemorystatusPolicy`: ``used_percent`` = 100 - ``kern.memorystatus_level``,
-        ``kernel_level`` ``"normal"`` / ``"warn"`` / ``"critical"``, ``swap_used_bytes`` swap in
-        use (bytes). All None, or ``memorystatus`` None: ignored. With ``act=False`` the reading
-        is recorded but nothing is decided. ``used_bytes`` / ``budget_bytes`` only go into the
-        event (source ``"memorystatus"``).
-
-        Raises:
-            ValueError: ``used_percent`` not a number in 0..100, or ``swap_used_bytes`` negative.
-        """
-        if self._mac_episodes is None or (used_percent is None and kernel_level is None
-                                          and swap_used_bytes is None):
-            return None
-        if used_percent is not None and (isinstance(used_percent, bool)
-                                         or not isinstance(used_percent, (int, float))
-                                         or not math.isfinite(used_percent)
-                                         or not (0.0 <= used_percent <= 100.0)):
-            raise ValueError(f"memorystatus reading {used_percent!r} is not a percentage")
-        if swap_used_bytes is not None and (isinstance(swap_used_bytes, bool)
-                                            or not isinstance(swap_used_bytes, int) or swap_used_bytes < 0):
-            raise ValueError(f"swap in use {swap_used_bytes!r} is not a number of bytes")
-        if kernel_level not in (None, "normal", "warn", "critical"):
-            kernel_level = None
-        usage = used_bytes / budget_bytes if budget_bytes > 0 else 0.0
-        with self._lock:
-            if used_percent is not None:
-                self.last_pressure = float(used_percent)
-            hit = self._mac_episodes.feed(None if used_percent is None else float(used_percent), now,
-                                          kernel=kernel_level, swap_used=swap_used_bytes, act=act)
-            return self._pressure_event(hit, "memorystatus", step, usage, used_bytes, budget_bytes)
-
-    def observe_alloc_retries(self, retries: Optional[int], *, ooms: Optional[int] = None,
-                              step: Optional[int] = None, used_bytes: int = 0, budget_bytes: int = 0,
-                              act: bool = True) -> Optional[MemoryEvent]:
-        """Feed one optimizer step's CUDA allocator counts, see :class:`AllocRetryPolicy`:
-        ``retries`` = ``num_alloc_retries``, ``ooms`` = ``num_ooms`` (cumulative counts, read once
-        per optimizer step). The first action of an episode is a clean, later ones split. ``None``,
-        or ``alloc_retries`` None: ignored. With ``act=False`` the step is counted but nothing is
-        decided. ``used_bytes`` / ``budget_bytes`` only go into the event (source
-        ``"alloc_retries"``).
-
-        Returns the event (action ``clean``, ``split``, or ``log`` when k is at ``max_split``), or
-        None.
-
-        Raises:
-            ValueError: ``retries`` (or ``ooms``) is not a count (an integer >= 0).
-        """
-        if self._retry_episodes is None or retries is None:
-            return None
-        for name, v in (("num_alloc_retries", retries), ("num_ooms", ooms)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"{name} {v!r} is not a count")
-        usage = used_bytes / budget_bytes if budget_bytes > 0 else 0.0
-        with self._lock:
-            hit = self._retry_episodes.feed(retries, ooms, act)
-            return self._pressure_event(hit, "alloc_retries", step, usage, used_bytes, budget_bytes)
 
     # ----- growing back -------------------------------------------------------------------------
     def predict_peak(self, k: int) -> Optional[int]:

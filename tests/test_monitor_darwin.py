@@ -25,7 +25,7 @@ import memguard_core.probes as probes
 from memguard_core.errors import ConfigError
 from memguard_core.monitor import (Action, GrowPolicy, MemoryMonitor, MemorystatusPolicy, PsiPolicy,
                                    pressure_kind)
-from memguard_core.monitor_policy import MemorystatusEpisodes, PressureEpisodes
+from memguard_core.monitor_pressure import MemorystatusEpisodes, PressureEpisodes
 from memguard_core.probes import MemorySnapshot, darwin, host
 from memguard_core.probes.common import reset_warned
 

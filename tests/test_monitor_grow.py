@@ -51,7 +51,7 @@ def test_no_grow_while_usage_is_above_the_lower_threshold():
 
 def test_seconds_are_needed_too(monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr("memguard_core.monitor.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("memguard_core.monitor_policy.time.monotonic", lambda: clock[0])
     mon = make(split=2, planned_split=1, grow=GrowPolicy(below=0.7, steps=2, seconds=10.0))
     for _ in range(5):
         assert step(mon, 0.3) is Action.NONE            # enough samples, no time has passed

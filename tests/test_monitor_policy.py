@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from memguard_core.errors import ConfigError
-from memguard_core.monitor_policy import (Action, GrowPolicy, Level, PressureEpisodes, PsiPolicy,
-                                          SplitPolicy, Thresholds)
+from memguard_core.monitor_policy import SplitPolicy
+from memguard_core.monitor_pressure import PressureEpisodes, PsiPolicy
+from memguard_core.monitor_types import Action, GrowPolicy, Level, Thresholds
 
 GiB = 2**30
 B = 10 * GiB

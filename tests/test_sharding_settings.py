@@ -306,6 +306,7 @@ def test_live_fsdp1_settings(gloo_group, offload, want):
     from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, ShardingStrategy
 
     from memguard_torch import TorchGuard, _compat
+    from memguard_torch.guard_setup import why_no_split
     from memguard_torch.preflight import layout_of
 
     net = _net(torch)
@@ -319,7 +320,7 @@ def test_live_fsdp1_settings(gloo_group, offload, want):
     assert _compat.fsdp1_offloads_params(model) is offload
     guard = TorchGuard(model, torch.optim.AdamW(model.parameters()), budget_gib=16, monitor_interval_s=0,
                        preflight=False, leak_detector=False)
-    why = guard._why_no_split()
+    why = why_no_split(guard.model, guard.accelerator)
     assert (why is not None and "offload" in why) if offload else why is None
 
 

@@ -60,8 +60,8 @@ def child(k: int, ckpt: bool, budget: int) -> dict:
         # peak: the run's peak is the largest of those (and of VmHWM since the last reset)
         out["peak"] = max(hwm, guard.monitor.max_step_peak_bytes)
         pf = guard.preflight
-        out["k"] = guard.monitor.split
-        out["planned_k"] = pf.split_factor if pf else None
+        out["k"] = guard.monitor.micro_batches
+        out["planned_k"] = pf.micro_batches if pf else None
         out["ckpt"] = bool(getattr(model, "is_gradient_checkpointing", False))
         out["splits"] = sum(1 for e in guard.events if e["action"] == "split")
         out["no_fit"] = pf is None

@@ -680,7 +680,7 @@ def _plain_loop(model, batches, lr: float, chunks: int, phase: Dict[str, str], g
         out.update(oom_retries=int(guard.oom_retries), rows=[int(r) for r in guard.micro_batch_rows],
                    optimizer_steps=int(guard.optimizer_steps),
                    oom_errors=[str(e)[:300] for e in (guard.oom_errors or [])][:6],
-                   split=(summary or {}).get("split"))
+                   micro_batches=(summary or {}).get("micro_batches"))
     return out
 
 

@@ -115,7 +115,7 @@ def scenario(name: str, take_mib: int, mid_step: bool) -> dict:
             "top_usage": None if top is None else top["usage"], "top_level": None if top is None else top["level"],
             "reaction_s": None if first_small is None else first_small[0] - t_cross,
             "old_forwards": len(old), "source": "-" if decided is None else decided["source"],
-            "k": r["guard"]["split"], "steps": r["global_step"], "max_steps": steps,
+            "k": r["guard"]["micro_batches"], "steps": r["global_step"], "max_steps": steps,
             "step_s": r["wall_s"] / steps}
 
 

@@ -81,12 +81,12 @@ def test_preflight_fits_the_run_to_the_container_limit(memory_cgroup, tmp_path):
                    env=child_env(), timeout=300)
     r = _assert_completed(res_g, out_g, steps)
     g = r["guard"]
-    assert g["preflight_split"] >= 2 and g["max_forward_rows"] <= 8, g
+    assert g["preflight_micro_batches"] >= 2 and g["max_forward_rows"] <= 8, g
     assert g["budget_bytes"] < limit  # the default budget came from the container, not the host
     assert res_g.max_usage_bytes < limit
     _report("preflight", limit_mib=limit // MiB,
             unguarded=f"rc={res_u.returncode} oom_kills={res_u.oom_kills} after {res_u.wall_s:.1f}s",
-            guarded=f"rc=0 split={g['split']} preflight_split={g['preflight_split']} "
+            guarded=f"rc=0 split={g['micro_batches']} preflight_micro_batches={g['preflight_micro_batches']} "
                     f"changes={g['preflight_changes']} steps={r['global_step']}",
             guarded_cgroup_peak_mib=round(res_g.max_usage_bytes / MiB),
             guarded_step_peak_mib=round((g["summary"]["measured_peak_bytes"] or 0) / MiB),
@@ -135,14 +135,14 @@ def test_runtime_cotenant_takes_memory_mid_run(memory_cgroup, tmp_path):
     r = read_result(out_g)
     assert r is not None and r["global_step"] == steps
     g = r["guard"]
-    assert g["preflight_split"] == 1  # it started fitting, unsplit
+    assert g["preflight_micro_batches"] == 1  # it started fitting, unsplit
     splits = [e for e in g["events"] if e["action"] == "split"]
     assert splits and splits[0]["step"] == pause_at, g["events"]  # split at the first step after
-    assert g["split"] >= 2 and g["samples_per_step"] == [16] * steps
+    assert g["micro_batches"] >= 2 and g["samples_per_step"] == [16] * steps
     assert peak_g < RUNTIME_LIMIT
     _report("runtime", limit_mib=RUNTIME_LIMIT // MiB, cotenant_mib=take // MiB,
             unguarded=f"rc={rc_u} oom_kills={oom_u} at step {pause_at + 1}",
-            guarded=f"rc=0 split 1->{g['split']} at step {splits[0]['step']} steps={r['global_step']}",
+            guarded=f"rc=0 split 1->{g['micro_batches']} at step {splits[0]['step']} steps={r['global_step']}",
             guarded_cgroup_peak_mib=round(peak_g / MiB), wall_s=round(wall_u + wall_g, 1))
 
 

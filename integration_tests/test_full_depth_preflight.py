@@ -29,8 +29,8 @@ def test_room_to_spare_changes_nothing(tmp_path):
     assert plain["layers"] == 30 and plain["global_step"] == 1
     budget = int(plain["peak"] / 0.70)
     guarded = _run(budget, str(tmp_path / "guarded"))
-    assert guarded["changes"] == [] and guarded["split_factor"] == 1, guarded
-    assert guarded["forward_rows"] == [plain["rows"]] and guarded["final_split"] == 1, guarded
+    assert guarded["changes"] == [] and guarded["micro_batches"] == 1, guarded
+    assert guarded["forward_rows"] == [plain["rows"]] and guarded["final_micro_batches"] == 1, guarded
     assert guarded["global_step"] == 1
     # the estimate is within the accuracy the gate holds the bench to: not under by more than 5 %
     assert guarded["estimate"] >= 0.95 * plain["peak"], (guarded["estimate"], plain["peak"])

@@ -83,15 +83,15 @@ def test_grow_back_after_a_cotenant_leaves(memory_cgroup, tmp_path):
     rows = _rows_by_step(out)
     assert rows[arrive - 1] == [16]                               # unsplit before the co-tenant
     assert max(rows[arrive]) < 16                                 # split from the next forward on
-    acts = [(e["action"], e["split"]) for e in g["events"] if e["action"] in ("split", "grow")]
+    acts = [(e["action"], e["micro_batches"]) for e in g["events"] if e["action"] in ("split", "grow")]
     first_grow = next(i for i, (a, _) in enumerate(acts) if a == "grow")
     assert all(a == "split" for a, _ in acts[:first_grow])
     assert all(a == "grow" for a, _ in acts[first_grow:]), acts    # no undo, no re-split
-    assert acts[-1] == ("grow", 1) and g["split"] == 1
+    assert acts[-1] == ("grow", 1) and g["micro_batches"] == 1
     ks = [16 // max(rows[s]) for s in sorted(rows)]               # k of each optimizer step
     assert _is_valley(ks) and ks[-1] == 1 and max(ks) >= 2, ks
     print(f"\ngrow-back (cgroup {limit // MiB} MiB, co-tenant {take // MiB} MiB steps {arrive}-{leave}): "
-          f"k per step {ks}; peaks {g['peak_at_split']}; wall {r['wall_s']} s")
+          f"k per step {ks}; peaks {g['peak_at_micro_batches']}; wall {r['wall_s']} s")
 
 
 class Squeeze(TrainerCallback):
@@ -120,12 +120,12 @@ def test_grow_back_after_the_budget_returns(tmp_path):
     trainer.train()
     assert trainer.state.global_step == steps and guard.samples_per_step == [8] * steps
     ev = guard.events
-    acts = [(e["action"], e["split"]) for e in ev if e["action"] in ("split", "grow")]
+    acts = [(e["action"], e["micro_batches"]) for e in ev if e["action"] in ("split", "grow")]
     assert acts[0][0] == "split"
     first_grow = next(i for i, (a, _) in enumerate(acts) if a == "grow")
     assert all(a == "split" for a, _ in acts[:first_grow])
     assert all(a == "grow" for a, _ in acts[first_grow:]), acts
-    assert guard.monitor.split == 1 and acts[-1] == ("grow", 1)
+    assert guard.monitor.micro_batches == 1 and acts[-1] == ("grow", 1)
     # one forward per row chunk: k of each optimizer step from the rows of its forwards
     ks, i = [], 0
     fr = guard.micro_batch_rows

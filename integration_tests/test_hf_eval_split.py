@@ -108,7 +108,7 @@ def test_eval_split_never_changes_the_training_split(tmp_path):
     evals1 = [h["eval_loss"] for h in split.state.log_history if "eval_loss" in h]
     assert len(evals1) == len(evals0) == 3
     assert evals1 == pytest.approx(evals0, rel=1e-5)
-    assert set(cb.micro_batch_rows) == {8} and cb.monitor.split == 1
+    assert set(cb.micro_batch_rows) == {8} and cb.monitor.micro_batches == 1
     assert max(cb.eval_micro_batch_rows) == 2
 
 
@@ -156,7 +156,7 @@ def test_real_eval_oom_never_ends_training(tmp_path):
     assert guarded["eval_losses"] == pytest.approx(ref["eval_losses"], rel=1e-6, abs=0)
     assert guarded["eval_oom_retries"] >= 1 and guarded["eval_micro_batches"] >= 2
     # the training split never moved: every training forward ran the whole 2-row batch
-    assert guarded["rows"] == [2, 2] and guarded["split"] == 1 and guarded["oom_retries"] == 0
+    assert guarded["rows"] == [2, 2] and guarded["micro_batches"] == 1 and guarded["oom_retries"] == 0
     worst = max(max(abs(a - b) for a, b in zip(ref["params"][n], guarded["params"][n])) for n in ref["params"])
     assert worst < 1e-6, f"parameters differ from the unlimited run by {worst}"
     decisions = [r for r in read_events(guarded["event_log"]) if r.get("type") == "decision"]
@@ -298,7 +298,7 @@ def test_ddp_one_rank_eval_oom(tmp_path):
         worst = max(max(abs(x - y) for x, y in zip(b["params"][n], g["params"][n])) for n in b["params"])
         assert worst < 1e-6, f"rank {r}: parameters differ from the unlimited run by {worst}"
         # the training split never moved: every training forward ran the whole 2-row batch
-        assert g["rows"] == [2, 2] and g["split"] == 1 and g["oom_retries"] == 0
+        assert g["rows"] == [2, 2] and g["micro_batches"] == 1 and g["oom_retries"] == 0
     limited, free = guarded[1], guarded[0]
     assert limited["limit"] > 0 and free["limit"] == 0
     assert limited["eval_oom_retries"] >= 1 and limited["eval_micro_batches"] >= 2

@@ -73,7 +73,7 @@ def test_fsdp2_split_equals_hf_unsplit_run(tmp_path):
     assert rows == split[0]["forward_rows"] and min(rows) < max(rows)   # rank 1 followed rank 0's split
     for r in (0, 1):   # the preflight read FSDP2 full shard from the Trainer's accelerator
         assert split[r]["layout"] == {"world_size": 2, "sharding": "fsdp-full", "fsdp_version": 2,
-                                      "offload": "none", "applied": [], "split": 1}
+                                      "offload": "none", "applied": [], "micro_batches": 1}
 
 
 def test_fsdp1_split_reduce_scatters_every_chunk_and_equals_hf_unsplit_run(tmp_path):

@@ -107,7 +107,7 @@ def test_oom_in_forward_is_retried_with_a_finer_split(tmp_path):
     split.model.register_forward_pre_hook(too_big, with_kwargs=True)
     split.train()
     assert guard.oom_retries == 1
-    assert guard.monitor.split == 2
+    assert guard.monitor.micro_batches == 2
     assert guard.micro_batch_rows[:3] == [8, 4, 4]  # the failed forward, then its two halves
     assert guard.samples_per_step == [16] * 3
     _assert_same_run(base, split)
@@ -145,7 +145,7 @@ def test_ddp_gloo_two_ranks_agree(tmp_path):
     # the preflight of the base run read DDP and its bucket size from the Trainer (a per-rank estimate)
     for r in (0, 1):
         assert outs["base"][r]["layout"] == {"world_size": 2, "sharding": "ddp", "bucket_cap_mb": 10,
-                                             "gradient_as_bucket_view": False, "applied": [], "split": 1}
+                                             "gradient_as_bucket_view": False, "applied": [], "micro_batches": 1}
     assert min(outs["split"][1]["forward_rows"]) < max(outs["split"][1]["forward_rows"])
 
 

@@ -59,7 +59,7 @@ def test_the_plan_reaches_the_arguments_and_the_run_keeps_its_effective_batch(tm
     trainer = Trainer(model=model, args=new, train_dataset=ds, data_collator=pad_collate, callbacks=[guard])
     trainer.train()
     assert trainer.state.global_step == 2
-    assert guard.preflight.split_factor == 1
+    assert guard.preflight.micro_batches == 1
     assert guard.samples_per_step == [16, 16]
 
 
@@ -67,7 +67,7 @@ def test_a_run_that_fits_keeps_its_arguments(tmp_path):
     model, ds = tiny_llama(0), RowsDataset(64)
     args = _args(tmp_path)
     new, pf = plan_training_arguments(model, args, train_dataset=ds, budget_bytes=64 * 2**30)
-    assert new is args and pf.split_factor == 1
+    assert new is args and pf.micro_batches == 1
 
 
 def test_unknown_option_names_itself(tmp_path):

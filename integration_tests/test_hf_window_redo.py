@@ -52,7 +52,7 @@ def test_backward_oom_redoes_the_window(tmp_path, at, k0):
     pb, pr = params(base), params(run)
     worst = max((pb[n] - pr[n]).abs().max().item() for n in pb)
     assert worst < 2e-5, f"parameters differ by {worst}"
-    assert guard.monitor.split == 2 * k0
+    assert guard.monitor.micro_batches == 2 * k0
 
 
 def test_backward_oom_at_one_row_raises_the_plan(tmp_path):

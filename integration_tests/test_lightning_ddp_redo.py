@@ -100,7 +100,7 @@ def test_one_rank_real_oom_in_the_synchronised_backward_is_redone_by_both(tmp_pa
         assert "failed" not in g, g.get("error")
         assert g["steps"] == 2
         assert g["oom_retries"] == 1                        # rank 0 redid the window with rank 1
-        assert g["split"] == 2
+        assert g["micro_batches"] == 2
         # Unsplit, then the failed window again in halves and the rest in halves. Step 1 holds no
         # AdamW states yet, so its backward peak sits below step 2's by about their size: the limit
         # bites in step 1's backward, or where that peak stays just under it, in step 2's.

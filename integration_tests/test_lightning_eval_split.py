@@ -107,7 +107,7 @@ def test_eval_oom_doubles_k_eval_only(base_run):
     ts, ms, rs = fit(guard=guard, val_loader=make_val_loader(), val_check_interval=4, module_hook=hook)
     assert guard.evals.oom_retries == 2 and guard.evals.micro_batches == 4
     assert guard.evals.rows[:6] == [12, 6, 3, 3, 3, 3]    # 12 fails, its first 6-row half fails, then 3s
-    assert guard.monitor.split == 1 and guard.oom_retries == 0
+    assert guard.monitor.micro_batches == 1 and guard.oom_retries == 0
     assert rs.batches == [[8]] * 16
     assert [m["val_loss"] for m in rs.val_metrics] == pytest.approx([m["val_loss"] for m in rb.val_metrics],
                                                                   rel=1e-5)
@@ -150,7 +150,7 @@ def test_real_validation_oom_is_survived(tmp_path):
     assert "failed" not in guarded, guarded.get("error")
     assert guarded["steps"] == 3
     assert guarded["eval_oom_retries"] >= 1 and guarded["eval_k"] >= 2
-    assert guarded["split"] == 1 and guarded["oom_retries"] == 0 and set(guarded["rows"]) == {8}
+    assert guarded["micro_batches"] == 1 and guarded["oom_retries"] == 0 and set(guarded["rows"]) == {8}
     assert guarded["val_losses"] == pytest.approx(reference["val_losses"], rel=1e-5)
     ref, got = reference["params"], guarded["params"]
     assert max(max(abs(a - b) for a, b in zip(ref[n], got[n])) for n in ref) < 1e-6

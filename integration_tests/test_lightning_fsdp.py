@@ -74,7 +74,7 @@ def test_fsdp_split_in_place_equals_the_unsplit_run(tmp_path, version):
         worst = max((s["params"][n] - p["params"][n]).abs().max().item() for n in p["params"])
         assert worst < 2e-5
         assert s["layout"] == {"world_size": 2, "sharding": "fsdp-full", "fsdp_version": int(version),
-                               "applied": [], "split": 1}
+                               "applied": [], "micro_batches": 1}
         if version == "1":
             # unguarded, FSDP1's no_sync (Lightning's block_backward_sync) reduces once per unit per
             # optimizer step; guarded, every micro-batch's backward reduce-scatters every unit

@@ -133,7 +133,7 @@ def test_preflight_under_a_tight_budget_splits_in_place(base_runs, monkeypatch):
     assert pf is not None
     assert pf.train_spec == ts  # read from the trainer, module, dataset and first batch
     assert len(measured_file_pages) == 1 and measured_file_pages[0] > 0  # RssFile read at train start
-    assert pf.split_factor == 2
+    assert pf.micro_batches == 2
     assert pf.plan.train_spec.batch_size == 4 and pf.plan.train_spec.grad_accum == 4
     assert {c.field for c in pf.applied} == {"grad_checkpoint", "batch_size", "grad_accum"}
     assert not pf.not_applied
@@ -182,7 +182,7 @@ def test_oom_in_forward_is_retried_with_a_finer_split(base_runs):
     split = fit(guard=guard, module_hook=lambda m: m.model.register_forward_pre_hook(too_big, with_kwargs=True))
     rec = split[2]
     assert guard.oom_retries == 1
-    assert guard.monitor.split == 2
+    assert guard.monitor.micro_batches == 2
     assert guard.micro_batch_rows[:3] == [8, 4, 4]  # the failed forward, then its two halves
     assert rec.batches == [[4, 4]] * 16  # forwards that completed (the hook raised before the recorder's)
     assert guard.samples_per_step == [16] * 8
@@ -231,7 +231,7 @@ def test_lightning_ddp_gloo_two_ranks_agree(tmp_path):
         worst = max((s["params"][n] - b["params"][n]).abs().max().item() for n in b["params"])
         assert worst < 2e-5
         # the base run's preflight read DDP and its bucket size from the strategy (a per-rank estimate)
-        assert b["layout"] == {"world_size": 2, "sharding": "ddp", "bucket_cap_mb": 10, "applied": [], "split": 1}
+        assert b["layout"] == {"world_size": 2, "sharding": "ddp", "bucket_cap_mb": 10, "applied": [], "micro_batches": 1}
     # DDP kept the ranks' replicas identical
     p0, p1 = out[("split", 0)]["params"], out[("split", 1)]["params"]
     assert max((p0[n] - p1[n]).abs().max().item() for n in p0) == 0.0
@@ -248,7 +248,7 @@ def test_memory_figures_reach_the_logger_on_lightnings_logging_steps(tmp_path):
     class AskSplit(pl.Callback):   # an event at batch 6 = optimizer step 3, not a logging step
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == 6:
-                guard.monitor.request_split(2, "asked by the test", trainer.global_step)
+                guard.monitor.request_micro_batches(2, "asked by the test", trainer.global_step)
 
     fit(guard=guard, logger=CSVLogger(str(tmp_path), name="run"), log_every_n_steps=3,
         extra_callbacks=[AskSplit()])

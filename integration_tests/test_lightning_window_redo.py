@@ -93,7 +93,7 @@ def test_backward_oom_redoes_the_window(tmp_path, placed, accum):
     assert "failed" not in guarded, guarded.get("error")
     assert guarded["steps"] == 2
     assert guarded["oom_retries"] >= 1                     # the OOM path acted
-    assert guarded["split"] >= 2
+    assert guarded["micro_batches"] >= 2
     assert 8 in guarded["rows"] and 4 in guarded["rows"]   # unsplit, then redone in halves
     assert guarded["samples_per_step"] == [8 * accum] * 2  # samples per optimizer step kept
     _assert_same_params(guarded, reference)
@@ -107,7 +107,7 @@ def test_probe_reads_the_limit_and_prevents_the_failure(tmp_path, placed):
     guarded = _run(tmp_path, limit, "probe")
     assert "failed" not in guarded, guarded.get("error")
     assert guarded["steps"] == 2 and guarded["oom_retries"] == 0
-    assert guarded["split"] > 1 and max(guarded["rows"]) < 8 and guarded["samples_per_step"] == [8, 8]
+    assert guarded["micro_batches"] > 1 and max(guarded["rows"]) < 8 and guarded["samples_per_step"] == [8, 8]
     _assert_same_params(guarded, reference)
 
 

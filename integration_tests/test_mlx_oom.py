@@ -89,14 +89,14 @@ def test_metal_oom_in_a_micro_batch_redoes_the_batch_from_its_first_chunk(tmp_pa
     run = run_tiny(tmp_path, "oom", guarded=True, guard=guard, batches=_counting_batches(draws))
 
     at6 = [(rows, raised) for it, rows, raised in log if it == 6]
-    print("split history:", guard.split_history, " evaluations at iteration 6:", at6)
+    print("split history:", guard.micro_batches_history, " evaluations at iteration 6:", at6)
     assert [r for _, r in at6] == [False, True] + [False] * (len(at6) - 2)  # redone from micro-batch 1
     assert sum(rows for rows, _ in at6[2:]) == 8 and len(at6) - 2 >= 3  # the whole batch, in more pieces
     # every iteration ran, nothing drawn twice, samples per update exact
     assert len(draws) == 10 and guard.summary["iterations"] == 10
     assert guard.optimizer_steps == 5 and guard.samples_per_step == [16] * 5
     # k raised (2 -> 4) at iteration 6 and kept after; the event recorded
-    assert guard.split_history == [(1, 2), (6, 4)] and guard.oom_retries == 1
+    assert guard.micro_batches_history == [(1, 2), (6, 4)] and guard.oom_retries == 1
     oom_events = [e for e in guard.events if "out of memory in the forward and backward" in str(e)]
     assert len(oom_events) == 1, guard.events
     assert [(r["kind"], r["micro_batches"]) for r in _decisions(tmp_path / "events")] == [("oom_retry", 4)]
@@ -120,7 +120,7 @@ def test_metal_oom_at_one_row_per_micro_batch_raises_window_oom_error_with_the_p
     assert err.phase == "forward and backward" and err.rows == 8 and err.micro_batches == 8
     assert "out of memory" in str(err) and err.plan and METAL_OOM in str(err)
     # 1 -> 2 -> 4 -> 8 rows' worth, then one more try at one row per micro-batch after the free
-    assert [k for it, k in guard.split_history if it == 3] == [2, 4, 8]
+    assert [k for it, k in guard.micro_batches_history if it == 3] == [2, 4, 8]
     failed_rows = [rows for it, rows, raised in log if it == 3 and raised]  # first micro-batch of each try
     assert len(failed_rows) == 5 and failed_rows[0] == 8 and failed_rows[-2:] == [1, 1]  # token-balanced cuts
     assert guard.summary is not None and guard.summary["iterations"] == 3  # the guard stopped cleanly
@@ -184,7 +184,7 @@ def test_metal_oom_in_validation_raises_only_the_validation_k(tmp_path, monkeypa
     print("validation at iteration 5 (rows, raised):", at5, " history:", guard.validation.history)
     assert at5[:2] == [(8, False), (8, True)] and sum(r for r, _ in at5[2:]) == 8 and len(at5) >= 4
     assert guard.validation.history == [(1, 1), (5, 1), (5, 2), (10, 2)]  # raised, and kept for later passes
-    assert guard.split_history == [(1, 1)]  # training never cut
+    assert guard.micro_batches_history == [(1, 1)]  # training never cut
     assert guard.oom_retries == 1 and max(guard.micro_batch_rows) == 8
     assert [(r["kind"], r["phase"], r["micro_batches"], r["step"]) for r in _decisions(tmp_path / "events")] == [
         ("oom_retry", "validation", 2, 5)]

@@ -29,7 +29,7 @@ def _switching_batches(guard: MlxGuard, at: int, k: int):
     def batches(**kw):
         for i, b in enumerate(iterate_batches(**kw)):
             if i == at:
-                guard.monitor.request_split(k, "test: switch mid-run")
+                guard.monitor.request_micro_batches(k, "test: switch mid-run")
             yield b
 
     return batches
@@ -42,7 +42,7 @@ def test_split_switch_mid_run_matches_unguarded_mlx_lm(tmp_path):
     # between the two batches of update 3
     run = run_tiny(tmp_path, "split", guarded=True, guard=guard, batches=_switching_batches(guard, 5, 4))
     print(f"\nunguarded mlx_lm: {ref['secs']:.1f}s, guarded with k 1->4 at it 6: {run['secs']:.1f}s")
-    assert guard.split_history == [(1, 1), (6, 4)]
+    assert guard.micro_batches_history == [(1, 1), (6, 4)]
     assert guard.optimizer_steps == 5
     assert max(guard.micro_batch_rows) == 8 and min(guard.micro_batch_rows) < 8
     assert_same_run(ref, run)
@@ -59,7 +59,7 @@ def test_qwen2_guarded_unsplit_and_split_from_start(tmp_path):
     assert_same_run(ref, same, atol=1e-6)
     k2 = run_tiny(tmp_path, "k2", guarded=True, arch="qwen2",
               guard=MlxGuard(budget_bytes=2**30, monitor_interval_s=0, micro_batches=2))
-    assert k2["guard"].split_history == [(1, 2)]
+    assert k2["guard"].micro_batches_history == [(1, 2)]
     assert_same_run(ref, k2)
 
 
@@ -119,11 +119,11 @@ def test_allocation_failure_doubles_k_and_redoes_the_batch(tmp_path, monkeypatch
     monkeypatch.setattr(tr, "_eval_gradient", tight_eval)
     guard = MlxGuard(budget_bytes=2**30, monitor_interval_s=0)
     run = run_tiny(tmp_path, "oom", guarded=True, guard=guard)
-    ks = [k for _, k in guard.split_history]
-    print("split history:", guard.split_history)
+    ks = [k for _, k in guard.micro_batches_history]
+    print("split history:", guard.micro_batches_history)
     # k doubled at each failure (token-balanced chunks may still hold 3 of 8 rows at k=4)
     assert ks[0] == 1 and ks[1:] == [2 ** i for i in range(1, len(ks))] and guard.oom_retries == len(ks) - 1
-    assert {it for it, _ in guard.split_history[1:]} == {3}  # all on the same batch, redone
+    assert {it for it, _ in guard.micro_batches_history[1:]} == {3}  # all on the same batch, redone
     rows_after = guard.micro_batch_rows[2:]  # batches 1-2 ran unsplit (8 rows each)
     assert guard.micro_batch_rows[:2] == [8, 8] and max(rows_after) <= 2
     assert_same_run(ref, run)

@@ -110,5 +110,5 @@ def test_probe_reads_the_limit_and_prevents_the_failure(tmp_path, reference):
     guarded = _run(tmp_path, limit, "probe")
     assert "failed" not in guarded, guarded.get("error")
     assert guarded["steps"] == 2 and guarded["oom_retries"] == 0
-    assert guarded["split"] > 1 and guarded["samples_per_step"] == [8, 8]
+    assert guarded["micro_batches"] > 1 and guarded["samples_per_step"] == [8, 8]
     _assert_same_params(guarded, reference)

@@ -40,7 +40,7 @@ def test_hf_run_leaves_event_log_log_history_and_warnings(tmp_path, caplog):
     class AskSplit(SwitchSplit):  # a real request through the monitor, as pressure would make it
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == 2:
-                self.guard.monitor.request_split(2, "asked by the test", state.global_step)
+                self.guard.monitor.request_micro_batches(2, "asked by the test", state.global_step)
 
     trainer.add_callback(AskSplit(guard))
     with caplog.at_level(logging.WARNING):
@@ -271,7 +271,7 @@ def test_nothing_fits_is_a_preflight_record_naming_the_users_budget(tmp_path, ca
     with caplog.at_level(logging.WARNING):
         trainer.train()
     pre = [r for r in read_events(_log_file(tmp_path / "log")) if r["type"] == "decision" and r["kind"] == "preflight"]
-    assert len(pre) == 1 and pre[0]["step"] == 0 and pre[0]["micro_batches"] == guard.summary["split"] > 1
+    assert len(pre) == 1 and pre[0]["step"] == 0 and pre[0]["micro_batches"] == guard.summary["micro_batches"] > 1
     assert "nothing fits the budget of 0.30 GiB" in pre[0]["message"] and "planning target (85% of the budget" in pre[0]["message"]
     ours = [r.getMessage() for r in caplog.records if r.name.startswith("memguard") and r.levelno >= logging.WARNING]
     assert any("memory emergency" in m for m in ours)

@@ -66,7 +66,7 @@ def test_plain_loop_split_equals_unsplit():
     base, _, _ = _loop(1, pad_collate, guarded=False)
     split, guard, summary = _loop(3, pad_collate)
     assert _max_diff(base, split) < ATOL
-    assert summary["optimizer_steps"] == 3 and summary["split"] == 3
+    assert summary["optimizer_steps"] == 3 and summary["micro_batches"] == 3
     assert len(guard.micro_batch_rows) == 9            # three micro-batches per batch
     assert summary["samples_per_step"] == [8]          # rows per optimizer step
     assert guard.preflight is not None                  # read from the live module

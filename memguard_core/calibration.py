@@ -261,18 +261,18 @@ def record(model_spec: Any, train_spec: Any, estimated_bytes: int, measured_byte
     return bool(_retry(ins, "record"))
 
 
-def record_preflight(preflight: Any, measured_bytes: Optional[int], *, split: Optional[int] = None) -> bool:
+def record_preflight(preflight: Any, measured_bytes: Optional[int], *, micro_batches: Optional[int] = None) -> bool:
     """Record an adapter's run from its ``memguard_core.preflight.Preflight``: the planned settings
     (what ran) and their uncorrected estimate plus the resident memory preflight counted, against
-    ``measured_bytes``. ``split``: the micro-batch split the run ended with; a run the guard split
+    ``measured_bytes``. ``micro_batches``: the micro-batches per batch the run ended with; a run the guard split
     further than planned did not run the planned settings and is not recorded. Returns True when
     stored; never raises."""
     try:
         if preflight is None or not measured_bytes:
             return False
-        if split is not None and int(split) != int(preflight.split_factor):
-            logger.debug("memguard calibration: not recorded (split %s at the end, %s planned)", split,
-                         preflight.split_factor)
+        if micro_batches is not None and int(micro_batches) != int(preflight.micro_batches):
+            logger.debug("memguard calibration: not recorded (%s micro-batches at the end, %s planned)", micro_batches,
+                         preflight.micro_batches)
             return False
         est = preflight.plan.estimate
         raw = int(est.phases.get(est.phase, est.peak_bytes)) + int(preflight.resident_extra_bytes or 0)

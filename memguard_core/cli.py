@@ -38,7 +38,7 @@ FLAG_OF = {
     "model_params": "--model-params", "hidden_dim": "--hidden-dim", "num_layers": "--num-layers",
     "num_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "model_bits": "--model-bits",
     "vocab_size": "--vocab-size", "intermediate_size": "--intermediate-size",
-    "budget_bytes": "--budget-gib", "safety_ratio": "--safety-ratio", "ranks": "--ranks",
+    "budget_bytes": "--budget-gib", "safety_ratio": "--safety-ratio",
     "world_size": "--world-size", "sharding": "--sharding", "offload": "--offload",
     "shard_group_size": "--shard-group-size", "deepspeed": "--deepspeed", "zero_buckets": "--deepspeed",
 }
@@ -158,7 +158,6 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                         "not with --sharding / --offload")
     t.add_argument("--shard-group-size", type=int, default=None,
                    help="ranks per shard group; only with --sharding fsdp-hybrid [--world-size]")
-    t.add_argument("--ranks", type=int, default=None, help=argparse.SUPPRESS)  # deprecated: --world-size
     b = p.add_argument_group("planning (optional)")
     b.add_argument("--budget-gib", type=float, help="plan against this budget (GiB); not with --available-gib")
     b.add_argument("--available-gib", type=float,
@@ -388,7 +387,7 @@ def _train_spec(args, model_spec):
     if args.budget_gib is not None and args.available_gib is not None:
         raise ConfigError("--budget-gib", "not given together with --available-gib (one budget: --budget-gib "
                           "as is, or --available-gib x --safety-ratio)", args.budget_gib)
-    world = args.ranks if args.ranks is not None else args.world_size
+    world = args.world_size
     sharding, offload, zero_buckets = args.sharding, args.offload, None
     if getattr(args, "deepspeed", None):
         from .deepspeed_config import zero_settings
@@ -434,7 +433,7 @@ def _train_spec(args, model_spec):
                      attn_impl=args.attn, framework=args.framework,
                      device=args.device or default_device(args.framework),
                      image_tokens=model_spec.image_tokens if args.image_tokens is None else args.image_tokens,
-                     world_size=args.world_size, ranks=args.ranks, sharding=sharding,
+                     world_size=args.world_size, sharding=sharding,
                      offload=offload, shard_group_size=args.shard_group_size, zero_buckets=zero_buckets,
                      bnb_version=getattr(args, "bnb_version", None),
                      heap_trim=not getattr(args, "no_heap_trim", False),

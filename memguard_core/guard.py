@@ -26,30 +26,7 @@ from .options import GuardOptions
 from .preflight import Preflight, default_budget
 from .step_heap import StepHeap
 
-__all__ = ["Guard", "GuardAttributes", "RunSummary"]
-
-class RunSummary(dict):
-    """The run summary (a dict). The MLX adapter's old key names still read, with a
-    ``DeprecationWarning``: ``optimizer_updates`` (``optimizer_steps``), ``alloc_retries``
-    (``oom_retries``); they are not among the keys."""
-
-    RENAMED = {"optimizer_updates": "optimizer_steps", "alloc_retries": "oom_retries"}
-
-    def __missing__(self, key: str) -> Any:
-        if key in self.RENAMED:
-            from ._deprecation import warn_renamed
-
-            warn_renamed(key, self.RENAMED[key])
-            return self[self.RENAMED[key]]
-        raise KeyError(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """``dict.get``, old key names included."""
-        try:
-            return self[key]
-        except KeyError:
-            return default
-
+__all__ = ["Guard", "GuardAttributes"]
 
 class Guard(PreflightMoment, StepHeap, OomRecovery):
     """The lifecycle of one guarded run (see the module doc and docs/lifecycle.md).
@@ -152,8 +129,8 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
             before_monitor(self.budget_bytes, self.preflight.best_peak_bytes if self.preflight else None)
         k = min(k, rows)
         self.monitor = MemoryMonitor(self.budget_bytes, device=opts.device, safety_ratio=opts.safety_ratio,
-                                     thresholds=opts.thresholds, interval_s=opts.monitor_interval_s, split=k,
-                                     max_split=rows, on_event=self._on_event, grow=self.grow,
+                                     thresholds=opts.thresholds, interval_s=opts.monitor_interval_s, micro_batches=k,
+                                     max_micro_batches=rows, on_event=self._on_event, grow=self.grow,
                                      clean_fn=clean_fn, peak_fn=peak_fn)
         if k > 1:
             self.log.info("memguard: %d micro-batches per batch (batch of %d rows -> %d-row micro-batches; "
@@ -199,16 +176,16 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
         mon.step_sample(step)
         try:
             if recorded:
-                self.recorder.next_micro_batches(mon.split)
+                self.recorder.next_micro_batches(mon.micro_batches)
             else:
-                self.recorder.step(done, mon.last_step_figures, mon.split, mon.level.name.lower())
+                self.recorder.step(done, mon.last_step_figures, mon.micro_batches, mon.level.name.lower())
         except Exception:
             self.log.debug("memguard: step not recorded", exc_info=True)
-        k = mon.split
+        k = mon.micro_batches
         if agree:
             k = self.agreed(k)
-            if k > mon.split:
-                mon.request_split(k, "another rank asked for it", step)
+            if k > mon.micro_batches:
+                mon.request_micro_batches(k, "another rank asked for it", step)
         return k
 
     def end_step(self, completed: Optional[int], *, step: Optional[int] = None) -> None:
@@ -238,7 +215,7 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
             if self._ended_step == completed or completed == self.recorder.closed_step:
                 return
             mon.record_sample()
-            self.recorder.step(completed, mon.last_step_figures, mon.split, mon.level.name.lower())
+            self.recorder.step(completed, mon.last_step_figures, mon.micro_batches, mon.level.name.lower())
             self._ended_step = completed
         except Exception:
             self.log.debug("memguard: step end not recorded", exc_info=True)
@@ -258,7 +235,7 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
             extra: more summary keys.
 
         Returns:
-            the summary (None when no monitor ran): ``split`` (final micro-batches per batch),
+            the summary (None when no monitor ran): ``micro_batches`` (final micro-batches per batch),
             ``max_usage`` (fraction of the budget), ``budget_bytes``, ``measured_peak_bytes``,
             ``estimated_peak_bytes`` (planned settings; None without a preflight),
             ``requested_peak_bytes`` (the requested settings; both include what the process already
@@ -275,8 +252,8 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
             measured = mon.final_sample() if self._ended_step is None else (mon.max_step_peak_bytes or None)
             if measured_bytes is not None:
                 measured = measured_bytes()
-            self.summary = RunSummary({
-                "split": mon.split,
+            self.summary = {
+                "micro_batches": mon.micro_batches,
                 "max_usage": round(mon.max_usage, 4),
                 "budget_bytes": mon.budget_bytes,
                 "measured_peak_bytes": measured,
@@ -288,18 +265,18 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
                 "events": len(self.events),
                 "event_log": self.recorder.events.path if self.recorder.events is not None else None,
                 **extra,
-            })
+            }
             self.log.info("memguard summary: %s", self.summary)
             last = dict(mon.last_step_figures or {"current": None, "budget": mon.budget_bytes})
             if measured_bytes is not None:
                 last["peak"] = measured
-            self.recorder.step(int(optimizer_steps), last, mon.split, mon.level.name.lower())
+            self.recorder.step(int(optimizer_steps), last, mon.micro_batches, mon.level.name.lower())
             self.recorder.finish(self.summary)
             # a recovered OOM (training or evaluation) makes the measured peak a failed attempt's
             if not self.oom_retries and not extra.get("eval_oom_retries"):
                 from .calibration import record_preflight
 
-                record_preflight(pf, measured, split=mon.split)
+                record_preflight(pf, measured, micro_batches=mon.micro_batches)
         except Exception:
             self.log.warning("memguard: could not finish the run summary", exc_info=True)
         return self.summary

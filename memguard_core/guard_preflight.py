@@ -67,7 +67,7 @@ class PreflightMoment:
             return 1
         for line in pf.report_lines():
             self.log.info("%s", line)
-        if pf.split_factor > 1 and self.split_disabled_reason is not None:
+        if pf.micro_batches > 1 and self.split_disabled_reason is not None:
             ts = pf.plan.train_spec
             self.log.warning("memguard: the plan needs micro-batch %d x accumulation %d, which cannot be applied "
                              "in place here (%s)%s", ts.batch_size, ts.grad_accum,
@@ -76,7 +76,7 @@ class PreflightMoment:
             raise DoesNotFitError(pf.shortfall_bytes, pf.budget_bytes, pf.best_peak_bytes,
                                   [c.reason for c in pf.not_applied])
         self.budget_bytes = pf.budget_bytes
-        return pf.split_factor
+        return pf.micro_batches
 
     def plan(self, read_specs: SpecReader, enable_checkpointing: Optional[Callable[[], None]] = None) -> Preflight:
         """Estimate the run ``read_specs()`` describes, plan it against the budget (the option, else

@@ -85,10 +85,10 @@ def split_after_oom(monitor: Any, exc: BaseException, k: int, units_left: int, s
         log.error("memguard: out of memory on a chunk of a single row/sequence; cannot split further (%s)", exc)
         raise exc
     new_k = min(max(2, k * 2), units_left)
-    monitor.request_split(new_k, f"out of memory in a forward ({type(exc).__name__}); redoing the "
+    monitor.request_micro_batches(new_k, f"out of memory in a forward ({type(exc).__name__}); redoing the "
                           f"{units_left} rows not yet processed in smaller chunks", step)
     (free or free_caches)()
-    return max(new_k, monitor.split)
+    return max(new_k, monitor.micro_batches)
 
 
 def without_frames(exc: BaseException) -> BaseException:

@@ -10,7 +10,7 @@ and keeps the run under its budget by asking for a clean or a finer split of eac
 
 The monitor decides when to read what, hands the figures to the decisions, and acts on what they
 return: it cleans caches (:func:`default_clean` unless given another), records and logs the
-events, and forwards them to the adapter. The adapters read :attr:`MemoryMonitor.split` and
+events, and forwards them to the adapter. The adapters read :attr:`MemoryMonitor.micro_batches` and
 split their batches. Nothing here raises into training: a failing probe or callback is logged once
 and skipped. The design, its rules and their reasons: docs/monitor.md.
 """
@@ -24,7 +24,7 @@ from typing import Callable, List, Optional
 
 from . import frameworks
 from .errors import ConfigError, require_fraction, require_int, require_number
-from .monitor_policy import SplitPolicy
+from .monitor_policy import MicroBatchPolicy
 from .monitor_pressure import (AllocRetryEpisodes, AllocRetryPolicy, MemorystatusEpisodes, MemorystatusPolicy,
                                PressureEpisodes, PsiPolicy)
 from .monitor_types import Action, GrowPolicy, Level, MemoryEvent, Thresholds
@@ -32,7 +32,7 @@ from .monitor_sampler import SamplerThread, StepSampler
 from .monitor_signals import FULL_SAMPLE_MAX_AGE_S, PressureSignals, pressure_kind
 
 __all__ = ["MemoryMonitor", "Level", "Action", "Thresholds", "PsiPolicy", "GrowPolicy",
-           "MemoryEvent", "SplitPolicy", "PressureEpisodes", "StepSampler", "SamplerThread",
+           "MemoryEvent", "MicroBatchPolicy", "PressureEpisodes", "StepSampler", "SamplerThread",
            "default_clean", "FULL_SAMPLE_MAX_AGE_S", "MemorystatusPolicy", "MemorystatusEpisodes",
            "pressure_kind", "AllocRetryPolicy", "AllocRetryEpisodes"]
 
@@ -45,13 +45,13 @@ def _on(part: str, name: str, doc: str) -> property:
                     lambda self, value: setattr(getattr(self, part), name, value), doc=doc)
 
 
-def _check_args(*, budget_bytes, device, interval_s, split, max_split, thresholds, psi, memorystatus,
-                alloc_retries, grow, planned_split, clean_fn, on_event, probe_fn, peak_fn, live_fn) -> None:
+def _check_args(*, budget_bytes, device, interval_s, micro_batches, max_micro_batches, thresholds, psi, memorystatus,
+                alloc_retries, grow, planned_micro_batches, clean_fn, on_event, probe_fn, peak_fn, live_fn) -> None:
     """:class:`MemoryMonitor`'s arguments checked; a ConfigError names the first bad one."""
     require_int("budget_bytes", budget_bytes, "a positive integer number of bytes")
     require_number("interval_s", interval_s, "a number of seconds >= 0", lo=0.0)
-    require_int("split", split, "an integer >= 1")
-    require_int("max_split", max_split, "an integer >= 1, or None", allow_none=True)
+    require_int("micro_batches", micro_batches, "an integer >= 1")
+    require_int("max_micro_batches", max_micro_batches, "an integer >= 1, or None", allow_none=True)
     if thresholds is not None and not isinstance(thresholds, Thresholds):
         raise ConfigError("thresholds", "a memguard_core.monitor.Thresholds", thresholds)
     if psi is not None and not isinstance(psi, PsiPolicy):
@@ -63,7 +63,7 @@ def _check_args(*, budget_bytes, device, interval_s, split, max_split, threshold
         raise ConfigError("alloc_retries", "a memguard_core.monitor.AllocRetryPolicy, or None", alloc_retries)
     if grow is not None and not isinstance(grow, GrowPolicy):
         raise ConfigError("grow", "a memguard_core.monitor.GrowPolicy, or None", grow)
-    require_int("planned_split", planned_split, "an integer >= 1, or None", allow_none=True)
+    require_int("planned_micro_batches", planned_micro_batches, "an integer >= 1, or None", allow_none=True)
     from .probes import DEVICE_CHOICES, DEVICE_RE
     if not isinstance(device, str) or DEVICE_RE.match(device) is None:
         raise ConfigError("device", DEVICE_CHOICES, device)
@@ -74,7 +74,7 @@ def _check_args(*, budget_bytes, device, interval_s, split, max_split, threshold
 
 
 class MemoryMonitor(PressureSignals):
-    """Samples memory, classifies pressure and keeps the current decision (split factor k).
+    """Samples memory, classifies pressure and keeps the current decision (micro-batches per batch k).
 
     Args:
         budget_bytes: the memory the training process may use at most (bytes), e.g. from
@@ -84,8 +84,8 @@ class MemoryMonitor(PressureSignals):
         safety_ratio: fraction of (process + available) usable when capacity shrinks at runtime.
         thresholds: ``Thresholds``.
         interval_s: background sampling period in seconds; ``0`` disables the thread.
-        split: initial split factor k (>= 1), e.g. the planner's ``split_factor``.
-        max_split: upper bound for k (the adapter sets it to the micro-batch size: rows cannot be
+        micro_batches: the initial micro-batches per batch k (>= 1), e.g. the plan's ``micro_batches``.
+        max_micro_batches: upper bound for k (the adapter sets it to the micro-batch size: rows cannot be
             split further than one row each).
         clean_fn: callable doing the cache clean (default: :func:`default_clean`).
         on_event: callable receiving every ``MemoryEvent`` (the adapter forwards to its logger).
@@ -103,40 +103,40 @@ class MemoryMonitor(PressureSignals):
             Each snapshot's pressure goes to its own platform's policy (:func:`pressure_kind`).
         grow: :class:`GrowPolicy` for halving k again once pressure has gone; ``None`` turns
             growing back off (k then only rises).
-        planned_split: the k the preflight planned (default: ``split``). k goes below it only when
-            measured peaks predict that the larger micro-batch fits (see :class:`SplitPolicy`).
+        planned_micro_batches: the k the preflight planned (default: ``micro_batches``). k goes below it only when
+            measured peaks predict that the larger micro-batch fits (see :class:`MicroBatchPolicy`).
         alloc_retries: :class:`AllocRetryPolicy`: on a CUDA device, the caching allocator's
             ``num_alloc_retries`` rising over consecutive optimizer steps cleans, then splits
             (read from the step sample's counters, once per optimizer step); ``None`` turns it off.
 
     Raises:
-        ConfigError: invalid budget, device, ratio, thresholds, interval, split, max_split, psi,
-            memorystatus, alloc_retries, grow (or ``grow.below`` above ``warning - hysteresis``) or planned_split (the error
+        ConfigError: invalid budget, device, ratio, thresholds, interval, micro_batches, max_micro_batches, psi,
+            memorystatus, alloc_retries, grow (or ``grow.below`` above ``warning - hysteresis``) or planned_micro_batches (the error
             names the argument).
     """
 
     def __init__(self, budget_bytes: int, *, device: str = "auto", safety_ratio: float = 0.8,
-                 thresholds: Optional[Thresholds] = None, interval_s: float = 0.5, split: int = 1,
-                 max_split: Optional[int] = None, clean_fn: Optional[Callable[[], None]] = None,
+                 thresholds: Optional[Thresholds] = None, interval_s: float = 0.5, micro_batches: int = 1,
+                 max_micro_batches: Optional[int] = None, clean_fn: Optional[Callable[[], None]] = None,
                  on_event: Optional[Callable[[MemoryEvent], None]] = None,
                  probe_fn: Optional[Callable[[bool], object]] = None,
                  peak_fn: Optional[Callable[[], Optional[int]]] = None,
                  live_fn: Optional[Callable[[], Optional[int]]] = None,
                  psi: Optional[PsiPolicy] = PsiPolicy(),
-                 grow: Optional[GrowPolicy] = GrowPolicy(), planned_split: Optional[int] = None,
+                 grow: Optional[GrowPolicy] = GrowPolicy(), planned_micro_batches: Optional[int] = None,
                  memorystatus: Optional[MemorystatusPolicy] = MemorystatusPolicy(),
                  alloc_retries: Optional[AllocRetryPolicy] = AllocRetryPolicy()):
-        _check_args(budget_bytes=budget_bytes, device=device, interval_s=interval_s, split=split,
-                    max_split=max_split, thresholds=thresholds, psi=psi, memorystatus=memorystatus,
-                    alloc_retries=alloc_retries, grow=grow, planned_split=planned_split, clean_fn=clean_fn,
+        _check_args(budget_bytes=budget_bytes, device=device, interval_s=interval_s, micro_batches=micro_batches,
+                    max_micro_batches=max_micro_batches, thresholds=thresholds, psi=psi, memorystatus=memorystatus,
+                    alloc_retries=alloc_retries, grow=grow, planned_micro_batches=planned_micro_batches, clean_fn=clean_fn,
                     on_event=on_event, probe_fn=probe_fn, peak_fn=peak_fn, live_fn=live_fn)
         self.budget_bytes = budget_bytes
         self.device = device
         self.safety_ratio = require_fraction("safety_ratio", safety_ratio)
         self.interval_s = float(interval_s)
         #: the decisions (levels, k, PSI episodes, growing back)
-        self.policy = SplitPolicy(thresholds or Thresholds(), split=split, max_split=max_split,
-                                  psi=psi, grow=grow, planned_split=planned_split,
+        self.policy = MicroBatchPolicy(thresholds or Thresholds(), micro_batches=micro_batches, max_micro_batches=max_micro_batches,
+                                  psi=psi, grow=grow, planned_micro_batches=planned_micro_batches,
                                   memorystatus=memorystatus, alloc_retries=alloc_retries)
         #: the reads of the device
         self.sampler = StepSampler(device, probe_fn=probe_fn, peak_fn=peak_fn, live_fn=live_fn)
@@ -166,19 +166,19 @@ class MemoryMonitor(PressureSignals):
 
     # the decision state, kept by the policy
     thresholds = _on("policy", "thresholds", "The level thresholds (:class:`Thresholds`).")
-    max_split = _on("policy", "max_split", "Upper bound of k, or None.")
+    max_micro_batches = _on("policy", "max_micro_batches", "Upper bound of k, or None.")
     psi = _on("policy", "psi", "The :class:`PsiPolicy`, or None.")
     memorystatus = _on("policy", "memorystatus", "The :class:`MemorystatusPolicy`, or None.")
     alloc_retries = _on("policy", "alloc_retries", "The :class:`AllocRetryPolicy`, or None.")
     grow = _on("policy", "grow", "The :class:`GrowPolicy`, or None.")
-    planned_split = _on("policy", "planned_split", "The preflight plan's k.")
+    planned_micro_batches = _on("policy", "planned_micro_batches", "The preflight plan's k.")
     level = _on("policy", "level", "The current :class:`Level`.")
     samples = _on("policy", "samples", "Samples classified so far (step and background).")
     max_usage = _on("policy", "max_usage", "The largest usage seen (fraction of the effective budget).")
     last_pressure = _on("policy", "last_pressure", "The last valid pressure reading (percent: PSI, "
                         "or the share in use on macOS), or None.")
-    peak_at_split = _on("policy", "peak_at_split", "k -> the largest step peak measured at k (bytes).")
-    _split = _on("policy", "_split", "k, set directly (tests set it to go back down).")
+    peak_at_micro_batches = _on("policy", "peak_at_micro_batches", "k -> the largest step peak measured at k (bytes).")
+    _micro_batches = _on("policy", "_micro_batches", "k, set directly (tests set it to go back down).")
     _grow_failures = _on("policy", "_grow_failures", "Failed grow-backs in a row.")
     # the functions the reads go through, kept by the sampler (replaceable while running)
     _probe_fn = _on("sampler", "probe_fn", "``probe_fn(cheap)``, or None: the device's reader.")
@@ -187,16 +187,16 @@ class MemoryMonitor(PressureSignals):
 
     # ----- decisions -----------------------------------------------------------------------------
     @property
-    def split(self) -> int:
-        """Current split factor k (read on the hot path: one attribute read further)."""
-        return self.policy._split
+    def micro_batches(self) -> int:
+        """The current micro-batches per batch k (read on the hot path: one attribute read further)."""
+        return self.policy._micro_batches
 
-    def request_split(self, k: int, reason: str, step: Optional[int] = None) -> int:
-        """Raise the split factor to at least ``k`` (clamped to ``max_split``); returns the new k."""
-        event = self.policy.request_split(k, reason, step=step, budget_bytes=self.budget_bytes)
+    def request_micro_batches(self, k: int, reason: str, step: Optional[int] = None) -> int:
+        """Raise the micro-batches per batch to at least ``k`` (clamped to ``max_micro_batches``); returns the new k."""
+        event = self.policy.request_micro_batches(k, reason, step=step, budget_bytes=self.budget_bytes)
         if event is not None:
             self._emit(event)
-        return self.policy.split
+        return self.policy.micro_batches
 
     def effective_budget(self, snapshot) -> int:
         """min(budget, (process + available) x safety_ratio), in bytes."""
@@ -224,12 +224,12 @@ class MemoryMonitor(PressureSignals):
         self._emit(event)
         if event.action in (Action.CLEAN, Action.SPLIT):
             if event.action is Action.CLEAN and source == "step":
-                self._live_before_clean = self._live()   # judged by _split_if_clean_fell_short
+                self._live_before_clean = self._live()   # judged by _more_micro_batches_if_clean_fell_short
             self._safe(self._clean_fn, "clean")
         return event.action
 
     def predict_peak(self, k: int) -> Optional[int]:
-        """Predicted step peak (bytes) at split factor ``k`` (:meth:`SplitPolicy.predict_peak`)."""
+        """Predicted step peak (bytes) at ``k`` micro-batches per batch (:meth:`MicroBatchPolicy.predict_peak`)."""
         return self.policy.predict_peak(k)
 
     # ----- step samples --------------------------------------------------------------------------
@@ -247,7 +247,7 @@ class MemoryMonitor(PressureSignals):
             self.last_step_figures = self._figures(used, rss, budget)
             action = self.observe(used, budget, step=step, source="step")
             if action is Action.CLEAN:
-                action = self._split_if_clean_fell_short(rss, used, budget, step)
+                action = self._more_micro_batches_if_clean_fell_short(rss, used, budget, step)
             retry_action = self._step_alloc_retries(step, used, budget, action is Action.NONE)
             return action if action is not Action.NONE else retry_action
         except Exception as exc:  # a probe failure never reaches training
@@ -271,10 +271,10 @@ class MemoryMonitor(PressureSignals):
             out["reserved_peak"], out["allocated_peak"] = int(w.peak_reserved), int(w.peak_allocated)
         return out
 
-    def _split_if_clean_fell_short(self, rss_before: int, used: int, budget: int, step: Optional[int]) -> Action:
+    def _more_micro_batches_if_clean_fell_short(self, rss_before: int, used: int, budget: int, step: Optional[int]) -> Action:
         """After a critical clean at a step sample: the live bytes and the RSS are read again, and
         the policy splits now when the next micro-batch's predicted peak is still critical
-        (:meth:`SplitPolicy.split_after_clean`). Only freed *live* memory is credited: cached
+        (:meth:`MicroBatchPolicy.micro_batches_after_clean`). Only freed *live* memory is credited: cached
         blocks and trimmed heap lower the RSS, but the next micro-batch allocates them again."""
         before, self._live_before_clean = self._live_before_clean, None
         after = self.sampler.probe(True)
@@ -282,7 +282,7 @@ class MemoryMonitor(PressureSignals):
         live_after = self._live()
         live_freed = None if before is None or live_after is None else max(0, before - live_after)
         freed = 0 if live_freed is None else min(rss_freed, live_freed)
-        event = self.policy.split_after_clean(int(used) - freed, budget, step=step, rss_freed=rss_freed,
+        event = self.policy.micro_batches_after_clean(int(used) - freed, budget, step=step, rss_freed=rss_freed,
                                               live_freed=live_freed)
         if event is None:
             return Action.CLEAN

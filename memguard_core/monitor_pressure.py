@@ -1,6 +1,6 @@
 """Memory-pressure episodes of the runtime monitor, pure: when sustained pressure (Linux PSI, macOS
 memorystatus, the CUDA caching allocator's retries) acts, first a clean, later a split. The policy
-that turns an episode's action into an event is :class:`memguard_core.monitor_policy.SplitPolicy`;
+that turns an episode's action into an event is :class:`memguard_core.monitor_policy.MicroBatchPolicy`;
 the rules and their sources are in docs/monitor.md.
 """
 
@@ -143,7 +143,7 @@ class PressureEpisodes:
     """PSI episodes of one run (:class:`PsiPolicy`), from readings fed in time order.
 
     ``window`` holds ``(monotonic s, pressure %)`` since the episode started or since its last
-    action; it is empty while no episode is open. Not thread-safe by itself: :class:`SplitPolicy`
+    action; it is empty while no episode is open. Not thread-safe by itself: :class:`MicroBatchPolicy`
     feeds it under its lock.
     """
 
@@ -189,7 +189,7 @@ class PressureEpisodes:
 class AllocRetryEpisodes:
     """Allocator-retry episodes of one run (:class:`AllocRetryPolicy`), from the cumulative
     ``num_alloc_retries`` / ``num_ooms`` counts read once per optimizer step, in order. Not
-    thread-safe by itself (fed under :class:`SplitPolicy`'s lock)."""
+    thread-safe by itself (fed under :class:`MicroBatchPolicy`'s lock)."""
 
     def __init__(self, policy: AllocRetryPolicy):
         self.policy = policy
@@ -247,7 +247,7 @@ class MemorystatusEpisodes:
     """macOS pressure episodes of one run (:class:`MemorystatusPolicy`), from readings fed in time
     order. ``window`` holds ``(monotonic s, used %, severity)`` since the episode started or since
     its last action; empty while no episode is open. Not thread-safe by itself (fed under
-    :class:`SplitPolicy`'s lock)."""
+    :class:`MicroBatchPolicy`'s lock)."""
 
     def __init__(self, policy: MemorystatusPolicy):
         self.policy = policy

@@ -4,7 +4,7 @@ device, and the background thread that takes samples between steps.
 :class:`StepSampler` binds the device's :class:`memguard_core.probes.StepReader` once (the
 backend decides what it can read cheaply), or the caller's own functions (tests, custom probes);
 it decides nothing. :class:`SamplerThread` only calls a function at an interval. What is done with
-the figures is :class:`memguard_core.monitor_policy.SplitPolicy`'s; which sample is taken when is
+the figures is :class:`memguard_core.monitor_policy.MicroBatchPolicy`'s; which sample is taken when is
 :class:`memguard_core.monitor.MemoryMonitor`'s. See docs/monitor.md.
 """
 

@@ -47,7 +47,7 @@ class PressureSignals:
                          budget_bytes: int = 0, act: bool = True) -> Action:
         """Feed one PSI reading (``some avg10``, percent) taken at ``now`` (monotonic seconds).
 
-        Implements :class:`PsiPolicy` (:meth:`SplitPolicy.observe_pressure`): returns ``CLEAN`` /
+        Implements :class:`PsiPolicy` (:meth:`MicroBatchPolicy.observe_pressure`): returns ``CLEAN`` /
         ``SPLIT`` when pressure has been sustained and rising for a window, else ``NONE``.
         ``None`` (no PSI on this system) is ignored; garbage (not a number in 0..100) is logged
         once and ignored. With ``act=False`` the reading is recorded but nothing is done (the
@@ -67,7 +67,7 @@ class PressureSignals:
                              used_bytes: int = 0, budget_bytes: int = 0, act: bool = True) -> Action:
         """Feed one macOS pressure reading taken at ``now`` (monotonic seconds): ``used_percent`` =
         100 - ``kern.memorystatus_level``, the kernel's level, swap in use (bytes); see
-        :class:`MemorystatusPolicy` (:meth:`SplitPolicy.observe_memorystatus`). Returns ``CLEAN`` /
+        :class:`MemorystatusPolicy` (:meth:`MicroBatchPolicy.observe_memorystatus`). Returns ``CLEAN`` /
         ``SPLIT`` when the pressure has been sustained and not easing for a window, else ``NONE``.
         Garbage is logged once and ignored; ``act=False`` records only."""
         try:
@@ -84,7 +84,7 @@ class PressureSignals:
                               step: Optional[int] = None, used_bytes: int = 0, budget_bytes: int = 0,
                               act: bool = True) -> Action:
         """Feed one optimizer step's CUDA allocator counts (``num_alloc_retries``, ``num_ooms``:
-        cumulative), see :class:`AllocRetryPolicy` (:meth:`SplitPolicy.observe_alloc_retries`).
+        cumulative), see :class:`AllocRetryPolicy` (:meth:`MicroBatchPolicy.observe_alloc_retries`).
         Returns ``CLEAN`` / ``SPLIT`` when the retries rose on enough optimizer steps in a row,
         else ``NONE``. :meth:`step_sample` feeds it on CUDA devices; garbage is logged once and
         ignored; ``act=False`` records only. ``used_bytes`` / ``budget_bytes`` only go into the

@@ -72,7 +72,7 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class GrowPolicy:
-    """When the split factor k may halve again after pressure has gone (see :class:`SplitPolicy`).
+    """When the micro-batches per batch k may halve again after pressure has gone (see :class:`MicroBatchPolicy`).
 
     Args:
         below: usage (fraction of the effective budget) under which a step sample counts as calm;
@@ -117,7 +117,7 @@ class MemoryEvent:
         usage: used / effective budget (0..1+).
         used_bytes: the process figure compared (step peak or current).
         budget_bytes: the effective budget at this sample.
-        split: the split factor k after this decision.
+        micro_batches: the micro-batches per batch k after this decision.
         source: ``step`` (per-step sample), ``background``, ``psi`` (sustained memory pressure,
             see :class:`PsiPolicy`; ``usage`` is then the latest usage), ``memorystatus`` (macOS
             pressure, see :class:`MemorystatusPolicy`), ``alloc_retries`` (the CUDA allocator's
@@ -132,7 +132,7 @@ class MemoryEvent:
     usage: float
     used_bytes: int
     budget_bytes: int
-    split: int
+    micro_batches: int
     source: str
     message: str
     timestamp: float = field(default_factory=time.time)
@@ -140,5 +140,5 @@ class MemoryEvent:
     def to_dict(self) -> dict:
         return {"step": self.step, "level": self.level.name.lower(), "action": self.action.value,
                 "usage": round(self.usage, 4), "used_bytes": self.used_bytes,
-                "budget_bytes": self.budget_bytes, "split": self.split, "source": self.source,
+                "budget_bytes": self.budget_bytes, "micro_batches": self.micro_batches, "source": self.source,
                 "message": self.message}

@@ -169,7 +169,7 @@ class RunRecorder:
             if "out of memory" in str(d.get("message", "")):
                 kind = "oom_retry"
             self.events.decision(kind, d.get("message", ""), step=d.get("step"), level=d.get("level"),
-                                 usage=d.get("usage"), micro_batches=d.get("split"), source=d.get("source"))
+                                 usage=d.get("usage"), micro_batches=d.get("micro_batches"), source=d.get("source"))
 
     def oom(self, step: Optional[int], *, peer: bool = False) -> None:
         """An out-of-memory error was caught (the monitor's split event records and logs the

@@ -122,7 +122,7 @@ class OomRecovery:
         self._oom_snapshot_taken = False
         rows = max(1, int(rows))
         mon = self.monitor
-        k = max(int(k), mon.split if mon is not None else 1)
+        k = max(int(k), mon.micro_batches if mon is not None else 1)
         if redos == 0:
             self._floor_redone = False
         at_floor = k >= rows
@@ -138,10 +138,10 @@ class OomRecovery:
         if mon is not None:
             why = (f"out of memory in the {phase} ({type(exc).__name__}); redoing the accumulation window"
                    if exc is not None else "another rank ran out of memory; redoing the accumulation window")
-            new_k = max(new_k, mon.request_split(new_k, why, step))
+            new_k = max(new_k, mon.request_micro_batches(new_k, why, step))
         new_k = self.agreed(new_k)
-        if mon is not None and new_k > mon.split:
-            mon.request_split(new_k, "another rank asked for it", step)
+        if mon is not None and new_k > mon.micro_batches:
+            mon.request_micro_batches(new_k, "another rank asked for it", step)
         try:
             free()
         except Exception:

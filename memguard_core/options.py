@@ -12,7 +12,6 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, Tuple
 
-from ._deprecation import warn_renamed
 from .errors import ConfigError, require_fraction, require_int, require_number
 from .monitor import GrowPolicy, Thresholds
 
@@ -21,9 +20,8 @@ APPLY_CHOICES = ("grad_checkpoint", "micro_batch")
 #: How chunk losses are weighted.
 LOSS_WEIGHTINGS = ("auto", "tokens", "rows")
 #: The environment variable with the starting number of micro-batches per batch (``memguard run``
-#: sets it after an out-of-memory kill); :data:`OLD_MICRO_BATCHES_ENV` is its deprecated name.
+#: sets it after an out-of-memory kill).
 MICRO_BATCHES_ENV = "MEMGUARD_MICRO_BATCHES"
-OLD_MICRO_BATCHES_ENV = "MEMGUARD_SPLIT"
 _DEVICE = re.compile(r"auto|cpu|mlx|mps|cuda(:\d+)?")
 
 
@@ -37,8 +35,8 @@ def _positive_number(value: object) -> bool:
 
 
 def micro_batches_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
-    """The starting micro-batches per batch from the environment (``MEMGUARD_MICRO_BATCHES``, else
-    the deprecated ``MEMGUARD_SPLIT`` with a ``DeprecationWarning``); None when neither is set.
+    """The starting micro-batches per batch from the environment (``MEMGUARD_MICRO_BATCHES``); None
+    when it is not set.
 
     Raises:
         ConfigError: the value is not an integer >= 1 (the error names the variable).
@@ -46,9 +44,6 @@ def micro_batches_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[
     env = os.environ if env is None else env
     name = MICRO_BATCHES_ENV
     raw = env.get(name)
-    if not raw and env.get(OLD_MICRO_BATCHES_ENV):
-        name, raw = OLD_MICRO_BATCHES_ENV, env[OLD_MICRO_BATCHES_ENV]
-        warn_renamed(OLD_MICRO_BATCHES_ENV, MICRO_BATCHES_ENV, stacklevel=4)
     if not raw:
         return None
     try:
@@ -127,25 +122,17 @@ class GuardOptions:
                     apply: Sequence[str] = APPLY_CHOICES, fail_fast: bool = False, loss_weighting: str = "auto",
                     micro_batches: Optional[int] = None, monitor_interval_s: float = 0.5, device: str = "auto",
                     preflight: bool = True, grow: Optional[GrowPolicy] = GrowPolicy(),
-                    split: Optional[int] = None, budget_gib: Optional[float] = None,
+                    budget_gib: Optional[float] = None,
                     log_dir: Optional[str] = None, cuda_snapshots: Optional[str] = None,
                     snapshot_steps: Sequence[int] = (), leak_detector: bool = True,
                     eval_micro_batches: int = 1, trim_heap: bool = True) -> "GuardOptions":
-        """Validate and normalise. ``split`` is the deprecated name of ``micro_batches``
-        (``DeprecationWarning``). ``budget_bytes`` takes an int or a float (bytes, rounded down:
+        """Validate and normalise. ``budget_bytes`` takes an int or a float (bytes, rounded down:
         ``8.5e9``); ``budget_gib`` gives the budget in GiB instead (not both).
 
         Raises:
-            ConfigError: naming the first bad field (``MEMGUARD_MICRO_BATCHES`` / ``MEMGUARD_SPLIT``
-                for a bad environment value).
+            ConfigError: naming the first bad field (``MEMGUARD_MICRO_BATCHES`` for a bad environment
+                value).
         """
-        if split is not None:
-            # stacklevel 4: the user's line that built the adapter (adapter -> from_kwargs -> here)
-            warn_renamed("split", "micro_batches", stacklevel=4)
-            if micro_batches is not None:
-                raise ConfigError("split", "not given together with micro_batches (its new name)", split)
-            require_int("split", split, "an integer >= 1")
-            micro_batches = split
         if budget_gib is not None:
             if budget_bytes is not None:
                 raise ConfigError("budget_gib", "not given together with budget_bytes", budget_gib)
@@ -200,7 +187,7 @@ class GuardOptions:
 
 
 #: The keyword names every adapter takes for its :class:`GuardOptions` (those of
-#: :meth:`GuardOptions.from_kwargs`, deprecated ``split`` included).
+#: :meth:`GuardOptions.from_kwargs`).
 GUARD_OPTION_NAMES: Tuple[str, ...] = tuple(inspect.signature(GuardOptions.from_kwargs).parameters)
 
 
@@ -217,7 +204,7 @@ def option_kwargs(options: Mapping[str, object], own: Sequence[str] = ()) -> Map
     """
     unknown = sorted(set(options) - set(GUARD_OPTION_NAMES))
     if unknown:
-        names = ", ".join(list(own) + [n for n in GUARD_OPTION_NAMES if n != "split" and n not in own])
+        names = ", ".join(list(own) + [n for n in GUARD_OPTION_NAMES if n not in own])
         raise ConfigError(unknown[0], f"a memguard option (one of: {names})", options[unknown[0]])
     return options
 

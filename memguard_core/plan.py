@@ -7,7 +7,7 @@ first), with one refinement:
 1. the two changes that cost no quality -- gradient checkpointing (one more forward of the blocks
    in the backward) and a smaller micro-batch with more gradient accumulation (the effective batch
    is kept exactly: the micro-batch is a divisor of the requested one, so an adapter can cut every
-   batch into ``split_factor`` equal row-chunks in place, and accumulation grows by the same
+   batch into ``micro_batches`` equal row-chunks in place, and accumulation grows by the same
    factor) -- are searched together, and among the combinations that fit the one with the
    shortest predicted step time is taken (``relative_step_time``: a split costs little while
    micro-batches stay large, checkpointing costs a fixed third to half of the compute);
@@ -95,7 +95,7 @@ class Plan:
         estimate: the estimate of the chosen settings.
         budget_bytes: the budget planned against.
         changes: what changed and why, in the order applied.
-        split_factor: original micro-batch / chosen micro-batch (an integer >= 1): adapters cut
+        micro_batches: original micro-batch / chosen micro-batch (an integer >= 1): adapters cut
             each batch into this many row-chunks in place.
     """
 
@@ -105,7 +105,7 @@ class Plan:
     estimate: MemoryEstimate
     budget_bytes: int
     changes: List[Change] = field(default_factory=list)
-    split_factor: int = 1
+    micro_batches: int = 1
 
     @property
     def changed(self) -> bool:
@@ -116,7 +116,7 @@ class Plan:
             "fits": self.fits,
             "budget_bytes": int(self.budget_bytes),
             "peak_bytes": int(self.estimate.peak_bytes),
-            "split_factor": int(self.split_factor),
+            "micro_batches": int(self.micro_batches),
             "changes": [c.to_dict() for c in self.changes],
             "estimate": self.estimate.to_dict(),
         }
@@ -318,7 +318,7 @@ def plan(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
                 and "micro_batch" in allow:
             s.remaximise_micro(ts)
         return Plan(fits=True, train_spec=s.cur, original=ts, estimate=s.est, budget_bytes=budget,
-                    changes=list(s.changes), split_factor=ts.batch_size // s.cur.batch_size)
+                    changes=list(s.changes), micro_batches=ts.batch_size // s.cur.batch_size)
 
     if s.fits():
         return done()

@@ -1,7 +1,7 @@
 """The pressure decisions of the monitor's policy: a PSI, macOS memorystatus or CUDA allocator-retry
 episode's first action cleans, later ones raise the micro-batches. A mixin of
-:class:`memguard_core.monitor_policy.SplitPolicy` (it uses ``psi``, ``level``, ``last_pressure``, the
-episode trackers, ``raise_split`` and the lock); the rules: docs/monitor.md.
+:class:`memguard_core.monitor_policy.MicroBatchPolicy` (it uses ``psi``, ``level``, ``last_pressure``, the
+episode trackers, ``raise_micro_batches`` and the lock); the rules: docs/monitor.md.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ __all__ = ["PressureDecisions"]
 
 
 class PressureDecisions:
-    """The pressure moments of :class:`memguard_core.monitor_policy.SplitPolicy` (see the module doc)."""
+    """The pressure moments of :class:`memguard_core.monitor_policy.MicroBatchPolicy` (see the module doc)."""
 
     def observe_pressure(self, pressure: Optional[float], now: float, *, step: Optional[int] = None,
                          used_bytes: int = 0, budget_bytes: int = 0,
@@ -26,7 +26,7 @@ class PressureDecisions:
         reading is recorded but nothing is decided. ``used_bytes`` / ``budget_bytes`` only go into
         the event.
 
-        Returns the event (action ``clean``, ``split``, or ``log`` when k is at ``max_split``), or
+        Returns the event (action ``clean``, ``split``, or ``log`` when k is at ``max_micro_batches``), or
         None.
 
         Raises:
@@ -53,15 +53,15 @@ class PressureDecisions:
         if nth == 1:
             action, msg = Action.CLEAN, f"{what}: cleaning caches"
         else:
-            old = self.raise_split()
+            old = self.raise_micro_batches()
             if old is not None:
                 action = Action.SPLIT
-                msg = f"{what} after a clean: splitting micro-batches {old} -> {self._split}"
+                msg = f"{what} after a clean: splitting micro-batches {old} -> {self._micro_batches}"
             else:
                 action = Action.LOG
-                msg = f"{what}; the micro-batch cannot be split further (k={self._split})"
+                msg = f"{what}; the micro-batch cannot be split further (k={self._micro_batches})"
         return MemoryEvent(step, self.level, action, usage, int(used_bytes), int(budget_bytes),
-                           self._split, source, msg)
+                           self._micro_batches, source, msg)
 
     def observe_memorystatus(self, used_percent: Optional[float], now: float, *,
                              kernel_level: Optional[str] = None, swap_used_bytes: Optional[int] = None,
@@ -108,7 +108,7 @@ class PressureDecisions:
         decided. ``used_bytes`` / ``budget_bytes`` only go into the event (source
         ``"alloc_retries"``).
 
-        Returns the event (action ``clean``, ``split``, or ``log`` when k is at ``max_split``), or
+        Returns the event (action ``clean``, ``split``, or ``log`` when k is at ``max_micro_batches``), or
         None.
 
         Raises:

@@ -34,7 +34,7 @@ class Preflight:
         estimate: ``MemoryEstimate`` of the requested settings.
         plan: ``Plan`` chosen (``plan.estimate`` is the chosen settings' estimate).
         budget_bytes: the memory budget (bytes).
-        split_factor: micro-batch split k applied in place.
+        micro_batches: micro-batches per batch k applied in place.
         applied: plan changes applied in place.
         not_applied: plan changes the user must make (with the exact change in ``reason``).
         plan_fraction: the plan targets ``plan_fraction x budget_bytes``.
@@ -50,7 +50,7 @@ class Preflight:
     estimate: Any
     plan: Any
     budget_bytes: int
-    split_factor: int = 1
+    micro_batches: int = 1
     applied: List[Any] = field(default_factory=list)
     not_applied: List[Any] = field(default_factory=list)
     plan_fraction: float = 1.0
@@ -149,7 +149,7 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
             comparable runs were recorded on this machine; a failing store gives 1.0).
 
     Returns:
-        ``Preflight`` with ``split_factor`` = the plan's ``split_factor`` (>= 1). The caller turns on
+        ``Preflight`` with ``micro_batches`` = the plan's ``micro_batches`` (>= 1). The caller turns on
         activation checkpointing when ``checkpointing_planned``.
 
     Raises:
@@ -179,7 +179,7 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
                    resident_extra_bytes=extra, correction=float(correction), calibration_runs=runs)
     for change in chosen.changes:
         (pf.applied if change.field in IN_PLACE_FIELDS else pf.not_applied).append(change)
-    pf.split_factor = max(1, int(chosen.split_factor))
+    pf.micro_batches = max(1, int(chosen.micro_batches))
     return pf
 
 

@@ -5,7 +5,7 @@ Metal command-buffer abort: the process is gone. The supervisor runs the trainin
 child and, when the child was killed *for memory*, starts it again with
 
 * twice the micro-batches per batch: ``MEMGUARD_MICRO_BATCHES=<2 x the previous>`` in the child's
-  environment (``MEMGUARD_SPLIT`` is its deprecated name); every adapter reads it at construction
+  environment; every adapter reads it at construction
   (``memguard_core.options``) and cuts each batch into that many micro-batches from the start
   (effective batch, step count and LR schedule unchanged);
 * resume semantics: ``MEMGUARD_RESUME_FROM=<the latest checkpoint>``, found by the rules of
@@ -75,11 +75,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-from ._deprecation import renamed_attribute, warn_renamed
 from .errors import ConfigError, require_positive_int
 from .outputs import check_output
 from .events import LOG_DIR_ENV, RUN_ID_ENV, append_record, event_log_path, new_run_id
-from .options import MICRO_BATCHES_ENV, OLD_MICRO_BATCHES_ENV, micro_batches_from_env
+from .options import MICRO_BATCHES_ENV, micro_batches_from_env
 from .resume import (AUTO, FRAMEWORKS, RESUME_ENV, require_framework, checkpoint_step, detect_checkpoint_dir,
                      find_resume_checkpoint, hf_latest_checkpoint)
 
@@ -256,8 +255,7 @@ class Attempt:
 
     Attributes:
         number: 1 for the first run, 2 for the first restart, ...
-        micro_batches: the ``MEMGUARD_MICRO_BATCHES`` it ran with (None: not set); ``split`` is
-            its deprecated name.
+        micro_batches: the ``MEMGUARD_MICRO_BATCHES`` it ran with (None: not set).
         resume_from: the ``MEMGUARD_RESUME_FROM`` it ran with (None: from scratch).
         returncode: its exit status (``-N``: killed by signal N).
         killed_for_memory: :func:`classify_exit`'s verdict; ``reason`` its evidence.
@@ -274,8 +272,6 @@ class Attempt:
     reason: str = ""
     wall_s: float = 0.0
     resume_framework: Optional[str] = None
-
-    split = renamed_attribute("split", "micro_batches")
 
     def to_dict(self) -> dict:
         """The fields as a dict (the ``--report`` JSON)."""
@@ -371,7 +367,7 @@ def _run_once(cmd: Sequence[str], env: Mapping[str, str]) -> tuple:
 
 def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework: str = AUTO,
               max_restarts: int = DEFAULT_MAX_RESTARTS, micro_batches: Optional[int] = None,
-              split: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
+              env: Optional[Mapping[str, str]] = None,
               report: Optional[Callable[[str], None]] = None,
               runner: Optional[Callable[[Sequence[str], Mapping[str, str]], tuple]] = None,
               counters: Optional[Callable[[], OomCounters]] = None) -> SupervisorResult:
@@ -386,8 +382,7 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
             ``hf``, ``lightning`` or ``mlx`` (:mod:`memguard_core.resume`).
         max_restarts: restarts allowed after memory kills (>= 0).
         micro_batches: the first run's ``MEMGUARD_MICRO_BATCHES`` (>= 1); default: the environment's
-            (``MEMGUARD_MICRO_BATCHES``, else the deprecated ``MEMGUARD_SPLIT``), else unset (the
-            restart after a kill then uses 2). ``split`` is its deprecated name.
+            (``MEMGUARD_MICRO_BATCHES``), else unset (the restart after a kill then uses 2).
         env: base environment of the child (default ``os.environ``); on Linux
             ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` is added where it names no allocator
             configuration (:func:`child_alloc_conf`, said once through ``report``).
@@ -418,15 +413,9 @@ def supervise(cmd: Sequence[str], *, output_dir: Optional[str] = None, framework
         if os.path.exists(output_dir) and not os.path.isdir(output_dir):
             raise ConfigError("output_dir", "a directory (where the script writes its checkpoints), not a file",
                               output_dir)
-    if split is not None:
-        warn_renamed("split", "micro_batches")
-        if micro_batches is not None:
-            raise ConfigError("split", "not given together with micro_batches (its new name)", split)
-        micro_batches = split
     base_env: Dict[str, str] = dict(os.environ if env is None else env)
     if micro_batches is None:
         micro_batches = micro_batches_from_env(base_env)
-    base_env.pop(OLD_MICRO_BATCHES_ENV, None)  # the child reads the new name only
     if micro_batches is not None:
         micro_batches = require_positive_int("micro_batches", micro_batches)
     say = report or (lambda line: logger.warning("%s", line))
@@ -519,8 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=None,
                    help="where the script writes its checkpoints [detected from the command: --output-dir/--output_dir "
                         "(hf), --ckpt-dir/--default_root_dir (lightning), --adapter-path (mlx)]")
-    p.add_argument("--micro-batches", "--split", dest="micro_batches", type=int, default=None, metavar="K",
-                   help="first run's MEMGUARD_MICRO_BATCHES (--split: its old name) [environment's, else unset]")
+    p.add_argument("--micro-batches", dest="micro_batches", type=int, default=None, metavar="K",
+                   help="first run's MEMGUARD_MICRO_BATCHES [environment's, else unset]")
     p.add_argument("--report", default=None, metavar="PATH", help="write the attempts as JSON to PATH")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     return p

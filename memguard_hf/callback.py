@@ -58,7 +58,6 @@ from typing import Any
 from transformers import TrainerCallback
 
 from memguard_torch import train_reading as tt
-from memguard_core._deprecation import renamed_attribute
 from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.monitor import MemoryEvent
 from memguard_core.options import GuardOptions, option_kwargs, with_guard_options
@@ -89,7 +88,7 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
             ``tokens`` or ``rows`` (per-sample mean losses).
         micro_batches: micro-batches each batch is cut into from the start (>= 1); default
             ``MEMGUARD_MICRO_BATCHES`` in the environment (``memguard run`` sets it after an OOM
-            kill), else 1. ``split`` is its deprecated name.
+            kill), else 1.
         eval_micro_batches: micro-batches each ``evaluate()`` / ``predict()`` batch is cut into at
             the start (>= 1, default 1); doubled after an out-of-memory error in one.
         monitor_interval_s: background sampling period (0 disables the thread).
@@ -131,9 +130,6 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
         self._states_ready = False
         self.oom_errors = []
         self._init_eval()
-
-    # deprecated names
-    forward_rows = renamed_attribute("forward_rows", "guard.micro_batch_rows")
 
     # ------------------------------------------------------------------ attaching to the trainer
     @classmethod
@@ -270,7 +266,7 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
         if mon is None:
             return {}
         # micro-batches: the k the step ran with (the current k before the first step's record)
-        return {"memguard_micro_batches": int(mon.split), **self.guard.figures,
+        return {"memguard_micro_batches": int(mon.micro_batches), **self.guard.figures,
                 "memguard_max_usage": round(mon.max_usage, 4)}
 
     def on_train_end(self, args, state, control, **kwargs):

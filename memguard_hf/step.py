@@ -173,7 +173,7 @@ class GuardedStep(FsdpStep):
         Trainer's own sync context), else an earlier batch redone (all of it under ``no_sync``).
         An OOM in a forward redoes the rows not yet processed at a doubled k (``Guard.after_oom``);
         any other error, an OOM in a backward included, propagates."""
-        k = max(k, self.guard.monitor.split)   # a forward OOM in an earlier batch may have raised it
+        k = max(k, self.guard.monitor.micro_batches)   # a forward OOM in an earlier batch may have raised it
         if k <= 1:
             failure = None
             try:

@@ -85,7 +85,7 @@ class FsdpStep:
             loss = failure = None
             todo = self._window[:pos + 1] if redo else [inputs]
             for b in todo:
-                loss, failure = self._fsdp_batch(model, b, num_items_in_batch, max(k, self.guard.monitor.split),
+                loss, failure = self._fsdp_batch(model, b, num_items_in_batch, max(k, self.guard.monitor.micro_batches),
                                                  args, kwargs)
                 if failure is not None:
                     break

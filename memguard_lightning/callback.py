@@ -68,7 +68,6 @@ from typing import Any, Iterator, Optional, Tuple
 from lightning.pytorch.callbacks import Callback
 
 from memguard_torch import train_reading as tt
-from memguard_core._deprecation import renamed_attribute
 from memguard_core.errors import ConfigError
 from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.options import GuardOptions, option_kwargs, with_guard_options
@@ -104,7 +103,7 @@ class MemGuardCallback(GuardAttributes, Callback):
         eval_micro_batches: micro-batches each validation / test / predict batch is cut into at
             the start (>= 1, default 1); doubled after an out-of-memory error in one.
         micro_batches: micro-batches each batch is cut into from the start (>= 1); default
-            ``MEMGUARD_MICRO_BATCHES`` in the environment, else 1. ``split`` is its deprecated name.
+            ``MEMGUARD_MICRO_BATCHES`` in the environment, else 1.
         monitor_interval_s: background sampling period in seconds (0 disables the thread).
         device: which memory to probe (``auto`` | ``cpu`` | ``cuda`` | ``cuda:<i>`` | ``mps``).
         preflight: run the preflight before the first step (default True).
@@ -139,8 +138,6 @@ class MemGuardCallback(GuardAttributes, Callback):
         self.pl_module = None
         self._started = False
 
-    # deprecated names
-    forward_rows = renamed_attribute("forward_rows", "guard.micro_batch_rows")
 
     # ------------------------------------------------------------------ setup / teardown
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -254,7 +251,7 @@ class MemGuardCallback(GuardAttributes, Callback):
         params = {"memguard/budget_bytes": int(pf.budget_bytes),
                   "memguard/estimated_peak_bytes": int(pf.estimate.peak_bytes),
                   "memguard/planned_peak_bytes": int(pf.best_peak_bytes),
-                  "memguard/planned_split": int(pf.split_factor),
+                  "memguard/planned_micro_batches": int(pf.micro_batches),
                   "memguard/changes": "; ".join(c.reason for c in pf.applied + pf.not_applied) or "none"}
         for lg in getattr(trainer, "loggers", None) or []:
             try:
@@ -288,7 +285,7 @@ class MemGuardCallback(GuardAttributes, Callback):
             return
         # the standard per-step figures (memguard_core.observe.FIGURE_NAMES) as memguard/<name>;
         # micro_batches: the k the step ran with (the current k before the first record)
-        metrics = {"memguard/micro_batches": float(mon.split)}
+        metrics = {"memguard/micro_batches": float(mon.micro_batches)}
         metrics.update({"memguard/" + k[len("memguard_"):]: float(v) for k, v in self.guard.figures.items()})
         metrics.update({"memguard/max_usage": float(round(mon.max_usage, 4)),
                         "memguard/events": float(len(self.guard.events))})

@@ -141,7 +141,7 @@ class GuardedStep:
         weight 1.0. Rows of each chunk are recorded in the guard's ``micro_batch_rows``.
         """
         mon = self.guard.monitor
-        k = self.guard.agreed(mon.split if mon is not None else self.options.micro_batches)
+        k = self.guard.agreed(mon.micro_batches if mon is not None else self.options.micro_batches)
         if k <= 1:
             self.guard.micro_batch_rows.append(batch_units(batch))
             yield batch, 1.0

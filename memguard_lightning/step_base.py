@@ -294,5 +294,5 @@ class StrategyStep:
         release_graph(loss)
         loss = None
         mon = self.guard.monitor
-        self._redo_window(failure, mon.split if mon is not None else 1, through_current=True)
+        self._redo_window(failure, mon.micro_batches if mon is not None else 1, through_current=True)
         return None

@@ -152,7 +152,7 @@ class DdpStep(PlainStep):
         loss = None
         if self.guard.agree_redo(failure is not None):
             mon = self.guard.monitor
-            self._redo_window(failure, mon.split if mon is not None else 1, through_current=True,
+            self._redo_window(failure, mon.micro_batches if mon is not None else 1, through_current=True,
                               phase="backward")
         if _compat.window_ends(self.trainer):
             # the has-gradient mask on a gloo group of its own: a CPU tensor on an NCCL group would fail

@@ -229,7 +229,7 @@ class FsdpStep(StrategyStep):
             raise failure
         mon = self.guard.monitor
         # every rank logs this batch's values from the redo, at the same point (after the ranks agreed)
-        self._redo_window(failure, mon.split if mon is not None else 1, through_current=True, phase="backward",
+        self._redo_window(failure, mon.micro_batches if mon is not None else 1, through_current=True, phase="backward",
                           log_current=True)
         return None
 

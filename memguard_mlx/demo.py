@@ -9,7 +9,7 @@ with memguard is tokenised byte-wise (ids 3..258), as in the HF demo.
 
 The budget is chosen so that the requested batch does not fit (the estimate of half of it + 5 %, over
 the warning level the preflight plans to);
-the preflight plans a split k, which the drop-in applies in place. At ``--squeeze-at`` the demo
+the preflight plans k micro-batches per batch, which the drop-in applies in place. At ``--squeeze-at`` the demo
 takes 15 % of the budget away, as a co-tenant would, and the runtime guard reacts. At the end: the
 estimate vs the measured ``mx.get_peak_memory()``, and the proof that the optimizer updates, the LR
 schedule and the samples per update were those of the requested run.
@@ -161,7 +161,7 @@ def run_demo(args) -> int:
             ("rows per optimizer update", f"{rows_per_update:g}"),
             ("effective batch kept", yes_no(kept)),
             ("rows per forward seen", ", ".join(str(r) for r in sorted(set(guard.micro_batch_rows)))),
-            ("split k by iteration", ", ".join(f"it {it}: k={k}" for it, k in guard.split_history)),
+            ("micro-batches per batch by iteration", ", ".join(f"it {it}: k={k}" for it, k in guard.micro_batches_history)),
             ("runtime decisions", str(len(guard.events))),
             ("MLX limits set", ", ".join(f"{k}={mib(v)}" for k, v in guard.limits.items()) or "-"),
             ("leak reports", str(s["leaks"]))]

@@ -77,7 +77,6 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 from mlx_lm.tuner.trainer import TrainingArgs, default_loss, iterate_batches
 
-from memguard_core._deprecation import renamed_attribute
 from memguard_core.errors import ConfigError, WindowOOMError
 from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.monitor import Action, Level, MemoryEvent
@@ -126,7 +125,7 @@ def run_preflight(model, optimizer, args, train_dataset=None, *, budget_bytes: O
     """Estimate the mlx_lm run and plan it against the budget (``Guard.plan``: below the monitor's
     warning level), applying gradient checkpointing in place when the plan asks for it (mlx_lm's
     own ``grad_checkpoint(model.layers[0])``). The micro-batches per batch are returned in
-    ``split_factor`` for the loop to apply. :func:`train` runs this itself.
+    ``micro_batches`` for the loop to apply. :func:`train` runs this itself.
 
     Raises:
         DoesNotFitError: nothing in the search fits.
@@ -221,7 +220,7 @@ class MlxGuard(GuardAttributes):
 
     Attributes after a run:
         the guard's (``memguard_core.guard.Guard``): guard, preflight, monitor, events (dicts),
-        micro_batch_rows, samples_per_step, oom_retries, budget_bytes, summary; and split_history
+        micro_batch_rows, samples_per_step, oom_retries, budget_bytes, summary; and micro_batches_history
         (``[(iteration, k)]`` whenever k changed, from the first batch), batch_peaks
         (``[(iteration, k, peak_bytes)]``, the ``mx.get_peak_memory()`` of each batch: the peak is
         reset at every batch boundary), optimizer_steps, learning_rates (after each update), leak
@@ -270,7 +269,7 @@ class MlxGuard(GuardAttributes):
         self.chunk_weight = chunk_weight
         self._user_on_event = on_event
 
-        self.split_history: List[Tuple[int, int]] = []
+        self.micro_batches_history: List[Tuple[int, int]] = []
         self.batch_peaks: List[Tuple[int, int, int]] = []
         self.optimizer_steps = 0
         self.learning_rates: List[float] = []
@@ -283,11 +282,6 @@ class MlxGuard(GuardAttributes):
         self._rows_this_update = 0
         self.validation: Optional[GuardedEval] = None
         self.resumed_from: Optional[str] = None
-
-    # deprecated names
-    chunk_rows = renamed_attribute("chunk_rows", "guard.micro_batch_rows")
-    alloc_retries = renamed_attribute("alloc_retries", "guard.oom_retries")
-    updates = renamed_attribute("updates", "optimizer_steps")
 
     # ----------------------------------------------------------------- monitor plumbing
     def _on_event(self, event: MemoryEvent) -> None:
@@ -346,10 +340,10 @@ class MlxGuard(GuardAttributes):
 
     def stop(self, iterations: int) -> None:
         """End the run: the guard's summary (same keys as the torch adapters', plus ``iterations``,
-        ``split_history``, ``leaks``, ``limits`` and ``resumed_from``, the adapter file a resumed run
+        ``micro_batches_history``, ``leaks``, ``limits`` and ``resumed_from``, the adapter file a resumed run
         started from or None) and calibration record; MLX limits restored."""
         self.guard.finish(self.optimizer_steps, measured_bytes=lambda: self.max_peak_bytes,
-                          iterations=iterations, split_history=list(self.split_history),
+                          iterations=iterations, micro_batches_history=list(self.micro_batches_history),
                           leaks=len(self.leak.reports) if self.leak else 0, limits=dict(self.limits),
                           resumed_from=self.resumed_from)
         if self.controls is not None:
@@ -366,8 +360,8 @@ class MlxGuard(GuardAttributes):
         # chunks run no collective under mx.distributed: no agreement over ranks needed
         k = self.guard.micro_batches_for_step(it, agree=False, completed=it - 1) if mon is not None else 1
         k = max(1, min(k, rows))
-        if not self.split_history or self.split_history[-1][1] != k:
-            self.split_history.append((it, k))
+        if not self.micro_batches_history or self.micro_batches_history[-1][1] != k:
+            self.micro_batches_history.append((it, k))
         self._it = it
         self._batch_k = k
         return k
@@ -390,8 +384,8 @@ class MlxGuard(GuardAttributes):
         """
         new_k = self.guard.after_window_oom(exc, k, rows, it, redos=redos, phase="forward and backward",
                                             free=_free_mlx)
-        if self.split_history[-1][1] != new_k:
-            self.split_history.append((it, new_k))
+        if self.micro_batches_history[-1][1] != new_k:
+            self.micro_batches_history.append((it, new_k))
         self._batch_k = new_k
         return new_k
 
@@ -550,7 +544,7 @@ def train(
         return lvalue, toks, grad_accum
 
     validation = guard.validation = GuardedEval(
-        lambda: guard.monitor.split if guard.monitor is not None else 1, chunk_weight, guard.guard.fit_plan,
+        lambda: guard.monitor.micro_batches if guard.monitor is not None else 1, chunk_weight, guard.guard.fit_plan,
         eval_micro_batches=guard.options.eval_micro_batches,
         on_redo=lambda message, it, k: guard.guard.recorder.decision(
             "oom_retry", message, it, warn=False, phase="validation", micro_batches=k))
@@ -565,9 +559,9 @@ def train(
 
     def report_extra(ui, it, rank):
         mon = guard.monitor
-        if mon is not None and mon.split > 1 and rank == 0:
+        if mon is not None and mon.micro_batches > 1 and rank == 0:
             peak_gb = guard.peak_so_far() / 1e9
-            _compat.print_muted(ui, f"memguard: k={mon.split} chunks per batch, peak {peak_gb:.3f} GB")
+            _compat.print_muted(ui, f"memguard: k={mon.micro_batches} chunks per batch, peak {peak_gb:.3f} GB")
 
     def report_figures():
         # the iteration just run closes its record now, so the report carries its own figures (its

@@ -1,7 +1,7 @@
 """Tiny real HF fine-tunes for the integration tests: a Llama-architecture model (GQA) built from
 config numbers with random weights, a dataset of variable-length rows with masked prompts (so rows
 hold different numbers of valid labels and equal chunk weights would be wrong), and a callback
-that switches the split factor k at chosen points of the run, as the monitor would.
+that switches the micro-batches per batch k at chosen points of the run, as the monitor would.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def packed_collate(rows: Sequence[Dict[str, List[int]]]) -> Dict[str, torch.Tens
 
 
 class SwitchSplit(TrainerCallback):
-    """Requests split factors at given points, through the guard's monitor (as pressure would).
+    """Requests micro-batches per batch at given points, through the guard's monitor (as pressure would).
 
     ``at_step``: {global_step: k} applied at ``on_step_begin``; ``at_substep``: {global_step: k}
     applied after the first micro-batch of that step's accumulation window (mid-window).
@@ -106,7 +106,7 @@ class SwitchSplit(TrainerCallback):
 
     def _set(self, k: int) -> None:
         mon = self.guard.monitor
-        mon._split = k  # a direct set: tests also need to go back down, which requests never do
+        mon._micro_batches = k  # a direct set: tests also need to go back down, which requests never do
 
     def on_step_begin(self, args, state, control, **kw):
         if state.global_step in self.at_step and self._mine():

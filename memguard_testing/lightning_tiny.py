@@ -4,7 +4,7 @@ a per-step OneCycleLR (so the LR sequence is informative), the variable-length m
 ``hf_tiny`` (rows hold different numbers of valid labels, so equal chunk weights would be wrong),
 a recorder of what Lightning really did (forward sizes from a forward pre-hook on the model, LR and
 rows per optimizer step, the losses Lightning returned and logged), and a callback that switches the
-guard's split factor k at chosen batches, as the monitor would.
+guard's micro-batches per batch k at chosen batches, as the monitor would.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class Recorder(pl.Callback):
 
 
 class SwitchSplit(pl.Callback):
-    """Sets the guard's split factor at given batches (counted over the whole fit), as memory pressure
+    """Sets the guard's micro-batches per batch at given batches (counted over the whole fit), as memory pressure
     would; ``ranks``: only these ranks do (the others must follow through the all-reduce)."""
 
     def __init__(self, guard, at_batch: Dict[int, int], ranks: Optional[Sequence[int]] = None):
@@ -153,7 +153,7 @@ class SwitchSplit(pl.Callback):
         n = self.seen
         self.seen += 1
         if n in self.at_batch and (self.ranks is None or trainer.global_rank in self.ranks):
-            self.guard.monitor._split = self.at_batch[n]  # a direct set: tests also go back down
+            self.guard.monitor._micro_batches = self.at_batch[n]  # a direct set: tests also go back down
 
 
 def make_loader(batch_size: int = 8, n_rows: int = 96, seed: int = 0):

@@ -101,7 +101,7 @@ def preflight_layout(pf, *fields: str):
     ts = pf.train_spec
     out = {"world_size": ts.world_size, "sharding": ts.sharding}
     out.update({name: getattr(ts, name) for name in fields})
-    out.update(applied=[c.reason for c in pf.applied], split=pf.split_factor)
+    out.update(applied=[c.reason for c in pf.applied], micro_batches=pf.micro_batches)
     return out
 
 
@@ -235,8 +235,8 @@ def check_tight_budget_run(script_name: str, out_dir: str, **train_spec: Any) ->
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
     r = json.loads(line[len("RESULT "):])
     assert r["requested_peak"] > budget and r["planned_peak"] <= 0.85 * budget, (budget, r)
-    assert r["split_factor"] >= 2, r
-    assert max(r["forward_rows"]) <= 16 // r["split_factor"], r
+    assert r["micro_batches"] >= 2, r
+    assert max(r["forward_rows"]) <= 16 // r["micro_batches"], r
     assert r["global_step"] == 3 and r["samples_per_step"] == [16, 16, 16], r
     # library pages the process maps after the preflight read them (RssFile), beyond the growth the
     # runtime overhead holds: they follow how the page cache holds the libraries, not the run's

@@ -99,6 +99,6 @@ def outcome(guard, args, steps_done: int) -> Tuple[bool, List[Tuple[str, str]]]:
             ("samples per optimizer step", ", ".join(str(n) for n in guard.samples_per_step)),
             ("effective batch kept", yes_no(kept)),
             ("rows per forward seen", ", ".join(str(r) for r in sorted(set(guard.micro_batch_rows)))),
-            ("final split k", str((guard.summary or {}).get("split"))),
+            ("final micro-batches per batch", str((guard.summary or {}).get("micro_batches"))),
             ("runtime decisions", str(len(guard.events)))]
     return kept, rows

@@ -1,4 +1,4 @@
-"""Rank agreement on the split factor k, shared by the torch adapters.
+"""Rank agreement on the micro-batches per batch k, shared by the torch adapters.
 
 Under data parallelism every rank must run the same number of forwards and backwards per
 optimizer step (DDP's gradient all-reduce fires in each synchronised backward), so the split k is

@@ -185,7 +185,7 @@ class TorchGuard(RankAgreement, GuardAttributes):
             todo = self._window if redos else [batch]
             failure = None
             for i, b in enumerate(todo):
-                failure = yield from self._run_batch(b, max(k, g.monitor.split), final=i == len(todo) - 1)
+                failure = yield from self._run_batch(b, max(k, g.monitor.micro_batches), final=i == len(todo) - 1)
                 if failure is not None:
                     break
             if failure is None:

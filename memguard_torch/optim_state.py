@@ -149,7 +149,7 @@ def prepare_optimizer(optimizer: Any, guard: Any, rows: Callable[[], int],
                 if closure_failed[0] or not is_oom(exc):
                     raise
                 mon = guard.monitor
-                raise guard.optimizer_step_oom(exc, mon.split if mon is not None else 1, rows()) from exc
+                raise guard.optimizer_step_oom(exc, mon.micro_batches if mon is not None else 1, rows()) from exc
 
         step._memguard_step = True
         optimizer.step = step

@@ -386,7 +386,7 @@ def test_a_split_at_the_boundary_after_end_step_is_the_next_records_k(tmp_path):
     g.start(rows=4)
     g.micro_batches_for_step(0)
     g.end_step(1)
-    g.monitor.request_split(4, "a test's request", 1)   # what a decision at the next boundary does
+    g.monitor.request_micro_batches(4, "a test's request", 1)   # what a decision at the next boundary does
     assert g.micro_batches_for_step(1) == 4
     g.end_step(2)
     g.finish(2)

@@ -12,16 +12,15 @@ import sys
 import pytest
 
 from memguard_core import versions
-from memguard_core._deprecation import renamed_attribute
 from memguard_core.errors import ConfigError, DoesNotFitError
 from memguard_core.guard import Guard
-from memguard_core.options import GuardOptions, micro_batches_from_env
+from memguard_core.options import GuardOptions, micro_batches_from_env, option_kwargs
 from memguard_core.estimator.specs import TrainSpec
 from memguard_hf.model_spec import model_spec_from_hf_config
 
 SMOL = os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")
 GiB = 2**30
-SUMMARY_KEYS = {"split", "max_usage", "budget_bytes", "measured_peak_bytes", "estimated_peak_bytes",
+SUMMARY_KEYS = {"micro_batches", "max_usage", "budget_bytes", "measured_peak_bytes", "estimated_peak_bytes",
                 "requested_peak_bytes", "optimizer_steps", "samples_per_step", "oom_retries", "events", "event_log"}
 
 
@@ -48,7 +47,7 @@ def test_a_plan_that_fits_changes_nothing_and_keeps_the_budget(specs):
     g = _guard(budget_bytes=64 * GiB)
     mon = g.start(rows=8, read_specs=lambda: specs)
     try:
-        assert g.preflight is not None and g.preflight.split_factor == 1 and mon.split == 1
+        assert g.preflight is not None and g.preflight.micro_batches == 1 and mon.micro_batches == 1
         assert g.budget_bytes == mon.budget_bytes == 64 * GiB
         assert g.preflight.plan_fraction == g.options.thresholds.warning  # planned below the warning level
     finally:
@@ -61,7 +60,7 @@ def test_nothing_fits_starts_with_one_row_micro_batches_and_checkpointing(specs,
     with caplog.at_level(logging.ERROR, logger="memguard.test"):
         mon = g.start(rows=8, read_specs=lambda: specs, enable_checkpointing=lambda: turned_on.append(True))
     g.stop()
-    assert mon.split == 8 and turned_on == [True] and g.preflight is None
+    assert mon.micro_batches == 8 and turned_on == [True] and g.preflight is None
     assert "nothing fits" in caplog.text
 
 
@@ -76,7 +75,7 @@ def test_nothing_fits_only_takes_the_allowed_steps(specs):
     g = _guard(budget_bytes=2**20, apply=("grad_checkpoint",))
     mon = g.start(rows=8, read_specs=lambda: specs, enable_checkpointing=lambda: None)
     g.stop()
-    assert mon.split == 1
+    assert mon.micro_batches == 1
 
 
 @pytest.mark.parametrize("exc", [ConfigError("model", "a readable model"), RuntimeError("broken")])
@@ -88,7 +87,7 @@ def test_a_preflight_that_cannot_read_the_run_is_skipped(exc, caplog):
     with caplog.at_level(logging.WARNING, logger="memguard.test"):
         mon = g.start(rows=4, read_specs=read)
     g.stop()
-    assert g.preflight is None and mon is not None and mon.split == 1 and "preflight" in caplog.text
+    assert g.preflight is None and mon is not None and mon.micro_batches == 1 and "preflight" in caplog.text
 
 
 def test_a_preflight_config_error_is_raised_with_fail_fast():
@@ -103,7 +102,7 @@ def test_micro_batches_never_exceed_the_rows_and_the_default_budget_is_read():
     g = _guard(micro_batches=16, preflight=False)
     mon = g.start(rows=4)
     g.stop()
-    assert mon.split == 4 and mon.max_split == 4 and g.budget_bytes > 0
+    assert mon.micro_batches == 4 and mon.max_micro_batches == 4 and g.budget_bytes > 0
 
 
 def test_after_oom_doubles_counts_and_gives_up_on_one_row():
@@ -111,7 +110,7 @@ def test_after_oom_doubles_counts_and_gives_up_on_one_row():
     g.start(rows=8)
     freed = []
     assert g.after_oom(MemoryError("x"), 1, 8, 3, free=lambda: freed.append(1)) == 2
-    assert g.monitor.split == 2 and g.oom_retries == 1 and freed == [1]
+    assert g.monitor.micro_batches == 2 and g.oom_retries == 1 and freed == [1]
     exc = MemoryError("one row")
     with pytest.raises(MemoryError):
         g.after_oom(exc, 1, 1, 3)
@@ -129,11 +128,8 @@ def test_summary_keys_and_no_calibration_record_after_an_oom_retry(specs, monkey
     s = g.finish(2, extra_key=1)
     assert set(s) == SUMMARY_KEYS | {"extra_key"} and s["optimizer_steps"] == 2 and s["samples_per_step"] == [8]
     assert len(recorded) == 1
-    with pytest.warns(DeprecationWarning, match="optimizer_steps"):
-        assert s["optimizer_updates"] == 2  # the MLX adapter's old key
-    with pytest.warns(DeprecationWarning):
-        assert s.get("alloc_retries") == 0
-    assert s.get("nothing", 7) == 7
+    # one name per figure: the MLX adapter's names before issue 32 are not keys
+    assert not {"optimizer_updates", "alloc_retries", "split"} & set(s)
     g2 = _guard(budget_bytes=64 * GiB)
     g2.start(rows=8, read_specs=lambda: specs)
     g2.after_oom(MemoryError("x"), 1, 8, 1)
@@ -145,41 +141,37 @@ def test_finish_without_a_start_is_none():
     assert _guard(budget_bytes=GiB).finish(0) is None
 
 
-def test_split_is_a_deprecated_alias_of_micro_batches():
-    with pytest.warns(DeprecationWarning, match="micro_batches"):
-        assert GuardOptions.from_kwargs(split=4).micro_batches == 4
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError) as e:
-        GuardOptions.from_kwargs(split=2, micro_batches=2)
-    assert e.value.field == "split"
+def test_micro_batches_is_the_one_name():
+    # "split", the name before issue 32, is an unknown option: the error lists micro_batches
+    with pytest.raises(ConfigError) as e:
+        option_kwargs({"split": 4})
+    assert e.value.field == "split" and "micro_batches" in str(e.value)
+    assert GuardOptions.from_kwargs(micro_batches=4).micro_batches == 4
     with pytest.raises(ConfigError) as e:
         GuardOptions.from_kwargs(micro_batches=0)
     assert e.value.field == "micro_batches"
 
 
-def test_micro_batches_from_the_environment_old_name_deprecated():
+def test_micro_batches_from_the_environment():
     assert micro_batches_from_env({"MEMGUARD_MICRO_BATCHES": "4", "MEMGUARD_SPLIT": "2"}) == 4
-    with pytest.warns(DeprecationWarning, match="MEMGUARD_MICRO_BATCHES"):
-        assert micro_batches_from_env({"MEMGUARD_SPLIT": "2"}) == 2
+    assert micro_batches_from_env({"MEMGUARD_SPLIT": "2"}) is None   # the name before issue 32: not read
     with pytest.raises(ConfigError) as e:
         micro_batches_from_env({"MEMGUARD_MICRO_BATCHES": "0"})
     assert e.value.field == "MEMGUARD_MICRO_BATCHES"
     assert micro_batches_from_env({}) is None
 
 
-def test_renamed_attribute_warns_and_forwards():
-    class Inner:
-        micro_batch_rows = [1]
+def test_the_adapters_read_the_guards_state_under_one_name_each():
+    from memguard_core.guard import GuardAttributes
+    from memguard_hf import MemGuardCallback as HfCallback
+    from memguard_lightning import MemGuardCallback as LightningCallback
 
-    class Outer:
-        guard = Inner()
-        forward_rows = renamed_attribute("forward_rows", "guard.micro_batch_rows")
-
-    o = Outer()
-    with pytest.warns(DeprecationWarning, match="micro_batch_rows"):
-        assert o.forward_rows == [1]
-    with pytest.warns(DeprecationWarning):
-        o.forward_rows = [2]
-    assert Inner.micro_batch_rows == [1] and o.guard.micro_batch_rows == [2]
+    names = ("monitor", "preflight", "events", "micro_batch_rows", "samples_per_step", "oom_retries")
+    for cls in (HfCallback, LightningCallback):
+        assert issubclass(cls, GuardAttributes)
+        assert not any(hasattr(cls, old) for old in ("forward_rows", "chunk_rows", "alloc_retries", "updates"))
+    cb = HfCallback(budget_bytes=GiB, preflight=False)
+    assert [getattr(cb, n) == getattr(cb.guard, n) for n in names] == [True] * len(names)
 
 
 def test_version_outside_the_checked_range_warns_once(monkeypatch, caplog):
@@ -202,16 +194,12 @@ def test_the_core_and_the_guard_import_no_framework():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_trainspec_ranks_is_a_deprecated_alias_of_world_size():
-    with pytest.warns(DeprecationWarning, match="world_size"):
-        ts = TrainSpec(batch_size=2, grad_accum=3, ranks=4)
-    assert ts.world_size == 4 and ts.effective_batch == 24 and ts == TrainSpec(batch_size=2, grad_accum=3, world_size=4)
-    with pytest.warns(DeprecationWarning):
-        assert ts.ranks == 4
-    assert ts.replace(batch_size=1).world_size == 4  # replace does not go through the alias
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError) as e:
-        TrainSpec(world_size=2, ranks=4)
-    assert e.value.field == "ranks"
+def test_trainspec_world_size_is_the_one_name():
+    ts = TrainSpec(batch_size=2, grad_accum=3, world_size=4)
+    assert ts.effective_batch == 24 and ts.replace(batch_size=1).world_size == 4
+    assert not hasattr(ts, "ranks")   # the name before issue 32
+    with pytest.raises(TypeError):
+        TrainSpec(ranks=4)
 
 
 def test_budget_as_float_bytes_or_gib_and_record_options(tmp_path):
@@ -251,7 +239,7 @@ def test_summary_requested_and_planned_peaks_compare():
     del held
     pf = g.preflight
     s = g.finish(0)
-    assert pf.resident_extra_bytes > 0 and pf.split_factor == 1    # the premise
+    assert pf.resident_extra_bytes > 0 and pf.micro_batches == 1    # the premise
     assert s["requested_peak_bytes"] == s["estimated_peak_bytes"] == pf.best_peak_bytes
 
 

@@ -58,28 +58,28 @@ def test_thresholds_validate(kw, field):
 def test_actions_escalate_log_clean_split():
     mon, cleans = make()
     assert mon.observe(int(8.6 * GiB), 10 * GiB, step=1, source="step") is Action.LOG
-    assert mon.level == Level.WARNING and mon.split == 1
+    assert mon.level == Level.WARNING and mon.micro_batches == 1
     assert mon.observe(int(9.1 * GiB), 10 * GiB, step=2, source="step") is Action.CLEAN
-    assert cleans == [1] and mon.split == 1
+    assert cleans == [1] and mon.micro_batches == 1
     # critical again after the clean: escalate to a split
     assert mon.observe(int(9.1 * GiB), 10 * GiB, step=3, source="step") is Action.SPLIT
-    assert mon.split == 2
+    assert mon.micro_batches == 2
     # the split acts at the next micro-batch, read one step sample later: no cascade before that
     assert mon.observe(int(9.6 * GiB), 10 * GiB, step=4, source="step") is Action.NONE
     assert mon.observe(int(9.6 * GiB), 10 * GiB, step=None, source="background") is Action.NONE
-    assert mon.split == 2
+    assert mon.micro_batches == 2
     assert mon.observe(int(9.6 * GiB), 10 * GiB, step=5, source="step") is Action.SPLIT
-    assert mon.split == 4
+    assert mon.micro_batches == 4
     assert [e.action for e in mon.events] == [Action.LOG, Action.CLEAN, Action.SPLIT, Action.SPLIT]
     assert mon.events[-1].to_dict()["level"] == "emergency"
 
 
 def test_split_is_bounded_by_max_split():
-    mon, _ = make(max_split=4)
+    mon, _ = make(max_micro_batches=4)
     for _ in range(12):
         mon.observe(int(9.9 * GiB), 10 * GiB, step=None, source="step")
-    assert mon.split == 4
-    assert mon.request_split(16, "test") == 4
+    assert mon.micro_batches == 4
+    assert mon.request_micro_batches(16, "test") == 4
 
 
 def test_effective_budget_shrinks_when_capacity_is_taken():
@@ -93,7 +93,7 @@ def test_step_sample_uses_the_step_peak_and_resets_it():
     peaks = [int(9.7 * GiB)]
     mon, _ = make(probe_fn=lambda cheap: Snap(3 * GiB, 50 * GiB), peak_fn=lambda: peaks.pop() if peaks else None)
     assert mon.step_sample(7) is Action.SPLIT  # 97 % of the budget -> emergency
-    assert mon.split == 2 and mon.max_step_peak_bytes == int(9.7 * GiB)
+    assert mon.micro_batches == 2 and mon.max_step_peak_bytes == int(9.7 * GiB)
     assert mon.events[-1].step == 7
 
 
@@ -106,10 +106,10 @@ def test_record_sample_records_and_the_next_step_sample_decides_on_its_peak():
     peaks = [int(1.0 * GiB), int(4.5 * GiB)]   # popped from the end: the step's peak, then the gap's
     mon, _ = make(probe_fn=lambda cheap: Snap(3 * GiB, avail[0]), peak_fn=lambda: peaks.pop() if peaks else None)
     mon.record_sample()
-    assert mon.last_step_figures["peak"] == int(4.5 * GiB) and mon.split == 1 and not mon.events
+    assert mon.last_step_figures["peak"] == int(4.5 * GiB) and mon.micro_batches == 1 and not mon.events
     avail[0] = 2 * GiB                          # budget now 0.8 x (3 + 2) GiB = 4 GiB
     assert mon.step_sample(3) is Action.SPLIT   # 4.5 GiB carried over > 4 GiB: emergency
-    assert mon.split == 2
+    assert mon.micro_batches == 2
     avail[0] = 50 * GiB
     peaks[:] = [int(1.0 * GiB)]
     mon.step_sample(4)                          # the carried peak is used once
@@ -142,16 +142,16 @@ def test_critical_clean_that_frees_too_little_splits_before_the_next_micro_batch
     action = mon.step_sample(3)
     assert cleans == [1]
     if expect_split:
-        assert action is Action.SPLIT and mon.split == 2
+        assert action is Action.SPLIT and mon.micro_batches == 2
         assert [e.action for e in mon.events] == [Action.CLEAN, Action.SPLIT]
         assert f"freed {rss_freed_gib:.2f} GiB of RSS" in mon.events[-1].message
         credited = 0 if live_freed_gib is None else min(rss_freed_gib, live_freed_gib)
         assert mon.events[-1].used_bytes == int(9.2 * GiB) - int(credited * GiB)
         # the split acts at the next micro-batch: no second split before its peak is read
         current[0] = 5 * GiB
-        assert mon.step_sample(4) is Action.NONE and mon.split == 2
+        assert mon.step_sample(4) is Action.NONE and mon.micro_batches == 2
     else:
-        assert action is Action.CLEAN and mon.split == 1
+        assert action is Action.CLEAN and mon.micro_batches == 1
         assert [e.action for e in mon.events] == [Action.CLEAN]
 
 
@@ -178,10 +178,10 @@ def test_background_thread_samples_and_stops_cleanly():
     mon = MemoryMonitor(10 * GiB, interval_s=0.01, probe_fn=probe_fn, clean_fn=lambda: None)
     with mon:
         deadline = time.time() + 5
-        while mon.split < 2 and time.time() < deadline:
+        while mon.micro_batches < 2 and time.time() < deadline:
             time.sleep(0.01)
         assert mon.running
-    assert mon.split >= 2 and calls and not any(calls)  # background uses the full probe
+    assert mon.micro_batches >= 2 and calls and not any(calls)  # background uses the full probe
     assert not mon.running
     assert not [t for t in threading.enumerate() if t.name == "memguard-monitor"]
 
@@ -191,14 +191,14 @@ def test_on_event_failure_does_not_break_the_monitor():
         raise ValueError("logger broke")
     mon = MemoryMonitor(10 * GiB, interval_s=0, on_event=bad, clean_fn=lambda: None)
     assert mon.observe(int(9.9 * GiB), 10 * GiB, step=1, source="step") is Action.SPLIT
-    assert mon.split == 2
+    assert mon.micro_batches == 2
 
 
 @pytest.mark.parametrize("kw,field", [
     (dict(budget_bytes=0), "budget_bytes"),
     (dict(budget_bytes=-5), "budget_bytes"),
     (dict(budget_bytes=GiB, interval_s=-1), "interval_s"),
-    (dict(budget_bytes=GiB, split=0), "split"),
+    (dict(budget_bytes=GiB, micro_batches=0), "micro_batches"),
     (dict(budget_bytes=GiB, safety_ratio=1.5), "safety_ratio"),
 ])
 def test_monitor_validates_inputs(kw, field):
@@ -250,7 +250,7 @@ def feed(mon, readings, dt=0.5):
 def test_psi_one_high_sample_is_not_acted_on():
     mon, cleans = make()
     actions = feed(mon, [0.0, 80.0, 0.0, 0.0, 0.0, 0.0])
-    assert set(actions) == {Action.NONE} and not cleans and mon.split == 1 and not mon.events
+    assert set(actions) == {Action.NONE} and not cleans and mon.micro_batches == 1 and not mon.events
 
 
 def test_psi_sustained_rising_pressure_cleans_then_splits():
@@ -261,7 +261,7 @@ def test_psi_sustained_rising_pressure_cleans_then_splits():
     assert actions[:4] == [Action.NONE] * 4
     assert actions[4] is Action.CLEAN
     assert actions[5:8] == [Action.NONE] * 3
-    assert actions[8] is Action.SPLIT and mon.split == 2
+    assert actions[8] is Action.SPLIT and mon.micro_batches == 2
     assert cleans == [1, 1]  # the clean, and the split (which also hands back cached memory)
     psi_events = [e for e in mon.events if e.source == "psi"]
     assert [e.action for e in psi_events] == [Action.CLEAN, Action.SPLIT]
@@ -273,7 +273,7 @@ def test_psi_sustained_but_falling_or_flat_pressure_is_left_alone():
     mon, cleans = make(psi=PsiPolicy(threshold=10, sustain_s=1.0, min_samples=3))
     assert set(feed(mon, [40, 38, 35, 30, 25, 20, 15, 12])) == {Action.NONE}
     assert set(feed(mon, [20.0] * 8)) == {Action.NONE}
-    assert not cleans and mon.split == 1
+    assert not cleans and mon.micro_batches == 1
 
 
 def test_psi_episode_ends_below_the_release_level_and_restarts():
@@ -282,10 +282,10 @@ def test_psi_episode_ends_below_the_release_level_and_restarts():
     actions = feed(mon, [11, 12, 13, 2, 11, 12, 13])
     assert actions == [Action.NONE, Action.NONE, Action.CLEAN, Action.NONE, Action.NONE, Action.NONE,
                        Action.CLEAN]
-    assert cleans == [1, 1] and mon.split == 1
+    assert cleans == [1, 1] and mon.micro_batches == 1
     # a dip into the hysteresis band (>= 5 %) does not end the episode: the next window splits
     assert feed(mon, [7, 12, 14]) == [Action.NONE, Action.NONE, Action.SPLIT]
-    assert mon.split == 2
+    assert mon.micro_batches == 2
 
 
 def test_psi_absent_or_garbage_is_skipped_and_logged_once(caplog):
@@ -293,7 +293,7 @@ def test_psi_absent_or_garbage_is_skipped_and_logged_once(caplog):
     with caplog.at_level("WARNING", logger="memguard.monitor"):
         assert set(feed(mon, [None] * 4 + [float("nan"), -3.0, 250.0, "12"])) == {Action.NONE}
     assert [r for r in caplog.records if "pressure" in r.message and "failed" in r.message].__len__() == 1
-    assert not cleans and mon.split == 1
+    assert not cleans and mon.micro_batches == 1
 
 
 def test_psi_off_and_usage_action_takes_precedence():

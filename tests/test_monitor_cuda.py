@@ -5,7 +5,7 @@ No CUDA device here: ``torch.cuda`` is replaced by the thin fake of its counter 
 (``memguard_testing.fakes.FakeTorchCuda``: ``memory_stats_as_nested_dict`` with torch's key
 layout, ``num_alloc_retries`` / ``num_ooms`` set by the test, ``empty_cache`` counted), as
 ``torch.cuda`` (``memguard_testing.fakes.use_fake_torch``); everything above it is the real code: the CUDA step reader and probe,
-``MemoryMonitor``, ``SplitPolicy``, the default clean, ``Guard`` and its event log.
+``MemoryMonitor``, ``MicroBatchPolicy``, the default clean, ``Guard`` and its event log.
 """
 
 import json
@@ -16,7 +16,7 @@ import types
 import pytest
 
 from memguard_core.errors import ConfigError
-from memguard_core.monitor import Action, AllocRetryPolicy, MemoryMonitor, SplitPolicy, Thresholds
+from memguard_core.monitor import Action, AllocRetryPolicy, MemoryMonitor, MicroBatchPolicy, Thresholds
 from memguard_core.probes import alloc_conf, nvml
 from memguard_core.probes.common import reset_warned
 from memguard_testing.fakes import FakeTorchCuda, use_fake_torch
@@ -42,20 +42,20 @@ def gpu(monkeypatch):
 # ------------------------------------------------------------------ the rule alone
 
 def test_two_retried_steps_in_a_row_clean_then_two_more_split():
-    pol = SplitPolicy(Thresholds(), split=1, max_split=8, alloc_retries=AllocRetryPolicy())
+    pol = MicroBatchPolicy(Thresholds(), micro_batches=1, max_micro_batches=8, alloc_retries=AllocRetryPolicy())
     feed = lambda n, ooms=0, step=None: pol.observe_alloc_retries(n, ooms=ooms, step=step)
     assert feed(0) is None                 # the baseline
     assert feed(3) is None                 # one retried step: not yet (Composer: 2 in a row)
     ev = feed(5, step=2)
     assert ev.action is Action.CLEAN and ev.source == "alloc_retries" and ev.step == 2
-    assert "2 optimizer steps in a row" in ev.message and "+5" in ev.message and pol.split == 1
+    assert "2 optimizer steps in a row" in ev.message and "+5" in ev.message and pol.micro_batches == 1
     assert feed(6) is None                 # each action needs a new run of 2
     ev = feed(9)
-    assert ev.action is Action.SPLIT and pol.split == 2 and "splitting micro-batches 1 -> 2" in ev.message
+    assert ev.action is Action.SPLIT and pol.micro_batches == 2 and "splitting micro-batches 1 -> 2" in ev.message
 
 
 def test_a_calm_step_breaks_the_run_and_calm_steps_end_the_episode():
-    pol = SplitPolicy(Thresholds(), split=1, alloc_retries=AllocRetryPolicy(steps=2, release_steps=2))
+    pol = MicroBatchPolicy(Thresholds(), micro_batches=1, alloc_retries=AllocRetryPolicy(steps=2, release_steps=2))
     for n in (0, 1, 1, 2, 2):              # retried, calm, retried, calm: never two in a row
         assert pol.observe_alloc_retries(n) is None
     assert pol.observe_alloc_retries(3) is None
@@ -67,7 +67,7 @@ def test_a_calm_step_breaks_the_run_and_calm_steps_end_the_episode():
 
 
 def test_a_step_with_an_oom_is_not_counted_and_a_reset_is_a_new_baseline():
-    pol = SplitPolicy(Thresholds(), split=1, alloc_retries=AllocRetryPolicy())
+    pol = MicroBatchPolicy(Thresholds(), micro_batches=1, alloc_retries=AllocRetryPolicy())
     pol.observe_alloc_retries(0, ooms=0)
     pol.observe_alloc_retries(2, ooms=0)
     assert pol.observe_alloc_retries(4, ooms=1) is None      # the OOM's handling split already
@@ -78,7 +78,7 @@ def test_a_step_with_an_oom_is_not_counted_and_a_reset_is_a_new_baseline():
 
 
 def test_act_false_counts_without_acting_and_garbage_is_refused():
-    pol = SplitPolicy(Thresholds(), split=1, alloc_retries=AllocRetryPolicy())
+    pol = MicroBatchPolicy(Thresholds(), micro_batches=1, alloc_retries=AllocRetryPolicy())
     pol.observe_alloc_retries(0)
     pol.observe_alloc_retries(1)
     assert pol.observe_alloc_retries(2, act=False) is None   # the usage rule acted on this sample
@@ -87,25 +87,25 @@ def test_act_false_counts_without_acting_and_garbage_is_refused():
         pol.observe_alloc_retries(-1)
     with pytest.raises(ConfigError, match="alloc_retries.steps"):
         AllocRetryPolicy(steps=0)
-    assert SplitPolicy(Thresholds(), split=1).observe_alloc_retries(5) is None   # off
+    assert MicroBatchPolicy(Thresholds(), micro_batches=1).observe_alloc_retries(5) is None   # off
 
 
 def test_an_open_retry_episode_is_no_calm_for_growing_back():
     from memguard_core.monitor import GrowPolicy
 
-    pol = SplitPolicy(Thresholds(), split=4, planned_split=4, alloc_retries=AllocRetryPolicy(),
+    pol = MicroBatchPolicy(Thresholds(), micro_batches=4, planned_micro_batches=4, alloc_retries=AllocRetryPolicy(),
                       grow=GrowPolicy(steps=2, seconds=0.0))
     pol.observe_alloc_retries(0)
     pol.observe_alloc_retries(1)                 # a retried step: the episode is open
     for t in range(6):
         assert pol.observe(10, 100, step=t, source="step", now=float(t)) is None
-    assert pol.split == 4
+    assert pol.micro_batches == 4
 
 
 # ------------------------------------------------------------------ the monitor on the CUDA reader
 
 def test_the_step_sample_feeds_the_retries_once_per_optimizer_step(gpu):
-    mon = MemoryMonitor(60 * GiB, device="cuda:0", interval_s=0, split=1, max_split=8)
+    mon = MemoryMonitor(60 * GiB, device="cuda:0", interval_s=0, micro_batches=1, max_micro_batches=8)
     mon.prime()
     mon.step_sample(0)                            # the baseline (0 retries)
     gpu.alloc_retries = 2
@@ -113,13 +113,13 @@ def test_the_step_sample_feeds_the_retries_once_per_optimizer_step(gpu):
     assert [mon.step_sample(1) for _ in range(3)] == [Action.NONE] * 3
     gpu.alloc_retries = 4
     assert mon.step_sample(2) is Action.CLEAN
-    assert gpu.empty_cache_calls == 1 and mon.split == 1
+    assert gpu.empty_cache_calls == 1 and mon.micro_batches == 1
     ev = mon.events[-1]
     assert (ev.source, ev.step, ev.action) == ("alloc_retries", 2, Action.CLEAN)
     gpu.alloc_retries = 5
     assert mon.step_sample(3) is Action.NONE
     gpu.alloc_retries = 7
-    assert mon.step_sample(4) is Action.SPLIT and mon.split == 2
+    assert mon.step_sample(4) is Action.SPLIT and mon.micro_batches == 2
     assert [e.source for e in mon.events] == ["alloc_retries", "alloc_retries"]
     # the usage levels never moved: the retries alone acted
     assert mon.level.name == "OK"

@@ -8,7 +8,7 @@ This machine is not a Mac. What is replaced, and only that:
 - ``probes.host.host_source`` returns ``"darwin"`` so the monitor builds the darwin step reader;
 - the monotonic clock follows the recorded timestamps (the monitor's windows are in seconds).
 Everything else is real: darwin.probe (psutil's total / available and this process's RSS),
-the step reader, MemoryMonitor, SplitPolicy.
+the step reader, MemoryMonitor, MicroBatchPolicy.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def test_a_darwin_figure_never_reaches_the_psi_policy_nor_psi_the_darwin_one(mac
         clock[0] += 0.5
         fake.reading = {"memorystatus_level": 12 - i, "vm_pressure_level": 2, "swap_used": i * 100 * MiB}
         assert mon.background_sample() is Action.NONE
-    assert mon.split == 1 and not mon.events
+    assert mon.micro_batches == 1 and not mon.events
     # a PSI snapshot (Linux, 60 % stalled and rising) with only the darwin policy on -> nothing
     mon = MemoryMonitor(1 << 40, device="cpu", interval_s=0, clean_fn=lambda: None, psi=None)
     for i in range(10):
@@ -140,7 +140,7 @@ def test_a_darwin_figure_never_reaches_the_psi_policy_nor_psi_the_darwin_one(mac
                               1000.0 + i, pressure_kind="psi")
         mon._probe_fn = lambda cheap, s=snap: s
         assert mon.background_sample() is Action.NONE
-    assert mon.split == 1 and not mon.events
+    assert mon.micro_batches == 1 and not mon.events
 
 
 # ---------------------------------------------------------------- recorded sequences, end to end
@@ -162,7 +162,7 @@ def make(**kw):
     cleans = []
     kw.setdefault("grow", GrowPolicy(below=0.70, steps=3, seconds=2.0))
     mon = MemoryMonitor(1 << 40, device="cpu", interval_s=0, clean_fn=lambda: cleans.append(1),
-                        max_split=64, **kw)
+                        max_micro_batches=64, **kw)
     return mon, cleans
 
 
@@ -173,7 +173,7 @@ def test_everyday_mac_at_55_to_64_percent_is_left_alone(mac):
     seq = SEQ["everyday_55_to_64"]
     mon, cleans = make()
     assert set(_replay(mon, fake, clock, seq)) == {Action.NONE}
-    assert mon.split == 1 and not cleans
+    assert mon.micro_batches == 1 and not cleans
     assert not [e for e in mon.events if e.source in ("psi", "memorystatus")]
     assert mon.last_pressure == 64.0
     # the same numbers fed to the PSI model would have acted (what the monitor did before)
@@ -189,12 +189,12 @@ def test_warn_with_swapping_cleans_splits_and_grows_back_after_relief(mac):
     # warn (swap rising 24 MiB/s, then >= 85 % in use and the kernel's warn): a clean after 3 s,
     # then a split for every further 3 s it goes on
     assert [e.action for e in mac_events] == [Action.CLEAN, Action.SPLIT, Action.SPLIT]
-    assert [e.split for e in mac_events] == [1, 2, 4]
+    assert [e.micro_batches for e in mac_events] == [1, 2, 4]
     assert "swap +24.0 MiB/s" in mac_events[0].message and "macOS warn" in mac_events[0].message
     assert acts.count(Action.CLEAN) == 1 and acts.count(Action.SPLIT) == 2
     # relief: the episode closes below 80 % in use; calm step samples grow k back to 1
     grows = [e for e in mon.events if e.action is Action.GROW]
-    assert [e.split for e in grows] == [2, 1] and mon.split == 1
+    assert [e.micro_batches for e in grows] == [2, 1] and mon.micro_batches == 1
     assert all(e.source == "step" for e in grows)
     assert not mon.policy._mac_episodes.open
 
@@ -204,7 +204,7 @@ def test_no_grow_back_while_the_episode_is_open(mac):
     mon, _ = make()
     seq = SEQ["warn_then_relief"]
     _replay(mon, fake, clock, seq[:36])          # up to the end of the hysteresis band (82 %)
-    assert mon.split == 4 and mon.policy._mac_episodes.open
+    assert mon.micro_batches == 4 and mon.policy._mac_episodes.open
     assert not [e for e in mon.events if e.action is Action.GROW]
 
 
@@ -213,7 +213,7 @@ def test_critical_acts_even_when_flat(mac):
     mon, cleans = make()
     acts = _replay(mon, fake, clock, SEQ["critical_flat"])
     # 7.5 s of flat critical readings: a clean after 3 s, a split after 3 s more
-    assert acts.count(Action.CLEAN) == 1 and acts.count(Action.SPLIT) == 1 and mon.split == 2
+    assert acts.count(Action.CLEAN) == 1 and acts.count(Action.SPLIT) == 1 and mon.micro_batches == 2
     assert "macOS critical" in [e for e in mon.events if e.source == "memorystatus"][0].message
 
 

@@ -37,7 +37,7 @@ def test_fits_unchanged():
     t = ts()
     p = plan(spec(), t, peak(t) + 1)
     assert isinstance(p, Plan) and p.fits
-    assert p.train_spec == t and p.original == t and p.changes == [] and p.split_factor == 1
+    assert p.train_spec == t and p.original == t and p.changes == [] and p.micro_batches == 1
     assert p.estimate.peak_bytes == peak(t)
 
 
@@ -72,7 +72,7 @@ def test_split_preferred_while_micro_batches_stay_large():
     assert p.train_spec == half                 # 2 x 2048 tokens beats recomputing every block
     assert [c.field for c in p.changes] == ["batch_size", "grad_accum"]
     assert "effective batch of 8" in p.changes[0].reason and "predicted step time" in p.changes[0].reason
-    assert p.split_factor == 2
+    assert p.micro_batches == 2
 
 
 def test_checkpointing_when_it_is_the_fastest_that_fits():
@@ -105,7 +105,7 @@ def test_quality_preserving_choice_is_the_fastest_that_fits(frac):
     assert p.train_spec == expect
     assert p.train_spec.effective_batch == t.effective_batch == 24
     assert p.estimate.peak_bytes <= budget
-    assert p.split_factor == 8 // p.train_spec.batch_size
+    assert p.micro_batches == 8 // p.train_spec.batch_size
 
 
 def test_micro_batch_keeps_effective_batch_and_takes_largest_that_fits():
@@ -116,7 +116,7 @@ def test_micro_batch_keeps_effective_batch_and_takes_largest_that_fits():
     c = p.train_spec
     assert (c.batch_size, c.grad_accum, c.grad_checkpoint) == (2, 12, False)
     assert c.effective_batch == t.effective_batch == 24
-    assert p.split_factor == 4
+    assert p.micro_batches == 4
     assert [ch.field for ch in p.changes] == ["batch_size", "grad_accum"]
     reason = p.changes[0].reason
     assert "8 -> 2" in reason and "3 -> 12" in reason and "effective batch of 24" in reason
@@ -127,9 +127,9 @@ def test_odd_batch_uses_divisors():
     at1 = peak(t.replace(batch_size=1, grad_accum=6))
     at3 = peak(t.replace(batch_size=3, grad_accum=2))
     p = plan(spec(), t, at3, allow=("micro_batch",))
-    assert (p.train_spec.batch_size, p.train_spec.grad_accum, p.split_factor) == (3, 2, 2)
+    assert (p.train_spec.batch_size, p.train_spec.grad_accum, p.micro_batches) == (3, 2, 2)
     p = plan(spec(), t, at1, allow=("micro_batch",))
-    assert (p.train_spec.batch_size, p.train_spec.grad_accum, p.split_factor) == (1, 6, 6)
+    assert (p.train_spec.batch_size, p.train_spec.grad_accum, p.micro_batches) == (1, 6, 6)
     assert p.train_spec.effective_batch == 6
 
 

@@ -28,7 +28,7 @@ def test_budget_that_fits_makes_the_planner_choose_that_split(ms):
     resident = estimate(ms, ts).breakdown["weights"] + estimate(ms, ts).breakdown["runtime_overhead"] + 80 * MiB
     budget = budget_that_fits(ms, half, resident_bytes=resident)
     pf = plan_in_place(ms, ts, budget, plan_fraction=0.85, resident_bytes=resident)
-    assert pf.split_factor == 2 and not pf.checkpointing_planned  # 4 x 256 tokens: cheaper than recompute
+    assert pf.micro_batches == 2 and not pf.checkpointing_planned  # 4 x 256 tokens: cheaper than recompute
     assert pf.resident_extra_bytes == 80 * MiB
     assert pf.best_peak_bytes <= 0.85 * budget
     # without the 80 MiB surplus the same budget would have fitted a larger plan than the one chosen

@@ -109,12 +109,12 @@ def test_step_reader_and_live_bytes(torch_mps):
 
 def test_monitor_on_mps_cleans_with_empty_cache_and_splits(torch_mps):
     torch_mps.allocated, torch_mps.driver = int(6.5 * GiB), int(7.4 * GiB)
-    mon = MemoryMonitor(8 * GiB, device="mps", interval_s=0, max_split=8)
+    mon = MemoryMonitor(8 * GiB, device="mps", interval_s=0, max_micro_batches=8)
     # 7.4 of 8 GiB (the effective budget: min(8, (7.4 + 3 + 0.9) x 0.8)) = 92.5 %: critical ->
     # a clean; it frees only cached blocks, no live tensor, so the next micro-batch's predicted
     # peak is still critical -> split in the same sample
     assert mon.step_sample(step=0) is Action.SPLIT
-    assert torch_mps.cleans == 1 and mon.split == 2
+    assert torch_mps.cleans == 1 and mon.micro_batches == 2
     assert [e.action for e in mon.events] == [Action.CLEAN, Action.SPLIT]
 
 

@@ -135,7 +135,7 @@ TORCH_CHILD = textwrap.dedent("""
     vmsize = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:"))
     limit = vmsize + 1536 * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    mon = MemoryMonitor(1 << 40, device="cpu", interval_s=0, clean_fn=lambda: None, max_split=64)
+    mon = MemoryMonitor(1 << 40, device="cpu", interval_s=0, clean_fn=lambda: None, max_micro_batches=64)
     mon.prime()
     held, log, failed_at = [], [], None
     for i in range(40):
@@ -145,7 +145,7 @@ TORCH_CHILD = textwrap.dedent("""
             failed_at = i
             break
         act = mon.step_sample(step=i)
-        log.append([i, act.value, mon.split])
+        log.append([i, act.value, mon.micro_batches])
     print(json.dumps(dict(log=log, failed_at=failed_at, first_split=next(
         (i for i, a, k in log if a == "split"), None))))
 """)

@@ -138,13 +138,19 @@ def test_main_reports_json_and_returns_the_status(tmp_path, capsys):
 @pytest.mark.parametrize("argv,flag", [
     (["--max-restarts", "-1", "--", "true"], "--max-restarts"),
     (["--micro-batches", "0", "--", "true"], "--micro-batches"),
-    (["--split", "0", "--", "true"], "--micro-batches"),  # the old name of the flag
     (["--"], "command"),
     ([], "command"),
 ])
 def test_main_bad_arguments_name_the_flag(argv, flag, capsys):
     assert main(argv) == 2
     assert f"invalid {flag}" in capsys.readouterr().err
+
+
+def test_the_flag_has_one_name(capsys):
+    # --split, the flag's name before issue 32, is no longer taken
+    with pytest.raises(SystemExit) as e:
+        main(["--split", "2", "--", "true"])
+    assert e.value.code == 2 and "unrecognized arguments: --split" in capsys.readouterr().err
 
 
 def test_supervise_validates():
@@ -154,9 +160,9 @@ def test_supervise_validates():
     with pytest.raises(ConfigError) as e:
         supervise(["true"], env={"MEMGUARD_MICRO_BATCHES": "two"})
     assert e.value.field == "MEMGUARD_MICRO_BATCHES"
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError) as e:
-        supervise(["true"], env={"MEMGUARD_SPLIT": "two"})  # the deprecated name still read
-    assert e.value.field == "MEMGUARD_SPLIT"
+    with pytest.raises(ConfigError) as e:
+        supervise(["true"], env={"MEMGUARD_MICRO_BATCHES": "0"})
+    assert e.value.field == "MEMGUARD_MICRO_BATCHES"
 
 
 # a child that writes to the run's event log as a guarded run does (same run id in every attempt)

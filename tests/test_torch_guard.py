@@ -130,7 +130,7 @@ def test_forward_oom_resplits_the_rows_not_yet_processed():
     _close(_grads(model), _reference(batches))
     assert guard.oom_retries == 1
     assert guard.micro_batch_rows == [4, 2, 2, 2, 2]   # the failed forward, then the 8 rows at k=4
-    assert guard.monitor.split == 4
+    assert guard.monitor.micro_batches == 4
     guard.close()
 
 

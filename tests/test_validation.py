@@ -42,7 +42,7 @@ API_CASES = [
     (lambda: TrainSpec(batch_size=True), "batch_size"),
     (lambda: TrainSpec(seq_length=0), "seq_length"),
     (lambda: TrainSpec(grad_accum=0), "grad_accum"),
-    (lambda: TrainSpec(ranks=0), "ranks"),
+    (lambda: TrainSpec(world_size=2.5), "world_size"),
     (lambda: TrainSpec(world_size=0), "world_size"),
     (lambda: TrainSpec(method="prefix"), "method"),
     (lambda: TrainSpec(optimizer="lion"), "optimizer"),
@@ -68,8 +68,8 @@ API_CASES = [
     (lambda: MemoryMonitor(GiB, safety_ratio=0), "safety_ratio"),
     (lambda: MemoryMonitor(GiB, thresholds={"warning": 0.8}), "thresholds"),
     (lambda: MemoryMonitor(GiB, interval_s=-0.1), "interval_s"),
-    (lambda: MemoryMonitor(GiB, split=0), "split"),
-    (lambda: MemoryMonitor(GiB, max_split=0), "max_split"),
+    (lambda: MemoryMonitor(GiB, micro_batches=0), "micro_batches"),
+    (lambda: MemoryMonitor(GiB, max_micro_batches=0), "max_micro_batches"),
     (lambda: MemoryMonitor(GiB, psi=10), "psi"),
     (lambda: MemoryMonitor(GiB, clean_fn="gc"), "clean_fn"),
     (lambda: MemoryMonitor(GiB, on_event=1), "on_event"),
@@ -183,14 +183,16 @@ def test_mlx_guard_kwargs_name_the_bad_field(kw, field):
     assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in inspect.signature(MlxGuard).parameters.values())
 
 
-def test_memguard_callback_bad_split_environment(monkeypatch):
+def test_memguard_callback_bad_micro_batches_environment(monkeypatch):
     pytest.importorskip("transformers")
     from memguard_hf import MemGuardCallback
 
-    monkeypatch.setenv("MEMGUARD_SPLIT", "two")
+    monkeypatch.setenv("MEMGUARD_SPLIT", "two")   # the name before issue 32: not read
+    assert MemGuardCallback().options.micro_batches == 1
+    monkeypatch.setenv("MEMGUARD_MICRO_BATCHES", "two")
     with pytest.raises(ConfigError) as e:
         MemGuardCallback()
-    assert e.value.field == "MEMGUARD_SPLIT"
+    assert e.value.field == "MEMGUARD_MICRO_BATCHES"
 
 
 CLI_CASES = [
@@ -205,7 +207,7 @@ CLI_CASES = [
     (["--attn", "xformers"], "--attn"),
     (["--framework", "jax"], "--framework"),
     (["--device", "tpu"], "--device"),
-    (["--ranks", "0"], "--ranks"),
+    (["--world-size", "-3"], "--world-size"),
     (["--world-size", "0"], "--world-size"),
     (["--budget-gib", "0"], "--budget-gib"),
     (["--available-gib", "-1"], "--available-gib"),

@@ -317,8 +317,6 @@ class TrainSpec:
             device memory incl. context), ``mlx`` (``mx.get_peak_memory()``), ``mps`` (PyTorch on
             Apple Silicon: ``torch.mps.driver_allocated_memory()``; not validated on a Mac).
         world_size: data-parallel processes (the effective batch; with ``sharding`` the shard group).
-            ``ranks`` is its deprecated name (accepted by the constructor and readable, with a
-            ``DeprecationWarning``).
         sharding: how the ranks lay out the model state (``memguard_core.estimator.sharding``): ``none`` (one
             process, or ranks that each hold everything without DDP's buckets) | ``ddp`` |
             ``fsdp-full`` | ``fsdp-grad-op`` | ``fsdp-hybrid`` | ``fsdp-no-shard`` | ``zero1`` |
@@ -401,18 +399,8 @@ class TrainSpec:
     heap_trim: bool = True
     model_code: str = "transformers"
     litgpt_version: Optional[str] = None
-    ranks: dataclasses.InitVar[Optional[int]] = None
 
-    def __post_init__(self, ranks: Optional[int] = None) -> None:
-        if ranks is not None:
-            from .._deprecation import warn_renamed
-
-            require_positive_int("ranks", ranks)
-            warn_renamed("ranks", "world_size", stacklevel=4)
-            if self.world_size not in (1, ranks):
-                raise ConfigError("ranks", f"not given together with world_size={self.world_size} (its new name)",
-                                  ranks)
-            object.__setattr__(self, "world_size", ranks)
+    def __post_init__(self) -> None:
         require_positive_int("batch_size", self.batch_size)
         rf = self.resident_file_bytes
         if rf is not None and (isinstance(rf, bool) or not isinstance(rf, int) or rf < 0):
@@ -484,9 +472,8 @@ class TrainSpec:
         return self.framework == "torch" or self.model_code == "litgpt"
 
     def replace(self, **changes: Any) -> "TrainSpec":
-        """A copy with ``changes`` (field names; ``ranks`` is the deprecated ``world_size``)."""
-        # ranks=None: dataclasses.replace would otherwise read the deprecated alias back
-        return dataclasses.replace(self, **{"ranks": None, **changes})
+        """A copy with ``changes`` (field names)."""
+        return dataclasses.replace(self, **changes)
 
 
 def optimizer_alias(name: Any) -> Any:
@@ -501,16 +488,6 @@ def optimizer_alias(name: Any) -> Any:
     return n if n in OPTIMIZERS else name
 
 
-def _ranks(self: TrainSpec) -> int:
-    from .._deprecation import warn_renamed
-
-    warn_renamed("ranks", "world_size")
-    return self.world_size
-
-
-# the constructor's ``ranks`` (an InitVar) stays; reading it gives world_size, with a warning (use
-# TrainSpec.replace, not dataclasses.replace, which would read it back)
-TrainSpec.ranks = property(_ranks, doc="Deprecated alias of ``world_size``.")
 # Storage bits of a quantized block-linear weight, including the per-block constants.
 # NF4 (bitsandbytes, QLoRA): 4 bits per weight + one fp32 absmax per block of 64 weights
 #   = 4 + 32/64 = 4.5.  Dettmers et al. 2023, "QLoRA", section 2 (blocksize 64).

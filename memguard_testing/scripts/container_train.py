@@ -138,12 +138,12 @@ def main(argv=None) -> int:
         result["guard"] = {
             "summary": getattr(guard, "summary", None),
             "events": guard.events,
-            "split": guard.monitor.split if guard.monitor else None,
+            "micro_batches": guard.monitor.micro_batches if guard.monitor else None,
             "samples_per_step": guard.samples_per_step,
             "max_forward_rows": max(guard.micro_batch_rows) if guard.micro_batch_rows else None,
             "min_forward_rows": min(guard.micro_batch_rows) if guard.micro_batch_rows else None,
             "budget_bytes": guard.monitor.budget_bytes if guard.monitor else None,
-            "preflight_split": guard.preflight.split_factor if guard.preflight else None,
+            "preflight_micro_batches": guard.preflight.micro_batches if guard.preflight else None,
             "preflight_changes": [c.reason for c in guard.preflight.applied] if guard.preflight else [],
         }
     write_result(out, result)

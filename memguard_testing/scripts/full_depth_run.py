@@ -71,8 +71,8 @@ def main() -> None:
     if guard is not None:
         pf = guard.preflight
         r.update(estimate=pf.estimate.peak_bytes, changes=[c.field for c in pf.plan.changes],
-                 split_factor=pf.split_factor, forward_rows=sorted(set(guard.micro_batch_rows)),
-                 final_split=guard.monitor.split)
+                 micro_batches=pf.micro_batches, forward_rows=sorted(set(guard.micro_batch_rows)),
+                 final_micro_batches=guard.monitor.micro_batches)
     print("RESULT " + json.dumps(r))
 
 

@@ -110,10 +110,10 @@ def main(argv=None) -> int:
         mon = guard.monitor
         result["guard"] = {
             "events": [dict(e.to_dict(), time=e.timestamp) for e in mon.events],
-            "split": mon.split, "samples_per_step": guard.samples_per_step,
-            "budget_bytes": mon.budget_bytes, "planned_split": mon.planned_split,
-            "peak_at_split": {str(k): v for k, v in mon.peak_at_split.items()},
-            "preflight_split": guard.preflight.split_factor if guard.preflight else None,
+            "micro_batches": mon.micro_batches, "samples_per_step": guard.samples_per_step,
+            "budget_bytes": mon.budget_bytes, "planned_micro_batches": mon.planned_micro_batches,
+            "peak_at_micro_batches": {str(k): v for k, v in mon.peak_at_micro_batches.items()},
+            "preflight_micro_batches": guard.preflight.micro_batches if guard.preflight else None,
         }
     write_result(out, result)
     print("grow_train: done " + json.dumps({k: result[k] for k in ("global_step", "wall_s")}), flush=True)

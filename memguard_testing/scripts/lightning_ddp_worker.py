@@ -47,7 +47,7 @@ from memguard_testing.lightning_tiny import Recorder, SwitchSplit, TinyLM, make_
 def _guard_stats(guard) -> dict:
     return {"oom_retries": guard.oom_retries, "forward_rows": [int(r) for r in guard.micro_batch_rows],
             "samples_per_step": list(guard.samples_per_step),
-            "split": guard.monitor.split if guard.monitor is not None else None,
+            "micro_batches": guard.monitor.micro_batches if guard.monitor is not None else None,
             "ddp_averages": guard.step.ddp_averages,
             "messages": [str(e.get("message", "")) for e in guard.events],
             "layout": preflight_layout(guard.preflight, "bucket_cap_mb")}

@@ -49,9 +49,9 @@ def main() -> None:
     trainer.fit(module, loader)
     pf = guard.preflight
     print("RESULT " + json.dumps({
-        "split_factor": pf.split_factor, "grad_checkpoint": pf.plan.train_spec.grad_checkpoint,
+        "micro_batches": pf.micro_batches, "grad_checkpoint": pf.plan.train_spec.grad_checkpoint,
         "requested_peak": pf.estimate.peak_bytes, "planned_peak": pf.best_peak_bytes,
-        "measured_peak": guard.summary["measured_peak_bytes"], "final_split": guard.monitor.split,
+        "measured_peak": guard.summary["measured_peak_bytes"], "final_micro_batches": guard.monitor.micro_batches,
         "global_step": trainer.global_step, "samples_per_step": guard.samples_per_step,
         "forward_rows": sorted(set(guard.micro_batch_rows)), "events": guard.events,
         "file_at_preflight": pf.plan.train_spec.resident_file_bytes, "file_at_end": process_file_resident_bytes(),

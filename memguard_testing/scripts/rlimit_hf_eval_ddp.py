@@ -96,7 +96,7 @@ def main() -> None:
             r.update(oom_retries=guard.oom_retries, rows=[int(x) for x in guard.micro_batch_rows],
                      eval_oom_retries=guard.eval_oom_retries, eval_rows=list(guard.eval_micro_batch_rows),
                      eval_micro_batches=guard.eval_micro_batches,
-                     split=guard.monitor.split if guard.monitor is not None else None)
+                     micro_batches=guard.monitor.micro_batches if guard.monitor is not None else None)
 
     out = os.path.join(out_dir, f"rank{rank}.json")
     run_limited(0, mode, out, train, finish)

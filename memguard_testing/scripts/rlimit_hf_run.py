@@ -79,7 +79,7 @@ def main() -> None:
         if guard is not None:
             r.update(oom_retries=guard.oom_retries, rows=[int(x) for x in guard.micro_batch_rows],
                      samples_per_step=guard.samples_per_step,
-                     split=guard.monitor.split if guard.monitor is not None else None)
+                     micro_batches=guard.monitor.micro_batches if guard.monitor is not None else None)
 
     run_limited(limit, mode, out, train, finish)
 

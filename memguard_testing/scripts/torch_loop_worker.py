@@ -149,7 +149,7 @@ def main(argv=None) -> int:
             (train_model(**batch).loss).backward()
         else:
             if step in k_at and guard.monitor is not None:
-                guard.monitor.request_split(k_at[step], "test: this rank asks for it", step)
+                guard.monitor.request_micro_batches(k_at[step], "test: this rank asks for it", step)
 
             def fb(chunk, weight):
                 (train_model(**chunk).loss * weight).backward()
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
                    "preflight_sharding": (guard.preflight.plan.train_spec.sharding if guard and guard.preflight else None),
                    "events": guard.events if guard else [],
                    "optimizer_steps": guard.optimizer_steps if guard else a.steps,
-                   "summary_split": summary.get("split") if summary else None}, f)
+                   "summary_micro_batches": summary.get("micro_batches") if summary else None}, f)
     dist.barrier()
     # leave without tearing the gloo group down: its teardown can abort the process
     # ("terminate called without an active exception") after every result is written

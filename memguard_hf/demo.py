@@ -27,7 +27,7 @@ from memguard_torch.demo import outcome, requested_and_budget, start
 from memguard_torch.module_spec import model_spec_from_module
 
 from .callback import MemGuardCallback
-from .preflight import trainspec_from_trainer
+from .specs import train_spec
 
 logger = logging.getLogger("memguard.demo")
 
@@ -54,7 +54,7 @@ def run_demo(args) -> int:
     trainer = Trainer(model=model, args=targs, train_dataset=data)
 
     ms = model_spec_from_module(model)
-    ts = trainspec_from_trainer(trainer, ms, seq_length=args.seq_length, device="cpu")
+    ts = train_spec(trainer, ms, seq_length=args.seq_length, device="cpu")
     requested, budget = requested_and_budget(args, ms, ts)
 
     guard = MemGuardCallback(budget_bytes=budget, seq_length=args.seq_length, monitor_interval_s=0.2,

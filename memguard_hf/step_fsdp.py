@@ -51,7 +51,7 @@ class FsdpStep:
                 logger.warning("memguard: in-place micro-batching disabled: %s", self.guard.split_disabled_reason)
             elif v2 or v1:
                 from memguard_torch.distributed import flag_group
-                from memguard_torch.preflight import world_size
+                from memguard_torch.specs import world_size
 
                 self._fsdp_sync = OomSync(flag_group() if world_size() > 1 else None)
                 if v2:

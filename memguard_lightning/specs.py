@@ -76,7 +76,7 @@ def layout_of_strategy(trainer, pl_module, world: int) -> Dict[str, Any]:
     ``DeepSpeedStrategy.config`` (``memguard_core.deepspeed_config.zero_settings``);
     ``FSDPStrategy`` (FSDP1): ``sharding_strategy`` (``HYBRID_SHARD``: the sharding size of its
     ``device_mesh``, else the ``num_processes`` of one node), ``cpu_offload``; otherwise the model as the strategy wrapped it
-    (``memguard_torch.preflight.layout_of``: ``DistributedDataParallel``'s bucket settings,
+    (``memguard_torch.specs.layout_of``: ``DistributedDataParallel``'s bucket settings,
     ``fully_shard``-ed modules). For one process, DeepSpeed's layout only, else ``none``.
 
     Raises:
@@ -96,7 +96,7 @@ def layout_of_strategy(trainer, pl_module, world: int) -> Dict[str, Any]:
             if isinstance(group, int) and 1 <= group <= world and world % group == 0:
                 out["shard_group_size"] = group
         return out
-    from memguard_torch.preflight import layout_of
+    from memguard_torch.specs import layout_of
 
     return layout_of(getattr(strategy, "model", None) or pl_module, None, world)
 

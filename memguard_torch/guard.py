@@ -36,7 +36,8 @@ from .batch import LoopBatch as _Batch, batch_units
 from .guard_setup import GradientWatch, check_loop_args, chunk_context, install_sync, loop_splitter, why_no_split
 from .oom import is_oom_error
 from .optim_state import prepare_optimizer
-from .preflight import read_specs, world_size
+from .preflight import read_specs
+from .specs import world_size
 from .ranks import RankAgreement
 from .sync import OomSync, PeerOutOfMemoryError
 

@@ -16,7 +16,7 @@ from memguard_core.microbatch import free_after_oom
 from .microbatch import BatchSplitter
 
 from . import _compat
-from .preflight import world_size
+from .specs import world_size
 
 
 def agree_max_pair(a: int, b: int, group=None) -> Tuple[int, int]:

@@ -215,7 +215,7 @@ def test_hf_training_arguments_fallback(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from transformers import TrainingArguments
 
-    from memguard_hf.preflight import layout_of_trainer
+    from memguard_hf.specs import layout_of_trainer
 
     def layout(world, **kw):
         args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
@@ -260,7 +260,7 @@ def _net(torch):
 def test_live_ddp_bucket_settings(gloo_group):
     torch = gloo_group
     from memguard_torch import _compat
-    from memguard_torch.preflight import layout_of
+    from memguard_torch.specs import layout_of
 
     ddp = torch.nn.parallel.DistributedDataParallel(_net(torch), bucket_cap_mb=5, gradient_as_bucket_view=True)
     assert _compat.ddp_layout(ddp) == dict(sharding="ddp", bucket_cap_mb=5.0, gradient_as_bucket_view=True)
@@ -307,7 +307,7 @@ def test_live_fsdp1_settings(gloo_group, offload, want):
 
     from memguard_torch import TorchGuard, _compat
     from memguard_torch.guard_setup import why_no_split
-    from memguard_torch.preflight import layout_of
+    from memguard_torch.specs import layout_of
 
     net = _net(torch)
     kw = dict(sharding_strategy=getattr(ShardingStrategy, strategy), device_id=torch.device("cpu"),

@@ -1,9 +1,7 @@
-"""Layering of ``memguard_core`` read from the sources (issue 32): no import cycle between its modules
-and no module importing another module's ``_private`` name. Imports placed inside functions count
-the same as top-level ones, since they hide a cycle rather than remove it.
-
-Parts of the core outside the estimator still break these rules; they are listed below as known, so
-that a new violation fails and a fixed one is noticed (shrink the lists as issue 32 goes on)."""
+"""The structure of every memguard package read from the sources (issue 32): no import cycle between
+modules, no module importing another module's ``_private`` name, no file over 800 lines and no class
+over 300. Imports placed inside functions count the same as top-level ones, since they hide a cycle
+rather than remove it. Which package may import which: tests/test_layering_contract.py."""
 
 from __future__ import annotations
 
@@ -13,17 +11,10 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CORE = ROOT / "memguard_core"
-
-#: Cross-module ``_private`` imports outside the estimator, known on 2026-11-27 (issue 32: remove).
-KNOWN_PRIVATE_IMPORTS: set = set()
-#: Import cycles outside the estimator, known on 2026-11-27 (issue 32: remove), as sorted tuples of
-#: the modules of each strongly connected component.
-KNOWN_CYCLES: set = set()
-#: Modules that must keep both rules with no exception.
-STRICT = ("memguard_core.estimator", "memguard_core.plan", "memguard_core.preflight",
-          "memguard_core.deepspeed_config", "memguard_core.frameworks", "memguard_core.microbatch",
-          "memguard_core.probes")
+PACKAGES = ("memguard_core", "memguard_torch", "memguard_hf", "memguard_lightning", "memguard_mlx",
+            "memguard_bench", "memguard_testing")
+MAX_FILE_LINES = 800
+MAX_CLASS_LINES = 300
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -35,7 +26,7 @@ def _module_name(path: pathlib.Path) -> str:
 
 
 def _modules() -> dict:
-    return {_module_name(p): p for p in sorted(CORE.rglob("*.py"))}
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
 def _imports(name: str, path: pathlib.Path, known: set) -> list:
@@ -111,40 +102,36 @@ def _cycles(edges: dict) -> set:
     return out
 
 
-def _strict(name: str) -> bool:
-    return any(name == s or name.startswith(s + ".") for s in STRICT)
-
-
 def test_the_graph_sees_function_level_imports():
     edges, _ = _graph()
-    # estimate.py imports litgpt at the top and the adapters' readers import torch inside functions;
-    # a function-level import in the core (step_heap.py -> probes) must be an edge too
+    # estimate.py imports litgpt at the top; step_heap.py imports probes inside a function
     assert "memguard_core.estimator.litgpt" in edges["memguard_core.estimator.estimate"]
     assert "memguard_core.probes" in edges["memguard_core.step_heap"]
+    assert "memguard_torch.train_reading" in edges["memguard_hf.specs"]
 
 
-def test_no_import_cycle_in_memguard_core():
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {("a", "b", "c")}
+
+
+def test_no_import_cycle():
     edges, _ = _graph()
-    cycles = _cycles(edges)
-    assert not [c for c in cycles if any(_strict(m) for m in c)], cycles
-    assert cycles <= KNOWN_CYCLES, f"a new import cycle: {sorted(cycles - KNOWN_CYCLES)}"
-    fixed = KNOWN_CYCLES - cycles
-    assert not fixed, f"cycles gone, take them off KNOWN_CYCLES: {sorted(fixed)}"
+    assert not _cycles(edges)
 
 
-def test_no_cross_module_private_import_in_memguard_core():
+def test_no_cross_module_private_import():
     _, private = _graph()
-    strict = sorted(p for p in private if _strict(p[0]) or _strict(p[1]))
-    assert not strict, strict
-    assert private <= KNOWN_PRIVATE_IMPORTS, f"new private imports: {sorted(private - KNOWN_PRIVATE_IMPORTS)}"
-    fixed = KNOWN_PRIVATE_IMPORTS - private
-    assert not fixed, f"gone, take them off KNOWN_PRIVATE_IMPORTS: {sorted(fixed)}"
+    assert not private, sorted(private)
 
 
-@pytest.mark.parametrize("name", sorted(n for n in _modules()
-                                        if n.startswith(("memguard_core.estimator", "memguard_core.probes"))))
-def test_estimator_and_probe_modules_stay_short(name):
-    assert len(_modules()[name].read_text().splitlines()) <= 800, name
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_files_and_classes_stay_small(name):
+    path = _modules()[name]
+    text = path.read_text()
+    assert len(text.splitlines()) <= MAX_FILE_LINES, name
+    big = [(c.name, c.end_lineno - c.lineno + 1) for c in ast.walk(ast.parse(text))
+           if isinstance(c, ast.ClassDef) and c.end_lineno - c.lineno + 1 > MAX_CLASS_LINES]
+    assert not big, big
 
 
 def test_zero_bucket_keys_follow_the_rules_table():

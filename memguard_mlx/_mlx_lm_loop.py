@@ -1,34 +1,11 @@
 """Code copied from mlx-lm 0.32.2, file ``mlx_lm/tuner/trainer.py``, function ``train()``
 (Copyright © 2024 Apple Inc., MIT License), cut where memguard needs to act and nothing else.
 
-Why a copy and not a wrapper: ``train()`` compiles its ``step(batch, prev_grad, do_update)`` once,
-with ``grad_accumulation_steps`` in the closure, and drives updates, evaluation, reports and adapter
-saves from one counter ``it`` that counts batches from ``iterate_batches``. Cutting batches by
-wrapping ``iterate_batches`` would make ``it`` count micro-batches (fewer real batches, updates
-every ``grad_accum_steps`` micro-batches, reports and saves elsewhere), and k could not change
-mid-run. So the loop is kept here line for line and only what happens to one batch is memguard's
-(``memguard_mlx.trainer``).
-
-What differs from upstream, and only this:
-
-* :func:`compile_halves`: upstream's ``step`` cut in two compiled halves, ``grad_step`` (the
-  batch's loss, tokens and gradient) and ``update_step`` (accumulate; on update iterations average
-  over ranks, divide by ``grad_accum_steps``, ``optimizer.update``), same operations in the same
-  order, so an allocation failure in the gradient half surfaces before the model or optimizer
-  state is touched.
-* :func:`train_loop`: upstream's loop with seven hooks: ``run_batch`` replaces the call of
-  ``step``, ``evaluate`` replaces ``evaluate`` (same keywords; the guard's cuts validation batches
-  into micro-batches, ``memguard_mlx.eval``), ``on_update`` runs after each update
-  iteration, ``peak_memory`` replaces ``mx.get_peak_memory()`` in the report (the guard resets the
-  peak per batch), ``report_extra`` prints after each train report, ``report_figures`` adds the
-  guard's per-step figures to the train report dict a ``TrainingCallback`` receives (extra keys;
-  upstream's keys unchanged). The wired limit, ``grad_checkpoint`` and ``value_and_grad`` are set
-  up by the caller, in upstream's order. ``first_iteration`` (1 upstream) lets a resumed run
-  start its counter after the iterations done (``memguard_mlx.resume``; the caller's
-  ``iterate_batches`` skips their batches).
-
-``memguard_mlx._compat`` names the private names used here and warns outside the checked
-versions; ``integration_tests/test_mlx_train.py`` compares this loop with upstream ``train()``.
+:func:`compile_halves` is upstream's ``step`` in two compiled halves (gradient, update);
+:func:`train_loop` is upstream's loop with hooks for what happens to one batch, evaluation,
+reports and a resumed start (``memguard_mlx.trainer``). Why a copy and not a wrapper, and what
+differs from upstream: docs/mlx.md, "How one batch runs". ``memguard_mlx._compat`` names the
+private names used here; ``integration_tests/test_mlx_train.py`` compares the loop with upstream.
 """
 
 from __future__ import annotations

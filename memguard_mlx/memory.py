@@ -1,34 +1,14 @@
 """MLX memory controls and small memory utilities, guarded.
 
 * :class:`MemoryControls` -- sets the allocator's memory, cache and wired limits from a budget and
-  restores the previous values afterwards (every ``mx.set_*_limit`` returns the previous limit).
+  restores the previous values afterwards.
 * :class:`LeakDetector` -- flags monotonic growth of active memory across training steps.
 * :func:`profile_peak`, :class:`MemoryTimeline`, :func:`find_max_batch_size` -- memory utilities,
   as public API.
 * :func:`is_allocation_error` -- recognises MLX's allocation failures.
 
-What the MLX API does (``help(mx.set_memory_limit)`` etc. in mlx 0.32, and ``mlx/allocator.cpp``):
-
-* ``set_memory_limit(limit)``: "a guideline for the maximum amount of memory to use during graph
-  evaluation. If the memory limit is exceeded and there is no more RAM (including swap when
-  available) allocations will result in an exception." On Metal the default is 1.5 x the
-  device's ``max_recommended_working_set_size``; over the limit the Metal allocator first waits for
-  running command buffers and frees its cache. It is NOT a hard cap: on the Linux CPU backend an
-  allocation far above the limit succeeds.
-* ``set_cache_limit(limit)``: freed buffers kept for reuse beyond ``limit`` are released at the next
-  allocation; ``0`` disables the cache. Default: the memory limit.
-* ``set_wired_limit(limit)``: bytes kept resident (not paged out) on macOS 15+ with Metal; "should
-  remain strictly less than the total memory size"; larger than the system wired limit
-  (``max_recommended_working_set_size``) is an error. mlx_lm's ``train`` sets it to
-  ``max_recommended_working_set_size`` (``mlx_lm/utils.py maybe_set_recommended_wired_limit``).
-  It has no meaning on the CPU backend (``device_info()`` reports no working set there), so it is
-  left alone there.
-* An allocation the allocator cannot satisfy raises ``RuntimeError("[malloc] Unable to allocate N
-  bytes.")`` (``mlx/allocator.cpp``) -- on Metal also ``"[metal::malloc] ..."`` (buffer larger than
-  the device's maximum, or "Resource limit (499000) exceeded", upstream ml-explore/mlx-lm#1185).
-  On the Linux CPU backend (mlx 0.32) a failed ``malloc`` on a host without swap kills the process
-  with SIGSEGV instead of raising -- so on CPU the runtime guard must act before the limit (the
-  monitor's split), and the catch-and-retry path serves Metal.
+What each MLX limit does and how an allocation fails per backend: docs/mlx.md, "MLX's memory
+limits".
 """
 
 from __future__ import annotations

@@ -1,34 +1,11 @@
 """Resuming an mlx_lm run after ``memguard run`` restarted it: from mlx_lm's numbered adapter save.
 
-``memguard run`` (``memguard_core.supervisor``) restarts a run the kernel or Metal killed and names
-``<adapter_path>/NNNNNNN_adapters.safetensors`` (mlx_lm's save of iteration N, the largest N) in
-``MEMGUARD_RESUME_FROM``. :func:`memguard_mlx.train` reads it (:func:`resume_adapter_file`) and
-continues the run:
-
-* the adapter weights are loaded (``model.load_weights(path, strict=False)``, as ``mlx_lm.lora
-  --resume-adapter-file`` does); every key of the file must be a trainable parameter of the model;
-* iterations go on at ``start + 1`` where ``start = (N // grad_accumulation_steps) *
-  grad_accumulation_steps``: the weights saved at N are those of the last optimizer update at or
-  before N (mlx_lm updates on iterations that are multiples of ``grad_accumulation_steps``), so a
-  save inside an accumulation window redoes that window's first batches (their gradient was never
-  applied) and no finished update is repeated;
-* the first ``start`` training batches are drawn from ``iterate_batches`` and dropped, so iteration
-  ``start + 1`` trains on the batch it would have had. mlx_lm's ``iterate_batches`` is deterministic
-  given numpy's global generator (``mlx_lm.lora`` calls ``np.random.seed(args.seed)`` before
-  ``train``): the training iterator draws one permutation per epoch and each validation pass (its
-  own ``iterate_batches`` over the validation set) one more, in loop order, so the skip replays the
-  validation passes of the skipped iterations' draws too (:func:`skip_batches`);
-* the optimizer's ``step`` is set to the updates done (``start // grad_accumulation_steps``), so a
-  learning-rate schedule (which mlx optimizers evaluate at ``step``) continues where it was, and
-  the scheduled values are set as they were after that update (the reported learning rate).
-
-What is not restored: mlx_lm saves no optimizer state, so Adam's / AdamW's moment estimates restart
-at zero -- the first updates after a resume are those of a freshly started Adam at the saved weights
-(with mlx's default ``bias_correction=False`` a first step of about ``(1 - beta1) / sqrt(1 - beta2)
-= 3.2`` x the learning rate per coordinate for the default betas), and the run's later weights
-differ from an uninterrupted run's. ``mx.random`` draws (LoRA dropout) after the resume differ from
-the uninterrupted run's, ``trained_tokens`` in the reports count from the resume, and mlx_lm's
-``it == 1`` validation pass is not repeated.
+:func:`resume_adapter_file` reads ``MEMGUARD_RESUME_FROM``
+(``<adapter_path>/NNNNNNN_adapters.safetensors``); :func:`memguard_mlx.train` then loads the
+adapter weights, goes on after the last optimizer update at or before N, drops the finished
+iterations' batches (:func:`skip_batches`, replaying numpy's draws) and sets the optimizer's
+``step``. What is and is not restored (Adam's moments are not): docs/mlx.md, "Resume after a
+restart".
 """
 
 from __future__ import annotations

@@ -1,68 +1,11 @@
 """``memguard_mlx.train``: a guarded drop-in for ``mlx_lm.tuner.trainer.train``.
 
-Usage (one line changes)::
-
-    from memguard_mlx import train          # instead of: from mlx_lm.tuner.trainer import train
-    train(model, optimizer, train_set, val_set, args=training_args, training_callback=cb)
-
-Same signature, same defaults, same behaviour (iterations, evaluation, reports, TrainUI output,
-adapter files), plus keyword-only guard options (see :class:`MlxGuard`). It returns the
-:class:`MlxGuard` holding what happened (mlx_lm's returns None; callers that ignore the value are
-unaffected).
-
-How
----
-The loop is mlx_lm's own, copied line for line in ``memguard_mlx._mlx_lm_loop`` (why a copy: see
-there), with the same counters, conditions, report dicts, ``TrainUI``, mlx_lm's ``evaluate``,
-``grad_checkpoint``, ``iterate_batches`` and ``default_loss``. This module changes only what
-happens to one batch, and runs the guard's lifecycle (``memguard_core.guard.Guard``,
-docs/lifecycle.md) around the loop:
-
-* k == 1: ``grad_step`` computes the batch's ``(loss, ntoks), grad`` exactly as mlx_lm's ``step``
-  does; ``update_step`` adds the previous accumulated gradient and, on update iterations, averages
-  over ranks, divides by ``grad_accum_steps`` and calls ``optimizer.update`` -- mlx_lm's ``step``
-  cut in two compiled halves, so an allocation failure in the (large) gradient half is caught
-  before the model or the optimizer state is touched.
-* k > 1: the batch's rows are cut into k contiguous chunks of near-equal *token* count
-  (``memguard_core.microbatch.split_count``; rows with no loss tokens merged into a neighbour).
-  ``chunk_step`` runs forward+backward on one chunk and adds ``w_i * grad_i`` to a running sum,
-  where ``w_i`` is the chunk's loss weight -- by default the ``ntoks`` that the loss itself returns
-  (``default_loss`` returns ``(ce_sum / ntoks, ntoks)`` with mlx_lm's length/offset mask) -- and
-  each chunk is evaluated before the next one starts, so only one chunk's activations are live.
-  Then ``grad = sum_i w_i grad_i / sum_i w_i`` and ``loss = sum_i w_i loss_i / sum_i w_i``, which are
-  the unsplit batch's ``grad(ce_sum / ntoks)`` and ``ce_sum / ntoks`` up to float rounding, and
-  ``ntoks = sum_i ntoks_i``. The result enters ``update_step`` like an unsplit batch's.
-
-Hence ``it`` still counts batches; the number of optimizer updates, the LR schedule (it follows
-``optimizer.step``), the reported ``train_loss`` (mlx_lm reports the mean over the report window of
-each batch's token-mean loss), ``trained_tokens``, evaluation and adapter-saving cadence are those of
-the unguarded run whatever k is, and k may change at any batch boundary. Random draws inside the
-loss (dropout) differ when a batch is cut (the generator advances per chunk). A custom loss must
-return ``(value, weight)`` with ``value = sum_over_units / weight`` (as mlx_lm requires
-``(loss, ntoks)``); a loss whose value is a mean of a different kind passes
-``chunk_weight=fn(chunk, value, weight) -> mx.array`` giving each chunk's share.
-
-Under ``mx.distributed`` no rank agreement on k is needed: chunks run no collective; gradients are
-averaged across ranks only in ``update_step``, which every rank reaches once per update as before.
-
-Allocation failures (the window redo; docs/mlx.md): MLX is lazy, so an allocation failure surfaces
-where a micro-batch's loss and gradient are evaluated (``_eval_gradient``). On Metal it is a
-``RuntimeError`` (``[metal::malloc] ...``, ``[malloc] Unable to allocate ...``;
-:func:`memguard_mlx.memory.is_allocation_error`): the failed attempt's arrays are dropped (its
-partial gradient sum included), the cache is cleared, k is raised (``Guard.after_window_oom``:
-doubled; at one row per micro-batch one more try after the free, at most ``MAX_WINDOW_REDOS`` redos,
-then ``WindowOOMError`` with the plan) and the batch -- the one already drawn, so the iterator, ``it``,
-the LR schedule and the samples per update stay exact -- is recomputed from its first micro-batch.
-The gradient accumulated over the accumulation window's earlier batches (``grad_accumulation_steps``)
-is kept: it was evaluated at the end of its batch, and nothing of the failed batch reached it, the
-model or the optimizer. An allocation failure while the optimizer update is evaluated
-(``_eval_update``) is never redone (a part-done update may have replaced some state): it raises
-``WindowOOMError`` (phase ``optimizer step``). Validation batches are cut alike
-(``memguard_mlx.eval``). On MLX's Linux CPU backend a failed ``malloc`` is a SIGSEGV rather
-than an exception (see ``memory.py``), and a Metal command buffer that runs out of memory aborts the
-process from Metal's completion thread: there the guard's per-batch monitor (split at critical/emergency
-pressure) keeps the run inside the budget, and ``memguard run`` restarts a killed run, which resumes
-from mlx_lm's last numbered adapter save (:func:`resume_adapter_file`).
+Same signature, defaults and behaviour, plus keyword-only guard options (see :class:`MlxGuard`);
+it returns the :class:`MlxGuard` holding what happened. The loop is mlx_lm's own
+(``memguard_mlx._mlx_lm_loop``); this module changes only what happens to one batch (k
+micro-batches weighted by their loss tokens, the window redo after an allocation failure) and runs
+the guard's lifecycle around the loop. docs/mlx.md tells how one batch runs, what is exact, and
+what happens when memory runs out on Metal and on the CPU backend.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ def compare(trace: TraceResult, est) -> List[Dict[str, Any]]:
 
     Args:
         trace: a :class:`TraceResult`.
-        est: a ``memguard_core.estimate.MemoryEstimate`` of the same model and settings.
+        est: a ``memguard_core.estimator.result.MemoryEstimate`` of the same model and settings.
 
     Returns:
         rows ``{"term", "traced", "analytic", "ratio"}`` (bytes; ratio = traced / analytic, None

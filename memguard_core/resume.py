@@ -1,46 +1,13 @@
 """Where a killed training run resumes from: the latest checkpoint per framework.
 
-The ``memguard run`` supervisor (:mod:`memguard_core.supervisor`) restarts a run the kernel killed
-for memory; these rules find what the run saved before it died and name it in the child's
-``MEMGUARD_RESUME_FROM`` environment variable. The contract, per framework:
-
-==========  ==========================================  ==============================================
-framework   ``MEMGUARD_RESUME_FROM`` names              the training script passes it to
-==========  ==========================================  ==============================================
-hf          a ``checkpoint-N`` folder (a directory)     ``trainer.train(resume_from_checkpoint=
-                                                        memguard_hf.resume_checkpoint())``
-lightning   a ModelCheckpoint ``.ckpt`` file            ``trainer.fit(model, ckpt_path=
-                                                        memguard_lightning.resume_checkpoint())``
-mlx         an ``NNNNNNN_adapters.safetensors`` file    ``memguard_mlx`` (loads the adapter weights
-                                                        and skips the N finished iterations)
-==========  ==========================================  ==============================================
-
-Finding rules (each reads file names and, for Lightning, file times; nothing is loaded):
-
-* hf (:func:`hf_latest_checkpoint`): ``<output_dir>/checkpoint-N`` with the largest N, a directory:
-  the rule of ``transformers.trainer_utils.get_last_checkpoint`` (the number, not the mtime).
-* lightning (:func:`lightning_latest_checkpoint`): ``*.ckpt`` files in the directory, in its
-  ``checkpoints/`` (``ModelCheckpoint``'s dirpath with no logger: ``default_root_dir/checkpoints``)
-  and in ``*/*/checkpoints`` and ``*/checkpoints`` (with a logger: ``save_dir/name/version/checkpoints``,
-  e.g. ``lightning_logs/version_0/checkpoints``; every restart writes a new version folder).
-  Lightning 2.6's own ``ckpt_path="last"`` rule first (``_checkpoint_connector._parse_ckpt_path``
-  with ``ModelCheckpoint._find_last_checkpoints``): the files whose stem matches
-  ``^last(-(\\d+))?`` (``last.ckpt``, ``last-v1.ckpt``), the most recently modified one. With no
-  such file (``save_last`` off): the file with the largest ``step=N`` in its name (the default
-  ``{epoch}-{step}`` template writes ``epoch=0-step=5.ckpt``), ties and step-less names by
-  modification time. A file that is not a complete zip archive (``torch.save``'s format since
-  torch 1.6; a save cut short by the kill) is passed over for the next candidate.
-* mlx (:func:`mlx_latest_adapter`): ``<adapter_path>/NNNNNNN_adapters.safetensors`` with the
-  largest N, which mlx_lm 0.32's ``tuner/trainer.py`` writes every ``steps_per_save``
-  (``--save-every``) iterations next to ``adapters.safetensors``. The plain
-  ``adapters.safetensors`` says nothing about the iteration, so it is never chosen.
-
-Which directory (:func:`detect_checkpoint_dir`): the command's own flags, per framework
-(:data:`DIR_FLAGS`); the supervisor's ``--output-dir`` overrides them. Which framework with
-``auto`` (:func:`detect_framework`): the one the command's flags point to, else the first of
-hf, lightning, mlx that finds a checkpoint.
-
-Pure Python: no framework is imported (``memguard_core`` rule).
+The ``memguard run`` supervisor (:mod:`memguard_core.supervisor`) names what the run saved before
+it died in the child's ``MEMGUARD_RESUME_FROM``: :func:`find_resume_checkpoint` picks the
+directory from the command's flags (:data:`DIR_FLAGS`) and the framework (``auto``: the one the
+flags point to first, :func:`command_framework`), then :func:`hf_latest_checkpoint` (a
+``checkpoint-N`` folder), :func:`lightning_latest_checkpoint` (a ModelCheckpoint ``.ckpt``) or
+:func:`mlx_latest_adapter` (an ``NNNNNNN_adapters.safetensors``). Each adapter reads the variable
+back with :func:`resume_from_env`. Only file names and times are read; no framework is imported.
+The contract and the finding rules: docs/supervisor.md.
 """
 
 from __future__ import annotations

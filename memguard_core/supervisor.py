@@ -1,62 +1,13 @@
 """``memguard run -- <command>``: restart a training command that was killed for memory.
 
-No in-process guard can catch the kernel's cgroup OOM killer (SIGKILL, no Python exception) or a
-Metal command-buffer abort: the process is gone. The supervisor runs the training command as a
-child and, when the child was killed *for memory*, starts it again with
-
-* twice the micro-batches per batch: ``MEMGUARD_MICRO_BATCHES=<2 x the previous>`` in the child's
-  environment; every adapter reads it at construction
-  (``memguard_core.options``) and cuts each batch into that many micro-batches from the start
-  (effective batch, step count and LR schedule unchanged);
-* resume semantics: ``MEMGUARD_RESUME_FROM=<the latest checkpoint>``, found by the rules of
-  :mod:`memguard_core.resume` for the run's framework (``--framework``, default ``auto``):
-
-  - hf: ``<output dir>/checkpoint-N`` (largest N, ``transformers.trainer_utils.get_last_checkpoint``);
-    the script passes it to ``trainer.train(resume_from_checkpoint=memguard_hf.resume_checkpoint())``
-    (a callback cannot: ``Trainer.train`` loads the checkpoint before the first callback event);
-  - lightning: a ModelCheckpoint ``.ckpt`` under ``--ckpt-dir`` / ``--default_root_dir``
-    (``last.ckpt`` by Lightning's ``ckpt_path="last"`` rule, else the largest ``step=N``); the
-    script passes it to ``trainer.fit(model, ckpt_path=memguard_lightning.resume_checkpoint())``;
-  - mlx: ``<--adapter-path>/NNNNNNN_adapters.safetensors`` (largest N), which ``memguard_mlx``
-    loads, skipping the N finished iterations.
-
-  Checkpoints come from the script's own saving (``save_steps``, ``ModelCheckpoint``,
-  ``--save-every``); with none the restart begins at step 0 (reported).
-
-It restarts at most ``--max-restarts`` times (default 3) and reports every restart on stderr
-(and, with ``--report PATH``, as JSON). Any other exit (success, an exception, a SIGKILL that was
-not the OOM killer) ends supervision and its status is returned unchanged.
-
-Deciding "killed for memory" (:func:`classify_exit`):
-
-* Linux: the child died of SIGKILL (``-9``, or ``137`` through a shell) AND an OOM-kill counter
-  rose while it ran: the ``oom_kill`` count of the supervisor's memory cgroup
-  (``memguard_core.probes.linux.cgroup.cgroup_memory``: v1 ``memory.oom_control``, v2
-  ``memory.events``; the child runs in the same cgroup, as in a container) or the host's
-  ``/proc/vmstat`` ``oom_kill`` (Linux 4.13+, kernel Documentation/admin-guide/mm). Where neither
-  counter can be read, a SIGKILL is taken as a memory kill and the report says it was assumed.
-* macOS: SIGKILL (jetsam, the memorystatus killer, sends it; there is no per-process counter an
-  unprivileged process can read, so it is assumed) or SIGABRT with Metal's
-  ``Insufficient Memory`` / ``kIOGPUCommandBufferCallbackErrorOutOfMemory`` in the stderr tail.
-* Windows: exit status ``0xC0000017`` (STATUS_NO_MEMORY) or ``0xC000012D``
-  (STATUS_COMMITMENT_LIMIT), NTSTATUS values from ntstatus.h.
-* Everywhere: an out-of-memory error that escaped the training script (``torch.OutOfMemoryError``,
-  ``CUDA out of memory``, ``MemoryError``, the CPU allocator's ``DefaultCPUAllocator: can't
-  allocate memory``) as the last traceback in the stderr tail and a non-zero exit.
-
-The child's stderr passes through the supervisor (a pipe, copied to our stderr as it comes, the
-last 64 KiB kept for the checks above); stdout and stdin are inherited. On Linux the child gets
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless its environment names an allocator
-configuration (:func:`child_alloc_conf`; said once on stderr).
-
-Python API::
-
-    from memguard_core.supervisor import supervise
-    result = supervise(["python", "train.py", "--output-dir", "out"], max_restarts=3, framework="auto")
-    result.returncode, [a.to_dict() for a in result.attempts]
-
-Exit status of ``main``: the last child's (a signal death as ``128 + signal``), ``2`` for bad
-arguments (the message names the flag).
+No in-process guard survives the kernel's OOM killer or a Metal command-buffer abort. The
+supervisor runs the command as a child and, when :func:`classify_exit` says it was killed for
+memory, starts it again with twice the micro-batches (``MEMGUARD_MICRO_BATCHES``) and the latest
+checkpoint in ``MEMGUARD_RESUME_FROM`` (found by :mod:`memguard_core.resume`), at most
+``--max-restarts`` times; any other exit is returned unchanged. Python API: :func:`supervise`;
+CLI: :func:`main` (exit status: the last child's, a signal death as ``128 + signal``; ``2`` for bad
+arguments). docs/supervisor.md tells how a memory kill is recognised per platform, the child's
+environment and the resume contract.
 """
 
 from __future__ import annotations

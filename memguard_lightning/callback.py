@@ -1,62 +1,14 @@
 """Lightning integration: ``L.Trainer(callbacks=[MemGuardCallback()])``.
 
-What it does (the HF adapter's features, the Lightning way):
-
-* **Lifecycle** (``memguard_core.guard.Guard``, docs/lifecycle.md) before the first forward
-  (``on_train_batch_start`` of the first batch, the first moment the micro-batch and sequence
-  length are known without iterating the dataloader, which would change the sampler's random
-  order): ``ModelSpec`` / ``TrainSpec`` from the module and the trainer
-  (``memguard_lightning.preflight``), plan against the budget, activation checkpointing (HF models)
-  and the micro-batches per batch applied in place, the rest reported with the exact change (or
-  ``fail_fast`` raises), monitor started; the run summary at ``on_train_end``.
-* **Virtual micro-batches** (in-place split into k row-chunks) in automatic optimization, see
-  ``memguard_lightning.step`` and docs/lightning.md ("How the step runs") for how they run inside
-  Lightning's loop.
-  ``trainer.accumulate_grad_batches``, the dataloader, ``num_training_batches``, the LR schedulers
-  and ``global_step`` are never touched.
-* **Runtime guard**: a ``MemoryMonitor`` samples at every batch (cheap counters) and in a
-  background thread, cleans caches and doubles k under pressure.
-* **OOM catch and retry**: an out-of-memory error (``memguard_torch.oom.is_oom_error``: CUDA
-  OOM, cuDNN's not-supported snafu, the CPU allocator's "can't allocate memory") raised in a chunk's *forward*
-  frees memory, doubles k and redoes only the rows not yet processed. One raised in a *backward*
-  (a chunk's, or Lightning's own of the batch) redoes the whole accumulation window at a doubled k
-  from the window's kept batches; AdamW's states are allocated before the first forward. Under
-  DDP every rank redoes it: the window runs without DDP's all-reduce and memguard averages the
-  gradients once the ranks agreed it went through (see docs/lightning.md and
-  ``memguard_lightning.step_ddp``).
-* **Evaluation split**: ``validation_step`` / ``test_step`` / ``predict_step`` run in
-  ``eval_micro_batches`` chunks, doubled on an evaluation OOM; the training k is never changed
-  (``memguard_lightning.eval``).
-* **Ranks agree**: the k of each batch is all-reduced (MAX) at the start of ``training_step``, so
-  every rank cuts alike. (After a forward OOM retry one rank may use a larger k for the rest of
-  that batch; under DDP the chunks run no collective, and the next batch agrees again.) Whether a
-  backward failed anywhere is all-reduced after each batch's backward.
-* Memory figures go to Lightning's loggers (``pl_module.log_dict`` on the batches Lightning writes,
-  ``log_every_n_steps``: the standard per-step figures of ``memguard_core.observe.FIGURE_NAMES``
-  as ``memguard/peak_gib``, ``memguard/current_gib``, ``memguard/budget_gib``, ``memguard/usage``,
-  ``memguard/micro_batches`` (+ reserved and allocator retries on CUDA), ``memguard/max_usage``,
-  ``memguard/events``; the preflight's figures via
-  ``logger.log_hyperparams``) and to Python logging (``memguard.lightning``).
-
-Not split (a warning says so and what to do instead; preflight and the monitor still run):
-
-* **manual optimization** (``automatic_optimization = False``): the user owns the backward. Use
-  ``for chunk, weight in guard.chunks(batch): self.manual_backward(self.loss(chunk) * weight)``
-  in ``training_step``: the chunks follow the guard's (rank-agreed) k.
-* **DeepSpeed** (``strategy.handles_gradient_accumulation``): the engine counts micro-steps; extra
-  backward calls would break its accumulation. Apply the plan instead: dataloader batch size / k,
-  ``accumulate_grad_batches`` x k (the exact numbers are logged).
-* **FSDP1 with parameter offload** (``FSDPStrategy(cpu_offload=True)``): FSDP1 keeps one offloaded
-  gradient per step, so chunks that each reduce-scatter would overwrite each other's. Same
-  alternative as DeepSpeed.
-
-FSDP2 (``ModelParallelStrategy``) and FSDP1 (``FSDPStrategy``) split in place: each chunk's
-backward reduce-scatters, and an OOM on one rank is redone by every rank
-(``memguard_lightning.step_fsdp``; docs/lightning.md). Under ``FSDPStrategy`` Lightning runs
-``training_step`` inside the root FSDP1 module's forward, so memguard wraps the strategy's
-``training_step`` instead of the module's: each micro-batch is a forward of the root of its own.
-
-Lightning-private names are in ``memguard_lightning._compat``.
+:class:`MemGuardCallback` runs the guard lifecycle (``memguard_core.guard.Guard``,
+docs/lifecycle.md) in Lightning's hooks: the preflight at the first batch, the monitor, each batch
+cut in place into k micro-batches inside automatic optimization (``memguard_lightning.step``), the
+out-of-memory retry and window redo (under DDP, FSDP2 and FSDP1 too), the evaluation split
+(``memguard_lightning.eval``) and the figures in Lightning's loggers. Manual optimization,
+DeepSpeed and FSDP1 with parameter offload are not split (a warning says what to do instead;
+:meth:`MemGuardCallback.chunks` serves manual optimization). docs/lightning.md tells what is
+survived, how the step runs, and the limits. Lightning-private names are in
+``memguard_lightning._compat``.
 """
 
 from __future__ import annotations

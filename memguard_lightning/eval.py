@@ -1,31 +1,9 @@
-"""Validation, test and prediction batches cut into micro-batches, and an evaluation out-of-memory
-error survived: the Lightning adapter's ``validation_step`` / ``test_step`` / ``predict_step``
-wrappers (installed on the module instance by ``memguard_lightning.callback.MemGuardCallback``).
-
-An evaluation step runs no backward, so a batch cut into k_eval row-chunks is exact whatever the
-cut: each chunk goes through the user's step, and the results are put back together as the
-unsplit step would have returned them:
-
-* a 0-dim tensor or a Python number (a loss, a metric of the batch) is the chunk-weighted sum
-  ``sum_i w_i * v_i``, with the weights of the training split (``loss_weighting``: ``tokens`` =
-  each chunk's share of valid (!= -100) labels, shifted as a causal LM shifts them; ``rows`` =
-  share of rows; ``auto`` = tokens when the batch has labels): the batch value of a token-mean or
-  a row-mean;
-* a tensor with a batch dimension (logits, predictions) is concatenated along dim 0;
-* dicts, tuples and lists are combined entry by entry; ``None`` stays ``None``; anything else is
-  the last chunk's.
-
-Values logged with ``self.log`` / ``self.log_dict`` inside the step are combined as the training
-split combines them (``memguard_lightning.logs``: the chunk-weighted mean, replayed once
-after the last chunk, so Lightning weighs the batch by its full size in the epoch mean; a
-``torchmetrics.Metric`` object is logged once, its state updated by every chunk).
-
-On an out-of-memory error in an evaluation step (``memguard_torch.oom.is_oom_error``): the
-chunk's references are dropped, memory is freed (``memguard_core.microbatch.free_after_oom``),
-k_eval doubles (at most the batch's rows) and the whole batch is run again; its log values are
-recorded from the successful attempt only. k_eval stays at its new value for the following
-evaluation batches; the training k (the monitor's split) is never changed by an evaluation. A batch that fails at one row per forward re-raises the error.
-Other side effects of the step (counters, prints) happen once per chunk.
+"""The evaluation split of the Lightning adapter: ``validation_step`` / ``test_step`` /
+``predict_step`` wrappers (:class:`GuardedEval`, installed on the module instance by
+``memguard_lightning.callback.MemGuardCallback``) that cut each batch into k_eval row-chunks,
+put the results back together as the unsplit step returns them (:func:`combine`), and redo a
+batch at twice k_eval after an out-of-memory error, never changing the training k.
+:func:`eval_split_reason` says where the split is off. docs/lightning.md, "Evaluation split".
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """The train-spec reader of the Lightning adapter: :func:`train_spec` maps the trainer, the
 ``LightningModule`` and the first batch to a ``TrainSpec`` (the preflight's input,
-``memguard_lightning.preflight.read_specs``; docs/lightning.md, docs/lifecycle.md):
-
-* model: the largest submodule of the ``LightningModule`` that carries a HF-style ``config`` or is
-  a PEFT model (``get_base_model``) -- typically ``self.model`` -- else the module itself (its
-  shapes are then read from its ``nn.Embedding`` and block ``ModuleList``);
-* micro-batch = rows of the first batch that reaches ``training_step`` (or the dataloader's
-  ``batch_size`` when larger: the first batch is full unless the epoch has a single short batch);
-  accumulation = ``trainer.accumulate_grad_batches``; ``world_size`` = ``trainer.world_size``;
-* the data-parallel layout (:func:`layout_of_strategy`) from ``trainer.strategy``: DeepSpeed's
-  ``config`` (ZeRO stage, offload, bucket sizes), ``FSDPStrategy``'s ``sharding_strategy`` and
-  ``cpu_offload`` (FSDP1), else the wrapped model as the strategy built it (DDP's buckets,
-  ``fully_shard``-ed modules under ``ModelParallelStrategy``);
-* sequence length = given, else ``hparams.max_length`` / ``max_seq_length`` / ``seq_length`` /
-  ``block_size``, else the longest ``input_ids`` (dict rows) or first element (tuple rows) of the
-  first 2048 rows of the training dataset, else the first batch's dimension 1. The dataloader is
-  never iterated for this: an extra iterator would draw from the sampler's random generator and
-  change the data order of the run;
-* method = ``qlora`` for 4-bit weights, ``lora`` for a PEFT model, else ``full``;
-* optimizer from ``trainer.optimizers[0]`` (``memguard_torch.train_reading.optimizer_name``);
-* precision from ``trainer.precision`` (Lightning's ``precision=`` strings): ``32-true`` -> fp32;
-  ``16-mixed`` / ``bf16-mixed`` -> fp16 / bf16 autocast over fp32 weights (``mixed_precision``);
-  ``16-true`` / ``bf16-true`` -> weights stored in half;
-* activation checkpointing: on when the HF model says ``is_gradient_checkpointing``; attention
-  implementation from its config (``memguard_torch.train_reading.attn_implementation``).
+``memguard_lightning.preflight.read_specs``), with :func:`find_model` (the HF / PEFT model
+inside the module), :func:`layout_of_strategy` (the data-parallel layout of ``trainer.strategy``)
+and :func:`precision_settings` (Lightning's ``precision=`` strings). The dataloader is never
+iterated. What each field is read from: docs/lightning.md, "What the preflight reads".
 """
 
 from __future__ import annotations

@@ -1,52 +1,14 @@
 """Hugging Face ``Trainer`` integration: ``trainer.add_callback(MemGuardCallback())``.
 
-What it does:
-
-* **Lifecycle** (``memguard_core.guard.Guard``, docs/lifecycle.md): at ``on_train_begin`` the
-  preflight reads the ``ModelSpec`` / ``TrainSpec`` from ``trainer.model`` and ``trainer.args``
-  (``memguard_hf.preflight``), the guard plans against the budget, applies what can be applied in
-  place (activation checkpointing, the micro-batches per batch), reports the rest and starts the
-  monitor; at ``on_train_end`` it writes the run summary.
-* **Virtual micro-batches**: ``trainer.training_step`` is wrapped on the instance. When the split
-  factor k > 1, each batch that reaches it is cut into k chunks (``memguard_core.microbatch``); each
-  chunk runs forward+backward through the Trainer's own ``training_step`` (so subclasses such as
-  TRL's ``SFTTrainer`` keep their ``compute_loss``), weighted so that the accumulated gradient
-  equals the unsplit one. The dataloader, ``gradient_accumulation_steps``, the scheduler and the
-  step counters are untouched, so samples per optimizer step, LR schedule and step count stay.
-  Under DDP every chunk runs under ``accelerator.no_sync`` and memguard averages the gradients once
-  the ranks agreed the window went through. Under FSDP2 (accelerate's ``fsdp_version: 2``) every
-  chunk reduce-scatters (``no_sync`` would keep unsharded gradients and cost the memory being
-  saved), between the OOM sync points of ``memguard_torch.sync`` (docs/hf_fsdp.md); under FSDP1
-  too (FSDP1's sync flag on for each chunk, ``Fsdp1SyncHooks``).
-* **Runtime guard**: the guard's ``MemoryMonitor`` samples at each micro-batch (cheap counters) and
-  in a background thread; it cleans caches and doubles k under pressure.
-* **OOM catch and retry**: an out-of-memory error raised in a chunk's *forward* (CUDA
-  ``torch.OutOfMemoryError``, or the CPU allocator's "can't allocate memory", as
-  ``accelerate.utils.memory.should_reduce_batch_size`` recognises them) frees memory, doubles k and
-  redoes the rows not yet processed (``Guard.after_oom``); earlier chunks' gradients are already correctly weighted for
-  the whole batch, so nothing is counted twice and the run never restarts. An OOM raised during
-  *backward* has already added part of the window's gradient: the gradients are zeroed, memory is
-  freed and the whole accumulation window is redone at a doubled k from the batches kept by the
-  wrapped ``get_batch_samples`` (``Guard.after_window_oom``; docs/lifecycle.md, "Redoing the
-  accumulation window"). AdamW's states are allocated before the first forward, and an OOM inside
-  the optimizer step raises ``WindowOOMError`` with the plan (a step is never redone).
-* **Evaluation split** (``memguard_hf.eval``, docs/evaluation.md): ``trainer.prediction_step``
-  is wrapped too. Each evaluation / prediction batch runs in ``eval_micro_batches`` chunks (1 until
-  an evaluation OOM doubles it), losses weighted as in training and logits / labels concatenated, so
-  ``evaluate()`` / ``predict()`` return what the unsplit evaluation returns; an OOM there redoes the
-  batch in smaller chunks. Its split is its own: it never changes the training micro-batches.
-* **Ranks agree**: under ``torch.distributed`` the k of each batch is all-reduced (MAX) so
-  every rank cuts alike (FSDP gathers would hang otherwise); under FSDP2 and FSDP1 an OOM on one
-  rank is learnt by every rank at a sync point before its next collective, and all redo together.
-
-How the callback finds the trainer: HF passes no trainer to callbacks. ``on_init_end`` (callback
-given to ``Trainer(callbacks=[...])``) and ``on_train_begin`` (``trainer.add_callback``) are both
-called from a ``Trainer`` method, so the callback walks up the call stack to the frame whose
-``self`` is a ``Trainer`` holding this callback in its ``callback_handler``. That is robust to
-subclasses (TRL, Unsloth). The explicit form ``MemGuardCallback.attach(trainer)`` needs no
-stack walk.
-
-Transformers-private names are in ``memguard_hf._compat``.
+:class:`MemGuardCallback` runs the guard lifecycle (``memguard_core.guard.Guard``,
+docs/lifecycle.md) in the Trainer's events: the preflight at ``on_train_begin``, the monitor,
+``trainer.training_step`` wrapped to cut each batch into k weighted micro-batches (a subclass's
+``compute_loss`` still applies), the out-of-memory retry and accumulation-window redo (under DDP,
+FSDP2 and FSDP1 too: docs/hf_fsdp.md), and ``trainer.prediction_step`` wrapped for the evaluation
+split (``memguard_hf.eval``, docs/evaluation.md). The dataloader, accumulation, scheduler and step
+counters are untouched. HF passes no trainer to callbacks: the callback finds it on the call stack,
+or :meth:`MemGuardCallback.attach` names it (docs/design.md). Transformers-private names are in
+``memguard_hf._compat``.
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """The out-of-memory sync points of a sharded run: how every rank learns, at the same collective
 point, that one rank ran out of memory, so no rank waits forever in a collective the failed rank
-never joins (docs/torch_loop.md, "One rank runs out of memory").
-
-The protocol (after MosaicML Composer's ``sync_hook`` in ``composer/trainer/trainer.py``, in one
-all-reduce instead of two): every sync point is one all-reduce (MAX) of three integers on a gloo
-group of its own (``memguard_torch.distributed.flag_group``):
-
-* a rank *inside* a micro-batch, at a sync point placed before each collective of its forward
-  and backward, sends ``[0, 0, 1]``; when the first element comes back > 0 some rank failed, and
-  it raises :class:`PeerOutOfMemoryError` before issuing its own collective;
-* a rank *at the end* of a micro-batch (done, failed or aborted by a peer) sends
-  ``[flag, -flag, 0]`` repeatedly until the third element comes back 0 (every rank is at the
-  end): each repetition pairs with one sync point of a rank still inside. The last answer gives the
-  MAX and the MIN of the ranks' flags (0 done, 1 stopped before any gradient was added, 2 stopped
-  after).
-
-Between two sync points every rank issues the same collectives, so a rank that fails anywhere
-between them is met at the next one by its peers. The sync points of an FSDP2 model
-(:class:`FsdpSyncHooks`) sit inside FSDP's own comms (``FSDPModule.set_custom_all_gather`` /
-``set_custom_reduce_scatter``): after FSDP has allocated a collective's buffers (the allocation that
-can fail) and right before the all-gather or reduce-scatter, so every collective of a forward and a
-backward has a sync point just before it and nothing that can run out of memory lies between the
-two. A module with no parameters of its own issues no collective and gets none. A module whose
-comms cannot be replaced (several parameter groups) gets module hooks instead:
-before its forward, before its backward, after its backward compute, and at the end of the backward
-before FSDP's root post-backward callback.
-
-torch is imported by the adapter, which is the only caller.
+never joins. :class:`OomSync` is the protocol (one MAX all-reduce of three integers per sync point,
+on a gloo group of its own); :class:`FsdpSyncHooks` (FSDP2: inside FSDP's all-gathers and
+reduce-scatters, module hooks as a fallback) and :class:`Fsdp1SyncHooks` (FSDP1) place the sync
+points; a rank that learns of a peer's failure raises :class:`PeerOutOfMemoryError`. The protocol
+and where the points sit: docs/torch_loop.md, "One rank runs out of memory".
 """
 
 from __future__ import annotations

@@ -36,6 +36,19 @@ from .step import GuardedStep
 logger = logging.getLogger("memguard.lightning")
 
 
+def plan_hint(automatic_optimization: bool) -> str:
+    """How a user applies a planned micro-batch change the callback cannot make in place, for the
+    preflight's warning: under automatic optimization the dataloader's batch size and
+    ``accumulate_grad_batches``; under manual optimization, which Lightning runs without
+    ``accumulate_grad_batches`` (it refuses the setting), ``guard.chunks(batch)`` in the training
+    step, which cuts each batch into the planned micro-batches."""
+    if automatic_optimization:
+        return ": set the dataloader's batch_size and Trainer(accumulate_grad_batches=...) to these numbers"
+    return (": under manual optimization, cut each batch in training_step with `for chunk, weight in "
+            "guard.chunks(batch)`, which runs the planned micro-batches (Lightning refuses "
+            "accumulate_grad_batches there)")
+
+
 class MemGuardCallback(GuardAttributes, Callback):
     """Memory guard for ``lightning.pytorch.Trainer``.
 
@@ -193,7 +206,7 @@ class MemGuardCallback(GuardAttributes, Callback):
             read_specs=lambda: read_specs(trainer, pl_module, batch, seq_length=opts.seq_length, device=opts.device),
             enable_checkpointing=(lambda: tt.enable_activation_checkpointing(find_model(pl_module)))
             if can_checkpoint else None,
-            plan_hint=": set the dataloader's batch_size and Trainer(accumulate_grad_batches=...) to these numbers")
+            plan_hint=plan_hint(pl_module.automatic_optimization))
         if self.guard.preflight is not None:
             self._log_preflight(trainer, self.guard.preflight)
         if self.step.orig_training_step is not None:

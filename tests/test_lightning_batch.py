@@ -83,3 +83,12 @@ def test_bad_arguments_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as ei:
         MemGuardCallback(**kwargs)
     assert ei.value.field == field
+
+
+def test_the_plan_hint_under_manual_optimization_names_chunks_not_accumulate_grad_batches():
+    # issue 34 item 6: Lightning refuses accumulate_grad_batches under manual optimization
+    from memguard_lightning.callback import plan_hint
+
+    manual = plan_hint(automatic_optimization=False)
+    assert "guard.chunks(batch)" in manual and "Trainer(accumulate_grad_batches" not in manual
+    assert "Trainer(accumulate_grad_batches=...)" in plan_hint(automatic_optimization=True)

@@ -1,41 +1,10 @@
 """Memory statistics for logs and thresholds, per device, on top of :mod:`memguard_core.probes`.
 
-Four helpers, in the style of common trainer utilities (``get_memory_stats`` /
-``get_memory_utilization`` / ``format_memory_stats`` / ``reset_peak_memory``), but device- and
-container-aware, and in bytes:
-
-======================  =======================  =========================  ======================
-key                     cuda:<i>                 mlx                        cpu (host)
-======================  =======================  =========================  ======================
-``allocated_bytes``     ``memory_allocated``     ``get_active_memory``      RSS
-``reserved_bytes``      ``memory_reserved``      active + ``get_cache_``    RSS (no allocator
-                        (caching allocator)      ``memory``                 layer is visible)
-``peak_bytes``          ``max_memory_allocated`` ``get_peak_memory``        VmHWM / ru_maxrss /
-                        since the last reset     since the last reset       peak working set,
-                                                                            since the last reset
-``free_bytes``          ``snapshot.available_bytes``: what this process can still take
-                        (cuda: driver free + own cached blocks; cpu: container-aware
-                        ``min(MemAvailable, cgroup limit - working set)``; mlx: see memguard_mlx.probes)
-``total_bytes``         ``snapshot.total_bytes``: min(device or host total, container limit)
-``utilization``         ``1 - free/total`` (= ``snapshot.used_fraction``), 0..1
-======================  =======================  =========================  ======================
-
-On ``mps`` (PyTorch on Apple Silicon): ``allocated_bytes`` = ``torch.mps.current_allocated_memory``,
-``reserved_bytes`` and ``peak_bytes`` = ``torch.mps.driver_allocated_memory`` (cache included;
-torch.mps has no peak counter), see :mod:`memguard_torch.probes_mps`.
-
-Why ``utilization`` is ``1 - free/total`` and not ``peak/total`` or ``allocated/total``: it is
-the only one of the three that counts other processes, the CUDA context and the container
-limit, and that falls again after a cleanup, so thresholds such as 85/90/95 % can act on it
-and recover (``peak/total`` only grows until a reset; ``allocated/total`` misses everything
-outside the allocator).
-
-Extra keys: ``device``, ``source`` (probe), ``limit_source``, ``pressure`` (see
-:class:`~memguard_core.probes.MemorySnapshot`).
-
-These helpers read the cheap per-step counters by default (``cheap=True``), so they are safe
-to call every optimizer step. They never raise except :class:`~memguard_core.errors.ConfigError`
-for a bad ``device``.
+:func:`memory_stats` (allocated, reserved, peak, free, total bytes and utilization),
+:func:`memory_utilization`, :func:`format_memory_stats` (one line) and :func:`reset_peak_memory`:
+device- and container-aware, in bytes, cheap enough for every optimizer step; they raise only
+:class:`~memguard_core.errors.ConfigError` for a bad ``device``. What each key reads per device, and
+why utilization is ``1 - free/total``: docs/monitor.md, "Statistics for logs".
 """
 
 from __future__ import annotations

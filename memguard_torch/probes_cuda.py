@@ -1,28 +1,11 @@
 """CUDA memory probe: torch.cuda caching-allocator counters, ``mem_get_info``, NVML
-(:mod:`memguard_core.probes.nvml`). Registered with the core by :mod:`memguard_torch.probes`; see
-docs/monitor.md, "Probes".
+(:mod:`memguard_core.probes.nvml`). Registered with the core by :mod:`memguard_torch.probes`.
 
-Sources (PyTorch docs, "CUDA semantics / memory management" and torch/cuda/memory.py):
-- ``torch.cuda.memory_allocated(i)``: bytes held by live tensors; ``memory_reserved(i)``: bytes
-  the caching allocator holds from the driver (>= allocated; the gap is cached free blocks);
-  ``max_memory_allocated`` / ``max_memory_reserved``: their peaks since the last
-  ``reset_peak_memory_stats``. These are host-side counters: no driver call, no sync.
-- ``torch.cuda.mem_get_info(i)`` -> ``(free, total)`` from ``cudaMemGetInfo``: device-wide, so
-  it sees other processes and this process's CUDA context and non-PyTorch allocations.
-- NVML (``pynvml`` from nvidia-ml-py) ``nvmlDeviceGetComputeRunningProcesses``:
-  ``usedGpuMemory`` per process = this process's whole footprint (context + reserved + other
-  libraries). Used only in the non-cheap path, and only if installed.
-
-Snapshot meaning on CUDA: ``total`` = device total; ``available`` = driver free memory +
-nothing else (cached blocks of our allocator are NOT counted as free by the driver, but our
-allocator can reuse them: ``available = free + (reserved - allocated)``); ``process_bytes`` =
-NVML footprint if known, else reserved (+ the context overhead learned from the last NVML
-reading); ``process_peak_bytes`` = ``max_memory_reserved``.
-
-The cheap path (per training step) reads only the allocator counters; the device-wide part
-(``total - free - reserved``: other processes + context) is taken from the last full reading
-(one ``mem_get_info`` on the first cheap call per device if there was none), so it does not
-see other processes change until the next full probe.
+:func:`read_counters` reads the allocator's host-side counters, :func:`snapshot_from_counters`
+builds the snapshot (available = driver free + our cached blocks), :class:`CudaStepReader` is the
+monitor's per-step reader (allocator counters only; the device-wide part from the last full
+reading). What each source counts and what the snapshot means: docs/monitor.md, "What each probe
+reads".
 """
 
 from __future__ import annotations

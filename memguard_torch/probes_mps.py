@@ -1,36 +1,11 @@
 """PyTorch on Apple Silicon (``mps``): the MPS allocator counters and Metal's working-set limit.
-Registered with the core by :mod:`memguard_torch.probes`; see docs/monitor.md, "PyTorch on Apple
-Silicon".
+Registered with the core by :mod:`memguard_torch.probes`.
 
-NOT validated on a Mac: this project's machines have no Apple GPU; the tests run the code below
-against the thinnest fake of ``torch.mps`` (tests/test_probes_mps.py). The figures' meaning comes
-from PyTorch's documentation and sources:
-
-- ``torch.mps.current_allocated_memory()``: bytes held by live tensors (the MPS allocator's
-  allocated size; aten/src/ATen/mps/MPSAllocator.mm ``getTotalAllocatedMemory``).
-- ``torch.mps.driver_allocated_memory()``: bytes the Metal driver has allocated for this process:
-  live tensors, the blocks the caching allocator keeps for reuse, and MPSGraph's own buffers
-  (``MTLDevice.currentAllocatedSize``). The analogue of CUDA's reserved memory.
-- ``torch.mps.recommended_max_memory()`` (torch >= 2.5): Metal's
-  ``recommendedMaxWorkingSetSize``, beyond which a unified-memory Mac pages and the GPU stalls;
-  also the base of the allocator's hard limit, ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` x it (1.7 by
-  default), past which it raises "MPS backend out of memory" (PyTorch docs, "MPS Environment
-  Variables"; ``torch.mps.set_per_process_memory_fraction``).
-- ``torch.mps.empty_cache()``: hands the cached blocks back (the monitor's clean,
-  :mod:`memguard_torch.framework`).
-
-Snapshot meaning on ``"mps"``:
-- ``total = recommended_max_memory`` (``limit_bytes`` the same, ``limit_source="mps"``); the host
-  total where the call is missing (older torch) or reports 0.
-- ``available = min(total - allocated, host available + cached)``, cached = driver - allocated:
-  cached blocks are reusable by torch but already resident, so the host does not count them free.
-- ``process_bytes = driver_allocated`` (what the process holds on the device, cache included).
-  ``process_peak_bytes`` is None: ``torch.mps`` has no peak counter nor a reset. Between cleans,
-  the driver figure keeps the blocks a step's peak needed (the caching allocator releases cached
-  blocks on its own only past its soft low watermark, ``PYTORCH_MPS_LOW_WATERMARK_RATIO``, 1.4 x
-  the recommended size on unified memory), so the step samples read it as the step's figure;
-  after an ``empty_cache`` it drops towards the live tensors.
-- pressure: the host's (macOS memorystatus), with its ``pressure_kind``.
+:func:`probe` builds a snapshot from ``torch.mps`` (``current_allocated_memory``,
+``driver_allocated_memory``, ``recommended_max_memory``) and the host's; :func:`step_reader` gives
+the monitor its per-step reads. NOT validated on a Mac: the tests run this against a thin fake of
+``torch.mps`` (tests/test_probes_mps.py). What each figure means and how the snapshot is built:
+docs/monitor.md, "PyTorch on Apple Silicon".
 """
 
 from __future__ import annotations

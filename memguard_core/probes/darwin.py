@@ -1,32 +1,13 @@
-"""macOS memory probe: psutil for total / available, ``sysctlbyname`` for what psutil lacks.
+"""macOS memory probe: psutil for total / available, ``sysctlbyname`` for what psutil lacks
+(``kern.memorystatus_level``, ``kern.memorystatus_vm_pressure_level``, ``vm.swapusage``).
 
-macOS has no container limits and no OOM error: when unified memory runs out it compresses,
-then swaps, then the memorystatus ("jetsam") subsystem kills processes. So the signals are:
-
-- total / available: ``psutil.virtual_memory()`` (``hw.memsize``; ``available = inactive + free``
-  pages from ``host_statistics64``, psutil/_psosx.py, after Zabbix). The same formula as
-  :func:`available_from_vm_stat` over ``vm_stat`` text, which stays for recorded outputs.
-- pressure: ``100 - kern.memorystatus_level``, the share of memory in use. The sysctl is the
-  percentage of memory memorystatus counts as quickly reclaimable (free + file-backed +
-  purgeable; bsd/kern/kern_memorystatus.c ``memorystatus_level = available_pages * 100 /
-  total_pages``; xnu doc/vm/memorystatus.md); it falls as pressure rises. It is NOT a PSI stall
-  time: ``MemorySnapshot.pressure_kind`` is ``"memorystatus"`` and the monitor feeds it to its own
-  policy (:class:`memguard_core.monitor_policy.MemorystatusPolicy`).
-- the kernel's pressure level: ``kern.memorystatus_vm_pressure_level``, returned as the dispatch
-  flags ``DISPATCH_MEMORYPRESSURE_NORMAL`` = 1, ``_WARN`` = 2, ``_CRITICAL`` = 4
-  (bsd/kern/kern_memorystatus_notify.c ``sysctl_memorystatus_vm_pressure_level`` converts the
-  internal level; xnu doc/vm/memorystatus_notify.md for the levels; readable without privileges
-  on macOS). Any other value is unknown (None), never "normal".
-- swap: ``vm.swapusage`` (``struct xsw_usage``: ``xsu_total``, ``xsu_avail``, ``xsu_used``
-  (u_int64, bytes), ``xsu_pagesize`` (u_int32), ``xsu_encrypted``; sys/sysctl.h). The monitor
-  turns successive ``xsu_used`` readings into swap activity.
-- process: RSS from psutil, peak from ``getrusage(RUSAGE_SELF).ru_maxrss`` (bytes on macOS,
-  getrusage(2)).
-
-Every sysctl goes through :func:`_sysctlbyname` (raw bytes; the only part that needs a Mac), so
-tests replace exactly that boundary. No subprocess runs: ``cheap`` and full probes read the same
-counters. The text parsers (:func:`parse_vm_stat`, :func:`parse_sysctl`,
-:func:`snapshot_from_outputs`) interpret recorded ``vm_stat`` / ``sysctl`` output.
+:func:`probe` and :func:`step_reader` read the same counters (no subprocess); the pressure is
+memorystatus's share of memory in use (``pressure_kind="memorystatus"``, fed to
+:class:`memguard_core.monitor_policy.MemorystatusPolicy`), not a PSI stall time. Every sysctl goes
+through :func:`_sysctlbyname`, the one boundary tests replace; the text parsers
+(:func:`parse_vm_stat`, :func:`parse_sysctl`, :func:`snapshot_from_outputs`) read recorded
+``vm_stat`` / ``sysctl`` output. What each figure means: docs/monitor.md, "What each probe reads"
+and "One pressure model per platform".
 """
 
 from __future__ import annotations

@@ -1,39 +1,9 @@
 """Linux memory probe: /proc/meminfo, /proc/self/status, PSI, cgroup v1 and v2, address-space
 limits, glibc's heap; one module per job (files, proc, psi, cgroup, rlimit, peak, heap), this
-module the probe and the monitor's step reader over them. See docs/monitor.md, "Probes".
-
-Sources:
-- /proc/meminfo ``MemTotal`` / ``MemAvailable`` and /proc/<pid>/status ``VmRSS`` / ``VmHWM``:
-  kernel Documentation/filesystems/proc.rst. ``MemAvailable`` exists since Linux 3.14; before
-  that we use ``MemFree + Buffers + Cached`` (what ``free`` showed as available then).
-- PSI (``some``/``full`` ``avg10/avg60/avg300/total``): Documentation/accounting/psi.rst.
-  ``total`` is in microseconds; the averages are percentages computed by the kernel.
-- cgroup v1 memory controller (``memory.limit_in_bytes``, ``memory.usage_in_bytes``,
-  ``memory.max_usage_in_bytes``, ``memory.stat`` ``total_inactive_file``, ``memory.oom_control``
-  ``oom_kill``): Documentation/admin-guide/cgroup-v1/memory.rst.
-- cgroup v2 (``memory.max``, ``memory.high``, ``memory.current``, ``memory.peak``,
-  ``memory.stat`` ``inactive_file``, ``memory.events`` ``oom_kill``, ``memory.pressure``):
-  Documentation/admin-guide/cgroup-v2.rst.
-- Locating the cgroup from /proc/self/cgroup + /proc/self/mountinfo (never fixed paths): the
-  same scheme as the JDK's container support (src/hotspot/os/linux/cgroupSubsystem_linux.cpp)
-  and proc(5) / proc_pid_mountinfo(5) for the field layout.
-- Virtual-memory limits ``RLIMIT_AS`` / ``RLIMIT_DATA`` (getrlimit(2), setrlimit(2); ``ulimit -v``,
-  ``prlimit --as``): the kernel refuses a new mapping when ``total_vm`` (``VmSize``) plus its size
-  exceeds the soft ``RLIMIT_AS``, or, for a private writable mapping, when ``data_vm``
-  (``VmData``) plus its size exceeds ``RLIMIT_DATA`` (mm/mmap.c ``may_expand_vm``, Linux >= 4.7
-  for the data limit); torch's CPU allocator then raises "can't allocate memory". See
-  :func:`memguard_core.probes.linux.rlimit.address_limit`.
-- Working set = usage - inactive file cache: what cAdvisor reports as
-  ``container_memory_working_set_bytes`` and the kubelet uses for memory eviction
-  (cadvisor container/libcontainer/handler.go: v1 ``total_inactive_file``, v2 ``inactive_file``).
-  Inactive file pages are the first the kernel reclaims before it OOM-kills the cgroup.
-
-Every read is tolerant: a missing file is simply absent; an unreadable file, garbage or a
-negative number is logged once per path at WARNING (logger ``memguard.probes``) and treated as
-absent. Nothing here raises into the caller.
-
-All functions take ``proc_root`` (default ``"/proc"``) and ``sys_root`` (prefix put in front of
-every mount point found in mountinfo, default ``""``) so tests can point them at recorded trees.
+module the probe (:func:`probe`) and the monitor's step reader (:func:`step_reader`) over them.
+Every read is tolerant (a bad or missing file is absent, logged once); nothing raises into the
+caller. ``proc_root`` / ``sys_root`` point the reads at recorded trees in tests. The kernel sources
+of each figure: docs/monitor.md, "Probes" and "What each probe reads".
 """
 
 from __future__ import annotations

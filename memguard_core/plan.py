@@ -1,28 +1,11 @@
 """Planner: the least-degrading training settings that fit a memory budget.
 
 ``plan(model_spec, train_spec, budget_bytes)`` returns the requested settings unchanged when their
-estimate fits; otherwise it downgrades in a quality-preserving order (the cheapest loss of quality
-first), with one refinement:
-
-1. the two changes that cost no quality -- gradient checkpointing (one more forward of the blocks
-   in the backward) and a smaller micro-batch with more gradient accumulation (the effective batch
-   is kept exactly: the micro-batch is a divisor of the requested one, so an adapter can cut every
-   batch into ``micro_batches`` equal row-chunks in place, and accumulation grows by the same
-   factor) -- are searched together, and among the combinations that fit the one with the
-   shortest predicted step time is taken (``relative_step_time``: a split costs little while
-   micro-batches stay large, checkpointing costs a fixed third to half of the compute);
-2. halve the sequence length;
-3. halve the LoRA rank;
-4. halve the number of LoRA layers;
-
-stopping at the first step where the estimate fits (earlier steps stay applied; when no
-combination of step 1 fits, checkpointing and the smallest micro-batch stay applied for the later
-steps). After a later step fits, the micro-batch is re-maximised for the new settings (a shorter
-sequence may let a larger micro-batch fit again). ``allow`` limits the steps (an adapter that can
-only split batches in place passes ``allow=("grad_checkpoint", "micro_batch")``). When nothing
-fits, ``DoesNotFitError`` carries the shortfall and the suggestions that were not already applied
-(4-bit / QLoRA, shorter sequences, smaller LoRA rank, fewer LoRA layers, a smaller model, an 8-bit
-optimizer, more memory).
+estimate fits; otherwise it downgrades in a quality-preserving order: checkpointing and a smaller
+micro-batch first (searched together for the shortest predicted step time,
+:func:`relative_step_time`), then a halved sequence length, LoRA rank, LoRA layers. ``allow``
+limits the steps; when nothing fits, ``DoesNotFitError`` carries the shortfall and suggestions.
+The order and its rules: docs/design.md, "The budget and the plan".
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reuse", metavar="PATH",
                     help="re-estimate measurements saved by --json (runs only the missing; the report's machine "
                          "line stays the measuring machine's, with this checkout's commit as the estimator's)")
-    ap.add_argument("--no-seed", action="store_true", help="do not score ml-memguard even when installed")
+    ap.add_argument("--no-seed", action="store_true", help="do not score ml-memguard (the earlier estimator memguard grew from, the pip package ml-memguard: its estimate_training_memory) even when it is installed")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per case [the case's own limit (full-depth cases), else 600]")
     ap.add_argument("--date", default=None, metavar="YYYY-MM-DD",

@@ -58,6 +58,15 @@ class Preflight:
     correction: float = 1.0
     calibration_runs: int = 0
 
+    def __repr__(self) -> str:
+        """One readable line (the dataclass's own repr would print both specs and estimates in full)."""
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        changes = sorted({c.reason for c in self.applied})
+        todo = sorted({c.reason for c in self.not_applied})
+        return (f"Preflight({self.model_spec.name}: requested {gib(self.estimate.peak_bytes)} -> planned "
+                f"{gib(self.best_peak_bytes)} of budget {gib(self.budget_bytes)}, micro_batches={self.micro_batches}"
+                + (f", applied={changes}" if changes else "") + (f", not_applied={todo}" if todo else "") + ")")
+
     @property
     def best_peak_bytes(self) -> int:
         """Estimated peak of the planned settings (bytes), with the resident memory the model of

@@ -89,7 +89,17 @@ def weights_label(ms) -> str:
         return {32.0: "fp32", 16.0: ms.weight_dtype if ms.weight_dtype in ("bf16", "fp16") else "16-bit"}.get(
             float(bits), f"{bits:g}-bit")
     if ms.weight_bits < 16:
-        q = "NF4" if ms.weight_bits < 5 else f"{ms.weight_bits:g}-bit"
+        from .estimator.specs import GROUP64_OVERHEAD_BITS, NF4_BITS, NF4_DOUBLE_QUANT_BITS
+
+        # plain numbers (--model-bits 2 / 3 / 4 ...) carry group-64 scales, a model read from a config
+        # or a module at 4.5 / 4.127 bits is bitsandbytes' NF4
+        nominal = ms.weight_bits - GROUP64_OVERHEAD_BITS
+        if ms.weight_bits in (NF4_BITS, NF4_DOUBLE_QUANT_BITS) and ms.source != "numbers":
+            q = "NF4"
+        elif ms.source == "numbers" and float(nominal).is_integer():
+            q = f"{nominal:g}-bit"
+        else:
+            q = f"{ms.weight_bits:g}-bit"
         return f"{q} + {name(ms.dense_bits)}"
     return name(ms.dense_bits)
 

@@ -116,3 +116,13 @@ def test_a_reused_report_names_the_machine_that_measured():
     assert mixed["cpu"] == "AMD EPYC" and "Intel Xeon" in mixed["reused_measurements_from"]
     assert reported_fingerprint(here, dict(here, memguard_commit="a1"), fresh=3) == here
     assert reported_fingerprint(here, None, fresh=0) == here
+
+
+def test_help_says_what_ml_memguard_is(capsys):
+    from memguard_bench.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "ml-memguard (the earlier estimator memguard grew from" in text
+

@@ -33,6 +33,10 @@ def test_budget_that_fits_makes_the_planner_choose_that_split(ms):
     assert pf.best_peak_bytes <= 0.85 * budget
     # without the 80 MiB surplus the same budget would have fitted a larger plan than the one chosen
     assert estimate(ms, half).peak_bytes + 80 * MiB == pf.best_peak_bytes
+    # print(preflight) is one readable line with the figures, not the dataclass's ~10 KB (issue 34)
+    text = repr(pf)
+    assert len(text) < 1000 and "\n" not in text and "micro_batches=2" in text
+    assert f"planned {pf.best_peak_bytes / 2**30:.2f} GiB of budget {pf.budget_bytes / 2**30:.2f} GiB" in text
 
 
 def test_resident_extra_is_what_exceeds_runtime_and_weights():
@@ -80,3 +84,21 @@ def test_report_lines_leave_out_terms_the_run_does_not_have(ms):
     for name, val in pf.estimate.breakdown.items():
         listed = any(ln.strip().startswith(name + " ") for ln in lines)
         assert listed == (val != 0), name
+
+
+@pytest.mark.parametrize("bits,label", [(2, "2-bit"), (3, "3-bit"), (4, "4-bit"), (8, "8-bit")])
+def test_plain_number_bits_are_labelled_by_their_bits_not_nf4(bits, label):
+    # issue 34: --model-bits 2 / 3 were labelled NF4 in the estimate table
+    from memguard_core.estimator.numbers import model_spec_from_numbers
+    from memguard_core.report import weights_label
+
+    ms = model_spec_from_numbers(model_params=1e9, hidden_dim=2048, num_layers=16, num_heads=16, model_bits=bits)
+    assert weights_label(ms).startswith(label + " + ")
+
+
+def test_a_4bit_hf_config_is_labelled_nf4(ms):
+    from memguard_core.report import weights_label
+    from memguard_hf.model_spec import model_spec_from_hf_config
+
+    assert weights_label(model_spec_from_hf_config(SMOL, quantization_bits=4)).startswith("NF4 + ")
+    assert "NF4" not in weights_label(ms)

@@ -162,7 +162,7 @@ def _complete_zip(path: str) -> bool:
 
 
 def lightning_checkpoints(root) -> List[str]:
-    """Every ``.ckpt`` file where a ModelCheckpoint under ``root`` writes (see the module doc).
+    """Every ``.ckpt`` file where a ModelCheckpoint under ``root`` writes (docs/supervisor.md, "Finding the latest checkpoint").
 
     Args:
         root: ``--ckpt-dir`` (a ModelCheckpoint dirpath) or ``default_root_dir``; None -> [].
@@ -184,7 +184,7 @@ def lightning_checkpoints(root) -> List[str]:
 
 
 def lightning_latest_checkpoint(root) -> Optional[str]:
-    """The checkpoint a killed Lightning run resumes from, or None (rules in the module doc).
+    """The checkpoint a killed Lightning run resumes from, or None (the rules: docs/supervisor.md, "Finding the latest checkpoint").
 
     Args:
         root: ``--ckpt-dir`` (a ModelCheckpoint dirpath) or ``default_root_dir``.

@@ -106,7 +106,7 @@ def _sysctl_int(values: Mapping[str, str], name: str) -> Optional[int]:
 
 
 def available_from_vm_stat(vm: Mapping[str, int]) -> Optional[int]:
-    """``(free + speculative + inactive) * page_size`` bytes (see module doc), or None."""
+    """``(free + speculative + inactive) * page_size`` bytes (docs/monitor.md, "What each probe reads"), or None."""
     if "page_size" not in vm or "free" not in vm or "inactive" not in vm:
         return None
     return (vm["free"] + vm.get("speculative", 0) + vm["inactive"]) * vm["page_size"]
@@ -245,7 +245,7 @@ def read_pressure() -> Tuple[Optional[float], Optional[str], Optional[int]]:
 
 
 def probe(cheap: bool = False) -> MemorySnapshot:
-    """macOS host snapshot (see module doc). Never raises.
+    """macOS host snapshot (docs/monitor.md, "What each probe reads"). Never raises.
 
     ``total`` / ``available`` from ``psutil.virtual_memory()``; ``pressure`` = 100 -
     ``kern.memorystatus_level`` with ``pressure_kind="memorystatus"``, ``kernel_pressure`` and

@@ -69,6 +69,14 @@ def _from_hub(repo_id: str, revision: Optional[str], field: str) -> str:
         raise ConfigError(field, "a local config.json (hub ids need huggingface_hub: pip install "
                           "huggingface_hub)", repo_id) from None
     try:
+        # the local HF cache first (no network), then one bounded attempt at the hub: a plain
+        # hf_hub_download retries an unreachable hub with backoff for ~25 s, a warning per retry
+        try:
+            return hf_hub_download(repo_id=repo_id, filename="config.json", revision=revision, local_files_only=True)
+        except hub_errors.LocalEntryNotFoundError:
+            if _hub_offline():
+                raise
+        _reach_hub(repo_id, revision)
         return hf_hub_download(repo_id=repo_id, filename="config.json", revision=revision)
     except hub_errors.GatedRepoError:
         raise ConfigError(field, "a gated repo you have access to: accept its terms on the hub and log "
@@ -78,9 +86,8 @@ def _from_hub(repo_id: str, revision: Optional[str], field: str) -> str:
                           "login)", repo_id) from None
     except hub_errors.RevisionNotFoundError:
         raise ConfigError("--revision", f"a branch, tag or commit of {repo_id}", revision) from None
-    except hub_errors.LocalEntryNotFoundError:
-        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-        why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
+    except (hub_errors.LocalEntryNotFoundError, _Unreachable):
+        why = "HF_HUB_OFFLINE is set" if _hub_offline() else "the hub cannot be reached"
         raise ConfigError(field, f"a hub id whose config.json is in the local HF cache ({why}; "
                           f"fetch it where the hub is reachable: hf download {repo_id} config.json, "
                           "or pass a local config.json)", repo_id) from None
@@ -89,3 +96,34 @@ def _from_hub(repo_id: str, revision: Optional[str], field: str) -> str:
                           "or GGUF repos have none)", repo_id) from None
     except (hub_errors.HfHubHTTPError, hub_errors.HFValidationError, OSError, ValueError) as exc:
         raise ConfigError(field, "a hub id whose config.json can be fetched", f"{repo_id} ({exc})") from None
+
+
+class _Unreachable(Exception):
+    """The hub did not answer one metadata request (DNS, connection, timeout)."""
+
+
+#: Seconds the one attempt at the hub may take (huggingface_hub's own metadata timeout is 10 s).
+HUB_ATTEMPT_TIMEOUT_S = 10.0
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _reach_hub(repo_id: str, revision: Optional[str]) -> None:
+    """One metadata request for the config (no retry).
+
+    Raises:
+        _Unreachable: the hub did not answer; huggingface_hub's own errors (gated, not found, ...) as
+            they are.
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub import errors as hub_errors
+
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json", revision=revision), timeout=HUB_ATTEMPT_TIMEOUT_S)
+    except (hub_errors.HfHubHTTPError, hub_errors.HFValidationError):
+        raise
+    except Exception as exc:   # huggingface_hub's HTTP client's connection / timeout errors
+        raise _Unreachable(str(exc)) from None
+

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 import sys
 
 import pytest
@@ -93,6 +94,26 @@ def test_uncached_hub_id_offline_names_the_argument(tmp_path):
     assert p.returncode == 2
     assert "invalid MODEL" in p.stderr and "Qwen/Qwen2.5-7B-Instruct" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_cached_hub_id_resolves_without_asking_an_unreachable_hub(tmp_path):
+    # online mode, no network: the cache is read first, the hub never asked (issue 34 item 5)
+    cache = str(tmp_path / "hub")
+    _lay_out_cache(cache, "HuggingFaceTB/SmolLM2-135M", SMOL)
+    env = {"HF_HUB_CACHE": cache, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    p = _cli("HuggingFaceTB/SmolLM2-135M", "--json", "--device", "cpu", env=env)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["model"]["num_layers"] == 30
+
+
+def test_an_uncached_hub_id_with_the_hub_unreachable_is_one_attempt_and_one_line(tmp_path):
+    # huggingface_hub alone retries with backoff for ~25 s and warns at each retry (issue 34 item 5)
+    env = {"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    t0 = time.monotonic()
+    p = _cli("Qwen/Qwen2.5-7B-Instruct", env=env)
+    assert time.monotonic() - t0 < 20
+    assert p.returncode == 2 and "Retry" not in p.stderr and "Traceback" not in p.stderr
+    assert "the hub cannot be reached" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
 def test_local_folder_and_file_and_both_sources(tmp_path):

@@ -61,6 +61,11 @@ def estimate_table(est, budget_bytes: Optional[int] = None, title: str = "memgua
     for name, val in est.breakdown.items():
         if val:
             t.add_row(name, f"{val / GiB:,.2f}", f"{val / max(1, est.peak_bytes):.0%}")
+        elif name == "gradients" and est.trainable_params:
+            # no gradient is held yet at the loss moment: say so, with the backward moment's figure
+            at_backward = (getattr(est, "phase_breakdowns", {}) or {}).get("backward", {}).get("gradients", 0)
+            size = f"{at_backward / GiB:,.2f} GiB" if at_backward >= GiB / 100 else f"{at_backward / 2**20:,.1f} MiB"
+            t.add_row(f"gradients (none yet at the {est.phase} moment; {size} at the backward moment)", "0.00", "0%")
     t.add_section()
     t.add_row(f"[b]peak ({est.counter}), at the {est.phase} moment[/b]", f"[b]{est.peak_bytes / GiB:,.2f}[/b]", "")
     for phase, val in est.phases.items():

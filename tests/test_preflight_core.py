@@ -102,3 +102,18 @@ def test_a_4bit_hf_config_is_labelled_nf4(ms):
 
     assert weights_label(model_spec_from_hf_config(SMOL, quantization_bits=4)).startswith("NF4 + ")
     assert "NF4" not in weights_label(ms)
+
+
+def test_the_estimate_table_shows_the_gradients_at_the_loss_peak(ms):
+    # issue 34: the table had no gradients row when the peak is the loss moment (gradients 0 there)
+    from rich.console import Console
+
+    from memguard_core.report import estimate_table
+
+    est = estimate(ms, TrainSpec(batch_size=8, seq_length=1024, method="full", dtype="fp32", device="cpu"))
+    assert est.phase == "loss" and est.breakdown["gradients"] == 0
+    con = Console(width=200, record=True)
+    con.print(estimate_table(est))
+    text = con.export_text()
+    grads = est.phase_breakdowns["backward"]["gradients"]
+    assert f"gradients (none yet at the loss moment; {grads / 2**30:,.2f} GiB at the backward moment)" in text

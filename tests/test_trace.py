@@ -374,3 +374,25 @@ def test_vision_language_trace_counts_the_vision_tower():
     assert vision > 60e6
     language = (est.model_spec.total_params - vision) * 2  # bf16 bytes
     assert rows["weights"]["traced"] - language == pytest.approx(vision * 2, rel=0.02)
+
+
+def test_the_module_table_shows_each_names_distinguishing_tail_at_80_columns():
+    # issue 34: at 80 columns every name was cut to the same PEFT-wrapped prefix
+    from rich.console import Console
+
+    from memguard_hf.trace.report import module_table
+    from memguard_hf.trace.result import ModuleRow, TraceResult
+
+    stem = "base_model.model.model.layers"
+    tails = ["self_attn.q_proj.lora_A.default", "self_attn.v_proj.lora_B.default", "mlp.act_fn",
+             "input_layernorm", "post_attention_layernorm"]
+    rows = [ModuleRow(f"{stem}.{i}.{t}", (j + 1) * 2**20, 0, 0, 0) for i in range(3) for j, t in enumerate(tails)]
+    trace = TraceResult(peak_bytes=1, peak_phase="forward", at_peak={}, category_peaks={}, phase_peaks={},
+                        phase_breakdowns={}, terms={"activations": 45 * 2**20}, modules=rows, seconds=0.0,
+                        build_seconds=0.0)
+    con = Console(width=80, record=True)
+    con.print(module_table(trace, modules=8))
+    text = con.export_text()
+    assert f"start with {stem}.*." in " ".join(text.split())
+    for tail in tails:
+        assert tail in text.replace("\n", " ") or tail in "".join(text.split()), tail

@@ -12,7 +12,7 @@ from memguard_core.estimator.specs import TrainSpec
 from .result import MOMENT_STAGES, TraceResult
 from .step import trace_step
 
-__all__ = ["compare", "comparison_table", "trace_for_cli", "trace_json", "print_trace"]
+__all__ = ["compare", "comparison_table", "module_table", "trace_for_cli", "trace_json", "print_trace"]
 
 
 def compare(trace: TraceResult, est) -> List[Dict[str, Any]]:
@@ -122,30 +122,58 @@ def trace_json(trace: TraceResult, est) -> dict:
     return d
 
 
-def print_trace(trace: TraceResult, est, modules: int = 8) -> None:
-    """Print :func:`comparison_table` and the ``modules`` largest activation rows, the blocks'
-    modules summed over the blocks (``layers.*.self_attn``: the rows whose names differ only by a
-    block index)."""
+def module_groups(trace: TraceResult) -> Dict[str, List[int]]:
+    """The traced modules' activation bytes grouped over the blocks (``layers.*.self_attn``: the rows
+    whose names differ only by a block index)."""
     import re
 
+    groups: Dict[str, List[int]] = {}
+    for r in trace.modules:
+        groups.setdefault(re.sub(r"\.\d+(?=\.|$)", ".*", r.name), []).append(r.activation_bytes)
+    return groups
+
+
+def common_prefix(names: List[str]) -> str:
+    """The dotted prefix every name shares (``base_model.model.model.layers.*.``), ending at a dot;
+    empty for fewer than two names or none shared."""
+    if len(names) < 2:
+        return ""
+    parts = [n.split(".") for n in names]
+    shared = []
+    for column in zip(*parts):
+        if len(set(column)) != 1:
+            break
+        shared.append(column[0])
+    shared = shared[:min(len(p) for p in parts) - 1]   # every name keeps a tail
+    return ".".join(shared) + "." if shared else ""
+
+
+def module_table(trace: TraceResult, modules: int = 8):
+    """A rich ``Table`` of the ``modules`` largest activation rows by creating module, their common
+    prefix moved to the caption so the names' distinguishing tails show at any width."""
     from rich.table import Table
 
+    groups = module_groups(trace)
+    top = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:modules]
+    prefix = common_prefix([k for k, _ in top])
+    t = Table(title=f"traced activations at the end of the forward, by creating module "
+                    f"(top {len(trace.modules)} modules)",
+              caption=f"module names below start with {prefix}" if prefix else None)
+    t.add_column("module", overflow="fold")
+    t.add_column("blocks", justify="right")
+    t.add_column("MiB", justify="right")
+    t.add_column("share", justify="right")
+    total = max(trace.terms.get("activations", 0), 1)
+    for key, vals in top:
+        t.add_row(key[len(prefix):], str(len(vals)), f"{sum(vals) / 2**20:,.2f}", f"{sum(vals) / total:.0%}")
+    return t
+
+
+def print_trace(trace: TraceResult, est, modules: int = 8) -> None:
+    """Print :func:`comparison_table` and :func:`module_table`."""
     from memguard_core.report import console
 
     console().print(comparison_table(trace, est))
     if not trace.modules or modules <= 0:
         return
-    groups: Dict[str, List[int]] = {}
-    for r in trace.modules:
-        key = re.sub(r"\.\d+(?=\.|$)", ".*", r.name)
-        groups.setdefault(key, []).append(r.activation_bytes)
-    t = Table(title=f"traced activations at the end of the forward, by creating module "
-                    f"(top {len(trace.modules)} modules)")
-    t.add_column("module")
-    t.add_column("blocks", justify="right")
-    t.add_column("MiB", justify="right")
-    t.add_column("share", justify="right")
-    total = max(trace.terms.get("activations", 0), 1)
-    for key, vals in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:modules]:
-        t.add_row(key, str(len(vals)), f"{sum(vals) / 2**20:,.2f}", f"{sum(vals) / total:.0%}")
-    console().print(t)
+    console().print(module_table(trace, modules))

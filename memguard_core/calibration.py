@@ -247,13 +247,19 @@ def record(model_spec: Any, train_spec: Any, estimated_bytes: int, measured_byte
             return False
         row = (time.time(), device_fingerprint(train_spec.device)["id"], model_fingerprint(model_spec),
                settings_key(train_spec), train_spec.device, est, meas, meas / est,
-               json.dumps(dict(details or {}, model=model_spec.name, batch_size=train_spec.batch_size,
+               json.dumps(dict(details or {}, model=model_spec.name, params=int(model_spec.total_params),
+                               layers=model_spec.num_layers, batch_size=train_spec.batch_size,
                                seq_length=train_spec.seq_length, grad_accum=train_spec.grad_accum), default=str))
     except Exception as exc:
         logger.warning("memguard calibration: cannot record this run: %s", exc)
         return False
 
+    first = not _store_exists()
+
     def ins(con):
+        if first:   # said once, where a user looks: guarded runs write to the user's data directory
+            logger.info("memguard calibration: recording estimated vs measured peaks in %s (memguard calibration "
+                        "show | reset; MEMGUARD_CALIBRATION=0 turns it off)", db_path(create=False))
         con.execute("INSERT INTO runs (created, device_fp, model_fp, settings, counter, estimated_bytes, "
                     "measured_bytes, ratio, details) VALUES (?,?,?,?,?,?,?,?,?)", row)
         return True
@@ -322,7 +328,8 @@ def correction_for(model_spec: Any, train_spec: Any, *, min_runs: int = MIN_RUNS
 
 def show() -> List[Dict[str, Any]]:
     """One dict per (device, model, settings) group: ``runs``, ``median_ratio``, ``last`` (time),
-    ``model``, ``settings``, ``counter``, ``applies`` (>= MIN_RUNS). Empty on failure and when no
+    ``model``, ``params``, ``layers`` (the model's size; None for runs recorded before they were kept),
+    ``batch_size``, ``seq_length`` (the last run's), ``settings``, ``counter``, ``applies`` (>= MIN_RUNS). Empty on failure and when no
     store exists (nothing is created then)."""
     if not _store_exists():
         return []
@@ -331,8 +338,11 @@ def show() -> List[Dict[str, Any]]:
         groups: Dict[tuple, Dict[str, Any]] = {}
         for r in con.execute("SELECT device_fp, model_fp, settings, counter, ratio, created, details FROM runs "
                              "ORDER BY id DESC"):
+            d = json.loads(r[6] or "{}")
             g = groups.setdefault(r[:3], dict(device=r[0], model_fp=r[1], settings=json.loads(r[2]), counter=r[3],
-                                              ratios=[], last=r[5], model=json.loads(r[6] or "{}").get("model")))
+                                              ratios=[], last=r[5], model=d.get("model"), params=d.get("params"),
+                                              layers=d.get("layers"), batch_size=d.get("batch_size"),
+                                              seq_length=d.get("seq_length")))
             if len(g["ratios"]) < WINDOW:
                 g["ratios"].append(r[4])
         out = []
@@ -391,11 +401,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     from rich.table import Table
 
     t = Table(title=f"memguard calibration ({path})")
-    for c in ("model", "settings", "counter", "runs", "measured / estimated", "applies"):
+    for c in ("model", "size", "settings", "counter", "runs", "measured / estimated", "applies"):
         t.add_column(c)
     for r in rows:
         s = r["settings"]
-        t.add_row(str(r.get("model")), f"{s['method']} {s['optimizer']} {s['dtype']}{' ckpt' if s['ckpt'] else ''} "
+        size = (f"{r['params'] / 1e6:,.1f}M params, {r['layers']} layers" if r.get("params") else "-")
+        if r.get("batch_size"):
+            size += f"; last {r['batch_size']} x {r['seq_length']} tokens"
+        t.add_row(str(r.get("model")), size, f"{s['method']} {s['optimizer']} {s['dtype']}{' ckpt' if s['ckpt'] else ''} "
                   f"{s['framework']}", r["counter"], str(r["runs"]), f"{r['median_ratio']:.3f}",
                   "yes" if r["applies"] else f"after {MIN_RUNS} runs")
     Console(highlight=False).print(t)

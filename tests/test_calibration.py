@@ -97,6 +97,23 @@ def test_show_and_reset():
     assert cal.show() == [] and cal.correction_for(ms, ts).factor == 1.0
 
 
+def test_the_store_tells_models_apart_and_says_once_where_it_writes(caplog, capsys, monkeypatch):
+    # issue 34: two models of one name were rows a user could not tell apart, and a guarded run wrote
+    # to the user's data directory without a word
+    small, big = _ms(layers=4), _ms(layers=8)
+    with caplog.at_level(logging.INFO, logger="memguard.calibration"):
+        cal.record(small, _ts(), 1000, 1100)
+        cal.record(big, _ts(), 1000, 1100)
+    said = [r.getMessage() for r in caplog.records if "recording estimated vs measured peaks" in r.getMessage()]
+    assert len(said) == 1 and cal.db_path(create=False) in said[0]
+    rows = sorted(cal.show(), key=lambda r: r["layers"])
+    assert [r["layers"] for r in rows] == [4, 8] and rows[0]["params"] == int(small.total_params)
+    monkeypatch.setenv("COLUMNS", "200")   # one table row per line
+    assert cal.main(["show"]) == 0
+    out = capsys.readouterr().out
+    assert "4 layers" in out and "8 layers" in out
+
+
 def _writer(data_dir, n, q):
     os.environ["MEMGUARD_DATA_DIR"] = data_dir
     ok = 0

@@ -53,9 +53,15 @@ def resolve_model_config(model: str, *, revision: Optional[str] = None, field: s
         return path
     if os.path.isdir(path):
         cfg = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg):
-            raise ConfigError(field, "a model folder holding config.json", path)
-        return cfg
+        if os.path.isfile(cfg) and os.access(cfg, os.R_OK):
+            return cfg
+        if os.path.lexists(cfg):   # there, but not a file this process can read
+            why = ("a link to nothing" if os.path.islink(cfg) and not os.path.exists(cfg) else
+                   "a folder" if os.path.isdir(cfg) else "not readable by this user")
+            raise ConfigError(field, f"a model folder whose config.json can be read (it is {why})", cfg)
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise ConfigError(field, "a model folder this user can read", path)
+        raise ConfigError(field, "a model folder holding config.json", path)
     if not looks_like_hub_id(model):
         raise ConfigError(field, "an existing config.json path, a model folder, or a hub id (owner/name)", model)
     return _from_hub(model, revision, field)

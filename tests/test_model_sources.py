@@ -292,3 +292,15 @@ def test_sequence_beyond_the_position_table_warns(tmp_path, capsys):
     code, out, _ = _cli_here(capsys, "--config", SMOL, "--seq-length", "9000", "--json", "--device", "cpu")
     assert code == 0
     assert any("max_position_embeddings (8192)" in n for n in json.loads(out)["notes"])
+
+
+def test_a_folder_whose_config_cannot_be_read_says_why(tmp_path):
+    # issue 34: an unreadable model folder was reported as having no config.json
+    (tmp_path / "config.json").symlink_to(tmp_path / "gone.json")
+    with pytest.raises(ConfigError) as e:
+        resolve_model_config(str(tmp_path))
+    assert "a link to nothing" in str(e.value) and e.value.field == "MODEL"
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ConfigError, match="it is a folder"):
+        resolve_model_config(str(tmp_path))

@@ -115,7 +115,7 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
         self.start_time = time.time()
         # a new start (Lightning: a second fit) reads the budget and plans afresh
         self.budget_bytes, self.preflight, self._nothing_fits_line = opts.budget_bytes, None, None
-        self._specs = None
+        self._specs, self._preflight_decisions = None, 0
         rows = max(1, int(rows))
         k = opts.micro_batches
         if opts.preflight and read_specs is not None:
@@ -240,10 +240,11 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
             ``estimated_peak_bytes`` (planned settings; None without a preflight),
             ``requested_peak_bytes`` (the requested settings; both include what the process already
             held at train start beyond the estimate, so they compare), ``optimizer_steps``, ``samples_per_step`` (distinct values),
-            ``oom_retries``, ``events`` (how many), ``event_log`` (the JSONL path, None without
+            ``oom_retries``, ``events`` (how many decisions: the preflight's change and the monitor's),
+            ``event_log`` (the JSONL path, None without
             one), then ``extra``.
         """
-        mon, pf = self.monitor, self.preflight
+        mon, pf, log = self.monitor, self.preflight, self.recorder.events
         if mon is None:
             return None
         try:
@@ -262,8 +263,8 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
                 "optimizer_steps": int(optimizer_steps),
                 "samples_per_step": sorted({int(s) for s in self.samples_per_step}),
                 "oom_retries": self.oom_retries,
-                "events": len(self.events),
-                "event_log": self.recorder.events.path if self.recorder.events is not None else None,
+                "events": len(self.events) + self._preflight_decisions,
+                "event_log": log.path if log is not None and log.enabled else None,
                 **extra,
             }
             self.log.info("memguard summary: %s", self.summary)

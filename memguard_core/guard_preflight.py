@@ -25,6 +25,7 @@ class PreflightMoment:
     _nothing_fits_line: Optional[str] = None   # the preflight's decision when nothing fits
     _plan_budget: Optional[int] = None         # the budget plan() planned against, bytes
     _specs: Optional[Tuple[Any, Any]] = None   # (ModelSpec, TrainSpec) the last plan() read
+    _preflight_decisions = 0                   # 1 once the preflight changed the run (a decision)
 
     def _record_start(self, k: int) -> None:
         """Open the run's records (event log, leak check, CUDA snapshots) and record the preflight's
@@ -36,6 +37,7 @@ class PreflightMoment:
             pf = self.preflight
             if self._nothing_fits_line is not None:   # _nothing_fits logged it at ERROR already
                 self.recorder.decision("preflight", self._nothing_fits_line, step=0, warn=False, micro_batches=k)
+                self._preflight_decisions = 1
             elif pf is not None and (pf.applied or pf.not_applied):
                 done = sorted({c.reason for c in pf.applied})
                 todo = sorted({c.reason for c in pf.not_applied})
@@ -44,6 +46,7 @@ class PreflightMoment:
                                        + f" (estimate {pf.estimate.peak_bytes / 2**30:.2f} GiB -> "
                                        f"{pf.best_peak_bytes / 2**30:.2f} GiB, budget {pf.budget_bytes / 2**30:.2f} GiB)",
                                        step=0, micro_batches=k)
+                self._preflight_decisions = 1
         except Exception:
             self.log.warning("memguard: could not open the run records", exc_info=True)
 

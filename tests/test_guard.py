@@ -64,6 +64,22 @@ def test_nothing_fits_starts_with_one_row_micro_batches_and_checkpointing(specs,
     assert "nothing fits" in caplog.text
 
 
+def test_the_summary_counts_the_preflights_decision_and_names_only_a_written_log(specs, tmp_path):
+    # issue 34 item 1: "events: 0" after the preflight changed the run; an event log that was never
+    # written (its folder cannot be made: a file is in the way) was still named
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    g = _guard(budget_bytes=2**20, log_dir=str(blocker / "logs"))
+    g.start(rows=8, read_specs=lambda: specs, enable_checkpointing=lambda: None)
+    s = g.finish(0)
+    assert s["events"] == len(g.events) + 1 and s["event_log"] is None
+    g = _guard(budget_bytes=2**20, log_dir=str(tmp_path / "logs"))
+    g.start(rows=8, read_specs=lambda: specs, enable_checkpointing=lambda: None)
+    s = g.finish(0)
+    assert s["event_log"] is not None and os.path.isfile(s["event_log"])
+    assert sum('"kind":"preflight"' in line for line in open(s["event_log"])) == 1
+
+
 def test_nothing_fits_with_fail_fast_raises(specs):
     g = _guard(budget_bytes=2**20, fail_fast=True)
     with pytest.raises(DoesNotFitError):

@@ -115,7 +115,7 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
         self.start_time = time.time()
         # a new start (Lightning: a second fit) reads the budget and plans afresh
         self.budget_bytes, self.preflight, self._nothing_fits_line = opts.budget_bytes, None, None
-        self._specs, self._preflight_decisions = None, 0
+        self._specs, self._preflight_decisions, self._max_usage = None, 0, 0.0
         rows = max(1, int(rows))
         k = opts.micro_batches
         if opts.preflight and read_specs is not None:
@@ -154,8 +154,16 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
         """The last closed optimizer step's figures under the standard names
         (:data:`memguard_core.observe.FIGURE_NAMES`), for the adapter's logger; {} before one. An
         adapter calls :meth:`end_step` before its log hook reads them: a step is otherwise closed
-        at the next batch boundary, after the log line."""
-        return dict(self.recorder.last_figures)
+        at the next batch boundary, after the log line. With a monitor, ``memguard_max_usage`` too:
+        the largest usage of the run so far, this step's included (the monitor's own maximum is
+        updated at the next decision, one step later)."""
+        figs = dict(self.recorder.last_figures)
+        if self.monitor is not None:
+            self._max_usage = max(self._max_usage, self.monitor.max_usage, figs.get("memguard_usage") or 0.0)
+            figs["memguard_max_usage"] = round(self._max_usage, 4)
+        return figs
+
+    _max_usage = 0.0
 
     # ------------------------------------------------------------------ per step
     def micro_batches_for_step(self, step: Optional[int], *, agree: bool = True,
@@ -255,7 +263,7 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
                 measured = measured_bytes()
             self.summary = {
                 "micro_batches": mon.micro_batches,
-                "max_usage": round(mon.max_usage, 4),
+                "max_usage": round(max(mon.max_usage, self._max_usage), 4),
                 "budget_bytes": mon.budget_bytes,
                 "measured_peak_bytes": measured,
                 "estimated_peak_bytes": pf.best_peak_bytes if pf else None,

@@ -228,8 +228,7 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
         if mon is None:
             return {}
         # micro-batches: the k the step ran with (the current k before the first step's record)
-        return {"memguard_micro_batches": int(mon.micro_batches), **self.guard.figures,
-                "memguard_max_usage": round(mon.max_usage, 4)}
+        return {"memguard_micro_batches": int(mon.micro_batches), **self.guard.figures}
 
     def on_train_end(self, args, state, control, **kwargs):
         self._remove_fsdp_hooks()

@@ -252,8 +252,7 @@ class MemGuardCallback(GuardAttributes, Callback):
         # micro_batches: the k the step ran with (the current k before the first record)
         metrics = {"memguard/micro_batches": float(mon.micro_batches)}
         metrics.update({"memguard/" + k[len("memguard_"):]: float(v) for k, v in self.guard.figures.items()})
-        metrics.update({"memguard/max_usage": float(round(mon.max_usage, 4)),
-                        "memguard/events": float(len(self.guard.events))})
+        metrics["memguard/events"] = float(len(self.guard.events))
         try:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False,
                                logger=bool(getattr(trainer, "loggers", None)),

@@ -237,7 +237,7 @@ class TorchGuard(RankAgreement, GuardAttributes):
         self.guard.end_step(self.optimizer_steps)
 
     def finish(self, **extra: Any) -> Optional[Dict[str, Any]]:
-        """End the run: the run summary (``Guard.finish``: ``split``, ``max_usage``,
+        """End the run: the run summary (``Guard.finish``: ``micro_batches``, ``max_usage``,
         ``measured_peak_bytes``, ``oom_retries``, ...) and the calibration record; the hooks come
         off. Never raises."""
         self._remove_hooks()

@@ -272,3 +272,20 @@ def test_the_preflight_estimates_the_run_with_or_without_the_heap_trim():
         assert pf.train_spec.heap_trim is trim
         peaks[trim] = pf.estimate.peak_bytes
     assert peaks[False] > peaks[True]
+
+
+def test_the_max_usage_figure_is_never_below_this_steps_usage(specs):
+    # issue 34 item 1: memguard_max_usage was lower than memguard_usage in the same log line (the
+    # monitor's maximum moves at the next decision, one step later)
+    g = _guard(budget_bytes=4 * GiB, preflight=False)
+    g.start(rows=8)
+    try:
+        g.micro_batches_for_step(0)
+        junk = bytearray(64 * 2**20)   # a real peak in this step
+        g.end_step(1)
+        del junk
+        f = g.figures
+        assert f["memguard_usage"] > 0 and f["memguard_max_usage"] >= f["memguard_usage"]
+        assert g.finish(1)["max_usage"] >= f["memguard_usage"]
+    finally:
+        g.stop()

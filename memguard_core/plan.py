@@ -218,10 +218,12 @@ class _Search:
                              grad_accum=oa * (ob // divs[-1]) if divs[-1] != c.batch_size else c.grad_accum)
         others = ""
         if fitting and len(fitting) > 1:
-            alt = sorted(fitting, key=lambda t: relative_step_time(self.ms, t, c))[1]
-            others = (f"; predicted step time x{relative_step_time(self.ms, best, c):.2f} of the requested "
-                      f"settings vs x{relative_step_time(self.ms, alt, c):.2f} for the next option that fits "
-                      f"({_describe(alt, c)})")
+            # the runner-up by the same rule as the choice (a tie on time goes to the larger micro-batch)
+            alt = min((t for t in fitting if t != best), key=lambda t: (relative_step_time(self.ms, t, c), -t.batch_size))
+            tb, ta = relative_step_time(self.ms, best, c), relative_step_time(self.ms, alt, c)
+            others = (f"; predicted step time x{tb:.2f} of the requested settings vs x{ta:.2f} for the next "
+                      f"option that fits ({_describe(alt, c)})"
+                      + ("; as fast, so the larger micro-batch" if f"{tb:.2f}" == f"{ta:.2f}" else ""))
         if best.grad_checkpoint != c.grad_checkpoint:
             t = c.replace(grad_checkpoint=True)
             self.apply(t, ("grad_checkpoint",),

@@ -240,3 +240,26 @@ def test_plan_reason_names_checkpointing_only_as_a_change():
         reasons += [c.reason for c in p.changes]
     assert any("next option that fits" in r for r in reasons)   # the premise: a comparison was made
     assert not any("+ checkpointing" in r for r in reasons)
+
+
+def test_the_plan_never_compares_the_chosen_option_with_itself(monkeypatch):
+    # issue 34 item 1: "x1.50 of the requested settings vs x1.50 for the next option that fits" named
+    # the chosen option again when two options tied on predicted time (the cost model is forced to
+    # tie here: every option is as fast)
+    import memguard_core.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "relative_step_time", lambda ms, t, ref: 1.5)
+    base = ts()
+    reasons = []
+    for frac in (0.5, 0.6, 0.7, 0.8):
+        try:
+            p = plan(spec(), base, int(peak(base) * frac))
+        except DoesNotFitError:
+            continue
+        chosen = f"micro-batch {p.train_spec.batch_size} "
+        for c in p.changes:
+            if "next option that fits" in c.reason:
+                reasons.append(c.reason)
+                alt = c.reason.split("next option that fits (")[1]
+                assert not alt.startswith(chosen.strip() + ")") and "as fast, so the larger micro-batch" in c.reason
+    assert reasons   # the premise: a comparison was made

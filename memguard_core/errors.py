@@ -38,17 +38,21 @@ class DoesNotFitError(MemGuardError):
         budget_bytes: the budget the planner had.
         best_peak_bytes: the estimated peak of the smallest plan tried.
         suggestions: concrete changes the user can make (quantize, shorter sequences, ...).
+        target_note: how the planner's target derives from ``budget_bytes`` when it is not the budget
+            itself (the preflight plans below the monitor's warning level, less what the process
+            already holds), for the message; the shortfall is then measured against that target.
     """
 
     def __init__(self, shortfall_bytes: int, budget_bytes: int, best_peak_bytes: int,
-                 suggestions: Sequence[str]):
+                 suggestions: Sequence[str], *, target_note: str = ""):
         self.shortfall_bytes = int(shortfall_bytes)
         self.budget_bytes = int(budget_bytes)
         self.best_peak_bytes = int(best_peak_bytes)
         self.suggestions = list(suggestions)
+        self.target_note = target_note
         lines = [
             f"training does not fit: the smallest plan needs {best_peak_bytes / 2**30:.2f} GiB, "
-            f"the budget is {budget_bytes / 2**30:.2f} GiB "
+            f"the budget is {budget_bytes / 2**30:.2f} GiB{target_note} "
             f"(short by {shortfall_bytes / 2**30:.2f} GiB).",
             "Try:",
         ] + [f"  - {s}" for s in self.suggestions]

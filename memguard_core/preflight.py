@@ -183,7 +183,15 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
                               int(est.peak_bytes) + extra,
                               ["the process already holds more than the budget before training: raise the budget "
                                "or free memory (other models, datasets) before train()"])
-    chosen = make_plan(model_spec, train_spec, target, allow=allow_steps(apply), correction=correction)
+    try:
+        chosen = make_plan(model_spec, train_spec, target, allow=allow_steps(apply), correction=correction)
+    except DoesNotFitError as exc:
+        # the planner saw only its target: the error names the user's budget and how the target derives
+        note = (f"; the plan targets {target / 2**30:.2f} GiB of it ({fraction:.0%}, the monitor's warning level"
+                + (f", less {extra / 2**30:.2f} GiB the process already holds beyond the estimate" if extra else "")
+                + ")")
+        raise DoesNotFitError(int(exc.shortfall_bytes), int(budget_bytes),
+                              int(exc.best_peak_bytes) + extra, exc.suggestions, target_note=note) from None
     pf = Preflight(model_spec, train_spec, est, chosen, int(budget_bytes), plan_fraction=fraction,
                    resident_extra_bytes=extra, correction=float(correction), calibration_runs=runs)
     for change in chosen.changes:

@@ -117,3 +117,18 @@ def test_the_estimate_table_shows_the_gradients_at_the_loss_peak(ms):
     text = con.export_text()
     grads = est.phase_breakdowns["backward"]["gradients"]
     assert f"gradients (none yet at the loss moment; {grads / 2**30:,.2f} GiB at the backward moment)" in text
+
+
+def test_does_not_fit_names_the_budget_the_user_set_and_how_the_target_derives(ms):
+    # issue 34 item 1: fail_fast said "the budget is 0.25 GiB" after budget_gib=0.3 (it quoted the
+    # planner's target, 85 % of the budget less what the process holds)
+    from memguard_core.errors import DoesNotFitError
+
+    ts = TrainSpec(batch_size=8, seq_length=512, method="full", dtype="fp32")
+    budget = int(0.3 * 2**30)
+    with pytest.raises(DoesNotFitError) as e:
+        plan_in_place(ms, ts, budget, plan_fraction=0.85, resident_bytes=None, apply=("micro_batch",))
+    msg = str(e.value)
+    target = f"{int(budget * 0.85) / 2**30:.2f}"
+    assert e.value.budget_bytes == budget and f"the budget is 0.30 GiB; the plan targets {target} GiB of it (85%" in msg
+    assert e.value.best_peak_bytes - e.value.shortfall_bytes == int(budget * 0.85)

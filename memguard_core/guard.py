@@ -267,7 +267,7 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
                 "budget_bytes": mon.budget_bytes,
                 "measured_peak_bytes": measured,
                 "estimated_peak_bytes": pf.best_peak_bytes if pf else None,
-                "requested_peak_bytes": int(pf.estimate.peak_bytes) + pf.resident_extra_bytes if pf else None,
+                "requested_peak_bytes": pf.requested_peak_bytes if pf else None,
                 "optimizer_steps": int(optimizer_steps),
                 "samples_per_step": sorted({int(s) for s in self.samples_per_step}),
                 "oom_retries": self.oom_retries,

@@ -43,7 +43,7 @@ class PreflightMoment:
                 todo = sorted({c.reason for c in pf.not_applied})
                 self.recorder.decision("preflight", "preflight changed the run: " + "; ".join(done)
                                        + (("; NOT applied (change it yourself): " + "; ".join(todo)) if todo else "")
-                                       + f" (estimate {pf.estimate.peak_bytes / 2**30:.2f} GiB -> "
+                                       + f" (estimate {pf.requested_peak_bytes / 2**30:.2f} GiB -> "
                                        f"{pf.best_peak_bytes / 2**30:.2f} GiB, budget {pf.budget_bytes / 2**30:.2f} GiB)",
                                        step=0, micro_batches=k)
                 self._preflight_decisions = 1

@@ -168,8 +168,11 @@ def relative_step_time(model_spec: ModelSpec, train_spec: TrainSpec, reference: 
 
 
 class _Search:
-    def __init__(self, ms, ts, budget, correction):
+    def __init__(self, ms, ts, budget, correction, shown_offset=0, target_name="budget"):
         self.ms, self.budget, self.correction = ms, budget, correction
+        # reasons quote peak and target with ``shown_offset`` added back (the preflight plans against
+        # its target less what the process already holds; the user reads both with it included)
+        self.off, self.target_name = int(shown_offset), target_name
         self.cur = ts
         self.est = estimate(ms, ts, correction=correction)
         self.changes: List[Change] = []
@@ -192,7 +195,8 @@ class _Search:
     def verdict(self, ts: TrainSpec) -> str:
         p = self.est_of(ts).peak_bytes
         rel = "<=" if p <= self.budget else ">"
-        return f"estimated peak {_gib(p)} {rel} budget {_gib(self.budget)}"
+        held = f" ({_gib(self.off)} of it already held)" if self.off else ""
+        return f"estimated peak {_gib(p + self.off)}{held} {rel} {_gib(self.budget + self.off)}, {self.target_name}"
 
     # ---- steps -------------------------------------------------------------------------------
 
@@ -242,7 +246,7 @@ class _Search:
             nxt = min(d for d in _divisors_desc(c.batch_size) if d > t.batch_size)
             e_n = self.est_of(c.replace(batch_size=nxt, grad_accum=eff // nxt))
             if e_n.peak_bytes > self.budget:
-                tail += f" (at {nxt}: {_gib(e_n.peak_bytes)} > budget)"
+                tail += f" (at {nxt}: {_gib(e_n.peak_bytes + self.off)} > {_gib(self.budget + self.off)})"
         reason = (f"micro-batch {c.batch_size} -> {t.batch_size} with gradient accumulation "
                   f"{c.grad_accum} -> {t.grad_accum} keeps the effective batch of {eff}; {tail}{extra}")
         self.apply(t, ("batch_size", "grad_accum"), reason)
@@ -276,7 +280,8 @@ class _Search:
 
 
 def plan(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
-         allow: Iterable[str] = STEPS, min_batch: int = 1, correction: float = 1.0) -> Plan:
+         allow: Iterable[str] = STEPS, min_batch: int = 1, correction: float = 1.0,
+         shown_offset: int = 0, target_name: str = "the budget") -> Plan:
     """Find the least-degrading settings whose estimated peak fits ``budget_bytes``.
 
     Args:
@@ -285,6 +290,9 @@ def plan(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
         allow: which steps may be taken, a subset of ``STEPS``.
         min_batch: smallest micro-batch the planner may choose.
         correction: calibration factor passed to ``estimate``.
+        shown_offset, target_name: for the reasons only: bytes added back to every peak and to
+            ``budget_bytes`` when quoted, and what ``budget_bytes`` is called (the preflight plans
+            against a target derived from the user's budget: see ``preflight.plan_in_place``).
 
     Returns:
         Plan (``fits=True``); unchanged settings and no changes when the request already fits.
@@ -296,7 +304,7 @@ def plan(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
     """
     budget, allow, min_batch = _validate(model_spec, train_spec, budget_bytes, allow, min_batch)
     ms, ts = model_spec, with_default_lora_targets(model_spec, train_spec)  # PEFT's targets when none given
-    s = _Search(ms, ts, budget, correction)
+    s = _Search(ms, ts, budget, correction, shown_offset, target_name)
 
     def done() -> Plan:
         if s.changes and any(c.field not in ("batch_size", "grad_accum") for c in s.changes) \

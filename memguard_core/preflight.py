@@ -63,9 +63,15 @@ class Preflight:
         gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
         changes = sorted({c.reason for c in self.applied})
         todo = sorted({c.reason for c in self.not_applied})
-        return (f"Preflight({self.model_spec.name}: requested {gib(self.estimate.peak_bytes)} -> planned "
+        return (f"Preflight({self.model_spec.name}: requested {gib(self.requested_peak_bytes)} -> planned "
                 f"{gib(self.best_peak_bytes)} of budget {gib(self.budget_bytes)}, micro_batches={self.micro_batches}"
                 + (f", applied={changes}" if changes else "") + (f", not_applied={todo}" if todo else "") + ")")
+
+    @property
+    def requested_peak_bytes(self) -> int:
+        """Estimated peak of the requested settings (bytes), with the same resident memory as
+        :attr:`best_peak_bytes`, so the two compare."""
+        return int(self.estimate.peak_bytes) + self.resident_extra_bytes
 
     @property
     def best_peak_bytes(self) -> int:
@@ -91,8 +97,8 @@ class Preflight:
                  f"{ts.method}, micro-batch {ts.batch_size} x accumulation {ts.grad_accum}, seq {ts.seq_length}, "
                  f"{ts.optimizer}, {ts.dtype}{' mixed' if ts.mixed_precision else ''}, "
                  f"checkpointing {'on' if ts.grad_checkpoint else 'off'})",
-                 f"  estimated peak {gib(self.estimate.peak_bytes)} ({self.estimate.counter}) vs budget "
-                 f"{gib(self.budget_bytes)}: {'fits' if self.estimate.peak_bytes <= self.budget_bytes else 'does NOT fit'}"]
+                 f"  estimated peak {gib(self.requested_peak_bytes)} ({self.estimate.counter}) vs budget "
+                 f"{gib(self.budget_bytes)}: {'fits' if self.requested_peak_bytes <= self.budget_bytes else 'does NOT fit'}"]
         for name, val in self.estimate.breakdown.items():
             if val:  # terms this run does not have (no optimizer states under SGD, ...) stay out
                 lines.append(f"    {name:<18} {gib(val)}")
@@ -184,7 +190,8 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
                               ["the process already holds more than the budget before training: raise the budget "
                                "or free memory (other models, datasets) before train()"])
     try:
-        chosen = make_plan(model_spec, train_spec, target, allow=allow_steps(apply), correction=correction)
+        chosen = make_plan(model_spec, train_spec, target, allow=allow_steps(apply), correction=correction,
+                           shown_offset=extra, target_name=f"{fraction:.0%} of the {budget_bytes / 2**30:.2f} GiB budget")
     except DoesNotFitError as exc:
         # the planner saw only its target: the error names the user's budget and how the target derives
         note = (f"; the plan targets {target / 2**30:.2f} GiB of it ({fraction:.0%}, the monitor's warning level"

@@ -289,3 +289,38 @@ def test_the_max_usage_figure_is_never_below_this_steps_usage(specs):
         assert g.finish(1)["max_usage"] >= f["memguard_usage"]
     finally:
         g.stop()
+
+
+def test_one_runs_figures_derive_from_one_budget_and_one_estimate(caplog):
+    """Issue 34 item 1: the preflight's lines, the plan's reason, the decision line and the summary
+    of one run quote one budget (the one set) and one estimate per settings (requested, planned;
+    both with what the process already holds), and the planning target as 85 % of that budget."""
+    import re
+
+    ms = model_spec_from_hf_config(SMOL)
+    ts = TrainSpec(batch_size=8, seq_length=256, method="lora", framework="hf", device="cpu")
+    held = b"\x01" * (256 * 2**20)   # resident beyond the estimate: every page written
+    probe = _guard(budget_bytes=64 * GiB)
+    probe.start(rows=8, read_specs=lambda: (ms, ts))
+    probe.stop()
+    pf0 = probe.preflight
+    # a budget the requested settings miss at the planning target but half the micro-batch fits
+    budget = int((pf0.requested_peak_bytes + pf0.best_peak_bytes) / 2 / 0.85 * 0.9)
+    g = _guard(budget_bytes=budget, log_dir=None)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="memguard.test"):
+        g.start(rows=8, read_specs=lambda: (ms, ts))
+    del held
+    pf = g.preflight
+    s = g.finish(0)
+    assert pf.micro_batches > 1   # the premise: the preflight changed the run
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    text = caplog.text
+    budgets = set(re.findall(r"budget ([0-9.]+ GiB)", text)) | set(re.findall(r"of the ([0-9.]+ GiB) budget", text))
+    assert budgets == {gib(budget)}, budgets
+    assert f"estimate {gib(s['requested_peak_bytes'])} -> {gib(s['estimated_peak_bytes'])}, budget {gib(budget)}" in text
+    # the plan's reason: the planned peak (held memory included) against 85 % of the budget
+    assert re.search(re.escape(f"estimated peak {gib(pf.best_peak_bytes)}") + r"( \([0-9.]+ GiB of it already held\))? <= "
+                     + re.escape(f"{gib(int(budget * 0.85))}, 85% of the {gib(budget)} budget"), text), text
+    assert f"85% of the {gib(budget)} budget" in text
+    assert s["requested_peak_bytes"] == pf.requested_peak_bytes and s["estimated_peak_bytes"] == pf.best_peak_bytes

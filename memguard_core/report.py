@@ -113,7 +113,10 @@ def print_estimate(est, budget_bytes: Optional[int] = None) -> None:
     console().print(estimate_table(est, budget_bytes))
 
 
-def plan_table(plan) -> Table:
+def plan_table(plan, preflight: Any = None) -> Table:
+    """The plan's changes, its peak and what it was planned against. With the ``preflight`` that made
+    it, the peak includes what the process already held and the target is named as the share of the
+    budget the user set (the figures the preflight's log lines quote)."""
     t = Table(title="memguard plan (quality-preserving order)")
     t.add_column("setting")
     t.add_column("requested", justify="right")
@@ -129,7 +132,13 @@ def plan_table(plan) -> Table:
     for reason, (f, o, n) in rows.items():
         t.add_row(f, o, n, reason)
     t.add_section()
-    t.add_row("peak", "", gib(plan.estimate.peak_bytes), f"budget {gib(plan.budget_bytes)}")
+    if preflight is not None:
+        pf = preflight
+        t.add_row("peak", gib(pf.requested_peak_bytes), gib(pf.best_peak_bytes),
+                  f"target {gib(int(pf.budget_bytes * pf.plan_fraction))}: {pf.plan_fraction:.0%} of the "
+                  f"{gib(pf.budget_bytes)} budget")
+    else:
+        t.add_row("peak", "", gib(plan.estimate.peak_bytes), f"budget {gib(plan.budget_bytes)}")
     eff_old = plan.original.effective_batch
     eff_new = plan.train_spec.effective_batch
     t.add_row("effective batch", str(eff_old), str(eff_new), "kept" if eff_old == eff_new else "CHANGED")
@@ -213,7 +222,7 @@ def print_applied_plan(preflight) -> None:
     """Print the plan of an adapter's preflight (``memguard_core.preflight.Preflight``) when it
     changed anything; nothing for None (no preflight ran) or an empty plan."""
     if preflight is not None and preflight.plan.changes:
-        console().print(plan_table(preflight.plan))
+        console().print(plan_table(preflight.plan, preflight))
 
 
 def demo_result_table(title: str, rows: Sequence[Tuple[str, str]], *, requested_peak_bytes: int,
@@ -230,6 +239,8 @@ def demo_result_table(title: str, rows: Sequence[Tuple[str, str]], *, requested_
     """
     s = summary or {}
     est, meas = s.get("estimated_peak_bytes"), s.get("measured_peak_bytes")
+    # the summary's requested estimate counts what the process held, as the planned one does
+    requested_peak_bytes = s.get("requested_peak_bytes") or requested_peak_bytes
     t = Table(title=title)
     t.add_column("what")
     t.add_column("value", justify="right")

@@ -324,3 +324,13 @@ def test_one_runs_figures_derive_from_one_budget_and_one_estimate(caplog):
                      + re.escape(f"{gib(int(budget * 0.85))}, 85% of the {gib(budget)} budget"), text), text
     assert f"85% of the {gib(budget)} budget" in text
     assert s["requested_peak_bytes"] == pf.requested_peak_bytes and s["estimated_peak_bytes"] == pf.best_peak_bytes
+    # the plan table the demos print: the same peaks, the target as a share of the same budget
+    from rich.console import Console
+
+    from memguard_core.report import plan_table
+
+    con = Console(width=250, record=True)
+    con.print(plan_table(pf.plan, pf))
+    table = con.export_text()
+    assert gib(pf.requested_peak_bytes) in table and gib(pf.best_peak_bytes) in table
+    assert f"85% of the {gib(budget)} budget" in table and set(re.findall(r"([0-9.]+ GiB) budget", table)) == {gib(budget)}

@@ -109,7 +109,7 @@ def test_preflight_under_a_tight_budget_splits_in_place(base_runs, monkeypatch):
     # the full budget (the resident term is exercised in a fresh process by test_hf_preflight.py).
     # Likewise its mapped libraries' resident pages (RssFile: every test's imports, ~300 MiB) are
     # measured by the adapter, then set back to the typical figure the budget above was built with.
-    import memguard_core.guard as core_guard
+    import memguard_core.guard_preflight as core_guard
     real_plan = core_guard.plan_in_place
     measured_file_pages = []
 

@@ -158,7 +158,7 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
         the largest usage of the run so far, this step's included (the monitor's own maximum is
         updated at the next decision, one step later)."""
         figs = dict(self.recorder.last_figures)
-        if self.monitor is not None:
+        if figs and self.monitor is not None:
             self._max_usage = max(self._max_usage, self.monitor.max_usage, figs.get("memguard_usage") or 0.0)
             figs["memguard_max_usage"] = round(self._max_usage, 4)
         return figs

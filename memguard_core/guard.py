@@ -115,7 +115,7 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
         self.start_time = time.time()
         # a new start (Lightning: a second fit) reads the budget and plans afresh
         self.budget_bytes, self.preflight, self._nothing_fits_line = opts.budget_bytes, None, None
-        self._specs, self._preflight_decisions, self._max_usage = None, 0, 0.0
+        self._specs = None
         rows = max(1, int(rows))
         k = opts.micro_batches
         if opts.preflight and read_specs is not None:
@@ -159,11 +159,8 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
         updated at the next decision, one step later)."""
         figs = dict(self.recorder.last_figures)
         if figs and self.monitor is not None:
-            self._max_usage = max(self._max_usage, self.monitor.max_usage, figs.get("memguard_usage") or 0.0)
-            figs["memguard_max_usage"] = round(self._max_usage, 4)
+            figs["memguard_max_usage"] = round(max(self.monitor.max_usage, self.recorder.max_usage), 4)
         return figs
-
-    _max_usage = 0.0
 
     # ------------------------------------------------------------------ per step
     def micro_batches_for_step(self, step: Optional[int], *, agree: bool = True,
@@ -263,7 +260,7 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
                 measured = measured_bytes()
             self.summary = {
                 "micro_batches": mon.micro_batches,
-                "max_usage": round(max(mon.max_usage, self._max_usage), 4),
+                "max_usage": round(max(mon.max_usage, self.recorder.max_usage), 4),
                 "budget_bytes": mon.budget_bytes,
                 "measured_peak_bytes": measured,
                 "estimated_peak_bytes": pf.best_peak_bytes if pf else None,
@@ -271,7 +268,7 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
                 "optimizer_steps": int(optimizer_steps),
                 "samples_per_step": sorted({int(s) for s in self.samples_per_step}),
                 "oom_retries": self.oom_retries,
-                "events": len(self.events) + self._preflight_decisions,
+                "events": len(self.events) + int(self.preflight_decided),
                 "event_log": log.path if log is not None and log.enabled else None,
                 **extra,
             }

@@ -25,7 +25,13 @@ class PreflightMoment:
     _nothing_fits_line: Optional[str] = None   # the preflight's decision when nothing fits
     _plan_budget: Optional[int] = None         # the budget plan() planned against, bytes
     _specs: Optional[Tuple[Any, Any]] = None   # (ModelSpec, TrainSpec) the last plan() read
-    _preflight_decisions = 0                   # 1 once the preflight changed the run (a decision)
+
+    @property
+    def preflight_decided(self) -> bool:
+        """The preflight changed the run (or started it at the closest it could when nothing fit):
+        a decision, as the monitor's are."""
+        pf = self.preflight
+        return self._nothing_fits_line is not None or (pf is not None and bool(pf.applied or pf.not_applied))
 
     def _record_start(self, k: int) -> None:
         """Open the run's records (event log, leak check, CUDA snapshots) and record the preflight's
@@ -37,7 +43,6 @@ class PreflightMoment:
             pf = self.preflight
             if self._nothing_fits_line is not None:   # _nothing_fits logged it at ERROR already
                 self.recorder.decision("preflight", self._nothing_fits_line, step=0, warn=False, micro_batches=k)
-                self._preflight_decisions = 1
             elif pf is not None and (pf.applied or pf.not_applied):
                 done = sorted({c.reason for c in pf.applied})
                 todo = sorted({c.reason for c in pf.not_applied})
@@ -46,7 +51,6 @@ class PreflightMoment:
                                        + f" (estimate {pf.requested_peak_bytes / 2**30:.2f} GiB -> "
                                        f"{pf.best_peak_bytes / 2**30:.2f} GiB, budget {pf.budget_bytes / 2**30:.2f} GiB)",
                                        step=0, micro_batches=k)
-                self._preflight_decisions = 1
         except Exception:
             self.log.warning("memguard: could not open the run records", exc_info=True)
 

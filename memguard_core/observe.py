@@ -109,6 +109,7 @@ class RunRecorder:
         self.snapshots: Any = None
         self.cuda_stats: Any = None
         self.last_figures: Dict[str, Any] = {}
+        self.max_usage = 0.0                # the largest step usage recorded (fraction of the budget)
         self._seen_step: Optional[int] = None
         self._window_peak = 0
         self._last_k: Optional[int] = None
@@ -118,6 +119,7 @@ class RunRecorder:
     def start(self, device: str, budget_bytes: int) -> None:
         """Open the event log, arm the leak check and start recording CUDA history (as configured)."""
         o = self.options
+        self.max_usage = 0.0
         rank = _rank()
         try:
             log_dir = o.log_dir or os.environ.get(LOG_DIR_ENV)
@@ -221,6 +223,7 @@ class RunRecorder:
             stats = None
         self.last_figures = step_figures(figures.get("peak"), figures.get("current"), figures.get("budget"),
                                          micro_batches, stats)
+        self.max_usage = max(self.max_usage, self.last_figures.get("memguard_usage") or 0.0)
         if self.events is not None:
             self.events.step(step, peak_bytes=figures.get("peak"), current_bytes=figures.get("current"),
                              budget_bytes=figures.get("budget"), micro_batches=micro_batches, pressure=level,

@@ -5,7 +5,7 @@ docs/monitor.md, "Probes".
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from .common import warn_once
 from .snapshot import MemorySnapshot
@@ -98,42 +98,29 @@ class StepReader:
             self._step_figures = None
         return ok
 
+    def _read(self, fn: Optional[Callable[[], Any]], key: str, what: str) -> Any:
+        """``fn()``, None without one; a failure is logged once per device and read as None."""
+        if fn is None:
+            return None
+        try:
+            return fn()
+        except Exception as exc:
+            warn_once(f"{key}:{self.device}", f"memguard: {what} of %s failed: %r", self.device, exc)
+            return None
+
     def step_figures(self) -> Optional[Tuple[float, int, int, int]]:
         """``(monotonic s, RSS, peak since the last reset, RSS + available)``, bytes, where the
         backend has this snapshot-free path and its common case holds; else None (take
         :meth:`probe` ``(True)``)."""
-        fn = self._step_figures
-        if fn is None:
-            return None
-        try:
-            return fn()
-        except Exception as exc:
-            warn_once(f"step_figures:{self.device}", "memguard: per-step figures of %s failed: %r",
-                       self.device, exc)
-            return None
+        return self._read(self._step_figures, "step_figures", "per-step figures")
 
     def pressure(self) -> Optional[float]:
         """The pressure signal alone (percent, see ``MemorySnapshot.pressure``); None where the
         backend has none or it cannot be read."""
-        fn = self._pressure
-        if fn is None:
-            return None
-        try:
-            return fn()
-        except Exception as exc:
-            warn_once(f"pressure:{self.device}", "memguard: reading pressure of %s failed: %r",
-                       self.device, exc)
-            return None
+        return self._read(self._pressure, "pressure", "reading pressure")
 
     def live_bytes(self) -> Optional[int]:
         """Bytes held by live allocations (see :func:`memguard_core.probes.live_bytes`), None where unknown."""
         fn = self._live_bytes
-        if fn is None:
-            return None
-        try:
-            v = fn()
-            return None if v is None else int(v)
-        except Exception as exc:
-            warn_once(f"live_bytes:{self.device}", "memguard: reading live bytes of %s failed: %r",
-                       self.device, exc)
-            return None
+        return self._read(None if fn is None else (lambda: None if (v := fn()) is None else int(v)),
+                          "live_bytes", "reading live bytes")

@@ -191,6 +191,43 @@ class VisionTower:
 
 
 @dataclass(frozen=True)
+class BlockKind:
+    """One kind of block in the model's block list, read from its own module tree
+    (``memguard_torch.block_kinds``): docs/estimator.md, "Block kinds".
+
+    Attributes:
+        name: what the block holds beyond linears and norms, as its code names it: the class of the
+            token mixer that sets it apart (``Mamba2Mixer``, ``Lfm2ShortConv``), else the block's
+            own class (``LlamaDecoderLayer``).
+        count: blocks of this kind.
+        modelled: True when every module in the block is of a kind the estimator's rules count
+            (linears, norms, attention, MLPs, experts, routers, dropout, activations); False for a
+            block holding anything else (convolutions, state-space parameters, custom modules).
+        saved_per_token: for a block not modelled, the bytes ONE block of this kind saves for its
+            backward per token, from a census of the saved tensors of the model's own code run on
+            fake tensors (``memguard_hf.block_trace``); ``None`` when it was not traced.
+        traced_under: the settings the census ran under (dtype, method, LoRA targets and rank,
+            attention kernel), as :func:`trace_key` spells them; the figure holds for any batch
+            size and checkpointing choice under the same settings.
+    """
+
+    name: str
+    count: int
+    modelled: bool = True
+    saved_per_token: Optional[float] = None
+    traced_under: str = ""
+
+
+def trace_key(ts: "TrainSpec") -> str:
+    """The training settings a block census depends on (not the batch size or checkpointing,
+    which scale or replace what it measured): dtype, autocast, method, LoRA rank / targets /
+    dropout, attention kernel, device rule."""
+    lora = "" if ts.method == "full" else f" r{ts.lora_rank} {','.join(ts.lora_targets)} p{ts.lora_dropout:g}"
+    return (f"{ts.dtype}{' amp' if ts.mixed_precision else ''} {ts.method}{lora} "
+            f"{ts.attn_impl} {ts.device}")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Architecture of a decoder-only transformer, as the memory estimator needs it.
 
@@ -233,6 +270,9 @@ class ModelSpec:
         vision_tower: the vision tower's numbers (:class:`VisionTower`), read from the config of a
             supported vision-language family; ``None`` for text-only models and families whose
             tower memguard does not read (Mllama).
+        block_kinds: the kinds of block in the block list (:class:`BlockKind`), read from the
+            model's module tree; empty for a spec from plain numbers (every block counted by the
+            rules).
     """
 
     name: str
@@ -265,6 +305,7 @@ class ModelSpec:
     max_position_embeddings: int = 0
     image_tokens: int = 0
     vision_tower: Optional[VisionTower] = None
+    block_kinds: tuple = ()
 
     @property
     def total_params(self) -> int:
@@ -273,6 +314,11 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def unmodelled_blocks(self) -> int:
+        """Blocks of a kind the rules do not count (:attr:`BlockKind.modelled` False)."""
+        return sum(k.count for k in self.block_kinds if not k.modelled)
 
     def replace(self, **changes: Any) -> "ModelSpec":
         return dataclasses.replace(self, **changes)

@@ -51,6 +51,9 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
         oom_retries: out-of-memory errors recovered by a re-split.
         split_disabled_reason: why the adapter cannot cut batches in place (None: it can).
         summary: the run summary after :meth:`finish`.
+        restored, restored_from: the ``GuardState`` a resumed start took back instead of deciding
+            again (:meth:`restore_state`, :meth:`export_state`; docs/lifecycle.md, "What a resume
+            restores") and where it was read; None when the start decided afresh.
     """
 
     def __init__(self, options: GuardOptions, *, log: Optional[logging.Logger] = None,
@@ -91,6 +94,8 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
               peak_fn: Optional[Callable[[], Optional[int]]] = None,
               plan_hint: str = "") -> MemoryMonitor:
         """Preflight, budget, plan applied, monitor started. Call once, before the first forward.
+        After :meth:`restore_state` (a resumed run) the saved micro-batches, budget and activation
+        checkpointing are taken back instead of running the preflight.
 
         Args:
             rows: rows of a batch (the micro-batches per batch never exceed it).
@@ -113,25 +118,36 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
         """
         opts = self.options
         self.start_time = time.time()
-        # a new start (Lightning: a second fit) reads the budget and plans afresh
+        # a new start (Lightning: a second fit) reads the budget and plans afresh, unless a resume
+        # handed it the state saved with its checkpoint (restore_state)
         self.budget_bytes, self.preflight, self._nothing_fits_line = opts.budget_bytes, None, None
-        self._specs = None
-        rows = max(1, int(rows))
+        self._specs, self.restored, self.restored_from, self._checkpointing_on = None, None, None, False
+        rows = self._rows = max(1, int(rows))
         k = opts.micro_batches
-        if opts.preflight and read_specs is not None:
+        restored = self._take_restored(rows)
+        if restored is not None:
+            k = max(k, self._apply_restored(restored, read_specs, enable_checkpointing))
+        elif opts.preflight and read_specs is not None:
             k = max(k, self._run_preflight(read_specs, enable_checkpointing, rows, plan_hint))
+        if restored is None:
+            self._planned_k = min(k, rows)
         self._pin_mmap_threshold()
         budget = self.budget_bytes
         if budget is None:
             budget = default_budget(opts.device, opts.safety_ratio)
         self.budget_bytes = int(budget)
         if before_monitor is not None:
-            before_monitor(self.budget_bytes, self.preflight.best_peak_bytes if self.preflight else None)
+            planned_peak = (self.preflight.best_peak_bytes if self.preflight
+                            else restored.planned_peak_bytes if restored else None)
+            before_monitor(self.budget_bytes, planned_peak)
         k = min(k, rows)
         self.monitor = MemoryMonitor(self.budget_bytes, device=opts.device, safety_ratio=opts.safety_ratio,
                                      thresholds=opts.thresholds, interval_s=opts.monitor_interval_s, micro_batches=k,
                                      max_micro_batches=rows, on_event=self._on_event, grow=self.grow,
-                                     clean_fn=clean_fn, peak_fn=peak_fn)
+                                     clean_fn=clean_fn, peak_fn=peak_fn,
+                                     planned_micro_batches=min(self._planned_k, k))
+        if restored is not None:   # the step peaks measured at each k: what growing back predicts from
+            self.monitor.peak_at_micro_batches.update(restored.peak_at_micro_batches)
         if k > 1:
             self.log.info("memguard: %d micro-batches per batch (batch of %d rows -> %d-row micro-batches; "
                           "effective batch unchanged)", k, rows, -(-rows // k))

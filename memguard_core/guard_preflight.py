@@ -1,8 +1,10 @@
 """The preflight moment of a guarded run: read the run, plan it below the monitor's warning level,
 turn checkpointing on where the plan asks, and record what changed -- or, when nothing fits, the
-closest the in-place steps get. A mixin of :class:`memguard_core.guard.Guard` (it uses the guard's
-``options``, ``log``, ``recorder``, ``preflight``, ``budget_bytes`` and ``split_disabled_reason``);
-the rules: docs/lifecycle.md, "Preflight".
+closest the in-place steps get; on a resume, take back what the guard decided before
+(:mod:`memguard_core.guard_state`) instead of deciding again. A mixin of
+:class:`memguard_core.guard.Guard` (it uses the guard's ``options``, ``log``, ``recorder``,
+``preflight``, ``monitor``, ``budget_bytes`` and ``split_disabled_reason``); the rules:
+docs/lifecycle.md, "Preflight" and "What a resume restores".
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Tuple
 
 from .errors import ConfigError, DoesNotFitError
+from .guard_state import GuardState, parse_state
 from .preflight import Preflight, default_budget, plan_in_place, resident_bytes_for
 
 __all__ = ["PreflightMoment", "SpecReader"]
@@ -25,13 +28,157 @@ class PreflightMoment:
     _nothing_fits_line: Optional[str] = None   # the preflight's decision when nothing fits
     _plan_budget: Optional[int] = None         # the budget plan() planned against, bytes
     _specs: Optional[Tuple[Any, Any]] = None   # (ModelSpec, TrainSpec) the last plan() read
+    #: the state a resumed run took back at its start, and where it came from (None: decided afresh)
+    restored: Optional[GuardState] = None
+    restored_from: Optional[str] = None
+    _pending_state: Optional[Tuple[GuardState, str]] = None   # restore_state's, until the next start
+    _checkpointing_on = False    # this start turned activation checkpointing on
+    _planned_k = 1               # the preflight's k of this start (restored: the saved one)
+    _rows = 1                    # rows of a batch at this start
 
     @property
     def preflight_decided(self) -> bool:
-        """The preflight changed the run (or started it at the closest it could when nothing fit):
-        a decision, as the monitor's are."""
+        """The preflight changed the run (or started it at the closest it could when nothing fit,
+        or took back a resumed run's state): a decision, as the monitor's are."""
         pf = self.preflight
-        return self._nothing_fits_line is not None or (pf is not None and bool(pf.applied or pf.not_applied))
+        return (self._nothing_fits_line is not None or self.restored is not None
+                or (pf is not None and bool(pf.applied or pf.not_applied)))
+
+    # ------------------------------------------------------------------ resume
+    def restore_state(self, data: Any, source: str, *, step: Optional[int] = None) -> Optional[GuardState]:
+        """Take back the state a checkpoint saved (:class:`memguard_core.guard_state.GuardState`, or
+        its dict as read from the checkpoint) for the next :meth:`start`, which then restores it
+        instead of running the preflight. Call before the start.
+
+        Args:
+            data: the state, or its dict (``GuardState.to_dict``).
+            source: where it was read (a path), for the log line.
+            step: the step the run resumes at; a state saved at another step is not used.
+
+        Returns:
+            the state that the start will restore, or None: ``data`` is not a usable state
+            (corrupt, foreign, another version, another step), which is logged on the guard's
+            logger and ignored. Never raises.
+        """
+        try:
+            state = data if isinstance(data, GuardState) else parse_state(data, source, self.log)
+            if state is not None and step is not None and state.step is not None and state.step != step:
+                self.log.warning("memguard: the guard state in %s was saved at step %d, the run resumes at step %d: "
+                                 "not used; the preflight decides again", source, state.step, step)
+                state = None
+        except Exception:
+            self.log.warning("memguard: the guard state in %s could not be taken", source, exc_info=True)
+            state = None
+        self._pending_state = (state, str(source)) if state is not None else None
+        return state
+
+    def export_state(self, *, step: Optional[int] = None, eval_micro_batches: Optional[int] = None,
+                     framework: str = "") -> Optional[GuardState]:
+        """The state to save with a checkpoint taken now (``step``: its optimizer step or MLX
+        iteration; ``eval_micro_batches``: the adapter's evaluation k; ``framework``: the adapter's
+        name), or None before the start. Never raises."""
+        mon = getattr(self, "monitor", None)
+        if mon is None:
+            return None
+        try:
+            pf, back = self.preflight, self.restored
+            if pf is not None:
+                peak, corr, runs = pf.best_peak_bytes, pf.correction, pf.calibration_runs
+            elif back is not None:
+                peak, corr, runs = back.planned_peak_bytes, back.correction, back.calibration_runs
+            else:
+                peak, corr, runs = None, 1.0, 0
+            return GuardState(
+                rows=int(self._rows), micro_batches=int(mon.micro_batches), planned_micro_batches=int(self._planned_k),
+                budget_bytes=int(mon.budget_bytes), budget_set=self.options.budget_bytes is not None,
+                eval_micro_batches=None if eval_micro_batches is None else int(eval_micro_batches),
+                checkpointing=bool(self._checkpointing_on), preflight=self._decision_line(),
+                planned_peak_bytes=None if peak is None else int(peak), correction=float(corr),
+                calibration_runs=int(runs),
+                peak_at_micro_batches={int(k): int(v) for k, v in dict(mon.peak_at_micro_batches).items()},
+                step=None if step is None else int(step), framework=str(framework))
+        except Exception:
+            self.log.warning("memguard: could not export the guard state", exc_info=True)
+            return None
+
+    def _take_restored(self, rows: int) -> Optional[GuardState]:
+        """The pending restored state if it fits this start (same rows per batch, and no budget
+        option other than the budget it ran with), else None with one WARNING line saying why."""
+        pending, self._pending_state = self._pending_state, None
+        if pending is None:
+            return None
+        state, source = pending
+        opt = self.options.budget_bytes
+        why = None
+        if state.rows != rows:
+            why = f"it was saved for batches of {state.rows} rows, this run's have {rows}"
+        elif opt is not None and int(opt) != state.budget_bytes:
+            why = (f"it was decided for a budget of {state.budget_bytes / 2**30:.2f} GiB, this run sets "
+                   f"{int(opt) / 2**30:.2f} GiB")
+        if why is not None:
+            self.log.warning("memguard: the guard state in %s is not restored (%s); the preflight decides again",
+                             source, why)
+            return None
+        self.restored, self.restored_from = state, source
+        return state
+
+    def _apply_restored(self, state: GuardState, read_specs: Optional[SpecReader],
+                        enable_checkpointing: Optional[Callable[[], None]]) -> int:
+        """A resumed start: the budget and activation checkpointing as the saved run had them (the
+        budget option, when set, is the same), the specs read for the heap's settings only, no
+        plan. Returns the saved micro-batches per batch."""
+        opts = self.options
+        if opts.budget_bytes is None:
+            self.budget_bytes = state.budget_bytes
+        self._planned_k = state.planned_micro_batches
+        if state.checkpointing and enable_checkpointing is not None and "grad_checkpoint" in opts.apply:
+            try:
+                enable_checkpointing()
+                self._checkpointing_on = True
+            except Exception:
+                self.log.warning("memguard: could not enable activation checkpointing again", exc_info=True)
+        if read_specs is not None and opts.trim_heap:
+            try:
+                model_spec, train_spec = read_specs()
+                self._specs = (model_spec, train_spec.replace(heap_trim=True))
+            except Exception:
+                self.log.debug("memguard: the run's specs not read on the resume", exc_info=True)
+        return state.micro_batches
+
+    def _restored_line(self, k: int) -> str:
+        """The one line a resumed start logs: what was restored and from where."""
+        st = self.restored
+        parts = [f"{k} micro-batches per batch (saved {st.micro_batches}, planned {st.planned_micro_batches})"]
+        if st.eval_micro_batches is not None:
+            parts.append(f"evaluation micro-batches {st.eval_micro_batches}")
+        parts.append(f"budget {self.budget_bytes / 2**30:.2f} GiB ("
+                     + ("the budget option" if st.budget_set else "derived at the first start") + ")")
+        if st.checkpointing:
+            parts.append("activation checkpointing on again" if self._checkpointing_on
+                         else "activation checkpointing NOT turned on again (not allowed here)")
+        if st.correction != 1.0 or st.calibration_runs:
+            parts.append(f"calibration x{st.correction:.3f} ({st.calibration_runs} past runs)")
+        if st.peak_at_micro_batches:
+            parts.append(f"{len(st.peak_at_micro_batches)} measured step peak(s) by micro-batches")
+        at = f" saved at step {st.step}" if st.step is not None else ""
+        return (f"resumed from {self.restored_from}: the guard state{at} restored: " + ", ".join(parts)
+                + "; the preflight does not decide again" + (f" (its decision: {st.preflight})" if st.preflight else ""))
+
+    def _decision_line(self) -> Optional[str]:
+        """The preflight's decision of this run (its first start's, on a resume), None without one."""
+        if self.restored is not None:
+            return self.restored.preflight
+        if self._nothing_fits_line is not None:
+            return self._nothing_fits_line
+        pf = self.preflight
+        if pf is None or not (pf.applied or pf.not_applied):
+            return None
+        done = sorted({c.reason for c in pf.applied})
+        todo = sorted({c.reason for c in pf.not_applied})
+        return ("preflight changed the run: " + "; ".join(done)
+                + (("; NOT applied (change it yourself): " + "; ".join(todo)) if todo else "")
+                + f" (estimate {pf.requested_peak_bytes / 2**30:.2f} GiB -> "
+                f"{pf.best_peak_bytes / 2**30:.2f} GiB, budget {pf.budget_bytes / 2**30:.2f} GiB)")
 
     def _record_start(self, k: int) -> None:
         """Open the run's records (event log, leak check, CUDA snapshots) and record the preflight's
@@ -40,17 +187,14 @@ class PreflightMoment:
             from .probes import resolve_device
 
             self.recorder.start(resolve_device(self.options.device), self.budget_bytes)
-            pf = self.preflight
-            if self._nothing_fits_line is not None:   # _nothing_fits logged it at ERROR already
+            if self.restored is not None:
+                self.recorder.decision("preflight", self._restored_line(k), step=self.restored.step, micro_batches=k)
+            elif self._nothing_fits_line is not None:   # _nothing_fits logged it at ERROR already
                 self.recorder.decision("preflight", self._nothing_fits_line, step=0, warn=False, micro_batches=k)
-            elif pf is not None and (pf.applied or pf.not_applied):
-                done = sorted({c.reason for c in pf.applied})
-                todo = sorted({c.reason for c in pf.not_applied})
-                self.recorder.decision("preflight", "preflight changed the run: " + "; ".join(done)
-                                       + (("; NOT applied (change it yourself): " + "; ".join(todo)) if todo else "")
-                                       + f" (estimate {pf.requested_peak_bytes / 2**30:.2f} GiB -> "
-                                       f"{pf.best_peak_bytes / 2**30:.2f} GiB, budget {pf.budget_bytes / 2**30:.2f} GiB)",
-                                       step=0, micro_batches=k)
+            else:
+                line = self._decision_line()
+                if line is not None:
+                    self.recorder.decision("preflight", line, step=0, micro_batches=k)
         except Exception:
             self.log.warning("memguard: could not open the run records", exc_info=True)
 
@@ -111,6 +255,7 @@ class PreflightMoment:
                            resident_bytes=resident_bytes_for(train_spec))
         if pf.checkpointing_planned and enable_checkpointing is not None:
             enable_checkpointing()
+            self._checkpointing_on = True
         return pf
 
     def _nothing_fits(self, exc: DoesNotFitError, enable_checkpointing: Optional[Callable[[], None]],
@@ -123,6 +268,7 @@ class PreflightMoment:
         if checkpointing:
             try:
                 enable_checkpointing()
+                self._checkpointing_on = True
             except Exception:
                 checkpointing = False
                 self.log.warning("memguard: could not enable activation checkpointing", exc_info=True)

@@ -463,6 +463,11 @@ def cmd_estimate(args) -> int:
 
     ms = _model_spec(args)
     ts = _train_spec(args, ms)
+    if args.config and ts.model_code != "litgpt":
+        from .features import load
+
+        # the kinds of block the config builds; those the rules do not model traced on fake tensors
+        ms = load("blocks.hf", "hf")(args.config, ms, ts)
     est = estimate(ms, ts)
     trace = None
     if args.trace:  # torch / transformers / peft are imported only here

@@ -9,6 +9,7 @@ from typing import Any, Optional, Tuple
 
 from memguard_core.estimator.specs import ModelSpec, TrainSpec
 from memguard_torch import train_reading as tt
+from memguard_torch.block_kinds import with_live_block_kinds
 from memguard_torch.module_spec import model_spec_from_module
 
 from .specs import train_spec
@@ -20,5 +21,7 @@ def read_specs(trainer: Any, *, seq_length: Optional[int] = None, device: str = 
     Raises:
         ConfigError: the model's shapes or a setting cannot be read.
     """
-    ms = model_spec_from_module(tt.unwrap(trainer.model))
-    return ms, train_spec(trainer, ms, seq_length=seq_length, device=device)
+    model = tt.unwrap(trainer.model)
+    ms = model_spec_from_module(model)
+    ts = train_spec(trainer, ms, seq_length=seq_length, device=device)
+    return with_live_block_kinds(model, ms, ts), ts

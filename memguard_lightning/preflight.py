@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from memguard_core.estimator.specs import ModelSpec, TrainSpec
+from memguard_torch.block_kinds import with_live_block_kinds
 from memguard_torch.module_spec import model_spec_from_module
 
 from .specs import find_model, train_spec
@@ -21,5 +22,7 @@ def read_specs(trainer, pl_module, batch: Any, *, seq_length: Optional[int] = No
     Raises:
         ConfigError: the model's shapes cannot be read (no config, no embedding + blocks).
     """
-    ms = model_spec_from_module(find_model(pl_module))
-    return ms, train_spec(trainer, pl_module, batch, ms, seq_length=seq_length, device=device)
+    model = find_model(pl_module)
+    ms = model_spec_from_module(model)
+    ts = train_spec(trainer, pl_module, batch, ms, seq_length=seq_length, device=device)
+    return with_live_block_kinds(model, ms, ts), ts

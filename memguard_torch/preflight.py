@@ -11,6 +11,7 @@ from typing import Any, Optional, Tuple
 from memguard_core.estimator.specs import ModelSpec, TrainSpec
 
 from . import train_reading as tt
+from .block_kinds import with_live_block_kinds
 from .module_spec import model_spec_from_module
 from .specs import train_spec
 
@@ -23,6 +24,8 @@ def read_specs(model: Any, optimizer: Any, batch: Any, *, seq_length: Optional[i
     Raises:
         ConfigError: the model's shapes cannot be read, or a setting the ``TrainSpec`` rejects.
     """
-    ms = model_spec_from_module(tt.unwrap(model))
-    return ms, train_spec(model, optimizer, batch, ms, seq_length=seq_length, grad_accum=grad_accum,
-                          accelerator=accelerator, device=device)
+    inner = tt.unwrap(model)
+    ms = model_spec_from_module(inner)
+    ts = train_spec(model, optimizer, batch, ms, seq_length=seq_length, grad_accum=grad_accum,
+                    accelerator=accelerator, device=device)
+    return with_live_block_kinds(inner, ms, ts), ts

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple
 from ..errors import ConfigError
 from . import cpu_heap, cuda, litgpt, mlx, mps
 from .activations import activation_bytes
+from .block_terms import block_kind_notes, with_traced_blocks
 from .bnb import bnb_4bit_keeps_input, bnb_last_step_inputs
 from .gradients import embedding_grad_transients
 from .logits import head_input_bytes, logits_bytes
@@ -143,7 +144,7 @@ def _step_terms(ms: ModelSpec, ts: TrainSpec, trainable: int, images: float) -> 
     if ts.framework == "mlx":  # MLX's lazy graph
         acts = mlx.activation_terms(ms, ts)
     else:
-        hidden, scores, lora, one_block = activation_bytes(ms, ts)
+        hidden, scores, lora, one_block = with_traced_blocks(ms, ts, *activation_bytes(ms, ts))
         acts = dict(blocks=hidden, scores=scores, lora=lora, one_block=one_block,
                     logits=logits_bytes(ms, ts)[0], head_inputs=head_input_bytes(ms, ts))
     # bitsandbytes: the dense weight one quantized linear materialises while it runs (the first
@@ -167,7 +168,7 @@ def _allocator_slack(ms: ModelSpec, ts: TrainSpec, totals: Dict[str, int], t: St
 
 def _closing_notes(ms: ModelSpec, ts: TrainSpec, t: StepTerms, head_moment: Optional[str]) -> List[str]:
     """The assumptions behind this estimate's rules, in report order."""
-    notes = []
+    notes = block_kind_notes(ms, ts)
     if ts.grad_checkpoint:
         notes.append("gradient checkpointing: one block input per layer + one recomputed block")
     if ts.method == "qlora" and ms.weight_bits >= 8:

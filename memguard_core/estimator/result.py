@@ -48,8 +48,10 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict:
         """JSON-safe dict: ``peak_bytes`` (int), ``breakdown`` (name -> int), ``counter``, ``phase``,
-        ``phases``, ``trainable_params``, ``correction``, ``notes``, ``model`` and ``train``
-        (the spec fields)."""
+        ``phases``, ``trainable_params``, ``correction``, ``notes``, ``block_kinds`` (per kind of block:
+        name, count, how it was counted -- ``rules`` | ``traced`` | ``rules (not modelled, not
+        traced)`` -- and the census figure, bytes per token per block), ``model`` and ``train`` (the
+        spec fields)."""
         import dataclasses
 
         def plain(v):
@@ -70,6 +72,12 @@ class MemoryEstimate:
             "trainable_params": int(self.trainable_params),
             "correction": float(self.correction),
             "notes": list(self.notes),
+            "block_kinds": [{"name": k.name, "count": k.count,
+                             "counted": "rules" if k.modelled else
+                             ("traced" if k.saved_per_token is not None and self.train_spec.framework != "mlx"
+                              else "rules (not modelled, not traced)"),
+                             "saved_bytes_per_token": k.saved_per_token, "traced_under": k.traced_under or None}
+                            for k in self.model_spec.block_kinds],
             "model": plain(self.model_spec),
             "train": plain(self.train_spec),
         }

@@ -24,10 +24,11 @@ _CONFIG_FIELDS = ("attention_dropout", "residual_dropout", "embedding_dropout", 
 def model_spec_from_dict(d: dict):
     """A ``ModelSpec`` from its ``dataclasses.asdict`` form (as a child records it), nested types
     (parameter counts, linear shapes, a vision tower) rebuilt."""
-    from memguard_core.estimator.specs import LinearShape, ModelSpec, ParamCounts, VisionTower
+    from memguard_core.estimator.specs import BlockKind, LinearShape, ModelSpec, ParamCounts, VisionTower
 
     d = dict(d)
     d["params"] = ParamCounts(**d["params"])
+    d["block_kinds"] = tuple(BlockKind(**x) for x in d.get("block_kinds") or ())
     d["block_linears"] = tuple(LinearShape(**x) for x in d.get("block_linears") or ())
     vt = d.get("vision_tower")
     if isinstance(vt, dict):  # a recorded vision-language spec: its tower's linears as LinearShape too
@@ -66,16 +67,31 @@ def specs_of(case: dict, rec: dict):
         t["lora_targets"] = tuple(t["lora_targets"])
         if "ranks" in t:  # records written before TrainSpec.ranks became world_size
             t["world_size"] = t.pop("ranks")
-        return ms, TrainSpec(**t)
+        ts = TrainSpec(**t)
+        return _with_block_kinds(case, ms, ts), ts
     kw = case["train"]
-    return ms, TrainSpec(batch_size=kw["batch_size"], seq_length=kw["seq_length"], grad_accum=kw["grad_accum"],
-                         method=kw["method"], lora_rank=kw["lora_rank"], lora_targets=tuple(kw["lora_targets"]),
-                         lora_layers=kw["lora_layers"], lora_dropout=kw.get("lora_dropout", 0.0),
-                         optimizer=kw["optimizer"], dtype=kw["dtype"],
-                         mixed_precision=kw["mixed_precision"], grad_checkpoint=kw["grad_checkpoint"],
-                         attn_impl=kw["attn_impl"], framework="hf", device=case.get("device", "cpu"),
-                         resident_file_bytes=rec.get("resident_file_bytes"),
-                         heap_trim=bool(rec.get("heap_trim", case.get("trim_heap", True))))
+    ts = TrainSpec(batch_size=kw["batch_size"], seq_length=kw["seq_length"], grad_accum=kw["grad_accum"],
+                   method=kw["method"], lora_rank=kw["lora_rank"], lora_targets=tuple(kw["lora_targets"]),
+                   lora_layers=kw["lora_layers"], lora_dropout=kw.get("lora_dropout", 0.0),
+                   optimizer=kw["optimizer"], dtype=kw["dtype"],
+                   mixed_precision=kw["mixed_precision"], grad_checkpoint=kw["grad_checkpoint"],
+                   attn_impl=kw["attn_impl"], framework="hf", device=case.get("device", "cpu"),
+                   resident_file_bytes=rec.get("resident_file_bytes"),
+                   heap_trim=bool(rec.get("heap_trim", case.get("trim_heap", True))))
+    return _with_block_kinds(case, ms, ts), ts
+
+
+def _with_block_kinds(case: dict, ms, ts):
+    """``ms`` with the block kinds the case's config builds and the census of those the rules do
+    not model (``memguard_hf.block_trace``), as ``memguard estimate`` and the guard read them."""
+    if case.get("backend") != "hf" or ms.block_kinds:
+        return ms
+    from transformers import AutoConfig
+
+    from memguard_hf.block_trace import with_block_kinds
+
+    arch = arch_of(case)
+    return with_block_kinds(AutoConfig.for_model(arch.pop("model_type"), **arch), ms, ts)
 
 
 def cpu_bf16_moe(ms, ts) -> bool:

@@ -30,6 +30,8 @@ PUBLISHED_LAYERS = {
     "llama3.2-1b-16l": 16,          # meta-llama/Llama-3.2-1B
     "granite3-1b-a400m-24l": 24,    # ibm-granite/granite-3.x-1b-a400m
     "tinymixtral-4x248m-12l": 12,   # Isotonic/TinyMixtral-4x248M-MoE (TinyMistral-248M's depth)
+    "granite4-h-350m-32l": 32,      # ibm-granite/granite-4.0-h-350m (28 Mamba-2 + 4 attention blocks)
+    "lfm2-1.2b-16l": 16,            # LiquidAI/LFM2-1.2B (10 short-convolution + 6 attention blocks)
 }
 
 #: Published parameter counts (model cards / ``num_parameters()`` of the released checkpoints).

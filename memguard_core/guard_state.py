@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
-__all__ = ["FORMAT", "VERSION", "FILE_NAME", "GuardState", "StateError", "parse_state", "read_state",
-           "write_state", "state_file_beside"]
+__all__ = ["FORMAT", "VERSION", "FILE_NAME", "METADATA_KEY", "GuardState", "StateError", "parse_state",
+           "parse_state_json", "read_state", "write_state"]
 
 #: The ``format`` key of a saved state: a dict without it was not written by this module.
 FORMAT = "memguard.guard_state"
@@ -26,6 +26,9 @@ FORMAT = "memguard.guard_state"
 VERSION = 1
 #: The file name of a state saved inside a checkpoint folder (HF ``checkpoint-N``).
 FILE_NAME = "memguard_state.json"
+#: The key of the state's JSON text in a checkpoint file's own string metadata (mlx_lm's
+#: ``NNNNNNN_adapters.safetensors`` header, ``__metadata__``).
+METADATA_KEY = "memguard_state"
 # a state file is a few hundred bytes; anything far larger is not one (and is not read into memory)
 _MAX_FILE_BYTES = 1 << 20
 
@@ -181,12 +184,12 @@ def read_state(path: str, log: logging.Logger) -> Optional[GuardState]:
         if os.path.getsize(path) > _MAX_FILE_BYTES:
             raise StateError(f"{os.path.getsize(path)} bytes: too large for a guard state")
         with open(path, "rb") as fh:
-            data = json.loads(fh.read().decode("utf-8"))
-    except (OSError, ValueError) as exc:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            text = fh.read()
+    except (OSError, StateError) as exc:
         log.warning("memguard: the guard state in %s is not used (%s: %s); the preflight decides again",
                     path, type(exc).__name__, exc)
         return None
-    return parse_state(data, path, log)
+    return parse_state_json(text, path, log)
 
 
 def write_state(path: str, state: GuardState, log: logging.Logger) -> bool:
@@ -215,8 +218,14 @@ def write_state(path: str, state: GuardState, log: logging.Logger) -> bool:
         return False
 
 
-def state_file_beside(checkpoint_file: str) -> str:
-    """The state file beside a checkpoint that is one file (mlx_lm's ``NNNNNNN_adapters.safetensors``):
-    the same name with ``.memguard.json`` for its last suffix (``NNNNNNN_adapters.memguard.json``)."""
-    stem, _ = os.path.splitext(os.fspath(checkpoint_file))
-    return stem + ".memguard.json"
+def parse_state_json(text: Any, source: str, log: logging.Logger) -> Optional[GuardState]:
+    """:func:`parse_state` of a JSON text (``str`` or UTF-8 ``bytes``), e.g. the
+    :data:`METADATA_KEY` entry of a safetensors header; text that is not JSON is logged (WARNING)
+    and gives None. Never raises."""
+    try:
+        data = json.loads(text.decode("utf-8") if isinstance(text, (bytes, bytearray)) else text)
+    except (TypeError, ValueError) as exc:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        log.warning("memguard: the guard state in %s is not used (%s: %s); the preflight decides again",
+                    source, type(exc).__name__, exc)
+        return None
+    return parse_state(data, source, log)

@@ -6,7 +6,8 @@ docs/lifecycle.md) in the Trainer's events: the preflight at ``on_train_begin``,
 ``compute_loss`` still applies), the out-of-memory retry and accumulation-window redo (under DDP,
 FSDP2 and FSDP1 too: docs/hf_fsdp.md), and ``trainer.prediction_step`` wrapped for the evaluation
 split (``memguard_hf.eval``, docs/evaluation.md). The dataloader, accumulation, scheduler and step
-counters are untouched. HF passes no trainer to callbacks: the callback finds it on the call stack,
+counters are untouched; the guard's state is saved in each checkpoint folder and taken back on a
+resume (``memguard_hf.resume``). HF passes no trainer to callbacks: the callback finds it on the call stack,
 or :meth:`MemGuardCallback.attach` names it (docs/design.md). Transformers-private names are in
 ``memguard_hf._compat``.
 """
@@ -26,6 +27,7 @@ from memguard_core.options import GuardOptions, option_kwargs, with_guard_option
 
 from . import _compat
 from .preflight import read_specs
+from .resume import restore_guard_state, save_guard_state
 from .eval import GuardedEval
 from .loss_weights import LossWeights
 from .step import GuardedStep, is_oom_error  # noqa: F401  (is_oom_error: public here too)
@@ -185,12 +187,21 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
             self.guard.split_disabled_reason = refusal
             logger.warning("memguard: in-place micro-batching disabled: %s", refusal)
         can_checkpoint = tt.checkpoint_target(trainer.model) is not None
+        # a resumed run takes back what the guard decided before (memguard_hf.resume)
+        restore_guard_state(self.guard, trainer, args, state)
         self.guard.start(rows=args.per_device_train_batch_size,
                          read_specs=lambda: read_specs(trainer, seq_length=opts.seq_length, device=opts.device),
                          enable_checkpointing=(lambda: tt.enable_activation_checkpointing(trainer.model))
                          if can_checkpoint else None,
                          plan_hint=": set per_device_train_batch_size and gradient_accumulation_steps "
                                    "to these numbers")
+        back = self.guard.restored
+        if back is not None and back.eval_micro_batches is not None:
+            self.eval_micro_batches = max(self.eval_micro_batches, back.eval_micro_batches)
+
+    def on_save(self, args, state, control, **kwargs):
+        # the checkpoint folder is written: the guard's state goes in beside it
+        save_guard_state(self.guard, args, state, eval_micro_batches=self.eval_micro_batches)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._rows_this_step = 0

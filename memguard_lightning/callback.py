@@ -4,7 +4,8 @@
 docs/lifecycle.md) in Lightning's hooks: the preflight at the first batch, the monitor, each batch
 cut in place into k micro-batches inside automatic optimization (``memguard_lightning.step``), the
 out-of-memory retry and window redo (under DDP, FSDP2 and FSDP1 too), the evaluation split
-(``memguard_lightning.eval``) and the figures in Lightning's loggers. Manual optimization,
+(``memguard_lightning.eval``), the figures in Lightning's loggers and the guard's state in the
+checkpoint (``state_dict``, taken back on a resume: ``memguard_lightning.resume``). Manual optimization,
 DeepSpeed and FSDP1 with parameter offload are not split (a warning says what to do instead;
 :meth:`MemGuardCallback.chunks` serves manual optimization). docs/lightning.md tells what is
 survived, how the step runs, and the limits. Lightning-private names are in
@@ -30,6 +31,7 @@ from . import _compat
 from .batch import LabelKey, batch_units
 from .eval import GuardedEval, eval_split_reason
 from .preflight import read_specs
+from .resume import guard_state_dict, restore_guard_state
 from .specs import find_model
 from .step import GuardedStep
 
@@ -207,6 +209,7 @@ class MemGuardCallback(GuardAttributes, Callback):
             enable_checkpointing=(lambda: tt.enable_activation_checkpointing(find_model(pl_module)))
             if can_checkpoint else None,
             plan_hint=plan_hint(pl_module.automatic_optimization))
+        self._restore_eval_split()
         if self.guard.preflight is not None:
             self._log_preflight(trainer, self.guard.preflight)
         if self.step.orig_training_step is not None:
@@ -277,6 +280,23 @@ class MemGuardCallback(GuardAttributes, Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.guard.finish(trainer.global_step, split_disabled=self.guard.split_disabled_reason)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict:
+        """The guard's state for Lightning's checkpoint (saved under this callback's ``state_key``):
+        ``memguard_core.guard_state.GuardState.to_dict``; {} before the first batch."""
+        return guard_state_dict(self.guard, self.trainer, self.evals.micro_batches)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Lightning restores a checkpoint (``fit(ckpt_path=...)``, before the first batch): the saved
+        state is taken back at the start instead of the preflight deciding again. A state that is
+        not usable is logged and ignored."""
+        restore_guard_state(self.guard, state_dict, getattr(self.trainer, "ckpt_path", None))
+
+    def _restore_eval_split(self) -> None:
+        back = self.guard.restored
+        if back is not None and back.eval_micro_batches is not None:
+            self.evals.micro_batches = max(self.evals.micro_batches, back.eval_micro_batches)
 
     # ------------------------------------------------------------------ the guarded step
     def chunks(self, batch: Any) -> Iterator[Tuple[Any, float]]:

@@ -15,18 +15,23 @@ starts. So the script passes it::
 
 On a first run ``resume_checkpoint()`` returns None (``fit`` starts at step 0); after a kill the
 restored loops go on after the checkpoint's step without repeating a finished optimizer step.
+
+The guard's own state (micro-batches, evaluation micro-batches, budget, the preflight's changes)
+is the callback's ``state_dict``, which Lightning keeps in the ``.ckpt`` under the callback's
+``state_key`` and hands back to ``load_state_dict`` on a resume (:func:`guard_state_dict`,
+:func:`restore_guard_state`; docs/lifecycle.md, "What a resume restores").
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 from memguard_core.resume import RESUME_ENV, resume_from_env
 
 logger = logging.getLogger("memguard.lightning")
 
-__all__ = ["RESUME_ENV", "resume_checkpoint"]
+__all__ = ["RESUME_ENV", "resume_checkpoint", "guard_state_dict", "restore_guard_state"]
 
 
 def resume_checkpoint(default: Optional[str] = None) -> Optional[str]:
@@ -44,3 +49,28 @@ def resume_checkpoint(default: Optional[str] = None) -> Optional[str]:
         ``framework="lightning"``.
     """
     return resume_from_env("lightning", default, log=logger)
+
+
+def guard_state_dict(guard: Any, trainer: Any, eval_micro_batches: Optional[int]) -> dict:
+    """The callback's ``state_dict``: ``guard.export_state(...)`` as a JSON-safe dict at
+    ``trainer.global_step`` ({} before the guard started, or when it fails: logged). Never raises."""
+    try:
+        step = getattr(trainer, "global_step", None)
+        gs = guard.export_state(step=None if step is None else int(step), eval_micro_batches=eval_micro_batches,
+                                framework="lightning")
+        return gs.to_dict() if gs is not None else {}
+    except Exception:
+        logger.warning("memguard: could not save the guard state in the checkpoint", exc_info=True)
+        return {}
+
+
+def restore_guard_state(guard: Any, state: Any, ckpt_path: Any) -> bool:
+    """The callback's ``load_state_dict``: hand ``guard`` the saved state (from ``ckpt_path``, for
+    the log line), taken back at its next start. True when usable; {} (a checkpoint saved before
+    the guard started) is passed over, anything else unusable is logged. Never raises."""
+    try:
+        source = str(ckpt_path) if ckpt_path else "the Lightning checkpoint"
+        return guard.restore_state(state, source) is not None
+    except Exception:
+        logger.warning("memguard: could not take back the guard state of the checkpoint", exc_info=True)
+        return False

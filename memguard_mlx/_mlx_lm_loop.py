@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx.nn.utils import average_gradients
@@ -66,9 +66,11 @@ def train_loop(model: Any, optimizer: Any, train_dataset: Any, val_dataset: Any,
                peak_memory: Callable[[], int] = mx.get_peak_memory,
                report_extra: Optional[Callable[[Any, int, int], None]] = None,
                report_figures: Optional[Callable[[], dict]] = None,
-               evaluate: Optional[Callable[..., float]] = None, first_iteration: int = 1) -> int:
+               evaluate: Optional[Callable[..., float]] = None, first_iteration: int = 1,
+               save_metadata: Optional[Callable[[int], Optional[Dict[str, str]]]] = None) -> int:
     """Upstream ``train()``'s loop from ``model.train()`` to the final adapter save, with the hooks
-    of the module doc. Returns the last iteration reached (0 before the first batch)."""
+    of the module doc (``save_metadata(it)``: the string metadata of the numbered adapter save of
+    iteration ``it``, None: none). Returns the last iteration reached (0 before the first batch)."""
     world_size = world.size()
     rank = world.rank()
     grad_accum_steps = args.grad_accumulation_steps
@@ -169,7 +171,9 @@ def train_loop(model: Any, optimizer: Any, train_dataset: Any, val_dataset: Any,
                 adapter_weights = dict(tree_flatten(model.trainable_parameters()))
                 mx.save_safetensors(str(args.adapter_file), adapter_weights)
                 checkpoint = Path(args.adapter_file).parent / f"{it:07d}_adapters.safetensors"
-                mx.save_safetensors(str(checkpoint), adapter_weights)
+                # memguard: the guard's state in the numbered save's metadata
+                mx.save_safetensors(str(checkpoint), adapter_weights,
+                                    metadata=save_metadata(it) if save_metadata is not None else None)
                 ui.report_save(checkpoint)
 
     if rank == 0:

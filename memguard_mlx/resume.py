@@ -6,21 +6,31 @@ adapter weights, goes on after the last optimizer update at or before N, drops t
 iterations' batches (:func:`skip_batches`, replaying numpy's draws) and sets the optimizer's
 ``step``. What is and is not restored (Adam's moments are not): docs/mlx.md, "Resume after a
 restart".
+
+The guard's own state (micro-batches, validation micro-batches, budget, the preflight's changes)
+goes into each numbered save's own safetensors metadata (:func:`guard_state_metadata`: the same
+files as mlx_lm's, whose loaders ignore it) and comes back with the adapter file
+(:func:`restore_guard_state`): docs/lifecycle.md, "What a resume restores".
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from typing import Any, Callable, Optional, Tuple
+import struct
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from memguard_core.errors import ConfigError
+from memguard_core.guard_state import METADATA_KEY, parse_state_json
 from memguard_core.resume import RESUME_ENV, checkpoint_step, resume_from_env
 
 logger = logging.getLogger("memguard.mlx")
+# a LoRA adapter's header names a few hundred arrays: kilobytes; a larger length is not a header
+_MAX_HEADER_BYTES = 64 << 20
 
 __all__ = ["resume_adapter_file", "resume_run", "resume_point", "load_adapter", "set_optimizer_step", "skip_batches",
-           "RESUME_ENV"]
+           "guard_state_metadata", "restore_guard_state", "safetensors_metadata", "RESUME_ENV"]
 
 
 def resume_adapter_file() -> Optional[str]:
@@ -153,3 +163,54 @@ def resume_run(model: Any, optimizer: Any, resume_from: Any, grad_accumulation_s
                    "iteration %d; the optimizer's moments restart at zero (mlx_lm saves none)",
                    path, start, updates, start + 1)
     return path, start
+
+
+
+def guard_state_metadata(guard: Any, it: int, eval_micro_batches: Optional[int]) -> Optional[Dict[str, str]]:
+    """The string metadata mlx_lm's numbered save of iteration ``it`` carries:
+    ``{METADATA_KEY: <guard.export_state(...) as JSON>}`` (``guard``: the
+    ``memguard_core.guard.Guard``), None before the start or on a failure (logged). Never raises."""
+    try:
+        gs = guard.export_state(step=int(it), eval_micro_batches=eval_micro_batches, framework="mlx")
+        return None if gs is None else {METADATA_KEY: json.dumps(gs.to_dict(), sort_keys=True, allow_nan=False)}
+    except Exception:
+        logger.warning("memguard: could not put the guard state in the adapter save", exc_info=True)
+        return None
+
+
+def safetensors_metadata(path: str) -> Dict[str, Any]:
+    """The ``__metadata__`` of a safetensors file's header, read without loading its arrays (the
+    format: an 8-byte little-endian header length, then the header's JSON; huggingface/safetensors
+    README, "Format"); {} without one.
+
+    Raises:
+        OSError: the file cannot be read. ValueError: it is not a safetensors file.
+    """
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER_BYTES:
+            raise ValueError(f"a header of {n} bytes")
+        header = json.loads(fh.read(n).decode("utf-8"))
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
+def restore_guard_state(guard: Any, adapter_file: str) -> bool:
+    """Before the guard's start of a run resumed from ``adapter_file``: hand ``guard`` (the
+    ``memguard_core.guard.Guard``) the state saved in the file's metadata; True when it took one. A
+    file without it (saved by mlx_lm itself) is said at INFO; an unreadable, corrupt or foreign state
+    is logged and ignored. Never raises."""
+    try:
+        text = safetensors_metadata(adapter_file).get(METADATA_KEY)
+        if text is None:
+            logger.info("memguard: no guard state in %s (saved without memguard); the preflight decides", adapter_file)
+            return False
+        gs = parse_state_json(text, adapter_file, logger)
+        return gs is not None and guard.restore_state(gs, adapter_file, step=checkpoint_step(adapter_file)) is not None
+    except Exception as exc:
+        logger.warning("memguard: the guard state in %s is not used (%s: %s); the preflight decides again",
+                       adapter_file, type(exc).__name__, exc)
+        return False

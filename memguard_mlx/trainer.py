@@ -30,7 +30,7 @@ from memguard_core.preflight import default_budget as _core_default_budget
 from . import _compat
 from ._mlx_lm_loop import compile_halves, train_loop
 from .memory import LeakDetector, MemoryControls, is_allocation_error
-from .resume import resume_run, skip_batches
+from .resume import guard_state_metadata, restore_guard_state, resume_run, skip_batches
 from .eval import GuardedEval, batch_rows, micro_batch_ranges, row_token_counts, slice_batch
 from .specs import model_spec_from_mlx_module, train_spec
 
@@ -386,7 +386,8 @@ def train(
             unset: start from the beginning); a path: resume from that
             ``<adapter_path>/NNNNNNN_adapters.safetensors``; False: never resume. A resume loads
             the adapter weights, sets the optimizer's step and goes on at the iteration after the
-            last update saved, skipping the finished iterations' batches (``memguard_mlx.resume``).
+            last update saved, skipping the finished iterations' batches (``memguard_mlx.resume``);
+            the guard's state saved in its metadata is taken back instead of planning again.
         **guard_kwargs: :class:`MlxGuard` settings when ``guard`` is not given (``budget_bytes``,
             ``micro_batches``, ``memory_controls``, ``leak_detector``, ...).
 
@@ -413,6 +414,7 @@ def train(
     resumed, start = resume_run(model, optimizer, resume_from, grad_accum_steps)
     if resumed:
         guard.resumed_from, guard._it, guard._first_iteration = resumed, start, start + 1
+        restore_guard_state(guard.guard, resumed)   # what the guard decided before, saved in the file
 
     guard.start(model, optimizer, args, train_dataset)  # wired limit: here (mlx_lm sets it first)
     if args.grad_checkpoint:
@@ -486,9 +488,10 @@ def train(
                 raise _update_oom(guard, exc, k, rows) from exc
         return lvalue, toks, grad_accum
 
+    back = guard.guard.restored
     validation = guard.validation = GuardedEval(
         lambda: guard.monitor.micro_batches if guard.monitor is not None else 1, chunk_weight, guard.guard.fit_plan,
-        eval_micro_batches=guard.options.eval_micro_batches,
+        eval_micro_batches=max(guard.options.eval_micro_batches, (back.eval_micro_batches or 1) if back else 1),
         on_redo=lambda message, it, k: guard.guard.recorder.decision(
             "oom_retry", message, it, warn=False, phase="validation", micro_batches=k))
 
@@ -518,7 +521,8 @@ def train(
         train_loop(model, optimizer, train_dataset, val_dataset, args, loss, batches, training_callback,
                    state=state, run_batch=run_batch, world=world, evaluate=evaluate, first_iteration=start + 1,
                    on_update=lambda it: guard.after_update(it, optimizer), peak_memory=guard.peak_so_far,
-                   report_extra=report_extra, report_figures=report_figures)
+                   report_extra=report_extra, report_figures=report_figures,
+                   save_metadata=lambda it: guard_state_metadata(guard.guard, it, validation.k))
     finally:
         guard.stop(guard._it)
     return guard

@@ -12,8 +12,8 @@ import pytest
 
 from memguard_core.estimator.specs import TrainSpec
 from memguard_core.guard import Guard
-from memguard_core.guard_state import (FILE_NAME, FORMAT, VERSION, GuardState, StateError, parse_state, read_state,
-                                       state_file_beside, write_state)
+from memguard_core.guard_state import (FILE_NAME, FORMAT, VERSION, GuardState, StateError, parse_state,
+                                       parse_state_json, read_state, write_state)
 from memguard_core.options import GuardOptions
 from memguard_hf.model_spec import model_spec_from_hf_config
 
@@ -143,8 +143,11 @@ def test_a_write_that_fails_is_logged_not_raised(tmp_path, caplog):
     assert "could not save the guard state" in caplog.text
 
 
-def test_the_file_beside_an_adapter_save():
-    assert state_file_beside("/a/0000004_adapters.safetensors") == "/a/0000004_adapters.memguard.json"
+def test_json_text_that_is_not_json_is_logged(caplog):
+    with caplog.at_level(logging.WARNING, logger="memguard.test"):
+        assert parse_state_json("{cut sho", "META", LOG) is None
+    assert "META" in caplog.text and "JSONDecodeError" in caplog.text
+    assert parse_state_json(json.dumps(_state().to_dict()).encode(), "META", LOG) == _state()
 
 
 # ------------------------------------------------------------------------------------------ the guard
@@ -250,3 +253,28 @@ def test_a_restored_state_serves_one_start_only(specs):
     g.start(rows=8, read_specs=Reader(specs))   # Lightning: a second fit without a checkpoint
     g.stop()
     assert g.restored is None and g.preflight is not None
+
+
+# ------------------------------------------------------------------------------------------ mlx_lm's file
+
+def test_an_adapter_file_whose_state_is_missing_or_broken_is_passed_over(tmp_path, caplog):
+    mx = pytest.importorskip("mlx.core")
+    from memguard_core.guard_state import METADATA_KEY
+    from memguard_mlx.resume import restore_guard_state, safetensors_metadata
+
+    good = str(tmp_path / "0000006_adapters.safetensors")
+    mx.save_safetensors(good, {"a": mx.zeros(2)}, metadata={METADATA_KEY: json.dumps(_state().to_dict())})
+    assert json.loads(safetensors_metadata(good)[METADATA_KEY])["micro_batches"] == 4
+    g = _guard(budget_bytes=3 * GiB)
+    assert restore_guard_state(g, good)   # saved at iteration 6, the file's number
+    (tmp_path / "b").mkdir()
+    bad_json = str(tmp_path / "b" / "0000006_adapters.safetensors")
+    mx.save_safetensors(bad_json, {"a": mx.zeros(2)}, metadata={METADATA_KEY: "{cut"})
+    not_st = tmp_path / "0000007_adapters.safetensors"
+    not_st.write_bytes(b"\xff" * 4)
+    other_step = str(tmp_path / "0000008_adapters.safetensors")
+    mx.save_safetensors(other_step, {"a": mx.zeros(2)}, metadata={METADATA_KEY: json.dumps(_state().to_dict())})
+    with caplog.at_level(logging.WARNING, logger="memguard.mlx"):
+        for path in (bad_json, str(not_st), other_step):
+            assert not restore_guard_state(_guard(budget_bytes=3 * GiB), path)
+    assert caplog.text.count("not used") == 3 and "JSONDecodeError" in caplog.text and "saved at step 6, the run resumes at step 8" in caplog.text

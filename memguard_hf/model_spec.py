@@ -18,9 +18,11 @@ from memguard_core.estimator.numbers import quant_bits_arg
 from memguard_core.estimator.config_fields import (REQUIRED_KEYS, cfg_get, config_numbers, fill_intermediate,
                                                    image_tokens_per_image, is_vision_language, load_config_dict,
                                                    quant_bits_from_config, vision_tower_from_config)
+from memguard_core.estimator.heads import CAUSAL_LM, SUPPORTED, head_kind_from_architectures, parse_head
 from memguard_core.estimator.specs import DTYPE_NAMES, ModelSpec, ParamCounts, dtype_bits
 
 from memguard_torch.module_spec import count_params, torch_block_linears
+from memguard_torch.task_head import task_head_from_module
 
 _log = logging.getLogger("memguard.spec")
 
@@ -236,26 +238,43 @@ def _truncation_plan(cfg: Any, num_layers: int):
     return n_a, n_b, fields, types
 
 
-def _build_meta(cfg: Any) -> Any:
+#: The transformers Auto class that builds each head kind (transformers/models/auto/modeling_auto.py).
+_AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM",
+                 "sequence_classification": "AutoModelForSequenceClassification",
+                 "token_classification": "AutoModelForTokenClassification",
+                 "question_answering": "AutoModelForQuestionAnswering"}
+
+
+def _build_meta(cfg: Any, head: str = CAUSAL_LM) -> Any:
     """The model a config describes, built under ``torch.device("meta")`` and accelerate's
     ``init_empty_weights`` (every tensor on the meta device; the second guard catches code that
     creates parameters on an explicit device): ``AutoModelForImageTextToText`` for a
-    vision-language config (the class users fine-tune: vision tower, projector and language model;
-    ``AutoModelForCausalLM`` would build Mllama's text model alone or refuse Qwen2-VL / LLaVA),
-    ``AutoModelForCausalLM`` otherwise."""
-    import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    vision-language causal LM (the class users fine-tune: vision tower, projector and language
+    model; ``AutoModelForCausalLM`` would build Mllama's text model alone or refuse Qwen2-VL /
+    LLaVA), else the Auto class of the head kind (:data:`_AUTO_CLASSES`: ``AutoModelForCausalLM``,
+    ``AutoModelForSequenceClassification``, ...).
 
+    Raises:
+        ConfigError: (field ``architectures``, one line) a model type the head's Auto class does
+            not list (transformers' own message lists every class it knows).
+    """
+    import torch
+    import transformers
+    from accelerate import init_empty_weights
+
+    auto = getattr(transformers, _AUTO_CLASSES[head])
     with torch.device("meta"), init_empty_weights():
-        if is_vision_language(cfg):
+        if head == CAUSAL_LM and is_vision_language(cfg):
             from transformers import AutoModelForImageTextToText
 
             try:
                 return AutoModelForImageTextToText.from_config(cfg)
             except ValueError:  # a composite config the image-text mapping does not list
                 pass
-        return AutoModelForCausalLM.from_config(cfg)
+        if type(cfg) not in auto._model_mapping:
+            raise ConfigError("architectures", f"a model type {_AUTO_CLASSES[head]} builds ({head})",
+                              getattr(cfg, "model_type", type(cfg).__name__))
+        return auto.from_config(cfg)
 
 
 def _head_tied(model: Any, tied: bool) -> bool:
@@ -266,10 +285,10 @@ def _head_tied(model: Any, tied: bool) -> bool:
     return tied
 
 
-def _full_count(cfg: Any, nums: dict, tied: bool) -> dict:
+def _full_count(cfg: Any, nums: dict, tied: bool, head: str) -> dict:
     """Count the whole model built on the meta device (every block)."""
     try:
-        model = _build_meta(cfg)
+        model = _build_meta(cfg, head)
     except ConfigError:
         raise
     except Exception as exc:  # whatever the modeling code raises on an inconsistent config
@@ -278,6 +297,7 @@ def _full_count(cfg: Any, nums: dict, tied: bool) -> dict:
     tied = _head_tied(model, tied)
     out = count_params(model, num_layers=nums["num_layers"], hidden_size=nums["hidden_size"],
                         is_moe=nums["num_experts"] > 0, tied=tied)
+    out["head"] = task_head_from_module(model, head)
     del model
     out.pop("per_block", None)
     out["tied"] = tied
@@ -285,7 +305,7 @@ def _full_count(cfg: Any, nums: dict, tied: bool) -> dict:
     return out
 
 
-def _count_short(cfg: Any, n: int, fields: dict, nums: dict, tied: bool) -> Optional[dict]:
+def _count_short(cfg: Any, n: int, fields: dict, nums: dict, tied: bool, head: str) -> Optional[dict]:
     """Count a copy of ``cfg`` cut to ``n`` layers; ``None`` when a block shares a parameter."""
     import copy
 
@@ -295,7 +315,7 @@ def _count_short(cfg: Any, n: int, fields: dict, nums: dict, tied: bool) -> Opti
         return None
     for k, v in fields.items():
         setattr(small, k, list(range(n)) if v == "all" else type(v)(v[:n]))
-    model = _build_meta(small)
+    model = _build_meta(small, head)
     tied = _head_tied(model, tied)
     is_moe = nums["num_experts"] > 0
     out = count_params(model, num_layers=n, hidden_size=nums["hidden_size"], is_moe=is_moe, tied=tied)
@@ -313,13 +333,14 @@ def _count_short(cfg: Any, n: int, fields: dict, nums: dict, tied: bool) -> Opti
     blocks = model.get_submodule(prefix)
     out["linears_by_block"] = [torch_block_linears(b, nums["hidden_size"], is_moe) for b in blocks]
     out["tied"] = tied
+    out["head"] = task_head_from_module(model, head)
     return out
 
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(ParamCounts))
 
 
-def _truncated_count(cfg: Any, nums: dict, tied: bool) -> Optional[dict]:
+def _truncated_count(cfg: Any, nums: dict, tied: bool, head: str) -> Optional[dict]:
     """Exact counts from two short copies of the model, or ``None`` when that is not sure.
 
     Blocks are alike when every per-layer value (``layer_types``, ``mlp_layer_types``, any list
@@ -338,8 +359,8 @@ def _truncated_count(cfg: Any, nums: dict, tied: bool) -> Optional[dict]:
             _log.debug("full meta build for %s: %s", getattr(cfg, "model_type", "?"), plan)
             return None
         n_a, n_b, fields, types = plan
-        a = _count_short(cfg, n_a, fields, nums, tied)
-        b = _count_short(cfg, n_b, fields, nums, tied) if a is not None else None
+        a = _count_short(cfg, n_a, fields, nums, tied, head)
+        b = _count_short(cfg, n_b, fields, nums, tied, head) if a is not None else None
     except Exception as exc:  # a config the short copy cannot take: the full build decides
         _log.debug("full meta build for %s: short copy failed (%s: %s)",
                    getattr(cfg, "model_type", "?"), type(exc).__name__, exc)
@@ -370,7 +391,7 @@ def _truncated_count(cfg: Any, nums: dict, tied: bool) -> Optional[dict]:
             return None
     same = all(block(a, j) == ref[types[j]] for j in range(n_a))
     same = same and outside(a) == outside(b)
-    for k in ("tied", "adapter_params", "lora_rank", "quant", "linear_bits", "embed_bits", "block_prefix"):
+    for k in ("tied", "adapter_params", "lora_rank", "quant", "linear_bits", "embed_bits", "block_prefix", "head"):
         same = same and a[k] == b[k]
     if not same or b["adapter_params"] or b["quant"] is not None:
         _log.debug("full meta build for %s: the short copies disagree", cfg.model_type)
@@ -384,10 +405,10 @@ def _truncated_count(cfg: Any, nums: dict, tied: bool) -> Optional[dict]:
     return dict(counts=ParamCounts(**tot), block_linears=ref[types[-1]][1], adapter_params=0,
                 trainable=trainable, lora_rank=None, quant=None, linear_bits=b["linear_bits"],
                 embed_bits=b["embed_bits"], num_blocks=L, block_prefix=b["block_prefix"],
-                tied=b["tied"], counted_by=f"short copies ({n_a} and {n_b} of {L} layers)")
+                tied=b["tied"], head=b["head"], counted_by=f"short copies ({n_a} and {n_b} of {L} layers)")
 
 
-def _meta_count(cfg: Any, nums: dict, tied: bool) -> dict:
+def _meta_count(cfg: Any, nums: dict, tied: bool, head: str = CAUSAL_LM) -> dict:
     """Count a config's parameters on the meta device (no weight memory); cached per config.
 
     Fast path (``_truncated_count``): when the blocks are provably alike up to their per-layer
@@ -398,14 +419,15 @@ def _meta_count(cfg: Any, nums: dict, tied: bool) -> dict:
     (``_full_count``). Both give the same result; ``counted_by`` says which ran.
     """
     try:
-        key = ("fast:" if _FAST_COUNT else "full:") + json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+        key = (("fast:" if _FAST_COUNT else "full:") + head + ":"
+               + json.dumps(cfg.to_dict(), sort_keys=True, default=str))
     except Exception:  # unserializable config: no cache
         key = None
     if key is not None and key in _META_CACHE:
         return _META_CACHE[key]
-    out = _truncated_count(cfg, nums, tied) if _FAST_COUNT else None
+    out = _truncated_count(cfg, nums, tied, head) if _FAST_COUNT else None
     if out is None:
-        out = _full_count(cfg, nums, tied)
+        out = _full_count(cfg, nums, tied, head)
     if key is not None:
         if len(_META_CACHE) >= 64:
             _META_CACHE.pop(next(iter(_META_CACHE)))
@@ -415,10 +437,12 @@ def _meta_count(cfg: Any, nums: dict, tied: bool) -> dict:
 
 def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
                               quantization_bits: Optional[int] = None,
-                              double_quant: bool = False) -> ModelSpec:
-    """Introspect a Hugging Face causal-LM config, counting parameters exactly.
+                              double_quant: bool = False, head: Optional[str] = None) -> ModelSpec:
+    """Introspect a Hugging Face config, counting parameters exactly.
 
-    The model is built with ``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``
+    The model is built with the Auto class of its task head (``AutoModelForCausalLM``,
+    ``AutoModelForSequenceClassification``, ...: the first head the config's ``architectures``
+    names, a causal LM when it names none, or ``head``) under ``torch.device("meta")``
     and accelerate's ``init_empty_weights`` (no weight memory); the counts are cached per config.
     When the blocks are provably alike up to their per-layer values (``layer_types`` and other
     one-entry-per-layer lists), only two short copies (a few layers each) are built and the
@@ -439,6 +463,8 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
             4.5 bits/weight, 4.127 with ``double_quant``), 8, 16 or 32. ``None``: take it from the
             config's ``quantization_config`` if any, else the config dtype.
         double_quant: NF4 double quantization (``bnb_4bit_use_double_quant``).
+        head: the task head kind (``memguard_core.estimator.heads.HEAD_KINDS``, as
+            ``parse_head`` reads it), overriding the config's ``architectures``.
 
     Returns:
         ``ModelSpec`` with ``source="hf-config"``. ``dense_bits`` is the config dtype's bits
@@ -447,7 +473,10 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
     Raises:
         ConfigError: unreadable path, invalid JSON, missing ``model_type`` / ``hidden_size`` /
             ``num_hidden_layers`` / ``num_attention_heads`` / ``vocab_size`` (the message names
-            the field and the path), unknown model_type, or a config transformers cannot build.
+            the field and the path), unknown model_type, or a config transformers cannot build;
+            in one line, an encoder-decoder model (T5, BART, Whisper), a head the estimator does
+            not count (image classification, multiple choice, ...) or a model type the head's Auto
+            class does not build.
     """
     qbits = quant_bits_arg(quantization_bits, double_quant)
     raw_qc = None
@@ -458,11 +487,17 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
     else:
         d, label = load_config_dict(config)
         raw_qc = d.get("quantization_config")
+        _ = head or head_kind_from_architectures(d.get("architectures"))  # a head not counted: one line
+        if d.get("is_encoder_decoder"):
+            raise ConfigError("model_type", SUPPORTED, f"{d.get('model_type')} (encoder-decoder)")
         cfg = config_from_dict(d, label if label != "config" else "config")
+    kind = parse_head(head) if head is not None else head_kind_from_architectures(getattr(cfg, "architectures", None))
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ConfigError("model_type", SUPPORTED, f"{cfg.model_type} (encoder-decoder)")
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     nums = config_numbers(text_cfg)
     tied = bool(getattr(text_cfg, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False)))
-    counted = _meta_count(cfg, nums, tied)
+    counted = _meta_count(cfg, nums, tied, kind)
     tied = counted["tied"]
     fill_intermediate(nums, counted["block_linears"])
     # ``torch_dtype`` is read from __dict__: transformers 5 warns on the deprecated attribute.
@@ -479,4 +514,4 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
         block_linears=counted["block_linears"], tie_word_embeddings=tied,
         weight_bits=float(weight_bits), dense_bits=float(dense), source="hf-config",
         weight_dtype=declared, image_tokens=image_tokens_per_image(cfg),
-        vision_tower=vision_tower_from_config(cfg), **nums)
+        vision_tower=vision_tower_from_config(cfg), head=counted["head"], **nums)

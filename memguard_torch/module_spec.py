@@ -17,6 +17,8 @@ from memguard_core.estimator.config_fields import (config_numbers, fill_intermed
                                                    vision_tower_from_config)
 from memguard_core.estimator.specs import dtype_bits, LinearShape, ModelSpec, NF4_BITS, NF4_DOUBLE_QUANT_BITS, ParamCounts
 
+from .task_head import task_head_from_module
+
 
 _log = logging.getLogger("memguard.spec")
 _LORA_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
@@ -284,7 +286,8 @@ def model_spec_from_module(model: Any, name: Optional[str] = None) -> ModelSpec:
     ``modules_to_save`` copies are kept out of ``params`` (which describe the base architecture)
     and reported in ``adapter_params``; ``trainable_params`` counts every element with
     ``requires_grad``; ``lora_rank_found`` is the largest ``lora_A`` weight's first dimension
-    (PEFT's ``lora_A`` is ``nn.Linear(in, r)``, weight ``(r, in)``).
+    (PEFT's ``lora_A`` is ``nn.Linear(in, r)``, weight ``(r, in)``). ``head`` is the task head read
+    from the module's class and tree (``memguard_torch.task_head.task_head_from_module``).
 
     bitsandbytes: a ``Params4bit`` weight packs two 4-bit values per uint8 (its ``numel`` is
     half the real count; ``quant_state.shape`` holds the real shape); ``weight_bits`` becomes
@@ -352,7 +355,8 @@ def model_spec_from_module(model: Any, name: Optional[str] = None) -> ModelSpec:
         weight_bits=float(wbits), dense_bits=float(dense), trainable_params=counted["trainable"],
         lora_rank_found=lora_rank, adapter_params=counted["adapter_params"],
         image_tokens=image_tokens_per_image(cfg) if cfg is not None else 0,
-        vision_tower=vision_tower_from_config(cfg) if cfg is not None else None, source="module", **nums)
+        vision_tower=vision_tower_from_config(cfg) if cfg is not None else None, source="module",
+        head=task_head_from_module(base), **nums)
 
 
 def _numbers_from_structure(model: Any) -> dict:

@@ -1,5 +1,6 @@
 """The logits term: the logits and loss working set (fp32 upcast, log_softmax and its gradient) and
-the head's saved inputs. docs/estimator.md, "How the peak is composed".
+the head's saved inputs, for the task head the model trains with (:mod:`.heads`).
+docs/estimator.md, "How the peak is composed" and "Task heads".
 """
 
 from __future__ import annotations
@@ -7,15 +8,27 @@ from __future__ import annotations
 from typing import Tuple
 
 from .attention import dropout_bytes
+from .heads import (MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, TaskHead,
+                    head_of)
 from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
+
+
+def _loss_bytes_per_logit(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Bytes per logit of the loss moment (see :func:`logits_bytes`): max(forward, backward start)."""
+    e = DTYPE_BYTES[ts.dtype]
+    amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
+    fwd = (e + 4 + 4) if e < 4 else 8
+    if amp:
+        fwd = 2 + 4 + 4
+    return max(fwd, 12)
 
 
 def logits_bytes(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int]:
     """Logits and loss working set, (loss-moment peak, final-norm/head saved) in bytes.
 
-    transformers 5.x ``LlamaForCausalLM.forward`` computes ``lm_head`` on every position
-    (``logits_to_keep=0``), and ``loss/loss_utils.py`` ``ForCausalLMLoss`` upcasts with
-    ``logits.float()`` and pads the labels instead of slicing the logits; ``cross_entropy`` =
+    LM heads (causal, masked): transformers 5.x ``LlamaForCausalLM.forward`` computes ``lm_head``
+    on every position (``logits_to_keep=0``), and ``loss/loss_utils.py`` ``ForCausalLMLoss`` upcasts
+    with ``logits.float()`` and pads the labels instead of slicing the logits; ``cross_entropy`` =
     ``log_softmax`` (saves its fp32 output) + ``nll_loss``. With N = batch x seq x vocab:
       forward:  logits (e) + fp32 copy (4, absent when e = 4) + log_softmax output (4);
       backward start: log_softmax output + nll_loss grad + log_softmax grad, all fp32 (3 x 4), the
@@ -24,32 +37,116 @@ def logits_bytes(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int]:
     So the loss moment holds max(e + 4 + 4 (or 8 when e = 4), 12) x N bytes.
     mlx_lm (``tuner/trainer.py`` ``default_loss``) computes ``nn.losses.cross_entropy`` on the
     model-dtype logits: logits + logsumexp-based loss + grad: ~3 x e x N.
+
+    Classifier heads (:func:`classifier_logits`): the same cross-entropy working set on the
+    logits the loss reads -- ``rows x num_labels`` for sequence classification, ``tokens x
+    num_labels`` for token classification, ``tokens x 2`` for question answering (start and end) --
+    plus, for a sequence classifier that scores every position (``GenericForSequenceClassification``
+    in transformers/modeling_layers.py: ``score(hidden_states)`` then ``logits[arange, last_token]``),
+    its ``tokens x num_labels`` logits in the compute dtype.
     """
+    head = head_of(ms)
+    if not head.is_lm:
+        return classifier_logits(ms, ts, head), 0
     e = DTYPE_BYTES[ts.dtype]
     amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
     n = ts.batch_size * ts.seq_length * ms.vocab_size
     if ts.framework == "mlx":
         return 3 * e * n, 0
-    fwd = (e + 4 + 4) if e < 4 else 8
-    if amp:
-        fwd = 2 + 4 + 4
-    peak = max(fwd, 12) * n
+    peak = _loss_bytes_per_logit(ms, ts) * n
     if ms.final_logit_softcapping:
         peak += (2 if amp else e) * n  # ``tanh(logits / cap) * cap``: the tanh output is saved
     return peak, 0
 
 
+def classifier_logits(ms: ModelSpec, ts: TrainSpec, head: TaskHead) -> int:
+    """The loss moment's logits and cross-entropy bytes of a classifier head (not an LM head).
+
+    transformers 5.x: ``BertForSequenceClassification`` / ``ForSequenceClassificationLoss``
+    (loss/loss_utils.py) take ``CrossEntropyLoss`` over ``rows x num_labels``;
+    ``BertForTokenClassification`` / ``ForTokenClassification`` over ``tokens x num_labels``;
+    ``BertForQuestionAnswering`` / ``ForQuestionAnsweringLoss`` split ``tokens x 2`` logits into
+    start and end and take one cross-entropy over the positions of each row for each (``tokens``
+    logits twice). Bytes per logit as for an LM head (:func:`logits_bytes`)."""
+    e = DTYPE_BYTES[ts.dtype]
+    rows, tokens = ts.batch_size, ts.batch_size * ts.seq_length
+    k = head.out_features(ms.vocab_size)
+    if head.kind == SEQUENCE_CLASSIFICATION:
+        n_loss = rows * k
+        scored = e * tokens * k if head.reads == "all_tokens" else 0
+    else:  # token classification, question answering (k = 2)
+        n_loss, scored = tokens * k, 0
+    if ts.framework == "mlx":
+        return 3 * e * n_loss + scored
+    return _loss_bytes_per_logit(ms, ts) * n_loss + scored
+
+
 def head_input_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
-    """transformers + PEFT (not mlx_lm): the final norm's saved input (fp32) and, when the head
-    trains (full fine-tune), the head's input in the compute dtype twice, plus the embedding
-    dropout's noise, bytes for the micro-batch."""
+    """transformers + PEFT (not mlx_lm): what the head keeps for the backward, bytes for the
+    micro-batch, plus the embedding dropout's noise.
+
+    Causal LM: the final norm's saved input (fp32) and, when the head trains (full fine-tune), the
+    head's input in the compute dtype twice (the norm's weight multiply and ``lm_head``).
+    Other heads: :func:`task_head_input_bytes`."""
     if ts.framework == "mlx":
         return 0
     e = DTYPE_BYTES[ts.dtype]
     tokens = ts.batch_size * ts.seq_length
-    head_in = 4 * ms.hidden_size * tokens
-    if ts.method == "full":
-        head_in += e * ms.hidden_size * tokens * 2
+    head = head_of(ms)
+    if head.kind == "causal_lm":
+        head_in = 4 * ms.hidden_size * tokens
+        if ts.method == "full":
+            head_in += e * ms.hidden_size * tokens * 2
+    else:
+        head_in = task_head_input_bytes(ms, ts, head)
     if ms.embedding_dropout > 0:
         head_in += dropout_bytes(ts, e) * ms.hidden_size * tokens  # the embedding dropout's noise
     return head_in
+
+
+def task_head_input_bytes(ms: ModelSpec, ts: TrainSpec, head: TaskHead) -> int:
+    """What a masked-LM or classifier head keeps for the backward, bytes for the micro-batch
+    (T = tokens, R = rows, h = hidden, e = compute-dtype bytes, d = a dropout's saved bytes per
+    element, :func:`memguard_core.estimator.attention.dropout_bytes`). The classifier trains in
+    every method (PEFT's ``SEQ_CLS`` / ``TOKEN_CLS`` / ``QUESTION_ANS`` task types put it in
+    ``modules_to_save``), so its linear keeps its input; a pooler or transform trains only in a
+    full fine-tune. From transformers 5.x ``models/bert/modeling_bert.py``, ``roberta``,
+    ``deberta_v2`` and ``modeling_layers.py`` (the decoders' ``GenericFor*`` heads):
+
+    - a final norm outside the blocks (pre-norm decoders): its fp32 input 4 h T, and its weight
+      multiply's input e h T when it trains (full);
+    - masked LM with a transform (``BertLMPredictionHead``: dense, GELU, LayerNorm, decoder):
+      GELU and LayerNorm inputs 2 e h T, plus the dense and decoder inputs 2 e h T when they
+      train (full); a bare head: the decoder's input e h T when full;
+    - token classification: the dropout's noise d h T (p > 0) and the classifier's input e h T;
+    - question answering: ``qa_outputs``' input e h T;
+    - sequence classification scoring every position: the score's input e h T; reading the
+      first token: ``rows x h`` tensors (the pooler's activation, two dropouts, two linear inputs:
+      at most (3 e + 2 d) h R) and, when the first op on the ``[:, 0]`` view is a linear that
+      trains (``BertPooler.dense`` in a full fine-tune), the view it saves holds the whole last
+      hidden state's storage: e h T.
+    """
+    e = DTYPE_BYTES[ts.dtype]
+    h = ms.hidden_size
+    tokens, rows = ts.batch_size * ts.seq_length, ts.batch_size
+    full = ts.method == "full"
+    d = dropout_bytes(ts, e) if head.dropout > 0 else 0
+    out = 0
+    if head.final_norm:
+        out += 4 * h * tokens + (e * h * tokens if full else 0)
+    if head.kind == MASKED_LM:
+        if head.transform:
+            out += 2 * e * h * tokens + (2 * e * h * tokens if full else 0)
+        elif full:
+            out += e * h * tokens
+    elif head.kind == TOKEN_CLASSIFICATION:
+        out += (d + e) * h * tokens
+    elif head.kind == QUESTION_ANSWERING:
+        out += e * h * tokens
+    elif head.reads == "all_tokens":
+        out += e * h * tokens
+    else:
+        out += (3 * e + 2 * d) * h * rows
+        if head.pooler_linear and full:
+            out += e * h * tokens
+    return out

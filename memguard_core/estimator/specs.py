@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from ..errors import ConfigError, require_choice, require_positive_int
+from .heads import DEFAULT_HEAD, TaskHead
 from .layout import validate_sharding
 
 
@@ -273,6 +274,9 @@ class ModelSpec:
         block_kinds: the kinds of block in the block list (:class:`BlockKind`), read from the
             model's module tree; empty for a spec from plain numbers (every block counted by the
             rules).
+        head: the task head (:class:`memguard_core.estimator.heads.TaskHead`: causal / masked LM,
+            sequence / token classification, question answering, its output features), read from
+            the config's ``architectures`` or the live module; a causal LM by default.
     """
 
     name: str
@@ -306,6 +310,7 @@ class ModelSpec:
     image_tokens: int = 0
     vision_tower: Optional[VisionTower] = None
     block_kinds: tuple = ()
+    head: TaskHead = DEFAULT_HEAD
 
     @property
     def total_params(self) -> int:

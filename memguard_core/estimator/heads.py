@@ -1,0 +1,177 @@
+"""The task head a model trains with (``ModelSpec.head``): what kind it is, how many features it
+outputs and how it reads the last hidden states, and the rule naming a head from a transformers
+architecture class name. The bytes each head keeps live in :mod:`.logits`.
+docs/estimator.md, "Task heads".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from ..errors import ConfigError
+
+CAUSAL_LM = "causal_lm"
+MASKED_LM = "masked_lm"
+SEQUENCE_CLASSIFICATION = "sequence_classification"
+TOKEN_CLASSIFICATION = "token_classification"
+QUESTION_ANSWERING = "question_answering"
+#: The heads the estimator counts.
+HEAD_KINDS = (CAUSAL_LM, MASKED_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, QUESTION_ANSWERING)
+#: Heads over the vocabulary (their logits are ``tokens x vocab_size``).
+LM_HEADS = (CAUSAL_LM, MASKED_LM)
+#: How the classifier of a sequence-classification head reads the hidden states.
+#: ``all_tokens``: a linear on every position, one position's logits picked after (transformers'
+#: ``GenericForSequenceClassification``: Llama, Qwen2, Mistral, GPT-2 ``score``);
+#: ``first_token``: the first position's hidden state only (BERT's ``BertPooler``, RoBERTa's
+#: ``RobertaClassificationHead``, DeBERTa-v2's ``ContextPooler``: ``hidden_states[:, 0]``).
+READS = ("all_tokens", "first_token")
+
+# transformers' naming convention for heads, ``<Family>For<Task>`` (models/auto/modeling_auto.py
+# ``MODEL_FOR_*_MAPPING_NAMES``), longest suffix first; GPT-2 / GPT-J style ``LMHeadModel`` is causal.
+_SUFFIXES = (
+    ("ForSequenceClassification", SEQUENCE_CLASSIFICATION),
+    ("ForTokenClassification", TOKEN_CLASSIFICATION),
+    ("ForQuestionAnswering", QUESTION_ANSWERING),
+    ("ForMaskedLM", MASKED_LM),
+    ("ForCausalLM", CAUSAL_LM),
+    ("LMHeadModel", CAUSAL_LM),
+    ("ForConditionalGeneration", CAUSAL_LM),  # a vision-language decoder; encoder-decoders refused
+    ("ForImageTextToText", CAUSAL_LM),
+)
+# Heads transformers has that the estimator does not count (named in the one-line refusal).
+_NOT_COUNTED = ("ForImageClassification", "ForAudioClassification", "ForMultipleChoice", "ForSpeechSeq2Seq",
+                "ForCTC", "ForPreTraining", "ForNextSentencePrediction", "ForSemanticSegmentation",
+                "ForObjectDetection", "ForDepthEstimation", "ForMaskGeneration", "ForTextToSpeech")
+
+SUPPORTED = ("causal LM (*ForCausalLM, *LMHeadModel, vision-language *ForConditionalGeneration), masked LM, "
+             "sequence / token classification, question answering, on a decoder-only or encoder-only model")
+
+
+@dataclass(frozen=True)
+class TaskHead:
+    """The head on top of the model's last hidden states, as the estimator needs it.
+
+    Attributes:
+        kind: one of :data:`HEAD_KINDS`.
+        num_labels: output features of a classifier (``config.num_labels``; 2 for question
+            answering: start and end logits); 0 for an LM head, whose outputs are the vocabulary.
+        reads: for sequence classification, :data:`READS`: ``all_tokens`` (a ``score`` linear on
+            every position) or ``first_token`` (a pooler / classification head on ``[:, 0]``).
+        final_norm: the base model ends in a norm outside its blocks (pre-norm decoders:
+            ``model.norm``, ``transformer.ln_f``); False for post-norm encoders (BERT, RoBERTa,
+            DeBERTa: every block ends in its own LayerNorm).
+        pooler_linear: the first-token head starts with a linear on the ``[:, 0]`` view (BERT's
+            ``BertPooler.dense``, ALBERT's ``pooler``), which keeps the view -- and with it the
+            whole last-hidden storage -- for its weight's gradient; False when a dropout comes
+            first (RoBERTa, DeBERTa-v2), whose output is a new ``rows x hidden`` tensor.
+        transform: an LM head's hidden-sized transform before the vocabulary projection (BERT's
+            ``BertPredictionHeadTransform``: dense, activation, LayerNorm); False for a bare
+            ``lm_head``.
+        dropout: the probability of the dropout a classifier head applies to the hidden states it
+            reads (BERT's ``classifier_dropout`` / ``hidden_dropout_prob``, the decoders'
+            ``GenericForTokenClassification.dropout``); 0.0 for none.
+        architecture: the class the head was read from (``BertForSequenceClassification``); empty
+            for the default.
+    """
+
+    kind: str = CAUSAL_LM
+    num_labels: int = 0
+    reads: str = "all_tokens"
+    final_norm: bool = True
+    pooler_linear: bool = False
+    transform: bool = False
+    dropout: float = 0.0
+    architecture: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in HEAD_KINDS:
+            raise ConfigError("head", f"one of {', '.join(HEAD_KINDS)}", self.kind)
+        p = self.dropout
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= float(p) < 1.0:
+            raise ConfigError("head.dropout", "a probability p with 0 <= p < 1", p)
+        if self.reads not in READS:
+            raise ConfigError("head.reads", " or ".join(READS), self.reads)
+        n = self.num_labels
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or (n == 0 and self.kind not in LM_HEADS):
+            raise ConfigError("head.num_labels", "a positive integer (classes) for a classifier head, 0 for an "
+                              "LM head", n)
+
+    @property
+    def is_lm(self) -> bool:
+        """An LM head: logits over the vocabulary."""
+        return self.kind in LM_HEADS
+
+    def out_features(self, vocab_size: int) -> int:
+        """Logits per position (per row for a first-token sequence classifier): the vocabulary for
+        an LM head, ``num_labels`` otherwise."""
+        return int(vocab_size) if self.is_lm else int(self.num_labels)
+
+
+#: The default head: every spec built without one is a causal LM, as before heads were read.
+DEFAULT_HEAD = TaskHead()
+
+
+def head_kind_of(architecture: str) -> Optional[str]:
+    """The head kind a transformers class name names (``LlamaForSequenceClassification`` ->
+    ``sequence_classification``), ``None`` for a class that names none of :data:`HEAD_KINDS`
+    (a bare ``BertModel``).
+
+    Raises:
+        ConfigError: (field ``architectures``, one line) a head transformers has and the estimator
+            does not count (``ViTForImageClassification``, ``BertForMultipleChoice``, ...).
+    """
+    name = str(architecture)
+    for suffix, kind in _SUFFIXES:
+        if name.endswith(suffix):
+            return kind
+    for suffix in _NOT_COUNTED:
+        if name.endswith(suffix):
+            raise ConfigError("architectures", SUPPORTED, name)
+    return None
+
+
+def head_kind_from_architectures(architectures: Optional[Iterable[str]]) -> str:
+    """The head kind of a config's ``architectures`` list: the first entry that names one, causal
+    LM when none does (a config without the list, or a bare ``*Model``).
+
+    Raises:
+        ConfigError: as :func:`head_kind_of`, for the first entry naming a head not counted.
+    """
+    for arch in architectures or ():
+        kind = head_kind_of(arch)
+        if kind is not None:
+            return kind
+    return CAUSAL_LM
+
+
+def parse_head(value: str) -> str:
+    """A head kind as a user spells it (``--head sequence-classification``, ``seq_cls``).
+
+    Raises:
+        ConfigError: (field ``head``) anything else, naming the choices.
+    """
+    v = str(value).strip().lower().replace("-", "_")
+    v = {"seq_cls": SEQUENCE_CLASSIFICATION, "token_cls": TOKEN_CLASSIFICATION, "qa": QUESTION_ANSWERING,
+         "mlm": MASKED_LM, "clm": CAUSAL_LM}.get(v, v)
+    if v not in HEAD_KINDS:
+        raise ConfigError("head", f"one of {', '.join(HEAD_KINDS)}", value)
+    return v
+
+
+def head_of(model_spec) -> TaskHead:
+    """``model_spec.head`` as a :class:`TaskHead`: the default causal LM for a spec without one
+    (``None``), and rebuilt from its ``dataclasses.asdict`` form for a spec read back from a
+    record (a dict).
+
+    Raises:
+        ConfigError: (field ``head``) anything else.
+    """
+    h = getattr(model_spec, "head", None)
+    if h is None:
+        return DEFAULT_HEAD
+    if isinstance(h, TaskHead):
+        return h
+    if isinstance(h, dict):
+        return TaskHead(**h)
+    raise ConfigError("head", "a memguard_core.estimator.heads.TaskHead", type(h).__name__)

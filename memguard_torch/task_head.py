@@ -1,0 +1,91 @@
+"""Reading the task head (``memguard_core.estimator.heads.TaskHead``) off a torch model -- a live one
+or the meta-device build of a config -- from its class and its module tree. torch is imported
+inside functions only. docs/estimator.md, "Task heads".
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from memguard_core.estimator.heads import (CAUSAL_LM, DEFAULT_HEAD, MASKED_LM, QUESTION_ANSWERING,
+                                           SEQUENCE_CLASSIFICATION, TaskHead, head_kind_of)
+
+
+def _unwrap(model: Any) -> Any:
+    """The transformers model under a PEFT wrapper (``PeftModel.get_base_model``)."""
+    if hasattr(model, "get_base_model") and callable(model.get_base_model):
+        try:
+            return model.get_base_model()
+        except Exception:  # not a PEFT model after all
+            return model
+    return model
+
+
+def _head_children(model: Any, base: Any) -> List[Any]:
+    """The model's direct children other than its base model (``bert``, ``model``): the head's
+    modules (``classifier``, ``score``, ``qa_outputs``, ``cls``, a ``pooler`` outside the base)."""
+    return [m for _, m in model.named_children() if m is not base]
+
+
+def _dropouts(mods: List[Any]) -> List[float]:
+    import torch.nn as nn
+
+    return [float(m.p) for top in mods for m in top.modules() if isinstance(m, nn.Dropout)]
+
+
+def _is_norm(module: Any) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def task_head_from_module(model: Any, kind: Optional[str] = None) -> TaskHead:
+    """The task head of a transformers model (PEFT-wrapped or not).
+
+    Args:
+        model: the ``*For<Task>`` module (its class names the head: ``head_kind_of``).
+        kind: the head kind when the caller knows it (``--head``); ``None`` reads it from the class.
+
+    Returns:
+        :data:`memguard_core.estimator.heads.DEFAULT_HEAD` for a causal LM (or a class naming no
+        head); otherwise a ``TaskHead`` whose fields come from the module tree: ``num_labels``
+        from the head's last linear (``classifier``, ``score``, ``out_proj``, ``qa_outputs``),
+        ``final_norm`` from a norm among the base model's direct children (``model.norm``,
+        ``transformer.ln_f``), ``reads`` / ``pooler_linear`` from a ``pooler`` (BERT, ALBERT,
+        DeBERTa-v2) or a classifier that is more than one linear (RoBERTa, ELECTRA), ``dropout``
+        the largest dropout probability in the head, ``transform`` a hidden-to-hidden linear in an
+        LM head (BERT's ``BertPredictionHeadTransform``).
+
+    Raises:
+        ConfigError: (field ``architectures``, one line) a class naming a head the estimator does
+            not count (``ViTForImageClassification``).
+    """
+    import torch.nn as nn
+
+    m = _unwrap(model)
+    arch = type(m).__name__
+    kind = kind or head_kind_of(arch) or CAUSAL_LM
+    if kind == CAUSAL_LM:
+        return DEFAULT_HEAD
+    base = getattr(m, "base_model", m)
+    children = _head_children(m, base) if base is not m else []
+    hidden = getattr(getattr(m, "config", None), "hidden_size", None)
+    linears = [x for top in children for x in top.modules() if isinstance(x, nn.Linear)]
+    final_norm = base is not m and any(_is_norm(c) for _, c in base.named_children())
+    pooler = getattr(base, "pooler", None)
+    pooler = pooler if isinstance(pooler, nn.Module) else next(
+        (c for n, c in m.named_children() if n == "pooler"), None)
+    dropout = max(_dropouts(children + ([pooler] if pooler is not None else [])), default=0.0)
+    if kind == MASKED_LM:
+        transform = any(x.in_features == x.out_features == hidden for x in linears)
+        return TaskHead(kind=kind, final_norm=final_norm, transform=transform, architecture=arch)
+    labels = int(linears[-1].out_features) if linears else int(getattr(m.config, "num_labels", 2))
+    if kind == QUESTION_ANSWERING:
+        labels = 2
+    reads, pooler_linear = "all_tokens", False
+    if kind == SEQUENCE_CLASSIFICATION:
+        classifier = next((c for n, c in m.named_children() if n in ("classifier", "score")), None)
+        if pooler is not None:
+            reads, pooler_linear = "first_token", not any(p > 0 for p in _dropouts([pooler]))
+        elif classifier is not None and not isinstance(classifier, nn.Linear):
+            reads, pooler_linear = "first_token", not any(p > 0 for p in _dropouts([classifier]))
+    return TaskHead(kind=kind, num_labels=max(labels, 1), reads=reads, final_norm=final_norm,
+                    pooler_linear=pooler_linear, dropout=min(dropout, 0.99), architecture=arch)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Dict
 
-from .activations import activation_bytes
+from .activations import activation_bytes, adapter_input_bytes
 from .gradients import grad_layers
-from .trainable import block_linear_shapes, lora_linears, num_lora_layers
+from .trainable import block_linear_shapes, lora_linears, num_lora_layers, routed_half_precision_on_cpu
 from .specs import DTYPE_BYTES, MiB, ModelSpec, TrainSpec
 
 
@@ -29,12 +29,20 @@ MMAP_THRESHOLD_MAX = 32 * MiB
 def activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
     """Bytes of activations one step saves across all blocks without checkpointing, also under
     checkpointing: what drives the CPU heap slack (``CPU_HEAP_SLACK_*``). Score-sized tensors are
-    left out when glibc mmaps each of them (``MMAP_THRESHOLD_MAX``). Why this traffic, also under
-    checkpointing: docs/estimator.md#cpu-heap-slack."""
+    left out when glibc mmaps each of them (``MMAP_THRESHOLD_MAX``). Of the tensors the adapters'
+    input path and autocast allocate (``activations.adapter_input_bytes``, per LoRA'd block) the
+    kept copies are left out and the freed casts counted: a copy saved until the backward is one
+    allocation with no temporary beside it, a freed cast is a temporary. Why this traffic, also
+    under checkpointing: docs/estimator.md#cpu-heap-slack and #lora-input-copies-and-the-heap
+    (not applied where the guard pins glibc's mmap threshold: ``routed_half_precision_on_cpu``)."""
     h, sc, lo, _ = activation_bytes(ms, ts.replace(grad_checkpoint=False))
     if _score_tensors_mmapped(ms, ts):
         sc = 0
-    return h + sc + lo
+    # a run whose mmap threshold the guard pins (``step_heap.fix_mmap_threshold``: a routed model in
+    # half precision on the CPU) has a heap this split was not derived for
+    kept, freed = (0.0, 0.0) if routed_half_precision_on_cpu(ms, ts) else adapter_input_bytes(ms, ts)
+    adapters = num_lora_layers(ms, ts) * ts.batch_size * ts.seq_length * (freed - kept)
+    return int(max(h + sc + lo + adapters, 0))
 
 
 def _score_tensors_mmapped(ms: ModelSpec, ts: TrainSpec) -> bool:

@@ -29,7 +29,7 @@ from .errors import ConfigError, DoesNotFitError, MemGuardError
 
 # TrainSpec / ModelSpec field -> the CLI flag that sets it (so errors name what the user typed)
 FLAG_OF = {
-    "config": "--config", "model": "MODEL", "image_tokens": "--image-tokens", "revision": "--revision",
+    "config": "--config", "model": "MODEL", "head": "--head", "image_tokens": "--image-tokens", "revision": "--revision",
     "batch_size": "--batch-size", "seq_length": "--seq-length", "grad_accum": "--grad-accum",
     "method": "--method", "lora_rank": "--lora-rank", "lora_targets": "--lora-targets",
     "lora_layers": "--lora-layers", "lora_dropout": "--lora-dropout", "optimizer": "--optimizer", "dtype": "--dtype",
@@ -71,6 +71,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                              "--model-params ... --model-bits apply without a config only)")
     m.add_argument("--config", metavar="PATH", help="HF config.json (or a folder holding one)")
     m.add_argument("--revision", default=None, help="hub branch, tag or commit of MODEL [the default branch]")
+    m.add_argument("--head", default=None, help="the task head trained (with a config): causal_lm | masked_lm | "
+                   "sequence_classification | token_classification | question_answering [the config's "
+                   "architectures]")
     m.add_argument("--model-params", type=float, help="total parameters, e.g. 7e9")
     m.add_argument("--hidden-dim", type=int)
     m.add_argument("--num-layers", type=int)
@@ -248,7 +251,10 @@ def _model_spec(args):
 
         # transformers builds the config class and counts on the meta device: memguard_hf's reader
         model_spec_from_hf_config = load("config.hf", "hf")
-        return model_spec_from_hf_config(args.config, quantization_bits=qbits, double_quant=args.double_quant)
+        return model_spec_from_hf_config(args.config, quantization_bits=qbits, double_quant=args.double_quant,
+                                         head=getattr(args, "head", None))
+    if getattr(args, "head", None) is not None:
+        raise ConfigError("--head", "a model config (MODEL / --config): the head's shape is read from it", args.head)
     if args.trace:
         raise ConfigError("--trace", "a model config (MODEL: a hub id, model folder or config.json; or --config "
                           "PATH): the trace runs the model's own code, which plain numbers do not give", None)

@@ -18,7 +18,7 @@ from memguard_core.estimator.numbers import quant_bits_arg
 from memguard_core.estimator.config_fields import (REQUIRED_KEYS, cfg_get, config_numbers, fill_intermediate,
                                                    image_tokens_per_image, is_vision_language, load_config_dict,
                                                    quant_bits_from_config, vision_tower_from_config)
-from memguard_core.estimator.heads import CAUSAL_LM, SUPPORTED, head_kind_from_architectures, parse_head
+from memguard_core.estimator.heads import AUTO_CLASSES, CAUSAL_LM, SUPPORTED, head_kind_from_architectures, parse_head
 from memguard_core.estimator.specs import DTYPE_NAMES, ModelSpec, ParamCounts, dtype_bits
 
 from memguard_torch.module_spec import count_params, torch_block_linears
@@ -238,21 +238,14 @@ def _truncation_plan(cfg: Any, num_layers: int):
     return n_a, n_b, fields, types
 
 
-#: The transformers Auto class that builds each head kind (transformers/models/auto/modeling_auto.py).
-_AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM",
-                 "sequence_classification": "AutoModelForSequenceClassification",
-                 "token_classification": "AutoModelForTokenClassification",
-                 "question_answering": "AutoModelForQuestionAnswering"}
-
-
 def _build_meta(cfg: Any, head: str = CAUSAL_LM) -> Any:
     """The model a config describes, built under ``torch.device("meta")`` and accelerate's
     ``init_empty_weights`` (every tensor on the meta device; the second guard catches code that
     creates parameters on an explicit device): ``AutoModelForImageTextToText`` for a
     vision-language causal LM (the class users fine-tune: vision tower, projector and language
     model; ``AutoModelForCausalLM`` would build Mllama's text model alone or refuse Qwen2-VL /
-    LLaVA), else the Auto class of the head kind (:data:`_AUTO_CLASSES`: ``AutoModelForCausalLM``,
-    ``AutoModelForSequenceClassification``, ...).
+    LLaVA), else the Auto class of the head kind (``memguard_core.estimator.heads.AUTO_CLASSES``:
+    ``AutoModelForCausalLM``, ``AutoModelForSequenceClassification``, ...).
 
     Raises:
         ConfigError: (field ``architectures``, one line) a model type the head's Auto class does
@@ -262,7 +255,7 @@ def _build_meta(cfg: Any, head: str = CAUSAL_LM) -> Any:
     import transformers
     from accelerate import init_empty_weights
 
-    auto = getattr(transformers, _AUTO_CLASSES[head])
+    auto = getattr(transformers, AUTO_CLASSES[head])
     with torch.device("meta"), init_empty_weights():
         if head == CAUSAL_LM and is_vision_language(cfg):
             from transformers import AutoModelForImageTextToText
@@ -271,10 +264,13 @@ def _build_meta(cfg: Any, head: str = CAUSAL_LM) -> Any:
                 return AutoModelForImageTextToText.from_config(cfg)
             except ValueError:  # a composite config the image-text mapping does not list
                 pass
-        if type(cfg) not in auto._model_mapping:
-            raise ConfigError("architectures", f"a model type {_AUTO_CLASSES[head]} builds ({head})",
-                              getattr(cfg, "model_type", type(cfg).__name__))
-        return auto.from_config(cfg)
+        try:
+            return auto.from_config(cfg)
+        except ValueError as exc:  # auto_factory.py ``_BaseAutoModelClass.from_config``: the message
+            if "Unrecognized configuration class" not in str(exc):  # lists every class it knows
+                raise
+            raise ConfigError("architectures", f"a model type {AUTO_CLASSES[head]} builds ({head})",
+                              getattr(cfg, "model_type", type(cfg).__name__)) from None
 
 
 def _head_tied(model: Any, tied: bool) -> bool:

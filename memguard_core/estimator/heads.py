@@ -27,6 +27,12 @@ LM_HEADS = (CAUSAL_LM, MASKED_LM)
 #: ``RobertaClassificationHead``, DeBERTa-v2's ``ContextPooler``: ``hidden_states[:, 0]``).
 READS = ("all_tokens", "first_token")
 
+#: The transformers Auto class that builds a model with each head (transformers/models/auto/modeling_auto.py).
+AUTO_CLASSES = {CAUSAL_LM: "AutoModelForCausalLM", MASKED_LM: "AutoModelForMaskedLM",
+                SEQUENCE_CLASSIFICATION: "AutoModelForSequenceClassification",
+                TOKEN_CLASSIFICATION: "AutoModelForTokenClassification",
+                QUESTION_ANSWERING: "AutoModelForQuestionAnswering"}
+
 # transformers' naming convention for heads, ``<Family>For<Task>`` (models/auto/modeling_auto.py
 # ``MODEL_FOR_*_MAPPING_NAMES``), longest suffix first; GPT-2 / GPT-J style ``LMHeadModel`` is causal.
 _SUFFIXES = (

@@ -29,6 +29,12 @@ CASES = [
     dict(model_type="bert", head="token_classification", batch_size=8, seq_length=128, num_labels=9),
     dict(model_type="bert", head="question_answering", batch_size=8, seq_length=128, num_labels=2),
     dict(model_type="roberta", head="sequence_classification", batch_size=8, seq_length=128, num_labels=2),
+    dict(model_type="bert", head="masked_lm", batch_size=8, seq_length=128, num_labels=2),
+    # a decoder classifier: SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json numbers)
+    dict(model_type="llama", head="sequence_classification", batch_size=4, seq_length=256, num_labels=2,
+         config=dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                     max_position_embeddings=8192, rope_theta=100000.0, pad_token_id=0)),
 ]
 _AUTO = {"sequence_classification": "AutoModelForSequenceClassification",
          "token_classification": "AutoModelForTokenClassification",
@@ -86,7 +92,7 @@ def child(case: dict) -> dict:
 
     torch.manual_seed(0)
     steps = 3
-    cfg = AutoConfig.for_model(case["model_type"], num_labels=case["num_labels"])
+    cfg = AutoConfig.for_model(case["model_type"], num_labels=case["num_labels"], **case.get("config", {}))
     model = getattr(transformers, _AUTO[case["head"]]).from_config(cfg, attn_implementation="sdpa")
     ms = model_spec_from_module(model, name=f"{case['model_type']}-{case['head']}")
     args = TrainingArguments(output_dir="/tmp/memguard_head_peaks", per_device_train_batch_size=case["batch_size"],

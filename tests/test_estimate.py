@@ -16,7 +16,8 @@ import pytest
 from memguard_core.errors import ConfigError
 from memguard_core.estimator.estimate import estimate
 from memguard_core.estimator.result import MemoryEstimate
-from memguard_core.estimator.runtime import (HF_DATASETS_IMPORT_BYTES, RUNTIME_OVERHEAD_BYTES, runtime_overhead_bytes)
+from memguard_core.estimator.runtime import (HF_DATASETS_ANON_BYTES, HF_DATASETS_FILE_PAGES_BYTES, RUNTIME_OVERHEAD_BYTES,
+                                             runtime_overhead_bytes)
 from memguard_core.estimator.specs import NF4_BITS
 from memguard_core.estimator.trainable import trainable_param_count
 from memguard_core.estimator.specs import ModelSpec, ParamCounts, TrainSpec
@@ -69,7 +70,8 @@ def test_full_fp32_adamw_components():
     assert bwd["backward_transients"] == 0
     assert e.phase_breakdowns["loss"]["backward_transients"] == 0
     assert opt["runtime_overhead"] == runtime_overhead_bytes(ts())  # + datasets' import when installed
-    assert runtime_overhead_bytes(ts()) - RUNTIME_OVERHEAD_BYTES["cpu"] in (0, HF_DATASETS_IMPORT_BYTES)
+    assert runtime_overhead_bytes(ts()) - RUNTIME_OVERHEAD_BYTES["cpu"] in (
+        0, HF_DATASETS_ANON_BYTES + HF_DATASETS_FILE_PAGES_BYTES)
 
 
 def test_embedding_gradient_transients_by_tied_head_and_accumulation():
@@ -359,7 +361,7 @@ def test_measured_file_pages_replace_the_typical_figure():
 
     MiB = 2**20
     ms = tiny()
-    base = ts()
+    base = ts(framework="lightning")
     typical = base.replace(resident_file_bytes=CPU_FILE_PAGES_AT_START_BYTES)
     fresh = base.replace(resident_file_bytes=CPU_FILE_PAGES_AT_START_BYTES + 99 * MiB)
     assert runtime_overhead_bytes(typical) == runtime_overhead_bytes(base)
@@ -368,6 +370,24 @@ def test_measured_file_pages_replace_the_typical_figure():
     # only where it was measured: the MLX counter has no runtime term
     mlx = TrainSpec(framework="mlx", device="mlx", resident_file_bytes=500 * MiB)
     assert runtime_overhead_bytes(mlx) == RUNTIME_OVERHEAD_BYTES["mlx"]
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_datasets_pages_counted_once(monkeypatch, installed):
+    """An HF Trainer process with ``datasets`` importable holds its anonymous memory and maps its
+    libraries; a measured mapped-file figure already holds those libraries, so only the anonymous
+    part is added to it (the detection of the installed package is the faked boundary)."""
+    from memguard_core.estimator import runtime
+
+    MiB = 2**20
+    monkeypatch.setattr(runtime, "_DATASETS_INSTALLED", installed)
+    ds = int(installed)
+    assert runtime_overhead_bytes(ts()) == RUNTIME_OVERHEAD_BYTES["cpu"] + ds * (
+        HF_DATASETS_ANON_BYTES + HF_DATASETS_FILE_PAGES_BYTES)
+    measured = ts(resident_file_bytes=runtime.CPU_FILE_PAGES_AT_START_BYTES + ds * HF_DATASETS_FILE_PAGES_BYTES)
+    assert runtime_overhead_bytes(measured) == runtime_overhead_bytes(ts())
+    assert runtime_overhead_bytes(ts(framework="lightning", resident_file_bytes=200 * MiB)) == \
+        RUNTIME_OVERHEAD_BYTES["cpu"] + 200 * MiB - runtime.CPU_FILE_PAGES_AT_START_BYTES
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "128", True])

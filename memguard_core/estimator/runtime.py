@@ -12,19 +12,24 @@ from .specs import MiB, TrainSpec
 #: Per counter: cpu measured (bench's tiny cases), cuda context + cuBLAS workspaces: docs/estimator.md#runtime-overhead.
 RUNTIME_OVERHEAD_BYTES = {"cpu": 368 * MiB, "cuda": 500 * MiB + 2 * (8 * MiB + 128 * 1024), "mlx": 0,
                           "mps": 0}
-#: cpu, HF ``Trainer``, ``datasets`` installed (trainer.py imports it): measured, docs/estimator.md#runtime-overhead.
-HF_DATASETS_IMPORT_BYTES = 98 * MiB
+#: cpu, HF ``Trainer``, ``datasets`` installed (trainer.py imports it): its anonymous memory, and the
+#: library pages it maps (pyarrow, pandas); measured, docs/estimator.md#runtime-overhead.
+HF_DATASETS_ANON_BYTES = 43 * MiB
+HF_DATASETS_FILE_PAGES_BYTES = 39 * MiB
 _DATASETS_INSTALLED: Optional[bool] = None
-#: cpu: ``RssFile`` inside the overhead at ``trainer.train()``'s start: measured, docs/estimator.md#runtime-overhead.
-CPU_FILE_PAGES_AT_START_BYTES = 128 * MiB
+#: cpu: ``RssFile`` at ``trainer.train()``'s start without ``datasets``, inside the overhead above:
+#: measured, docs/estimator.md#runtime-overhead.
+CPU_FILE_PAGES_AT_START_BYTES = 91 * MiB
 
 
 def runtime_overhead_bytes(ts: TrainSpec) -> int:
-    """Runtime overhead of the counter ``ts.device`` (bytes): ``RUNTIME_OVERHEAD_BYTES``, plus
-    ``HF_DATASETS_IMPORT_BYTES`` for an HF ``Trainer`` on CPU when ``datasets`` is importable here
-    (checked once with ``importlib.util.find_spec``, nothing is imported), with the measured
-    ``ts.resident_file_bytes`` in place of ``CPU_FILE_PAGES_AT_START_BYTES`` when given on CPU, for
-    every framework (docs/estimator.md#runtime-overhead)."""
+    """Runtime overhead of the counter ``ts.device`` (bytes): ``RUNTIME_OVERHEAD_BYTES`` (a process
+    without ``datasets``); for an HF ``Trainer`` on CPU with ``datasets`` importable here (checked
+    once with ``importlib.util.find_spec``, nothing is imported) its anonymous memory
+    ``HF_DATASETS_ANON_BYTES``, and its mapped libraries ``HF_DATASETS_FILE_PAGES_BYTES`` unless the
+    process's own mapped-file figure is given; on CPU the measured ``ts.resident_file_bytes`` in
+    place of ``CPU_FILE_PAGES_AT_START_BYTES``, for every framework (it holds every library the
+    process mapped by train start, ``datasets``' included). docs/estimator.md#runtime-overhead."""
     global _DATASETS_INSTALLED
     b = RUNTIME_OVERHEAD_BYTES[ts.device]
     if ts.device == "cpu" and ts.framework == "hf":
@@ -36,7 +41,7 @@ def runtime_overhead_bytes(ts: TrainSpec) -> int:
             except Exception:
                 _DATASETS_INSTALLED = False
         if _DATASETS_INSTALLED:
-            b += HF_DATASETS_IMPORT_BYTES
+            b += HF_DATASETS_ANON_BYTES + (HF_DATASETS_FILE_PAGES_BYTES if ts.resident_file_bytes is None else 0)
     if ts.device == "cpu" and ts.resident_file_bytes is not None:
         # every framework's process maps its libraries: the measured figure replaces the typical one
         b += int(ts.resident_file_bytes) - CPU_FILE_PAGES_AT_START_BYTES

@@ -290,8 +290,12 @@ class MemGuardCallback(GuardAttributes, Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         """Lightning restores a checkpoint (``fit(ckpt_path=...)``, before the first batch): the saved
         state is taken back at the start instead of the preflight deciding again. A state that is
-        not usable is logged and ignored."""
-        restore_guard_state(self.guard, state_dict, getattr(self.trainer, "ckpt_path", None))
+        not usable is logged and ignored. A ``validate`` / ``test`` / ``predict`` checkpoint is passed
+        over (no fit starts from it)."""
+        trainer = self.step.trainer
+        fn = getattr(getattr(trainer, "state", None), "fn", None)
+        if getattr(fn, "value", fn) == "fit":
+            restore_guard_state(self.guard, state_dict, getattr(trainer, "ckpt_path", None))
 
     def _restore_eval_split(self) -> None:
         back = self.guard.restored

@@ -136,3 +136,28 @@ def test_mlx_resume_restores_the_micro_batches_and_without_the_state_decides_aga
     third = _lines(out, "starts.jsonl")[2]
     assert third["k"] == 1 and third["preflight_ran"] and third["restored_from"] is None
     assert f"no guard state in {adapter}" in _log(out)
+
+
+def test_lightning_a_validate_checkpoint_does_not_reach_a_later_fit(tmp_path):
+    # Lightning hands callback states back on validate(ckpt_path=...) too: no fit starts from it
+    from memguard_lightning import MemGuardCallback
+    from memguard_testing.lightning_tiny import TinyLM, make_loader, make_trainer, make_val_loader
+
+    first = MemGuardCallback(budget_bytes=64 * 2**30, monitor_interval_s=0, grow=None)
+    trainer = make_trainer(callbacks=[first], max_steps=2, accumulate=1)
+    module = TinyLM(total_steps=4)
+    trainer.fit(module, make_loader(8))
+    first.monitor.request_micro_batches(4, "test: memory pressure")   # what the checkpoint will hold
+    ckpt = str(tmp_path / "step2.ckpt")
+    trainer.save_checkpoint(ckpt)
+
+    guard = MemGuardCallback(budget_bytes=64 * 2**30, monitor_interval_s=0, grow=None)
+    trainer = make_trainer(callbacks=[guard], max_steps=2, accumulate=1)
+    trainer.validate(module, make_val_loader(), ckpt_path=ckpt)
+    trainer.fit(module, make_loader(8))
+    assert guard.guard.restored is None and guard.preflight is not None and guard.monitor.micro_batches == 1
+
+    guard = MemGuardCallback(budget_bytes=64 * 2**30, monitor_interval_s=0, grow=None)
+    trainer = make_trainer(callbacks=[guard], max_steps=4, accumulate=1)
+    trainer.fit(module, make_loader(8), ckpt_path=ckpt)   # the control: a fit from it restores k = 4
+    assert guard.guard.restored_from == ckpt and guard.preflight is None and guard.summary["micro_batches"] == 4

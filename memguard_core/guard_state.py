@@ -8,6 +8,7 @@ docs/lifecycle.md, "What a resume restores".
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -199,7 +200,7 @@ def write_state(path: str, state: GuardState, log: logging.Logger) -> bool:
     tmp = None
     try:
         if not state.saved_at:
-            state = GuardState(**{**state.__dict__, "saved_at": round(time.time(), 3)})
+            state = dataclasses.replace(state, saved_at=round(time.time(), 3))
         text = json.dumps(state.to_dict(), indent=1, sort_keys=True, allow_nan=False)
         folder = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(prefix=".memguard_state.", suffix=".tmp", dir=folder)

@@ -278,3 +278,28 @@ def test_an_adapter_file_whose_state_is_missing_or_broken_is_passed_over(tmp_pat
         for path in (bad_json, str(not_st), other_step):
             assert not restore_guard_state(_guard(budget_bytes=3 * GiB), path)
     assert caplog.text.count("not used") == 3 and "JSONDecodeError" in caplog.text and "saved at step 6, the run resumes at step 8" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------ HF's folder
+
+def test_hf_finds_the_folder_the_trainer_resumes_from(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from memguard_hf.resume import resumed_folder
+
+    monkeypatch.delenv("MEMGUARD_RESUME_FROM", raising=False)
+    args, trainer = SimpleNamespace(output_dir=str(tmp_path / "out")), object()
+    fresh, resumed = SimpleNamespace(global_step=0), SimpleNamespace(global_step=3)
+    assert resumed_folder(trainer, args, fresh) == (None, None)
+    assert resumed_folder(trainer, args, resumed) == (str(tmp_path / "out" / "checkpoint-3"), 3)
+    env_dir = tmp_path / "elsewhere" / "checkpoint-3"
+    env_dir.mkdir(parents=True)
+    monkeypatch.setenv("MEMGUARD_RESUME_FROM", str(env_dir))
+    assert resumed_folder(trainer, args, resumed) == (str(env_dir), 3)
+    assert resumed_folder(trainer, args, fresh) == (str(env_dir), None)   # a script that starts at 0
+
+    class Trainer:   # Trainer.train's frame holds the folder it loads: that one wins
+        def train(self, resume_from_checkpoint):
+            return resumed_folder(self, args, resumed)
+
+    assert Trainer().train("/ckpts/checkpoint-3") == ("/ckpts/checkpoint-3", 3)

@@ -145,7 +145,8 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
                                      thresholds=opts.thresholds, interval_s=opts.monitor_interval_s, micro_batches=k,
                                      max_micro_batches=rows, on_event=self._on_event, grow=self.grow,
                                      clean_fn=clean_fn, peak_fn=peak_fn,
-                                     planned_micro_batches=min(self._planned_k, k))
+                                     planned_micro_batches=min(self._planned_k, k),
+                                     reset_peak_rss=opts.reset_peak_rss)
         if restored is not None:   # the step peaks measured at each k: what growing back predicts from
             self.monitor.peak_at_micro_batches.update(restored.peak_at_micro_batches)
         if k > 1:
@@ -258,6 +259,8 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
         Returns:
             the summary (None when no monitor ran): ``micro_batches`` (final micro-batches per batch),
             ``max_usage`` (fraction of the budget), ``budget_bytes``, ``measured_peak_bytes``,
+            ``process_peak_rss_bytes`` (the process's peak resident set over its life, what
+            ``ru_maxrss`` would read without the per-step resets; docs/monitor.md),
             ``estimated_peak_bytes`` (planned settings; None without a preflight),
             ``requested_peak_bytes`` (the requested settings; both include what the process already
             held at train start beyond the estimate, so they compare), ``optimizer_steps``, ``samples_per_step`` (distinct values),
@@ -274,11 +277,13 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
             measured = mon.final_sample() if self._ended_step is None else (mon.max_step_peak_bytes or None)
             if measured_bytes is not None:
                 measured = measured_bytes()
+            process_peak = mon.end_peak_windows()   # after the last reset: VmHWM back to the run's peak
             self.summary = {
                 "micro_batches": mon.micro_batches,
                 "max_usage": round(max(mon.max_usage, self.recorder.max_usage), 4),
                 "budget_bytes": mon.budget_bytes,
                 "measured_peak_bytes": measured,
+                "process_peak_rss_bytes": process_peak,
                 "estimated_peak_bytes": pf.best_peak_bytes if pf else None,
                 "requested_peak_bytes": pf.requested_peak_bytes if pf else None,
                 "optimizer_steps": int(optimizer_steps),
@@ -304,9 +309,11 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
         return self.summary
 
     def stop(self) -> None:
-        """Stop the monitor's thread (the run is leaving training without :meth:`finish`)."""
+        """Stop the monitor's thread (the run is leaving training without :meth:`finish`) and
+        give VmHWM back its peak (``MemoryMonitor.end_peak_windows``)."""
         if self.monitor is not None:
             self.monitor.stop()
+            self.monitor.end_peak_windows()
 
 
 def _from_guard(name: str, doc: str) -> property:

@@ -46,8 +46,11 @@ def _on(part: str, name: str, doc: str) -> property:
 
 
 def _check_args(*, budget_bytes, device, interval_s, micro_batches, max_micro_batches, thresholds, psi, memorystatus,
-                alloc_retries, grow, planned_micro_batches, clean_fn, on_event, probe_fn, peak_fn, live_fn) -> None:
+                alloc_retries, grow, planned_micro_batches, clean_fn, on_event, probe_fn, peak_fn, live_fn,
+                reset_peak_rss=True) -> None:
     """:class:`MemoryMonitor`'s arguments checked; a ConfigError names the first bad one."""
+    if not isinstance(reset_peak_rss, bool):
+        raise ConfigError("reset_peak_rss", "True or False", reset_peak_rss)
     require_int("budget_bytes", budget_bytes, "a positive integer number of bytes")
     require_number("interval_s", interval_s, "a number of seconds >= 0", lo=0.0)
     require_int("micro_batches", micro_batches, "an integer >= 1")
@@ -108,11 +111,16 @@ class MemoryMonitor(PressureSignals):
         alloc_retries: :class:`AllocRetryPolicy`: on a CUDA device, the caching allocator's
             ``num_alloc_retries`` rising over consecutive optimizer steps cleans, then splits
             (read from the step sample's counters, once per optimizer step); ``None`` turns it off.
+        reset_peak_rss: on a CPU device, restart the process's peak resident set (VmHWM on Linux)
+            at every step sample (default True: each step sample reads its own step's peak); False
+            leaves the process's peak intact for ``ru_maxrss`` / ``time -v`` and reads the
+            process's peak so far as each step's (see ``StepSampler``, docs/monitor.md, "The
+            process's own peak").
 
     Raises:
         ConfigError: invalid budget, device, ratio, thresholds, interval, micro_batches, max_micro_batches, psi,
-            memorystatus, alloc_retries, grow (or ``grow.below`` above ``warning - hysteresis``) or planned_micro_batches (the error
-            names the argument).
+            memorystatus, alloc_retries, grow (or ``grow.below`` above ``warning - hysteresis``), planned_micro_batches
+            or reset_peak_rss (the error names the argument).
     """
 
     def __init__(self, budget_bytes: int, *, device: str = "auto", safety_ratio: float = 0.8,
@@ -125,11 +133,12 @@ class MemoryMonitor(PressureSignals):
                  psi: Optional[PsiPolicy] = PsiPolicy(),
                  grow: Optional[GrowPolicy] = GrowPolicy(), planned_micro_batches: Optional[int] = None,
                  memorystatus: Optional[MemorystatusPolicy] = MemorystatusPolicy(),
-                 alloc_retries: Optional[AllocRetryPolicy] = AllocRetryPolicy()):
+                 alloc_retries: Optional[AllocRetryPolicy] = AllocRetryPolicy(), reset_peak_rss: bool = True):
         _check_args(budget_bytes=budget_bytes, device=device, interval_s=interval_s, micro_batches=micro_batches,
                     max_micro_batches=max_micro_batches, thresholds=thresholds, psi=psi, memorystatus=memorystatus,
                     alloc_retries=alloc_retries, grow=grow, planned_micro_batches=planned_micro_batches, clean_fn=clean_fn,
-                    on_event=on_event, probe_fn=probe_fn, peak_fn=peak_fn, live_fn=live_fn)
+                    on_event=on_event, probe_fn=probe_fn, peak_fn=peak_fn, live_fn=live_fn,
+                    reset_peak_rss=reset_peak_rss)
         self.budget_bytes = budget_bytes
         self.device = device
         self.safety_ratio = require_fraction("safety_ratio", safety_ratio)
@@ -139,7 +148,8 @@ class MemoryMonitor(PressureSignals):
                                   psi=psi, grow=grow, planned_micro_batches=planned_micro_batches,
                                   memorystatus=memorystatus, alloc_retries=alloc_retries)
         #: the reads of the device
-        self.sampler = StepSampler(device, probe_fn=probe_fn, peak_fn=peak_fn, live_fn=live_fn)
+        self.sampler = StepSampler(device, probe_fn=probe_fn, peak_fn=peak_fn, live_fn=live_fn,
+                                   reset_rss_peak=reset_peak_rss)
         self.events: List[MemoryEvent] = []
         self.max_step_peak_bytes = 0
         self._clean_fn = clean_fn or default_clean
@@ -327,6 +337,20 @@ class MemoryMonitor(PressureSignals):
         except Exception as exc:
             self._log_failure("final_sample", exc)
         return self.max_step_peak_bytes or None
+
+    def end_peak_windows(self) -> Optional[int]:
+        """No step window follows (train end, after the last sample): this process's peak
+        resident set over its life (bytes; :func:`memguard_core.process_peak.restore_process_peak`),
+        with VmHWM raised back to it where the step samples reset it (Linux CPU,
+        ``reset_peak_rss``) and memory allows, so ``ru_maxrss`` and ``time -v`` read the run's peak.
+        Never raises."""
+        from .process_peak import restore_process_peak
+
+        try:
+            return restore_process_peak()
+        except Exception as exc:
+            self._log_failure("end_peak_windows", exc)
+            return None
 
     # ----- thread --------------------------------------------------------------------------------
     def start(self) -> "MemoryMonitor":

@@ -29,6 +29,11 @@ class StepSampler:
         peak_fn: ``peak_fn() -> bytes | None``: the peak since its last call, resetting it;
             replaces the snapshot's ``process_peak_bytes`` and the reader's peak reset.
         live_fn: ``live_fn() -> bytes | None`` replacing the reader's live bytes.
+        reset_rss_peak: on a CPU device, restart the process's own peak (VmHWM on Linux, through
+            ``/proc/self/clear_refs``) at every step sample (default). False leaves it intact:
+            a step's peak is then the process's peak so far (exact for a step that set a new one,
+            an upper bound for the others; docs/monitor.md, "The process's own peak"). Device
+            allocators' peaks (CUDA, MLX) are restarted either way.
 
     Attributes ``probe_fn``, ``peak_fn`` and ``live_fn`` may be replaced while running. Reads
     raise what the probe raises (the monitor logs and skips them), except :meth:`live`.
@@ -36,11 +41,12 @@ class StepSampler:
 
     def __init__(self, device: str, *, probe_fn: Optional[Callable[[bool], object]] = None,
                  peak_fn: Optional[Callable[[], Optional[int]]] = None,
-                 live_fn: Optional[Callable[[], Optional[int]]] = None):
+                 live_fn: Optional[Callable[[], Optional[int]]] = None, reset_rss_peak: bool = True):
         self.device = device
         self.probe_fn = probe_fn
         self.peak_fn = peak_fn
         self.live_fn = live_fn
+        self.reset_rss_peak = bool(reset_rss_peak)
         self._reader = None
 
     @property
@@ -76,8 +82,10 @@ class StepSampler:
     def reset_peak(self) -> None:
         """Start a new peak window on the device. Where the reader has no resettable peak, a
         software baseline is kept instead (``stats.reset_peak_memory``; its peak figures, not the
-        snapshots', start again)."""
+        snapshots', start again). Nothing on a CPU device with ``reset_rss_peak`` off."""
         reader = self.reader
+        if not self.reset_rss_peak and reader.device == "cpu":
+            return
         if not reader.reset_peak():
             from .stats import reset_peak_memory
             reset_peak_memory(reader.device)
@@ -94,7 +102,7 @@ class StepSampler:
         """One step sample's figures, the peak window restarted after:
         ``(monotonic s, RSS, used, capacity)``; used = the peak of the last micro-batch (at least
         the RSS), capacity = process + available (bytes)."""
-        if self.probe_fn is None and self.peak_fn is None:
+        if self.probe_fn is None and self.peak_fn is None and (self.reset_rss_peak or self.reader.device != "cpu"):
             figs = self.reader.step_figures()
             if figs is not None:     # the common Linux CPU case: no snapshot object
                 self.reset_peak()

@@ -95,6 +95,15 @@ class GuardOptions:
             start (``mallopt``; needs the preflight, which reads the model), for the rest of the
             process (docs/monitor.md, "The CPU heap
             between steps"). Nothing on CUDA, MPS, MLX or other hosts.
+        reset_peak_rss: on a CPU device on Linux, reset the process's peak resident set (VmHWM,
+            through ``/proc/self/clear_refs``) at every step sample, so each sample reads its own
+            step's peak; the process's peak over its life is kept and reported as
+            ``process_peak_rss_bytes`` (run summary, event log) and VmHWM is raised back to it at
+            train end where memory allows, so ``ru_maxrss`` and ``time -v`` read it then. False:
+            VmHWM is never reset, and each step's peak is the process's peak so far (exact for a
+            step that sets a new one, an upper bound for the others: a step's usage never falls
+            below the highest peak so far, model loading's included). docs/monitor.md, "The process's own peak". Nothing on CUDA,
+            MPS, MLX or other hosts (their OS peak is never reset).
     """
 
     budget_bytes: Optional[int] = None
@@ -115,6 +124,7 @@ class GuardOptions:
     snapshot_steps: Tuple[int, ...] = ()
     leak_detector: bool = True
     trim_heap: bool = True
+    reset_peak_rss: bool = True
 
     @classmethod
     def from_kwargs(cls, *, budget_bytes: Optional[float] = None, safety_ratio: float = 0.8,
@@ -125,7 +135,8 @@ class GuardOptions:
                     budget_gib: Optional[float] = None,
                     log_dir: Optional[str] = None, cuda_snapshots: Optional[str] = None,
                     snapshot_steps: Sequence[int] = (), leak_detector: bool = True,
-                    eval_micro_batches: int = 1, trim_heap: bool = True) -> "GuardOptions":
+                    eval_micro_batches: int = 1, trim_heap: bool = True,
+                    reset_peak_rss: bool = True) -> "GuardOptions":
         """Validate and normalise. ``budget_bytes`` takes an int or a float (bytes, rounded down:
         ``8.5e9``); ``budget_gib`` gives the budget in GiB instead (not both).
 
@@ -174,7 +185,8 @@ class GuardOptions:
             snapshot_steps = (snapshot_steps,)
         if not all(_positive_int(s) for s in snapshot_steps):
             raise ConfigError("snapshot_steps", "optimizer steps (integers >= 1)", snapshot_steps)
-        for name, flag in (("leak_detector", leak_detector), ("trim_heap", trim_heap)):
+        for name, flag in (("leak_detector", leak_detector), ("trim_heap", trim_heap),
+                           ("reset_peak_rss", reset_peak_rss)):
             if not isinstance(flag, bool):
                 raise ConfigError(name, "True or False", flag)
         return cls(budget_bytes=budget_bytes, safety_ratio=ratio, thresholds=thresholds or Thresholds(),
@@ -183,7 +195,7 @@ class GuardOptions:
                    preflight=preflight, grow=grow, log_dir=None if log_dir is None else os.fspath(log_dir),
                    cuda_snapshots=None if cuda_snapshots is None else os.fspath(cuda_snapshots),
                    snapshot_steps=tuple(int(s) for s in snapshot_steps), leak_detector=leak_detector,
-                   eval_micro_batches=eval_micro_batches, trim_heap=trim_heap)
+                   eval_micro_batches=eval_micro_batches, trim_heap=trim_heap, reset_peak_rss=reset_peak_rss)
 
 
 #: The keyword names every adapter takes for its :class:`GuardOptions` (those of

@@ -20,7 +20,8 @@ from memguard_hf.model_spec import model_spec_from_hf_config
 
 SMOL = os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")
 GiB = 2**30
-SUMMARY_KEYS = {"micro_batches", "max_usage", "budget_bytes", "measured_peak_bytes", "estimated_peak_bytes",
+SUMMARY_KEYS = {"micro_batches", "max_usage", "budget_bytes", "measured_peak_bytes", "process_peak_rss_bytes",
+                "estimated_peak_bytes",
                 "requested_peak_bytes", "optimizer_steps", "samples_per_step", "oom_retries", "events", "event_log"}
 
 

@@ -1,6 +1,8 @@
 """This process's resident set and its peak on the Linux per-step path: /proc/self/statm, the peak
-from ``ru_maxrss`` after a ``clear_refs`` reset, and the per-step figures without a snapshot. See
-docs/monitor.md, "Probes".
+from ``ru_maxrss`` after a ``clear_refs`` reset, and the per-step figures without a snapshot; and
+the process's peak over its life, which every reset folds in first, so the figure the reset takes
+from ``ru_maxrss`` / ``time -v`` stays known and can be put back (:func:`process_peak_bytes`,
+:func:`raise_peak_to`). See docs/monitor.md, "Probes" and "The process's own peak".
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ try:
 except ImportError:   # not on Windows; this module is only used on Linux, but must import anywhere
     _resource = None
 
-__all__ = ["reset_peak", "step_rss_and_peak", "step_figures", "RU_DRIFT_BYTES"]
+__all__ = ["reset_peak", "step_rss_and_peak", "step_figures", "RU_DRIFT_BYTES", "process_peak_bytes",
+           "raise_peak_to", "resets_done"]
 
 
 #: Generating /proc/self/status makes the kernel sum per-CPU RSS counters and format dozens of
@@ -37,6 +40,10 @@ _ru_floor_kib: Optional[int] = None      # upper bound of signal->maxrss; None b
 _clear_refs_fd: Optional[int] = None
 _clear_refs_tried = False
 _statm_fd: Optional[int] = None
+#: the largest peak read right before a reset (bytes; the first one reads VmHWM: the process's peak
+#: before any reset), so the process's peak over its life survives the resets
+_life_peak = 0
+_resets = 0
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: ``ru_maxrss`` reads the batched per-CPU RSS counters, VmHWM their exact sum: a reading this far
 #: above VmHWM is the floor, not drift (the batch is a few hundred KiB per CPU that ran the process).
@@ -52,7 +59,7 @@ def reset_peak() -> bool:
         True when the kernel took the reset; False where ``clear_refs`` cannot be written
         (old kernel, seccomp, read-only /proc). Never raises.
     """
-    global _clear_refs_fd, _clear_refs_tried, _ru_floor_kib
+    global _clear_refs_fd, _clear_refs_tried, _ru_floor_kib, _life_peak, _resets
     try:
         fd = _clear_refs_fd
         if fd is None:
@@ -60,10 +67,14 @@ def reset_peak() -> bool:
                 return False
             _clear_refs_tried = True
             fd = _clear_refs_fd = os.open("/proc/self/clear_refs", os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        before = _window_peak()
         os.write(fd, b"5")
     except OSError:
         _clear_refs_fd = None
         return False
+    if before is not None and before > _life_peak:
+        _life_peak = before
+    _resets += 1
     try:
         after = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
         # max(floor, RSS now): the floor is at most this; keep the tightest bound seen
@@ -72,6 +83,76 @@ def reset_peak() -> bool:
     except Exception:
         pass
     return True
+
+
+def _window_peak() -> Optional[int]:
+    """The peak since the last reset (bytes): ``ru_maxrss`` where it is above the floor's bound (one
+    syscall; it reads up to a few hundred KiB below VmHWM, see above), else VmHWM; None where
+    neither can be read."""
+    floor = _ru_floor_kib
+    if floor is not None:
+        try:
+            kib = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
+        except Exception:
+            kib = 0
+        if kib > floor:
+            return kib * 1024
+    return read_status(keys=STATUS_KEYS).get("VmHWM")
+
+
+def process_peak_bytes() -> Optional[int]:
+    """This process's peak resident set over its life, bytes: VmHWM as it would read had
+    :func:`reset_peak` never reset it -- the largest peak read before each reset (the first
+    reads the peak before any reset), and VmHWM now. None where /proc/self/status cannot be read
+    and no reset was done. Reads /proc/self/status once; never raises."""
+    try:
+        now = read_status(keys=STATUS_KEYS).get("VmHWM")
+    except Exception:
+        now = None
+    if now is None and not _life_peak:
+        return None
+    return max(_life_peak, now or 0)
+
+
+def resets_done() -> int:
+    """How many times :func:`reset_peak` reset this process's VmHWM (0 in a fresh fork)."""
+    return _resets
+
+
+def raise_peak_to(target_bytes: int) -> bool:
+    """Raise VmHWM (and with it ``ru_maxrss``, and ``time -v``'s figure at exit) back to
+    ``target_bytes`` after resets took it away: an anonymous mapping of ``target - RSS`` bytes is
+    written one byte a page, so the resident set reaches the target, and unmapped. VmHWM is
+    ``max(hiwater_rss, RSS)`` and the unmap records the high-water mark before it drops the pages
+    (mm/mmap.c ``update_hiwater_rss`` ahead of the zap; kernel/sys.c ``getrusage``: ``ru_maxrss`` is
+    the same mark). Huge pages are declined on the mapping (``MADV_NOHUGEPAGE``) so the resident
+    set rises by the bytes written and not by 2 MiB steps.
+
+    The caller decides whether memory allows it (the pages are resident for the time of one write
+    over them). Returns True when VmHWM reads at least ``target_bytes`` after; never raises.
+    """
+    import mmap
+
+    try:
+        status = read_status(keys=STATUS_KEYS)
+        hwm, rss = status.get("VmHWM"), status.get("VmRSS")
+        if hwm is None or rss is None:
+            return False
+        if hwm >= target_bytes:
+            return True
+        gap = -(-(int(target_bytes) - rss) // _PAGE_SIZE) * _PAGE_SIZE
+        m = mmap.mmap(-1, gap)
+        try:
+            try:
+                m.madvise(mmap.MADV_NOHUGEPAGE)
+            except (AttributeError, OSError):
+                pass
+            m[::_PAGE_SIZE] = b"\x01" * (gap // _PAGE_SIZE)
+        finally:
+            m.close()
+        return (read_status(keys=STATUS_KEYS).get("VmHWM") or 0) >= target_bytes
+    except Exception:
+        return False
 
 
 def step_rss_and_peak() -> Tuple[Optional[int], Optional[int]]:
@@ -155,13 +236,14 @@ def _forget_after_fork() -> None:
     """In a forked child (DataLoader workers, multiprocessing): the kept descriptors of
     /proc/self/* still name the parent (procfs binds a file to the task at open), and a kept
     ``clear_refs`` would reset the parent's peak. Drop them, and what was read through them."""
-    global _clear_refs_fd, _clear_refs_tried, _ru_floor_kib, _statm_fd
+    global _clear_refs_fd, _clear_refs_tried, _ru_floor_kib, _statm_fd, _life_peak, _resets
     for fd in [f for f in (_clear_refs_fd, _statm_fd) if f is not None]:
         try:
             os.close(fd)
         except OSError:
             pass
     _clear_refs_fd, _clear_refs_tried, _ru_floor_kib, _statm_fd = None, False, None, None
+    _life_peak, _resets = 0, 0   # the child's own VmHWM is its peak
 
 
 if hasattr(os, "register_at_fork"):

@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 from . import frameworks
 from .events import LOG_DIR_ENV, EventLog
 from .leak import LeakDetector
+from .process_peak import process_peak_rss_bytes
 
 __all__ = ["RunRecorder", "step_figures", "FIGURE_NAMES", "SNAPSHOTS_ENV", "fragmentation_note",
            "FRAGMENTATION_WARN_SHARE"]
@@ -225,10 +226,13 @@ class RunRecorder:
                                          micro_batches, stats)
         self.max_usage = max(self.max_usage, self.last_figures.get("memguard_usage") or 0.0)
         if self.events is not None:
+            # the process's peak over its life on every record: a run killed before its end record
+            # still says it (the per-step resets took it from ru_maxrss)
             self.events.step(step, peak_bytes=figures.get("peak"), current_bytes=figures.get("current"),
                              budget_bytes=figures.get("budget"), micro_batches=micro_batches, pressure=level,
                              reserved_bytes=None if not stats else stats.get("reserved_bytes.all.current"),
-                             num_alloc_retries=None if not stats else stats.get("num_alloc_retries"))
+                             num_alloc_retries=None if not stats else stats.get("num_alloc_retries"),
+                             process_peak_rss_bytes=process_peak_rss_bytes())
         if self.leak is not None and figures.get("current") is not None:
             self.leak.sample(step, figures["current"])
         if self.snapshots is not None:

@@ -100,10 +100,14 @@ def _run_id(path: str, records: List[Dict[str, Any]]) -> str:
 
 def summarize(ranks: Dict[int, List[Dict[str, Any]]]) -> Dict[str, Any]:
     """One run's summary (its records by rank, one entry of :func:`load_runs`): steps, the highest
-    peak (bytes) and its share of the budget, decisions by kind, restarts."""
+    peak (bytes) and its share of the budget, the process's peak RSS over its life
+    (``process_peak_rss_bytes``, the largest rank's), decisions by kind, restarts."""
     steps = [r for recs in ranks.values() for r in recs if r.get("type") == "step"]
     decisions = [r for recs in ranks.values() for r in recs if r.get("type") == "decision"]
     peaks = [r["peak_bytes"] for r in steps if r.get("peak_bytes") is not None]
+    # the process's peak over its life (step and end records; the largest rank's), docs/events.md
+    lives = [r["process_peak_rss_bytes"] for recs in ranks.values() for r in recs
+             if isinstance(r.get("process_peak_rss_bytes"), int)]
     budgets = [r["budget_bytes"] for r in steps if r.get("budget_bytes")]
     top = max(steps, key=lambda r: r.get("peak_bytes") or 0) if peaks else None
     kinds: Dict[str, int] = {}
@@ -116,6 +120,7 @@ def summarize(ranks: Dict[int, List[Dict[str, Any]]]) -> Dict[str, Any]:
         "budget_bytes": (top.get("budget_bytes") if top else None) or (max(budgets) if budgets else None),
         "peak_usage": (max(peaks) / top["budget_bytes"]) if top and top.get("budget_bytes") else None,
         "micro_batches_last": steps[-1].get("micro_batches") if steps else None,
+        "process_peak_rss_bytes": max(lives) if lives else None,
         "decisions": kinds,
         "decision_lines": [f"step {d.get('step')}: {_rank_tag(d, len(ranks))}{d.get('kind')}: {d.get('message')}"
                            for d in decisions],
@@ -130,6 +135,9 @@ def summary_text(s: Dict[str, Any]) -> str:
     if s["peak_bytes"] is not None:
         usage = f" = {s['peak_usage']:.0%} of the {s['budget_bytes'] / GiB:.2f} GiB budget" if s["peak_usage"] else ""
         lines.append(f"highest step peak {s['peak_bytes'] / GiB:.2f} GiB at step {s['peak_step']}{usage}")
+    if s.get("process_peak_rss_bytes") is not None:
+        lines.append(f"process peak RSS {s['process_peak_rss_bytes'] / GiB:.2f} GiB over its life (process_peak_rss_bytes: "
+                     "read it, not ru_maxrss / time -v, while the guard resets VmHWM per step)")
     if s["micro_batches_last"] is not None:
         lines.append(f"micro-batches per batch at the last step: {s['micro_batches_last']}")
     lines.append("decisions: " + (", ".join(f"{k} x{n}" for k, n in sorted(s["decisions"].items())) or "none"))

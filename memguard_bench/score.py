@@ -23,13 +23,17 @@ _CONFIG_FIELDS = ("attention_dropout", "residual_dropout", "embedding_dropout", 
 
 def model_spec_from_dict(d: dict):
     """A ``ModelSpec`` from its ``dataclasses.asdict`` form (as a child records it), nested types
-    (parameter counts, linear shapes, a vision tower) rebuilt."""
+    (parameter counts, linear shapes, a vision tower, the task head) rebuilt."""
     from memguard_core.estimator.specs import BlockKind, LinearShape, ModelSpec, ParamCounts, VisionTower
 
     d = dict(d)
     d["params"] = ParamCounts(**d["params"])
     d["block_kinds"] = tuple(BlockKind(**x) for x in d.get("block_kinds") or ())
     d["block_linears"] = tuple(LinearShape(**x) for x in d.get("block_linears") or ())
+    if isinstance(d.get("head"), dict):  # the task head (a record from before it has none: a causal LM)
+        from memguard_core.estimator.heads import TaskHead
+
+        d["head"] = TaskHead(**d["head"])
     vt = d.get("vision_tower")
     if isinstance(vt, dict):  # a recorded vision-language spec: its tower's linears as LinearShape too
         vt = dict(vt)

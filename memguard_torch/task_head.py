@@ -83,6 +83,8 @@ def task_head_from_module(model: Any, kind: Optional[str] = None) -> TaskHead:
     reads, pooler_linear = "all_tokens", False
     if kind == SEQUENCE_CLASSIFICATION:
         classifier = next((c for n, c in m.named_children() if n in ("classifier", "score")), None)
+        # PEFT's ``modules_to_save`` wraps the classifier (``ModulesToSaveWrapper.original_module``)
+        classifier = getattr(classifier, "original_module", classifier)
         if pooler is not None:
             reads, pooler_linear = "first_token", not any(p > 0 for p in _dropouts([pooler]))
         elif classifier is not None and not isinstance(classifier, nn.Linear):

@@ -62,6 +62,15 @@ def test_head_read_from_architectures_and_counted_as_the_classifier(model_type, 
     assert model_spec_from_module(live).head == h  # the live module reads the same head
 
 
+def test_peft_sequence_classifier_reads_the_same_head():
+    peft = pytest.importorskip("peft")
+    cfg = _config("llama", "LlamaForSequenceClassification", num_labels=3)
+    plain = model_spec_from_module(_live(cfg)).head
+    wrapped = peft.get_peft_model(_live(cfg), peft.LoraConfig(r=4, task_type="SEQ_CLS", target_modules=["q_proj"]))
+    assert model_spec_from_module(wrapped).head == plain
+    assert (plain.kind, plain.reads, plain.num_labels) == ("sequence_classification", "all_tokens", 3)
+
+
 def test_masked_lm_head_and_causal_default():
     ms = model_spec_from_hf_config(_config("bert", "BertForMaskedLM"))
     assert (ms.head.kind, ms.head.transform, ms.head.final_norm) == ("masked_lm", True, False)

@@ -24,6 +24,7 @@ from .observe import RunRecorder
 from .oom_recovery import OomRecovery
 from .options import GuardOptions
 from .preflight import Preflight, default_budget
+from .process_peak import restore_process_peak
 from .step_heap import StepHeap
 
 __all__ = ["Guard", "GuardAttributes"]
@@ -277,7 +278,7 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
             measured = mon.final_sample() if self._ended_step is None else (mon.max_step_peak_bytes or None)
             if measured_bytes is not None:
                 measured = measured_bytes()
-            process_peak = mon.end_peak_windows()   # after the last reset: VmHWM back to the run's peak
+            process_peak = restore_process_peak()   # after the last reset: VmHWM back to the run's peak
             self.summary = {
                 "micro_batches": mon.micro_batches,
                 "max_usage": round(max(mon.max_usage, self.recorder.max_usage), 4),
@@ -300,7 +301,9 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
             self.recorder.step(int(optimizer_steps), last, mon.micro_batches, mon.level.name.lower())
             self.recorder.finish(self.summary)
             # a recovered OOM (training or evaluation) makes the measured peak a failed attempt's
-            if not self.oom_retries and not extra.get("eval_oom_retries"):
+            # ... and a lower bound (reset_peak_rss off, no step past the peak before the start) is none
+            if (not self.oom_retries and not extra.get("eval_oom_retries")
+                    and (measured_bytes is not None or mon.sampler.peaks_exact)):
                 from .calibration import record_preflight
 
                 record_preflight(pf, measured, micro_batches=mon.micro_batches)
@@ -310,10 +313,10 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
 
     def stop(self) -> None:
         """Stop the monitor's thread (the run is leaving training without :meth:`finish`) and
-        give VmHWM back its peak (``MemoryMonitor.end_peak_windows``)."""
+        give VmHWM back its peak (``process_peak.restore_process_peak``)."""
         if self.monitor is not None:
             self.monitor.stop()
-            self.monitor.end_peak_windows()
+            restore_process_peak()
 
 
 def _from_guard(name: str, doc: str) -> property:

@@ -111,16 +111,12 @@ class MemoryMonitor(PressureSignals):
         alloc_retries: :class:`AllocRetryPolicy`: on a CUDA device, the caching allocator's
             ``num_alloc_retries`` rising over consecutive optimizer steps cleans, then splits
             (read from the step sample's counters, once per optimizer step); ``None`` turns it off.
-        reset_peak_rss: on a CPU device, restart the process's peak resident set (VmHWM on Linux)
-            at every step sample (default True: each step sample reads its own step's peak); False
-            leaves the process's peak intact for ``ru_maxrss`` / ``time -v`` and reads the
-            process's peak so far as each step's (see ``StepSampler``, docs/monitor.md, "The
-            process's own peak").
+        reset_peak_rss: restart VmHWM at every CPU step sample (default); False keeps it (``StepSampler``).
 
     Raises:
         ConfigError: invalid budget, device, ratio, thresholds, interval, micro_batches, max_micro_batches, psi,
-            memorystatus, alloc_retries, grow (or ``grow.below`` above ``warning - hysteresis``), planned_micro_batches
-            or reset_peak_rss (the error names the argument).
+            memorystatus, alloc_retries, grow (or ``grow.below`` above ``warning - hysteresis``), planned_micro_batches,
+            reset_peak_rss (the error names the argument).
     """
 
     def __init__(self, budget_bytes: int, *, device: str = "auto", safety_ratio: float = 0.8,
@@ -337,20 +333,6 @@ class MemoryMonitor(PressureSignals):
         except Exception as exc:
             self._log_failure("final_sample", exc)
         return self.max_step_peak_bytes or None
-
-    def end_peak_windows(self) -> Optional[int]:
-        """No step window follows (train end, after the last sample): this process's peak
-        resident set over its life (bytes; :func:`memguard_core.process_peak.restore_process_peak`),
-        with VmHWM raised back to it where the step samples reset it (Linux CPU,
-        ``reset_peak_rss``) and memory allows, so ``ru_maxrss`` and ``time -v`` read the run's peak.
-        Never raises."""
-        from .process_peak import restore_process_peak
-
-        try:
-            return restore_process_peak()
-        except Exception as exc:
-            self._log_failure("end_peak_windows", exc)
-            return None
 
     # ----- thread --------------------------------------------------------------------------------
     def start(self) -> "MemoryMonitor":

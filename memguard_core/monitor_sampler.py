@@ -30,10 +30,10 @@ class StepSampler:
             replaces the snapshot's ``process_peak_bytes`` and the reader's peak reset.
         live_fn: ``live_fn() -> bytes | None`` replacing the reader's live bytes.
         reset_rss_peak: on a CPU device, restart the process's own peak (VmHWM on Linux, through
-            ``/proc/self/clear_refs``) at every step sample (default). False leaves it intact:
-            a step's peak is then the process's peak so far (exact for a step that set a new one,
-            an upper bound for the others; docs/monitor.md, "The process's own peak"). Device
-            allocators' peaks (CUDA, MLX) are restarted either way.
+            ``/proc/self/clear_refs``) at every step sample (default). False leaves it intact: a
+            step's peak is then VmHWM where the step raised it (exact), else the largest RSS a
+            snapshot read since the step sample before (a lower bound; docs/monitor.md, "The
+            process's own peak"). Device allocators' peaks (CUDA, MLX) are restarted either way.
 
     Attributes ``probe_fn``, ``peak_fn`` and ``live_fn`` may be replaced while running. Reads
     raise what the probe raises (the monitor logs and skips them), except :meth:`live`.
@@ -47,6 +47,11 @@ class StepSampler:
         self.peak_fn = peak_fn
         self.live_fn = live_fn
         self.reset_rss_peak = bool(reset_rss_peak)
+        #: with ``reset_rss_peak`` off on a CPU device: a step sample saw VmHWM rise past its value
+        #: at :meth:`prime` (the largest step peak is then exact, not a lower bound)
+        self.peak_rose = False
+        self._hwm_seen: Optional[int] = None   # VmHWM at the last step sample (or prime), reset off
+        self._rss_seen = 0                     # the largest RSS read since the last step sample, reset off
         self._reader = None
 
     @property
@@ -71,9 +76,36 @@ class StepSampler:
 
     def probe(self, cheap: bool):
         """A snapshot (``cheap``: the per-step path)."""
-        if self.probe_fn is not None:
-            return self.probe_fn(cheap)
-        return self.reader.probe(cheap)
+        snap = self.probe_fn(cheap) if self.probe_fn is not None else self.reader.probe(cheap)
+        if not self.reset_rss_peak:   # the step's lower bound where VmHWM does not rise (the thread's too)
+            rss = getattr(snap, "process_bytes", 0) or 0
+            if rss > self._rss_seen:
+                self._rss_seen = int(rss)
+        return snap
+
+    @property
+    def keeps_rss_peak(self) -> bool:
+        """True where the step samples leave the process's own peak intact: ``reset_rss_peak``
+        off on a CPU device without a ``peak_fn``."""
+        return not self.reset_rss_peak and self.peak_fn is None and self.reader.device == "cpu"
+
+    @property
+    def peaks_exact(self) -> bool:
+        """True where the largest step peak read is the steps' true peak: always with the reset
+        (or a device allocator's window); with the process's peak kept intact, once a step
+        raised VmHWM past its value at :meth:`prime` (before that every step peak is a lower
+        bound)."""
+        return not self.keeps_rss_peak or self.peak_rose
+
+    def _kept_peak(self, hwm: Optional[int], rss: int) -> int:
+        """A step's peak with the process's peak kept intact (bytes): VmHWM where it rose since
+        the last step sample, else the largest RSS read since then."""
+        seen, self._rss_seen = max(self._rss_seen, rss), 0
+        if hwm is not None and (self._hwm_seen is None or hwm > self._hwm_seen):
+            self.peak_rose = self.peak_rose or self._hwm_seen is not None
+            self._hwm_seen = int(hwm)
+            return max(int(hwm), rss)
+        return seen
 
     def pressure(self) -> Optional[float]:
         """The pressure signal read alone (percent), None where there is none."""
@@ -95,6 +127,9 @@ class StepSampler:
         the first step's peak)."""
         if self.peak_fn is not None:
             self.peak_fn()
+        elif self.keeps_rss_peak:
+            snap = self.probe(True)
+            self._hwm_seen, self._rss_seen = snap.process_peak_bytes, 0
         else:
             self.reset_peak()
 
@@ -102,7 +137,8 @@ class StepSampler:
         """One step sample's figures, the peak window restarted after:
         ``(monotonic s, RSS, used, capacity)``; used = the peak of the last micro-batch (at least
         the RSS), capacity = process + available (bytes)."""
-        if self.probe_fn is None and self.peak_fn is None and (self.reset_rss_peak or self.reader.device != "cpu"):
+        kept = self.keeps_rss_peak
+        if self.probe_fn is None and self.peak_fn is None and not kept:
             figs = self.reader.step_figures()
             if figs is not None:     # the common Linux CPU case: no snapshot object
                 self.reset_peak()
@@ -110,6 +146,8 @@ class StepSampler:
         snap = self.probe(True)
         if self.peak_fn is not None:
             peak = self.peak_fn()
+        elif kept:
+            peak = self._kept_peak(snap.process_peak_bytes, int(snap.process_bytes))
         else:
             peak = snap.process_peak_bytes
             if peak is not None:

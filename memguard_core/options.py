@@ -100,9 +100,9 @@ class GuardOptions:
             step's peak; the process's peak over its life is kept and reported as
             ``process_peak_rss_bytes`` (run summary, event log) and VmHWM is raised back to it at
             train end where memory allows, so ``ru_maxrss`` and ``time -v`` read it then. False:
-            VmHWM is never reset, and each step's peak is the process's peak so far (exact for a
-            step that sets a new one, an upper bound for the others: a step's usage never falls
-            below the highest peak so far, model loading's included). docs/monitor.md, "The process's own peak". Nothing on CUDA,
+            VmHWM is never reset; a step's peak is VmHWM where the step raised it (exact), else the
+            largest RSS the samples read (a lower bound: the transient between two samples is
+            missed). docs/monitor.md, "The process's own peak". Nothing on CUDA,
             MPS, MLX or other hosts (their OS peak is never reset).
     """
 

@@ -8,6 +8,7 @@ hide what the guard does to the child's.
 """
 
 import json
+import types
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not os.a
                                 reason="VmHWM and its reset (/proc/self/clear_refs) are Linux's")
 
 MiB = 1 << 20
+GiB = 1 << 30
 SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "memguard_testing", "scripts", "peak_reset_run.py")
 
 
@@ -80,8 +82,22 @@ def test_reset_off_leaves_vmhwm_intact(tmp_path):
     assert out["ru_mid"] >= held - RU_DRIFT_BYTES
     assert abs(out["ru_after"] - s["process_peak_rss_bytes"]) <= RU_DRIFT_BYTES
     assert out["hwm_after"] == s["process_peak_rss_bytes"]
-    # each step's peak is then the process's peak so far (docs/monitor.md): an upper bound
-    assert all(r["peak_bytes"] >= held - RU_DRIFT_BYTES for r in _steps(records))
+    # the step that raised VmHWM reads it; the smaller steps after it read the RSS the samples saw
+    # (a lower bound), not the block again: k does not rise step after step on one old peak
+    steps = _steps(records)
+    assert steps[0]["peak_bytes"] >= held - RU_DRIFT_BYTES
+    assert all(r["peak_bytes"] < held - 256 * MiB for r in steps[1:])
+    assert out["exact"] and s["measured_peak_bytes"] >= held - RU_DRIFT_BYTES
+
+
+def test_reset_off_with_the_peak_before_the_start_reads_lower_bounds(tmp_path):
+    out, records, _ = _run(tmp_path, "off", "before")
+    held, s = out["held"], out["summary"]
+    assert out["resets"] == 0 and out["hwm_after"] == s["process_peak_rss_bytes"]
+    assert s["process_peak_rss_bytes"] >= held - RU_DRIFT_BYTES
+    # no step passed the block's peak: every step peak is a lower bound, and said to be one
+    assert all(r["peak_bytes"] < held - 256 * MiB for r in _steps(records))
+    assert not out["exact"]
 
 
 def test_no_room_to_give_vmhwm_back_is_said_and_the_summary_keeps_the_peak(tmp_path):
@@ -112,3 +128,49 @@ def test_the_adapters_take_reset_peak_rss():
     assert g.options.reset_peak_rss is False
     with pytest.raises(ConfigError, match="reset_peak_rss"):
         MemGuardCallback(reset_peak_rss=None)
+
+
+class _Seq:
+    """A CPU reader's snapshots in order: (RSS, VmHWM) pairs, bytes; counts the peak resets."""
+
+    def __init__(self, figures):
+        self.figures, self.resets = list(figures), 0
+
+    def reader(self):
+        from memguard_core.probes import StepReader
+
+        def probe(cheap):
+            rss, hwm = self.figures.pop(0)
+            return types.SimpleNamespace(process_bytes=rss, available_bytes=64 * GiB, process_peak_bytes=hwm,
+                                         timestamp=1.0)
+
+        def reset():
+            self.resets += 1
+            return True
+        return StepReader("cpu", probe=probe, reset_peak=reset)
+
+
+def test_with_vmhwm_kept_a_step_reads_it_where_it_rose_else_the_rss_the_samples_saw():
+    from memguard_core.monitor_sampler import StepSampler
+
+    seq = _Seq([(2 * GiB, 9 * GiB),            # prime: the loading's peak, 9 GiB
+                (3 * GiB, 9 * GiB),            # step 1 below it: its RSS
+                (5 * GiB, 9 * GiB),            # a background sample in step 2 ...
+                (3 * GiB, 9 * GiB),            # ... and step 2's sample: the larger RSS seen
+                (4 * GiB, 11 * GiB),           # step 3 raised VmHWM: exact
+                (4 * GiB, 11 * GiB)])          # step 4 below it again
+    s = StepSampler("cpu", reset_rss_peak=False)
+    s._reader = seq.reader()
+    s.prime()
+    assert s.read_step()[2] == 3 * GiB and not s.peaks_exact
+    s.probe(False)
+    assert s.read_step()[2] == 5 * GiB
+    assert s.read_step()[2] == 11 * GiB and s.peaks_exact
+    assert s.read_step()[2] == 4 * GiB
+    assert seq.resets == 0
+    # with the reset (the default) the snapshot's peak is the step's and the window restarts
+    seq = _Seq([(3 * GiB, 4 * GiB)])   # prime resets without a snapshot
+    s = StepSampler("cpu")
+    s._reader = seq.reader()
+    s.prime()
+    assert s.read_step()[2] == 4 * GiB and seq.resets == 2 and s.peaks_exact

@@ -1,8 +1,9 @@
 """A guarded run on the CPU whose peak is known: one large block held in one step (or before the
 guard starts), then smaller steps. The core ``Guard`` is driven as an adapter drives it (a batch
 boundary, then the optimizer step's end). Prints one JSON line: the RSS while the block was held,
-``ru_maxrss`` in the middle of the run and after it, VmHWM after it, the run summary and the
-resets done. tests/test_peak_reset.py; docs/monitor.md, "The process's own peak".
+``ru_maxrss`` in the middle of the run and after it, VmHWM after it, the run summary, the resets
+done and whether the largest step peak is exact (``StepSampler.peaks_exact``).
+tests/test_peak_reset.py; docs/monitor.md, "The process's own peak".
 
 usage: python peak_reset_run.py on|off during|before|limited LOG_DIR
 
@@ -66,7 +67,8 @@ def main() -> None:
     summary = guard.finish(STEPS)
     print("RESULT " + json.dumps({"held": held, "ru_mid": ru_mid, "ru_after": ru_maxrss(),
                                   "hwm_after": read_status(keys=frozenset(("VmHWM",)))["VmHWM"],
-                                  "summary": summary, "resets": peak.resets_done()}))
+                                  "summary": summary, "resets": peak.resets_done(),
+                                  "exact": guard.monitor.sampler.peaks_exact}))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from memguard_testing.fakes import FakeTorchCuda  # noqa: E402
 
 #: test files that take minutes: collected first, so that under ``make test``'s two workers they do
 #: not start last and run alone at the end
-_LONG_FILES = ("test_full_depth_preflight.py", "test_rlimit_oom.py", "test_lightning_eval_split.py")
+_LONG_FILES = ("test_full_depth_preflight.py", "test_rlimit_oom.py", "test_lightning_eval_split.py", "test_resume_state.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

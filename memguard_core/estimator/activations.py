@@ -232,57 +232,66 @@ def lora_input_bytes(ts: TrainSpec, n_lora: int, fin: int, e: int, amp: bool) ->
     return e * fin if e == 4 else 4 * fin * n_lora
 
 
+#: Llama-family linears that read a product of the block (attention output, gated MLP product), not a
+#: normalised hidden state: under autocast their input is already in the compute dtype.
+_READS_PRODUCT = ("o_proj", "down_proj", "out_proj", "dense", "c_proj", "wo", "w2", "fc2")
+
+
 def adapter_input_bytes(ms: ModelSpec, ts: TrainSpec) -> Tuple[float, float]:
     """(kept, freed): bytes per token, per LoRA'd block, of the tensors that PEFT's adapter path and
     autocast allocate for the inputs of a Llama-family block's frozen linears -- the kept ones
-    saved for the backward (part of ``block_act_per_token``), the freed ones temporaries. What the
-    CPU heap slack is driven by differs between them (``cpu_heap.activation_traffic``).
+    saved for the backward (part of ``block_act_per_token``), the freed ones temporaries. The CPU
+    heap slack is driven by them differently (``cpu_heap.activation_traffic``).
 
     PEFT 0.21 ``peft/tuners/lora/layer.py`` ``Linear.forward``: ``x = self._cast_input_dtype(x,
-    lora_A.weight.dtype)`` (a new tensor per LoRA'd linear when the dtypes differ: an fp32 copy on a
-    half-precision base, whose adapters ``autocast_adapter_dtype`` keeps in fp32), then
-    ``lora_A(dropout(x))``; torch autocast (``aten/src/ATen/autocast_mode.h`` ``cached_cast``) caches
-    only the casts of leaf tensors that require grad (weights), so every linear under autocast casts
-    its input anew. Per LoRA'd linear reading ``fin`` features:
+    lora_A.weight.dtype)`` (a new tensor when the dtypes differ: the adapters are fp32 on a
+    half-precision base, ``autocast_adapter_dtype``, and under autocast), then
+    ``lora_A(dropout(x))``; CPU dropout is ``x * noise`` and ``mul`` saves only the noise
+    (``_dropout_impl``). Torch autocast (``aten/src/ATen/autocast_mode.h`` ``cached_cast``) caches
+    only the casts of leaf tensors that require grad, so every linear casts an fp32 input anew;
+    under autocast the inputs read from a norm are fp32 (the residual stream and RMSNorm stay
+    fp32), those read from a product (``_READS_PRODUCT``: attention output, MLP product) are
+    already in the compute dtype. A frozen base ``F.linear`` does not save its input
+    (``derivatives.yaml`` ``mm``: the input's gradient needs only the weight). Per linear reading
+    ``fin`` features:
 
-    * no ``lora_dropout``: kept -- the fp32 copy ``lora_A`` saves on a half base (4 x fin), or its
-      bf16 autocast copy under autocast (2 x fin); with fp32 weights and no autocast ``lora_A``
-      saves the block's own tensor (no copy: 0);
-    * ``lora_dropout`` > 0: kept -- the dropout's mask (``dropout_bytes``) and the tensor ``lora_A``
-      saves (the fp32 dropout output, or its bf16 autocast copy); freed -- the fp32 cast ahead of
-      the dropout on a half base (4 x fin: ``mul`` saves only the noise), or the fp32 dropout
-      output autocast casts for ``lora_A`` (4 x fin);
-    * under autocast every frozen block linear, LoRA'd or not, also casts its input to the compute
-      dtype for the base ``F.linear``, which does not save it (frozen weight: ``derivatives.yaml``
-      ``mm`` needs only the weight for the input's gradient): freed, 2 x fin.
+    * half-precision base, LoRA'd: kept -- the fp32 copy ``lora_A`` saves (4 x fin); with a
+      dropout the copy is freed (4) and the dropout's noise and output kept (4 + 4 on CPU);
+    * fp32 base, no autocast, LoRA'd: ``lora_A`` saves the block's own tensor (nothing); with a
+      dropout its noise and output are kept (4 + 4);
+    * autocast: every frozen linear reading a norm casts it for the base (freed, 2 x fin); a
+      LoRA'd one keeps ``lora_A``'s bf16 copy (2), a LoRA'd one reading a product first makes
+      PEFT's fp32 copy (freed, 4); with a dropout, its noise is kept (4) and its fp32 output freed
+      (4) once autocast has copied it for ``lora_A``.
 
-    (0, 0) for a full fine-tune, for LitGPT's model code and for the GPT-2 / plain-MLP families
-    (their rules count the adapters' inputs differently: ``_gpt2_block_act``,
-    ``_plain_mlp_block_act``); fused expert tensors are left out. Checked against the casts and
-    saved tensors of real PEFT blocks: tests/test_lora_ckpt_census.py.
+    (0, 0) for a full fine-tune, LitGPT's model code and the GPT-2 / plain-MLP families (their
+    rules count the adapters' inputs apart: ``_gpt2_block_act``, ``_plain_mlp_block_act``); routers
+    and fused experts are left out. Checked against the casts and saved tensors of real PEFT
+    blocks: tests/test_lora_ckpt_census.py.
     """
     if (ts.method == "full" or ts.model_code == "litgpt" or ms.model_type in _GPT2_LIKE
             or ms.model_type in _PLAIN_MLP_ARCHS):
         return 0.0, 0.0
     e = DTYPE_BYTES[ts.dtype]
     amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
-    drop = ts.lora_dropout > 0
+    drop = dropout_bytes(ts, 4) if ts.lora_dropout > 0 else 0
+    lora_names = {ls.name for ls in lora_linears(ms, ts)}
     kept = freed = 0.0
-    for ls in lora_linears(ms, ts):
+    for ls in block_linear_shapes(ms):
         if getattr(ls, "is_param", False) or ls.kind in ("router", "experts"):
             continue
-        n, fin = ls.count, ls.in_features
-        if drop:
-            kept += n * fin * ((2 if amp else 4) + dropout_bytes(ts, 4))
-            if amp or e < 4:
-                freed += n * fin * 4
-        elif amp:
-            kept += n * fin * 2
-        elif e < 4:
-            kept += n * fin * 4
-    if amp:
-        freed += sum(ls.count * ls.in_features * 2 for ls in block_linear_shapes(ms)
-                     if not getattr(ls, "is_param", False) and ls.kind not in ("router", "experts"))
+        n, fin, lo = ls.count, ls.in_features, ls.name in lora_names
+        reads_norm = ls.name not in _READS_PRODUCT
+        if amp:
+            freed += 2 * n * fin if reads_norm else 0     # the base's autocast cast
+            if lo:
+                kept += n * fin * (2 + drop)              # lora_A's bf16 copy (+ the noise)
+                freed += n * fin * ((0 if reads_norm else 4) + (4 if drop else 0))
+        elif lo and e < 4:
+            kept += n * fin * ((4 + drop) if drop else 4)
+            freed += 4 * n * fin if drop else 0
+        elif lo and drop:
+            kept += n * fin * (4 + drop)
     return kept, freed
 
 

@@ -312,11 +312,10 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
         return self.summary
 
     def stop(self) -> None:
-        """Stop the monitor's thread (the run is leaving training without :meth:`finish`) and
-        give VmHWM back its peak (``process_peak.restore_process_peak``)."""
+        """Stop the monitor's thread (the run is leaving training without :meth:`finish`; VmHWM is
+        not raised back then: no memory is written on the way out of a failed run)."""
         if self.monitor is not None:
             self.monitor.stop()
-            restore_process_peak()
 
 
 def _from_guard(name: str, doc: str) -> property:

@@ -129,7 +129,9 @@ def reset_peak_memory(device: str = "auto", *, proc_root: str = "/proc") -> str:
     - mps: ``torch.mps`` has no peak counter to reset -> ``"none"`` (``peak_bytes`` is the
       driver-allocated figure, cache included).
     - cpu on Linux: write ``5`` to ``/proc/self/clear_refs``, which resets VmHWM to the current
-      RSS (kernel Documentation/filesystems/proc.rst, "clear_refs") -> ``"kernel"``.
+      RSS (kernel Documentation/filesystems/proc.rst, "clear_refs") -> ``"kernel"``. ``ru_maxrss``
+      and ``time -v`` read the same mark: the peak erased is kept first
+      (:func:`memguard_core.process_peak.process_peak_rss_bytes`, the process's peak over its life).
       Where that is not allowed (old kernel, seccomp, read-only /proc) and on macOS / Windows,
       a software baseline is kept instead -> ``"software"``: until the OS high-water mark
       rises above its value at the reset, ``peak_bytes`` is the largest RSS seen by

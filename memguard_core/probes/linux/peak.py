@@ -67,7 +67,7 @@ def reset_peak() -> bool:
                 return False
             _clear_refs_tried = True
             fd = _clear_refs_fd = os.open("/proc/self/clear_refs", os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-        before = _window_peak()
+        before = _erased_peak()
         os.write(fd, b"5")
     except OSError:
         _clear_refs_fd = None
@@ -85,10 +85,11 @@ def reset_peak() -> bool:
     return True
 
 
-def _window_peak() -> Optional[int]:
-    """The peak since the last reset (bytes): ``ru_maxrss`` where it is above the floor's bound (one
-    syscall; it reads up to a few hundred KiB below VmHWM, see above), else VmHWM; None where
-    neither can be read."""
+def _erased_peak() -> Optional[int]:
+    """The peak a reset is about to erase (bytes), where it can raise the process's peak:
+    ``ru_maxrss`` where it is above the floor's bound (one syscall; it reads up to a few hundred
+    KiB below VmHWM, see above); at or below that bound the window's peak is at most the bound, so
+    None where the kept peak is already above it, else VmHWM (also before the first reset)."""
     floor = _ru_floor_kib
     if floor is not None:
         try:
@@ -97,6 +98,8 @@ def _window_peak() -> Optional[int]:
             kib = 0
         if kib > floor:
             return kib * 1024
+        if _life_peak >= floor * 1024:
+            return None
     return read_status(keys=STATUS_KEYS).get("VmHWM")
 
 

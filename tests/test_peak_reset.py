@@ -29,8 +29,14 @@ GiB = 1 << 30
 SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "memguard_testing", "scripts", "peak_reset_run.py")
 
 
-def _run(tmp_path, reset: str, where: str):
+def _run(tmp_path, reset: str, where: str, parent_mib: int = 0):
+    """The script's result, its event log's records and its stderr; ``parent_mib``: the child is
+    exec'd from a process that touched that much first (the floor under its ``ru_maxrss``)."""
     cmd = f'"{sys.executable}" "{SCRIPT}" {reset} {where} "{tmp_path}"; exit $?'
+    if parent_mib:
+        boot = (f"import os, sys; b = bytearray({parent_mib} << 20); "
+                f"os.execv(sys.executable, [sys.executable, {SCRIPT!r}, {reset!r}, {where!r}, {str(tmp_path)!r}])")
+        cmd = f'"{sys.executable}" -c "{boot}"; exit $?'
     p = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
@@ -72,6 +78,16 @@ def test_reset_on_keeps_the_peak_before_the_guard_started(tmp_path):
     # ... the process's peak does, and VmHWM reads it after the run
     assert held - RU_DRIFT_BYTES <= s["process_peak_rss_bytes"] <= held + 16 * MiB
     assert out["ru_after"] >= s["process_peak_rss_bytes"]
+
+
+def test_a_large_parent_under_ru_maxrss_does_not_hide_the_peak(tmp_path):
+    # exec'd from a 640 MiB process: ru_maxrss never reads below that floor (fs/exec.c exec_mmap),
+    # so every reset reads the erased peak from VmHWM instead
+    out, _, _ = _run(tmp_path, "on", "during", parent_mib=640)
+    held, s = out["held"], out["summary"]
+    assert out["ru_mid"] >= 640 * MiB and out["resets"] > 0
+    assert held - RU_DRIFT_BYTES <= s["process_peak_rss_bytes"] <= held + 16 * MiB
+    assert out["hwm_after"] >= s["process_peak_rss_bytes"]
 
 
 def test_reset_off_leaves_vmhwm_intact(tmp_path):

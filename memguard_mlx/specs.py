@@ -30,6 +30,8 @@ from memguard_core.errors import ConfigError
 from memguard_core.estimator.components import component_kind as _component_kind
 from memguard_core.estimator.specs import LinearShape, ModelSpec, ParamCounts, TrainSpec, dtype_bits as _dtype_bits
 
+from .block_kinds import block_kinds
+
 logger = logging.getLogger("memguard.mlx")
 
 __all__ = ["model_spec_from_mlx_module", "train_spec", "lora_layers_of", "seq_length_of",
@@ -284,7 +286,7 @@ def model_spec_from_mlx_module(model: Any, args: Any = None, name: Optional[str]
                      params=ParamCounts(**counts), block_linears=lin_shapes, tie_word_embeddings=tied,
                      weight_bits=float(round(wbits, 4)), dense_bits=dense, trainable_params=trainable,
                      lora_rank_found=lora["rank"], adapter_params=lora["adapter_params"],
-                     source="module", **nums)
+                     source="module", block_kinds=block_kinds(model), **nums)
 
 
 def optimizer_name(optimizer: Any) -> str:

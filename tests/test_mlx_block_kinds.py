@@ -1,0 +1,55 @@
+"""Block kinds of mlx_lm models (memguard_mlx.block_kinds): the families the rules model read as
+modelled; a hybrid's short-convolution blocks are named, and the MLX estimate says they were counted
+as rule blocks (the census runs PyTorch's code). Real mlx_lm models from tiny ModelArgs."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from memguard_core.estimator.estimate import estimate  # noqa: E402
+from memguard_core.estimator.specs import TrainSpec  # noqa: E402
+from memguard_mlx.block_kinds import block_kinds  # noqa: E402
+from memguard_mlx.specs import model_spec_from_mlx_module  # noqa: E402
+
+_BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-5)
+
+
+def _model(model_type: str, **kw):
+    mod = importlib.import_module(f"mlx_lm.models.{model_type}")
+    return mod.Model(mod.ModelArgs.from_dict(dict(model_type=model_type, **kw)))
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+])
+def test_rule_families_are_modelled(model_type, extra):
+    kinds = block_kinds(_model(model_type, **_BASE, **extra))
+    assert len(kinds) == 1 and kinds[0].modelled and kinds[0].count == 4
+
+
+def _lfm2():
+    return _model("lfm2", **dict(_BASE, max_position_embeddings=512, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+                                 block_dim=64, block_ff_dim=128, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
+                                 block_auto_adjust_ff_dim=False, full_attn_idxs=[1, 3], rope_theta=10000.0,
+                                 tie_embedding=True))
+
+
+def test_short_convolution_blocks_are_named_and_not_silent():
+    model = _lfm2()
+    kinds = {k.name: k for k in block_kinds(model)}
+    assert kinds["ShortConv"].count == 2 and not kinds["ShortConv"].modelled
+    assert kinds["Lfm2DecoderLayer"].count == 2 and kinds["Lfm2DecoderLayer"].modelled
+    ms = model_spec_from_mlx_module(model)
+    assert {k.name for k in ms.block_kinds} == {"ShortConv", "Lfm2DecoderLayer"}
+    est = estimate(ms, TrainSpec(framework="mlx", device="mlx", method="lora", dtype="fp32", seq_length=64,
+                                 lora_targets=("all-linear",)))
+    assert any(n.startswith("not modelled, not traced: ShortConv x 2") and "MLX" in n for n in est.notes)
+    assert est.to_dict()["block_kinds"][0]["counted"] == "rules (not modelled, not traced)"

@@ -1,7 +1,7 @@
 """The process's own peak resident set, kept for the tools that read it: the figure a guarded run
 reports as ``process_peak_rss_bytes`` (summary, event log), and VmHWM put back at train end after
-the per-step resets on Linux CPU took it away (``ru_maxrss``, ``/usr/bin/time -v`` and accounting
-read it). See docs/monitor.md, "The process's own peak".
+the per-step resets on Linux CPU took it away (``ru_maxrss``, ``/usr/bin/time -v`` and a launcher's
+``wait4`` rusage read it). See docs/monitor.md, "The process's own peak".
 """
 
 from __future__ import annotations

@@ -2,16 +2,15 @@
 "The process's own peak"): real guarded processes (memguard_testing/scripts/peak_reset_run.py)
 that hold a known block once, then run smaller steps, with ``reset_peak_rss`` on and off.
 
-Each child is started through ``sh`` forking it: a child exec'd straight from pytest keeps
-pytest's own high-water mark as a floor under ``ru_maxrss`` (fs/exec.c ``exec_mmap``), which would
-hide what the guard does to the child's.
+Each child is started by a small launcher (``LAUNCHER``), which also reads the child's rusage at
+its exit, as ``/usr/bin/time -v`` does.
 """
 
 import json
-import types
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -29,18 +28,28 @@ GiB = 1 << 30
 SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "memguard_testing", "scripts", "peak_reset_run.py")
 
 
+#: Starts the script and reads its rusage at exit (``os.wait4``: what ``/usr/bin/time -v`` prints)
+#: after touching ``argv[1]`` MiB itself: a child exec'd from it keeps that as the floor under its
+#: ``ru_maxrss`` (fs/exec.c ``exec_mmap``), where a child exec'd straight from pytest would keep
+#: pytest's own high-water mark.
+LAUNCHER = """import os, subprocess, sys
+held = bytearray(int(sys.argv[1]) << 20)
+p = subprocess.Popen(sys.argv[2:])
+_, status, ru = os.wait4(p.pid, 0)
+print("EXIT_MAXRSS", ru.ru_maxrss * 1024, flush=True)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def _run(tmp_path, reset: str, where: str, parent_mib: int = 0):
-    """The script's result, its event log's records and its stderr; ``parent_mib``: the child is
-    exec'd from a process that touched that much first (the floor under its ``ru_maxrss``)."""
-    cmd = f'"{sys.executable}" "{SCRIPT}" {reset} {where} "{tmp_path}"; exit $?'
-    if parent_mib:
-        boot = (f"import os, sys; b = bytearray({parent_mib} << 20); "
-                f"os.execv(sys.executable, [sys.executable, {SCRIPT!r}, {reset!r}, {where!r}, {str(tmp_path)!r}])")
-        cmd = f'"{sys.executable}" -c "{boot}"; exit $?'
-    p = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, timeout=300)
+    """The script's result (with ``exit_maxrss``: its rusage at exit), its event log's records and
+    its stderr; ``parent_mib``: the floor under its ``ru_maxrss`` (see LAUNCHER)."""
+    cmd = [sys.executable, "-c", LAUNCHER, str(parent_mib), sys.executable, SCRIPT, reset, where, str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     out = json.loads(line[len("RESULT "):])
+    out["exit_maxrss"] = int([ln for ln in p.stdout.splitlines() if ln.startswith("EXIT_MAXRSS ")][-1].split()[1])
     records = read_events(out["summary"]["event_log"])
     return out, records, p.stderr
 
@@ -57,8 +66,9 @@ def test_reset_on_keeps_the_early_peak_and_gives_it_back(tmp_path):
     assert out["ru_mid"] < held - 256 * MiB
     # the summary keeps the peak the process reached (ru_maxrss reads batched counters: a few pages)
     assert held - RU_DRIFT_BYTES <= s["process_peak_rss_bytes"] <= held + 16 * MiB
-    # and after the run VmHWM / ru_maxrss read it again
+    # and after the run VmHWM / ru_maxrss read it again, in the process and at its exit (time -v)
     assert out["ru_after"] >= s["process_peak_rss_bytes"] and out["hwm_after"] >= s["process_peak_rss_bytes"]
+    assert out["exit_maxrss"] >= s["process_peak_rss_bytes"]
     assert out["hwm_after"] <= s["process_peak_rss_bytes"] + 16 * MiB
     # per-step peaks stay per step: the steps after the block read the small steps' peaks
     steps = _steps(records)
@@ -84,6 +94,7 @@ def test_a_large_parent_under_ru_maxrss_does_not_hide_the_peak(tmp_path):
     # exec'd from a 640 MiB process: ru_maxrss never reads below that floor (fs/exec.c exec_mmap),
     # so every reset reads the erased peak from VmHWM instead
     out, _, _ = _run(tmp_path, "on", "during", parent_mib=640)
+    assert out["exit_maxrss"] >= 640 * MiB
     held, s = out["held"], out["summary"]
     assert out["ru_mid"] >= 640 * MiB and out["resets"] > 0
     assert held - RU_DRIFT_BYTES <= s["process_peak_rss_bytes"] <= held + 16 * MiB
@@ -98,6 +109,7 @@ def test_reset_off_leaves_vmhwm_intact(tmp_path):
     assert out["ru_mid"] >= held - RU_DRIFT_BYTES
     assert abs(out["ru_after"] - s["process_peak_rss_bytes"]) <= RU_DRIFT_BYTES
     assert out["hwm_after"] == s["process_peak_rss_bytes"]
+    assert abs(out["exit_maxrss"] - s["process_peak_rss_bytes"]) <= RU_DRIFT_BYTES
     # the step that raised VmHWM reads it; the smaller steps after it read the RSS the samples saw
     # (a lower bound), not the block again: k does not rise step after step on one old peak
     steps = _steps(records)
@@ -121,6 +133,7 @@ def test_no_room_to_give_vmhwm_back_is_said_and_the_summary_keeps_the_peak(tmp_p
     held, s = out["held"], out["summary"]
     assert held - RU_DRIFT_BYTES <= s["process_peak_rss_bytes"] <= held + 16 * MiB
     assert out["hwm_after"] < held - 256 * MiB      # not raised under the address-space limit
+    assert out["exit_maxrss"] < held - 256 * MiB
     assert "not raised back" in err and "process_peak_rss_bytes" in err
 
 

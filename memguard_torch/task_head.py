@@ -27,6 +27,21 @@ def _head_children(model: Any, base: Any) -> List[Any]:
     return [m for _, m in model.named_children() if m is not base]
 
 
+# Module-path parts of PEFT's adapters and copies (``lora_A``, ``modules_to_save.default``): not the
+# head's own linears.
+_PEFT_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_dropout",
+                         "modules_to_save"})
+
+
+def _head_linears(children: List[Any]) -> List[tuple]:
+    """``(index of the child, linear)`` for every ``nn.Linear`` of the head's modules, in
+    registration order, PEFT's adapters and ``modules_to_save`` copies left out."""
+    import torch.nn as nn
+
+    return [(i, x) for i, top in enumerate(children) for path, x in top.named_modules()
+            if isinstance(x, nn.Linear) and not (set(path.split(".")) & _PEFT_PARTS)]
+
+
 def _dropouts(mods: List[Any]) -> List[float]:
     import torch.nn as nn
 
@@ -50,7 +65,7 @@ def task_head_from_module(model: Any, kind: Optional[str] = None) -> TaskHead:
         from the head's last linear (``classifier``, ``score``, ``out_proj``, ``qa_outputs``),
         ``final_norm`` from a norm among the base model's direct children (``model.norm``,
         ``transformer.ln_f``), ``reads`` / ``pooler_linear`` from a ``pooler`` (BERT, ALBERT,
-        DeBERTa-v2) or a classifier that is more than one linear (RoBERTa, ELECTRA), ``dropout``
+        DeBERTa-v2) or a head of more than one linear (RoBERTa, ELECTRA, DistilBERT), ``dropout``
         the largest dropout probability in the head, ``transform`` a hidden-to-hidden linear in an
         LM head (BERT's ``BertPredictionHeadTransform``).
 
@@ -68,7 +83,8 @@ def task_head_from_module(model: Any, kind: Optional[str] = None) -> TaskHead:
     base = getattr(m, "base_model", m)
     children = _head_children(m, base) if base is not m else []
     hidden = getattr(getattr(m, "config", None), "hidden_size", None)
-    linears = [x for top in children for x in top.modules() if isinstance(x, nn.Linear)]
+    found = _head_linears(children)
+    linears = [x for _, x in found]
     final_norm = base is not m and any(_is_norm(c) for _, c in base.named_children())
     pooler = getattr(base, "pooler", None)
     pooler = pooler if isinstance(pooler, nn.Module) else next(
@@ -82,12 +98,12 @@ def task_head_from_module(model: Any, kind: Optional[str] = None) -> TaskHead:
         labels = 2
     reads, pooler_linear = "all_tokens", False
     if kind == SEQUENCE_CLASSIFICATION:
-        classifier = next((c for n, c in m.named_children() if n in ("classifier", "score")), None)
-        # PEFT's ``modules_to_save`` wraps the classifier (``ModulesToSaveWrapper.original_module``)
-        classifier = getattr(classifier, "original_module", classifier)
+        # a pooler, or more than the one classifier linear (RoBERTa's dense + out_proj, DistilBERT's
+        # pre_classifier + classifier), reads the first token; the decoders' lone ``score`` every one
         if pooler is not None:
             reads, pooler_linear = "first_token", not any(p > 0 for p in _dropouts([pooler]))
-        elif classifier is not None and not isinstance(classifier, nn.Linear):
-            reads, pooler_linear = "first_token", not any(p > 0 for p in _dropouts([classifier]))
+        elif len(found) > 1:
+            first = children[found[0][0]]  # the head module holding the first linear
+            reads, pooler_linear = "first_token", not any(p > 0 for p in _dropouts([first]))
     return TaskHead(kind=kind, num_labels=max(labels, 1), reads=reads, final_norm=final_norm,
                     pooler_linear=pooler_linear, dropout=min(dropout, 0.99), architecture=arch)

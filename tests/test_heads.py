@@ -43,6 +43,7 @@ def _live(cfg):
 @pytest.mark.parametrize("model_type,arch,kind,reads,pooler_linear", [
     ("bert", "BertForSequenceClassification", "sequence_classification", "first_token", True),
     ("roberta", "RobertaForSequenceClassification", "sequence_classification", "first_token", False),
+    ("distilbert", "DistilBertForSequenceClassification", "sequence_classification", "first_token", True),
     ("deberta-v2", "DebertaV2ForSequenceClassification", "sequence_classification", "first_token", True),
     ("llama", "LlamaForSequenceClassification", "sequence_classification", "all_tokens", False),
     ("bert", "BertForTokenClassification", "token_classification", "all_tokens", False),
@@ -173,6 +174,7 @@ def _batch(kind: str):
 @pytest.mark.parametrize("model_type,arch", [
     ("bert", "BertForSequenceClassification"), ("roberta", "RobertaForSequenceClassification"),
     ("deberta-v2", "DebertaV2ForSequenceClassification"), ("llama", "LlamaForSequenceClassification"),
+    ("distilbert", "DistilBertForSequenceClassification"),
     ("bert", "BertForTokenClassification"), ("llama", "LlamaForTokenClassification"),
     ("bert", "BertForQuestionAnswering"), ("llama", "LlamaForQuestionAnswering"), ("bert", "BertForMaskedLM"),
 ])

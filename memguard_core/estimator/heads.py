@@ -133,7 +133,7 @@ def head_kind_of(architecture: str) -> Optional[str]:
             return kind
     for suffix in _NOT_COUNTED:
         if name.endswith(suffix):
-            raise ConfigError("architectures", SUPPORTED, name)
+            raise ConfigError("architectures", SUPPORTED + " (--head names the head the run trains)", name)
     return None
 
 

@@ -66,10 +66,11 @@ def restore_process_peak() -> Optional[int]:
         if (snap.process_peak_bytes or 0) >= target or gap <= 0:
             return target
         if gap > RESTORE_SHARE * int(snap.available_bytes):
-            log.info("memguard: VmHWM / ru_maxrss read %.2f GiB after the per-step peak resets, below this process's "
-                     "peak %.2f GiB; not raised back (it would take %.2f GiB, more than %.0f%% of the %.2f GiB "
-                     "available): read process_peak_rss_bytes in the run summary", (snap.process_peak_bytes or 0) / 2**30,
-                     target / 2**30, gap / 2**30, RESTORE_SHARE * 100, snap.available_bytes / 2**30)
+            log.info("memguard: VmHWM / ru_maxrss read %.2f GiB after the per-step peak resets, below this "
+                     "process's peak %.2f GiB; not raised back (it would take %.2f GiB, more than %.0f%% of the "
+                     "%.2f GiB available): read process_peak_rss_bytes in the run summary",
+                     (snap.process_peak_bytes or 0) / 2**30, target / 2**30, gap / 2**30, RESTORE_SHARE * 100,
+                     snap.available_bytes / 2**30)
             return target
         t0 = time.monotonic()
         ok = peak.raise_peak_to(target)

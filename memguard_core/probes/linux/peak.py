@@ -128,12 +128,13 @@ def raise_peak_to(target_bytes: int) -> bool:
     written one byte a page, so the resident set reaches the target, and unmapped. VmHWM is
     ``max(hiwater_rss, RSS)`` and the unmap records the high-water mark before it drops the pages
     (``unmap_region`` calls ``update_hiwater_rss`` before its zap: mm/mmap.c, mm/vma.c in recent
-    kernels; kernel/sys.c ``getrusage``: ``ru_maxrss`` is the same mark). Huge pages are declined on the mapping (``MADV_NOHUGEPAGE``) so the resident
-    set rises by the bytes written and not by 2 MiB steps. The mark the unmap records is the
-    kernel's batched per-CPU sum (include/linux/mm.h ``get_mm_counter``:
-    ``percpu_counter_read_positive`` since Linux 6.2), a few pages per CPU below the exact RSS: where VmHWM or ``ru_maxrss`` still reads below the
-    target after a write, the write is done again with the shortfall added twice (at most
-    twice more).
+    kernels; kernel/sys.c ``getrusage``: ``ru_maxrss`` is the same mark). Huge pages are declined
+    on the mapping (``MADV_NOHUGEPAGE``), so the resident set rises by the bytes written and not by
+    2 MiB steps. The mark the unmap records is the kernel's batched per-CPU sum
+    (include/linux/mm.h ``get_mm_counter``: ``percpu_counter_read_positive`` since Linux 6.2), a
+    few pages per CPU below the exact RSS: where VmHWM or ``ru_maxrss`` still reads below the
+    target after a write, the write is done again with twice the shortfall added (at most twice
+    more).
 
     The caller decides whether memory allows it (the pages are resident for the time of one write
     over them). Returns True when VmHWM and ``ru_maxrss`` read at least ``target_bytes`` after;

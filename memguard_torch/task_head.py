@@ -34,12 +34,22 @@ _PEFT_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding
 
 
 def _head_linears(children: List[Any]) -> List[tuple]:
-    """``(index of the child, linear)`` for every ``nn.Linear`` of the head's modules, in
-    registration order, PEFT's adapters and ``modules_to_save`` copies left out."""
+    """``(index of the child, path inside it, linear)`` for every ``nn.Linear`` of the head's
+    modules, in registration order, PEFT's adapters and ``modules_to_save`` copies left out."""
     import torch.nn as nn
 
-    return [(i, x) for i, top in enumerate(children) for path, x in top.named_modules()
+    return [(i, path, x) for i, top in enumerate(children) for path, x in top.named_modules()
             if isinstance(x, nn.Linear) and not (set(path.split(".")) & _PEFT_PARTS)]
+
+
+def _saved_by_peft_task(name: str) -> bool:
+    """PEFT's ``SEQ_CLS`` task type trains the module at ``name`` (dotted, from the model): it puts
+    ``classifier`` and ``score`` in ``modules_to_save`` (peft/peft_model.py
+    ``PeftModelForSequenceClassification``), matched as name suffixes of the module or of a module
+    above it (peft/utils/other.py ``_set_trainable``: ``key.endswith(target_key)``), so DistilBERT's
+    ``pre_classifier`` trains too."""
+    parts = [p for p in name.split(".") if p not in ("original_module", "base_layer")]
+    return any(".".join(parts[:k]).endswith(("classifier", "score")) for k in range(1, len(parts) + 1))
 
 
 def _dropouts(mods: List[Any]) -> List[float]:
@@ -64,7 +74,7 @@ def task_head_from_module(model: Any, kind: Optional[str] = None) -> TaskHead:
         head); otherwise a ``TaskHead`` whose fields come from the module tree: ``num_labels``
         from the head's last linear (``classifier``, ``score``, ``out_proj``, ``qa_outputs``),
         ``final_norm`` from a norm among the base model's direct children (``model.norm``,
-        ``transformer.ln_f``), ``reads`` / ``pooler_linear`` from a ``pooler`` (BERT, ALBERT,
+        ``transformer.ln_f``), ``reads`` / ``pooler_linear`` / ``pooler_trains`` from a ``pooler`` (BERT, ALBERT,
         DeBERTa-v2) or a head of more than one linear (RoBERTa, ELECTRA, DistilBERT), ``dropout``
         the largest dropout probability in the head, ``transform`` a hidden-to-hidden linear in an
         LM head (BERT's ``BertPredictionHeadTransform``).
@@ -82,9 +92,10 @@ def task_head_from_module(model: Any, kind: Optional[str] = None) -> TaskHead:
         return DEFAULT_HEAD
     base = getattr(m, "base_model", m)
     children = _head_children(m, base) if base is not m else []
+    names = [n for n, c in m.named_children() if c is not base]
     hidden = getattr(getattr(m, "config", None), "hidden_size", None)
     found = _head_linears(children)
-    linears = [x for _, x in found]
+    linears = [x for _, _, x in found]
     final_norm = base is not m and any(_is_norm(c) for _, c in base.named_children())
     pooler = getattr(base, "pooler", None)
     pooler = pooler if isinstance(pooler, nn.Module) else next(
@@ -96,14 +107,16 @@ def task_head_from_module(model: Any, kind: Optional[str] = None) -> TaskHead:
     labels = int(linears[-1].out_features) if linears else int(getattr(m.config, "num_labels", 2))
     if kind == QUESTION_ANSWERING:
         labels = 2
-    reads, pooler_linear = "all_tokens", False
+    reads, pooler_linear, pooler_trains = "all_tokens", False, False
     if kind == SEQUENCE_CLASSIFICATION:
         # a pooler, or more than the one classifier linear (RoBERTa's dense + out_proj, DistilBERT's
         # pre_classifier + classifier), reads the first token; the decoders' lone ``score`` every one
         if pooler is not None:
             reads, pooler_linear = "first_token", not any(p > 0 for p in _dropouts([pooler]))
         elif len(found) > 1:
-            first = children[found[0][0]]  # the head module holding the first linear
-            reads, pooler_linear = "first_token", not any(p > 0 for p in _dropouts([first]))
+            i, path = found[0][:2]  # the head module holding the first linear
+            reads, pooler_linear = "first_token", not any(p > 0 for p in _dropouts([children[i]]))
+            pooler_trains = _saved_by_peft_task(f"{names[i]}.{path}".rstrip("."))
     return TaskHead(kind=kind, num_labels=max(labels, 1), reads=reads, final_norm=final_norm,
-                    pooler_linear=pooler_linear, dropout=min(dropout, 0.99), architecture=arch)
+                    pooler_linear=pooler_linear, pooler_trains=pooler_trains, dropout=min(dropout, 0.99),
+                    architecture=arch)

@@ -71,6 +71,9 @@ class TaskHead:
             ``BertPooler.dense``, ALBERT's ``pooler``), which keeps the view -- and with it the
             whole last-hidden storage -- for its weight's gradient; False when a dropout comes
             first (RoBERTa, DeBERTa-v2), whose output is a new ``rows x hidden`` tensor.
+        pooler_trains: that first linear trains under LoRA too: PEFT's ``SEQ_CLS`` task type puts
+            it in ``modules_to_save`` (its name ends with ``classifier`` / ``score``: DistilBERT's
+            ``pre_classifier``); False: only a full fine-tune trains it (BERT's pooler).
         transform: an LM head's hidden-sized transform before the vocabulary projection (BERT's
             ``BertPredictionHeadTransform``: dense, activation, LayerNorm); False for a bare
             ``lm_head``.
@@ -86,6 +89,7 @@ class TaskHead:
     reads: str = "all_tokens"
     final_norm: bool = True
     pooler_linear: bool = False
+    pooler_trains: bool = False
     transform: bool = False
     dropout: float = 0.0
     architecture: str = ""

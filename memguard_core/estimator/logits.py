@@ -123,8 +123,9 @@ def task_head_input_bytes(ms: ModelSpec, ts: TrainSpec, head: TaskHead) -> int:
     - sequence classification scoring every position: the score's input e h T; reading the
       first token: ``rows x h`` tensors (the pooler's activation, two dropouts, two linear inputs:
       at most (3 e + 2 d) h R) and, when the first op on the ``[:, 0]`` view is a linear that
-      trains (``BertPooler.dense`` in a full fine-tune), the view it saves holds the whole last
-      hidden state's storage: e h T.
+      trains (``BertPooler.dense`` in a full fine-tune; DistilBERT's ``pre_classifier``, which
+      PEFT's task type trains, in every method), the view it saves holds the whole last hidden
+      state's storage: e h T.
     """
     e = DTYPE_BYTES[ts.dtype]
     h = ms.hidden_size
@@ -147,6 +148,6 @@ def task_head_input_bytes(ms: ModelSpec, ts: TrainSpec, head: TaskHead) -> int:
         out += e * h * tokens
     else:
         out += (3 * e + 2 * d) * h * rows
-        if head.pooler_linear and full:
+        if head.pooler_linear and (full or head.pooler_trains):
             out += e * h * tokens
     return out

@@ -12,6 +12,7 @@ import time
 import warnings
 from typing import Any, Dict, Tuple
 
+from memguard_core.estimator.heads import AUTO_CLASSES, head_of
 from memguard_core.estimator.specs import ModelSpec, TrainSpec, trace_key
 from memguard_torch.block_kinds import block_kinds, find_blocks
 from memguard_torch.saved_census import saved_bytes_per_block
@@ -22,9 +23,9 @@ __all__ = ["with_block_kinds"]
 
 logger = logging.getLogger("memguard.hf")
 
-# (config fingerprint, trace key, seq length) -> (kinds, seconds): a planner or a CLI that asks
+# (config fingerprint, trace key, seq length, head's Auto class) -> (kinds, seconds): a planner or a CLI that asks
 # twice for the same model and settings traces once.
-_CACHE: Dict[Tuple[str, str, int], Tuple[tuple, float]] = {}
+_CACHE: Dict[Tuple[str, str, int, str], Tuple[tuple, float]] = {}
 
 
 def with_block_kinds(config_or_path: Any, ms: ModelSpec, ts: TrainSpec) -> ModelSpec:
@@ -43,7 +44,7 @@ def with_block_kinds(config_or_path: Any, ms: ModelSpec, ts: TrainSpec) -> Model
         ts: the settings the census runs under (``trace_key``).
     """
     try:
-        kinds, seconds = _kinds(config_or_path, ts)
+        kinds, seconds = _kinds(config_or_path, ts, AUTO_CLASSES[head_of(ms).kind])
     except Exception as exc:  # the census must never stop an estimate
         logger.info("block kinds not read (%s: %s); every block counted by the rules", type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "")
@@ -54,17 +55,17 @@ def with_block_kinds(config_or_path: Any, ms: ModelSpec, ts: TrainSpec) -> Model
     return ms.replace(block_kinds=kinds)
 
 
-def _kinds(config_or_path: Any, ts: TrainSpec) -> Tuple[tuple, float]:
+def _kinds(config_or_path: Any, ts: TrainSpec, auto_class: str) -> Tuple[tuple, float]:
     cfg = load_config(config_or_path)
     ts = resolve_lora_targets(ts, cfg)
-    key = (cfg.to_json_string(use_diff=False), trace_key(ts), ts.seq_length)
+    key = (cfg.to_json_string(use_diff=False), trace_key(ts), ts.seq_length, auto_class)
     if key in _CACHE:
         return _CACHE[key]
     t0 = time.perf_counter()
     amp, compute, wdtype = dtypes(ts)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, inner = build_model(cfg, ts, wdtype)
+        model, inner = build_model(cfg, ts, wdtype, auto_class)
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     blocks = find_blocks(inner, getattr(text_cfg, "num_hidden_layers", None))
     kinds, where = block_kinds(blocks)

@@ -15,6 +15,7 @@ from .activations import activation_bytes
 from .block_terms import block_kind_notes, with_traced_blocks
 from .bnb import bnb_4bit_keeps_input, bnb_last_step_inputs
 from .gradients import embedding_grad_transients
+from .heads import head_of
 from .logits import head_input_bytes, logits_bytes
 from .lora_targets import with_default_lora_targets
 from .moments import StepTerms, compose_moments
@@ -169,6 +170,9 @@ def _allocator_slack(ms: ModelSpec, ts: TrainSpec, totals: Dict[str, int], t: St
 def _closing_notes(ms: ModelSpec, ts: TrainSpec, t: StepTerms, head_moment: Optional[str]) -> List[str]:
     """The assumptions behind this estimate's rules, in report order."""
     notes = block_kind_notes(ms, ts)
+    head = head_of(ms)
+    if not head.is_lm:
+        notes.append(f"head: {head.kind.replace('_', ' ')}, {head.num_labels} output features (no vocabulary logits)")
     if ts.grad_checkpoint:
         notes.append("gradient checkpointing: one block input per layer + one recomputed block")
     if ts.method == "qlora" and ms.weight_bits >= 8:

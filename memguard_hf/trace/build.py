@@ -77,21 +77,23 @@ def dtypes(ts: TrainSpec) -> Tuple[bool, Any, Any]:
     return amp, compute, torch.float32 if amp else compute
 
 
-def build_model(cfg, ts: TrainSpec, wdtype) -> Tuple[Any, Any]:
+def build_model(cfg, ts: TrainSpec, wdtype, auto_class: str = "AutoModelForCausalLM") -> Tuple[Any, Any]:
     """``(model, inner)``: the model built from ``cfg`` on the meta device in ``wdtype`` (the
     class users fine-tune: ``AutoModelForImageTextToText`` for a vision-language config), PEFT's
     LoRA on it for ``lora``, every parameter trainable for ``full``; ``inner`` the bare model.
+    ``auto_class``: the transformers Auto class of the task head
+    (``memguard_core.estimator.heads.AUTO_CLASSES``).
 
     Raises:
         ConfigError: transformers cannot build the config; LoRA targets that match nothing.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # transformers 5's deprecation notices
-            auto = AutoModelForCausalLM
+            auto = getattr(transformers, auto_class)
             if is_vision_language(cfg):  # the class users fine-tune: vision tower + language model
                 from transformers import AutoModelForImageTextToText as auto
             model = auto.from_config(cfg, dtype=wdtype, attn_implementation=ts.attn_impl)

@@ -156,20 +156,26 @@ def test_adapter_input_tensors_match_a_real_block(wdtype, name, amp, p, targets)
     assert got_kept <= saved
 
 
-def test_copies_leave_the_traffic_and_casts_join_it():
+def test_only_the_copies_glibc_mmaps_leave_the_heap_traffic():
+    from memguard_core.estimator.cpu_heap import MMAP_THRESHOLD_MAX
+
     model = _peft_llama(torch.bfloat16, 0.0, "all-linear")
     ms = model_spec_from_module(model)
     base = TrainSpec(batch_size=1, seq_length=TOKENS, method="lora", lora_rank=8, lora_targets=("all-linear",),
                      dtype="bf16")
-    h, sc, lo, _ = A.activation_bytes(ms, base)
-    kept, freed = A.adapter_input_bytes(ms, base)
     # a half base keeps one fp32 copy per LoRA'd linear: 6 linears read 256 features, down_proj 640
-    assert (kept, freed) == (4 * (6 * 256 + 640), 0.0)
-    assert activation_traffic(ms, base) == h + sc + lo - 2 * TOKENS * kept
-    # fp32 weights: lora_A saves the block's own tensor, nothing to leave out
-    fp32 = base.replace(dtype="fp32")
-    assert A.adapter_input_bytes(ms, fp32) == (0.0, 0.0)
-    h, sc, lo, _ = A.activation_bytes(ms, fp32)
-    assert activation_traffic(ms, fp32) == h + sc + lo
+    assert A.adapter_input_bytes(ms, base) == (4 * (6 * 256 + 640), 0.0)
+    # 256 tokens: every copy is a heap chunk, the traffic is the saved set
+    h, sc, lo, _ = A.activation_bytes(ms, base)
+    assert activation_traffic(ms, base) == h + sc + lo
+    # 4 x 4096 tokens: down_proj's copy (640 x 4 B x 16,384 = 40 MiB) is mmapped, the others
+    # (256 x 4 B x 16,384 = 16 MiB) are not
+    big = base.replace(batch_size=4, seq_length=4096)
+    tokens = 4 * 4096
+    assert 640 * 4 * tokens >= MMAP_THRESHOLD_MAX > 256 * 4 * tokens
+    h, sc, lo, _ = A.activation_bytes(ms, big)
+    assert activation_traffic(ms, big) == h + sc + lo - 2 * 640 * 4 * tokens   # 2 LoRA'd blocks
+    # fp32 weights: lora_A saves the block's own tensor, no copy to leave out
+    assert A.adapter_input_bytes(ms, big.replace(dtype="fp32")) == (0.0, 0.0)
     # a full fine-tune's linears save their inputs as trained weights do: no adapter path
     assert A.adapter_input_bytes(ms, base.replace(method="full")) == (0.0, 0.0)

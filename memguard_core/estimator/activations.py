@@ -7,7 +7,7 @@ kernel".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import List, Tuple
 
 from .attention import attention_core, dropout_bytes, sdpa_lse_per_token
 from .bnb import bnb_saved_inputs
@@ -269,30 +269,44 @@ def adapter_input_bytes(ms: ModelSpec, ts: TrainSpec) -> Tuple[float, float]:
     and fused experts are left out. Checked against the casts and saved tensors of real PEFT
     blocks: tests/test_lora_ckpt_census.py.
     """
+    kept = sum(n * b for k, b, n in adapter_input_tensors(ms, ts) if k)
+    freed = sum(n * b for k, b, n in adapter_input_tensors(ms, ts) if not k)
+    return float(kept), float(freed)
+
+
+def adapter_input_tensors(ms: ModelSpec, ts: TrainSpec) -> List[Tuple[bool, int, int]]:
+    """The tensors ``adapter_input_bytes`` sums, one entry per kind: (kept, bytes per token of one
+    tensor, tensors per block); the same rules, for callers that need each tensor's size (glibc
+    mmaps a request of ``cpu_heap.MMAP_THRESHOLD_MAX`` or more)."""
     if (ts.method == "full" or ts.model_code == "litgpt" or ms.model_type in _GPT2_LIKE
             or ms.model_type in _PLAIN_MLP_ARCHS):
-        return 0.0, 0.0
+        return []
     e = DTYPE_BYTES[ts.dtype]
     amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
     drop = dropout_bytes(ts, 4) if ts.lora_dropout > 0 else 0
     lora_names = {ls.name for ls in lora_linears(ms, ts)}
-    kept = freed = 0.0
+    out: List[Tuple[bool, int, int]] = []
     for ls in block_linear_shapes(ms):
         if getattr(ls, "is_param", False) or ls.kind in ("router", "experts"):
             continue
         n, fin, lo = ls.count, ls.in_features, ls.name in lora_names
         reads_norm = ls.name not in _READS_PRODUCT
         if amp:
-            freed += 2 * n * fin if reads_norm else 0     # the base's autocast cast
+            if reads_norm:
+                out.append((False, 2 * fin, n))           # the base's autocast cast
             if lo:
-                kept += n * fin * (2 + drop)              # lora_A's bf16 copy (+ the noise)
-                freed += n * fin * ((0 if reads_norm else 4) + (4 if drop else 0))
-        elif lo and e < 4:
-            kept += n * fin * ((4 + drop) if drop else 4)
-            freed += 4 * n * fin if drop else 0
-        elif lo and drop:
-            kept += n * fin * (4 + drop)
-    return kept, freed
+                out.append((True, 2 * fin, n))            # lora_A's bf16 copy
+                if not reads_norm:
+                    out.append((False, 4 * fin, n))       # PEFT's fp32 copy of a bf16 input
+                if drop:
+                    out += [(True, drop * fin, n), (False, 4 * fin, n)]  # noise; fp32 output
+        elif lo and (e < 4 or drop):
+            out.append((True, 4 * fin, n))                # the fp32 copy, or the dropout's output
+            if drop:
+                out.append((True, drop * fin, n))         # the dropout's noise
+                if e < 4:
+                    out.append((False, 4 * fin, n))       # the fp32 cast ahead of the dropout
+    return out
 
 
 def _hidden_norms_per_block(ms: ModelSpec) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from .activations import activation_bytes, adapter_input_bytes
+from .activations import activation_bytes, adapter_input_tensors
 from .gradients import grad_layers
 from .trainable import block_linear_shapes, lora_linears, num_lora_layers, routed_half_precision_on_cpu
 from .specs import DTYPE_BYTES, MiB, ModelSpec, TrainSpec
@@ -29,20 +29,29 @@ MMAP_THRESHOLD_MAX = 32 * MiB
 def activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
     """Bytes of activations one step saves across all blocks without checkpointing, also under
     checkpointing: what drives the CPU heap slack (``CPU_HEAP_SLACK_*``). Score-sized tensors are
-    left out when glibc mmaps each of them (``MMAP_THRESHOLD_MAX``). Of the tensors the adapters'
-    input path and autocast allocate (``activations.adapter_input_bytes``, per LoRA'd block) the
-    kept copies are left out and the freed casts counted: a copy saved until the backward is one
-    allocation with no temporary beside it, a freed cast is a temporary. Why this traffic, also
-    under checkpointing: docs/estimator.md#cpu-heap-slack and #lora-input-copies-and-the-heap
-    (not applied where the guard pins glibc's mmap threshold: ``routed_half_precision_on_cpu``)."""
+    left out when glibc mmaps each of them (``MMAP_THRESHOLD_MAX``), and so are the copies the LoRA
+    adapters keep of their inputs when each is that large (``adapter_traffic``). Why
+    this traffic, also under checkpointing: docs/estimator.md#cpu-heap-slack and
+    #lora-input-copies-and-the-heap."""
     h, sc, lo, _ = activation_bytes(ms, ts.replace(grad_checkpoint=False))
     if _score_tensors_mmapped(ms, ts):
         sc = 0
-    # a run whose mmap threshold the guard pins (``step_heap.fix_mmap_threshold``: a routed model in
-    # half precision on the CPU) has a heap this split was not derived for
-    kept, freed = (0.0, 0.0) if routed_half_precision_on_cpu(ms, ts) else adapter_input_bytes(ms, ts)
-    adapters = num_lora_layers(ms, ts) * ts.batch_size * ts.seq_length * (freed - kept)
-    return int(max(h + sc + lo + adapters, 0))
+    return int(max(h + sc + lo + adapter_traffic(ms, ts), 0))
+
+
+def adapter_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
+    """What the adapters' input tensors change in ``activation_traffic``, bytes (0 or negative): a
+    kept copy (saved until the backward, with no temporary of its own) that glibc mmaps -- each
+    at least ``MMAP_THRESHOLD_MAX`` -- leaves no heap behind, so it leaves the traffic, as the
+    score tensors do. The freed casts are not added: measured runs do not show them in the slack
+    (docs/estimator.md#lora-input-copies-and-the-heap). 0 where the guard pins the mmap
+    threshold."""
+    if routed_half_precision_on_cpu(ms, ts):
+        return 0
+    tokens = ts.batch_size * ts.seq_length
+    mmapped = sum(n * tokens * b for kept, b, n in adapter_input_tensors(ms, ts)
+                  if kept and tokens * b >= MMAP_THRESHOLD_MAX)
+    return -int(num_lora_layers(ms, ts) * mmapped)
 
 
 def _score_tensors_mmapped(ms: ModelSpec, ts: TrainSpec) -> bool:

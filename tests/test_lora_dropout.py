@@ -42,23 +42,12 @@ def _saved_per_token(model) -> float:
     """Bytes per token the second decoder block saves for the backward: unique storages packed by
     autograd inside its forward, parameters excluded (the first block's q/k/v inputs do not require
     grad, so its dropouts keep no mask: the second is a block as every later one)."""
+    from memguard_torch.saved_census import saved_bytes_per_block
+
     layer = model.base_model.model.model.layers[1]
-    inside = {"on": False}
-    layer.register_forward_pre_hook(lambda *a: inside.update(on=True))
-    layer.register_forward_hook(lambda *a: inside.update(on=False))
-    params = {t.untyped_storage().data_ptr() for t in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if inside["on"] and st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
     ids = torch.randint(0, 1000, (1, TOKENS))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids)
-    return sum(seen.values()) / TOKENS
+    saved = saved_bytes_per_block(lambda: model(input_ids=ids, labels=ids), [layer], exclude=list(model.parameters()))
+    return saved[0] / TOKENS
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])

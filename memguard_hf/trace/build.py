@@ -197,18 +197,11 @@ def add_lora(model, cfg, ts: TrainSpec):
 
 
 def blocks_of(model, text_cfg) -> list:
-    """The transformer blocks: the ``nn.ModuleList`` with ``num_hidden_layers`` entries holding the
-    most parameters (as ``memguard_torch.module_spec`` finds them); ``[]`` when there is none."""
-    import torch.nn as nn
+    """The transformer blocks (``memguard_torch.block_kinds.find_blocks`` with the config's
+    ``num_hidden_layers``); ``[]`` when there is none."""
+    from memguard_torch.block_kinds import find_blocks
 
-    n = getattr(text_cfg, "num_hidden_layers", None)
-    best, size = [], -1
-    for mod in model.modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) and (not n or len(mod) == n):
-            k = sum(p.numel() for p in mod.parameters())
-            if k > size:
-                best, size = list(mod), k
-    return best
+    return find_blocks(model, getattr(text_cfg, "num_hidden_layers", None))
 
 
 def has_experts(model) -> bool:

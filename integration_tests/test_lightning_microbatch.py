@@ -115,7 +115,7 @@ def test_preflight_under_a_tight_budget_splits_in_place(base_runs, monkeypatch):
 
     def plan_without_this_process(ms_, ts_, b, **kw):
         measured_file_pages.append(ts_.resident_file_bytes)
-        return real_plan(ms_, ts_.replace(resident_file_bytes=None), b,
+        return real_plan(ms_, ts_.replace(resident_file_bytes=None, runtime_held_bytes=None), b,
                          **{**kw, "resident_bytes": None, "plan_fraction": 1.0})
 
     monkeypatch.setattr(core_guard, "plan_in_place", plan_without_this_process)

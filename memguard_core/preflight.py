@@ -115,6 +115,9 @@ class Preflight:
                          f"this machine" if self.correction != 1.0 else
                          f"  calibration: {self.calibration_runs} comparable past run(s); a correction applies from "
                          f"{MIN_RUNS}")
+        from .estimator.runtime import runtime_source
+
+        lines.append(f"  {runtime_source(self.plan.train_spec)}")
         if self.resident_extra_bytes:
             lines.append(f"  + {gib(self.resident_extra_bytes)} already resident at train start beyond runtime and "
                          f"weights (model loading heap, data), counted in every estimate")
@@ -182,7 +185,7 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
         found = correction_for(model_spec, train_spec)
         correction, runs = found.factor, found.runs
     est = estimate(model_spec, train_spec, correction=correction)
-    extra = resident_extra(est.breakdown, resident_bytes)
+    extra = resident_extra(est.breakdown, resident_bytes, train_spec)
     target = int(budget_bytes * fraction) - extra
     if target <= 0:
         raise DoesNotFitError(int(est.peak_bytes) + extra - int(budget_bytes * fraction), int(budget_bytes),
@@ -207,9 +210,13 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
     return pf
 
 
-def resident_extra(estimate_breakdown: dict, resident_bytes: Optional[int]) -> int:
-    """What a process holds beyond the estimate's runtime overhead and weights (bytes, >= 0)."""
-    if not resident_bytes:
+def resident_extra(estimate_breakdown: dict, resident_bytes: Optional[int],
+                   train_spec: Optional[TrainSpec] = None) -> int:
+    """What a process holds beyond the estimate's runtime overhead and weights (bytes, >= 0); 0
+    when the runtime overhead is this process's own measured figure (``train_spec
+    .runtime_held_bytes``), which already holds it."""
+    if not resident_bytes or (train_spec is not None and train_spec.runtime_held_bytes is not None
+                              and train_spec.device == "cpu"):
         return 0
     static = estimate_breakdown.get("runtime_overhead", 0) + estimate_breakdown.get("weights", 0)
     return max(0, int(resident_bytes) - static)
@@ -223,7 +230,7 @@ def budget_that_fits(model_spec: ModelSpec, train_spec: TrainSpec, *, resident_b
     from .estimator.estimate import estimate
 
     est = estimate(model_spec, train_spec)
-    return int((est.peak_bytes + resident_extra(est.breakdown, resident_bytes)) / plan_fraction * margin)
+    return int((est.peak_bytes + resident_extra(est.breakdown, resident_bytes, train_spec)) / plan_fraction * margin)
 
 
 def attn_impl_from(name: Optional[str]) -> str:

@@ -18,7 +18,7 @@ from memguard_core.probes import (MemorySnapshot, allocator_counters, probe, res
                                   resolve_device)
 
 __all__ = ["memory_stats", "memory_utilization", "format_memory_stats", "reset_peak_memory",
-           "process_file_resident_bytes"]
+           "process_file_resident_bytes", "process_bytes_apart_from"]
 
 log = logging.getLogger("memguard.stats")
 
@@ -186,3 +186,22 @@ def process_file_resident_bytes() -> Optional[int]:
     except Exception:
         return None
 
+
+
+def process_bytes_apart_from(ranges) -> Optional[int]:
+    """This process's resident set (``VmRSS``) less the resident bytes of ``ranges`` (``(address,
+    nbytes)`` pairs: the model's tensor storages), bytes, >= 0: what the process holds apart from
+    them (interpreter, libraries, the heap kept from loading, data in memory). Pages of a
+    memory-mapped checkpoint not yet touched are neither in the RSS nor taken out of it
+    (``memguard_core.probes.linux.smaps.resident_bytes_in``). None off Linux or when unreadable.
+    Never raises."""
+    try:
+        from memguard_core.probes.linux import proc, smaps
+
+        rss = proc.read_status(keys=frozenset(("VmRSS",))).get("VmRSS")
+        held = smaps.resident_bytes_in(ranges)
+        if rss is None or held is None:
+            return None
+        return max(0, int(rss) - int(held))
+    except Exception:
+        return None

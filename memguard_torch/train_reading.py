@@ -135,14 +135,55 @@ def counter_device(device: str, weights_device: str) -> str:
     return weights_device if weights_device in ("cuda", "mps") else "cpu"
 
 
-def file_pages_kwargs(device: str, kwargs: dict) -> dict:
-    """``kwargs`` with ``resident_file_bytes`` read from this process on the CPU counter: the mapped
-    libraries' resident pages are part of VmHWM and vary with the page cache."""
+def file_pages_kwargs(device: str, kwargs: dict, model: Any = None, optimizers: Iterable[Any] = ()) -> dict:
+    """``kwargs`` with what this process holds, read on the CPU counter: ``resident_file_bytes``
+    (the mapped libraries' resident pages, part of VmHWM and varying with the page cache) and,
+    given the live ``model``, ``runtime_held_bytes`` (:func:`runtime_held_bytes`)."""
     if device == "cpu" and "resident_file_bytes" not in kwargs:
         from memguard_core.stats import process_file_resident_bytes
 
         kwargs = dict(kwargs, resident_file_bytes=process_file_resident_bytes())
+    if device == "cpu" and model is not None and "runtime_held_bytes" not in kwargs:
+        kwargs = dict(kwargs, runtime_held_bytes=runtime_held_bytes(model, optimizers))
     return kwargs
+
+
+def runtime_held_bytes(model: Any, optimizers: Iterable[Any] = ()) -> Optional[int]:
+    """What this process holds apart from the training state's CPU tensors (bytes): its RSS less
+    the resident bytes of every distinct storage among ``model``'s parameters, buffers and
+    gradients and the optimizers' state (a resumed run loads its moments before training starts).
+    The preflight counts this in place of the modelled runtime overhead (``TrainSpec
+    .runtime_held_bytes``). None off Linux or when a storage cannot be read (logged at debug level,
+    never raised): the estimate then keeps the modelled figure."""
+    torch = _torch()
+    try:
+        seen: dict = {}
+
+        def add(t: Any) -> None:
+            t = getattr(t, "_local_tensor", t)   # a DTensor's shard (FSDP2)
+            if not torch.is_tensor(t) or t.device.type != "cpu":
+                return
+            st = t.untyped_storage()
+            if st.nbytes():
+                seen[st.data_ptr()] = st.nbytes()
+
+        inner = unwrap(model)
+        for p in inner.parameters():
+            add(p)
+            if p.grad is not None:
+                add(p.grad)
+        for b in inner.buffers():
+            add(b)
+        for opt in optimizers or ():
+            for state in getattr(opt, "state", {}).values():
+                for v in (state.values() if isinstance(state, Mapping) else ()):
+                    add(v)
+        from memguard_core.stats import process_bytes_apart_from
+
+        return process_bytes_apart_from(seen.items())
+    except Exception:
+        logger.debug("no runtime reading for the preflight", exc_info=True)
+        return None
 
 
 def row_length(row: Any) -> int:

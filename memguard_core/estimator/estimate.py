@@ -21,7 +21,7 @@ from .lora_targets import with_default_lora_targets
 from .moments import StepTerms, compose_moments
 from .optimizer import optimizer_state_bytes, optimizer_temporary_bytes
 from .result import BREAKDOWN_ORDER, MemoryEstimate
-from .runtime import runtime_overhead_bytes
+from .runtime import runtime_overhead_bytes, runtime_source
 from .sharding import apply_sharding  # per-rank terms of DDP / FSDP / ZeRO (no-op for "none")
 from .specs import DTYPE_BYTES, ModelSpec, NF4_BITS, TrainSpec
 from .trainable import check_train_spec, trainable_param_count, vision_lora_linears, weights_for_training
@@ -196,4 +196,5 @@ def _closing_notes(ms: ModelSpec, ts: TrainSpec, t: StepTerms, head_moment: Opti
                      "dense gradient stays from the first backward on")
     if head_moment is not None:
         notes.append(litgpt.note(ts, head_moment))
+    notes.append(runtime_source(ts))
     return notes

@@ -389,6 +389,13 @@ class TrainSpec:
             the typical figure of :data:`memguard_core.estimator.runtime.CPU_FILE_PAGES_AT_START_BYTES`. It
             is part of VmHWM and depends on the page cache, not on the model (a freshly written
             copy of a venv reads higher): docs/estimator.md, "Runtime overhead".
+        runtime_held_bytes: ``device="cpu"`` only: what this process holds when training starts
+            apart from the model's tensors (its RSS less their resident bytes: interpreter,
+            libraries, the heap kept from loading, data in memory), bytes, as a guarded run
+            measures it (``memguard_torch.train_reading.runtime_held_kwargs``). Given, the runtime
+            overhead is this figure plus the modelled growth to the step's peak, and the modelled
+            terms (``resident_file_bytes`` and the ``datasets`` import included) are not used;
+            ``None`` (the CLI, a plain estimate) = modelled: docs/estimator.md, "Runtime overhead".
         image_tokens: image tokens per row of a vision-language model, on top of ``seq_length``
             (the text tokens): the language model's sequence is ``seq_length + image_tokens``
             (images per row x :attr:`ModelSpec.image_tokens`); 0 for text-only rows.
@@ -437,6 +444,7 @@ class TrainSpec:
     device: str = "cpu"
     world_size: int = 1
     resident_file_bytes: Optional[int] = None
+    runtime_held_bytes: Optional[int] = None
     image_tokens: int = 0
     sharding: str = "none"
     offload: str = "none"
@@ -456,6 +464,9 @@ class TrainSpec:
         rf = self.resident_file_bytes
         if rf is not None and (isinstance(rf, bool) or not isinstance(rf, int) or rf < 0):
             raise ConfigError("resident_file_bytes", "an integer >= 0 (bytes) or None", rf)
+        rh = self.runtime_held_bytes
+        if rh is not None and (isinstance(rh, bool) or not isinstance(rh, int) or rh < 0):
+            raise ConfigError("runtime_held_bytes", "an integer >= 0 (bytes) or None", rh)
         require_positive_int("seq_length", self.seq_length)
         require_positive_int("grad_accum", self.grad_accum)
         it = self.image_tokens

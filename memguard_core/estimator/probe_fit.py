@@ -203,10 +203,10 @@ def _check(probe: ProbeResult, at_probe: Sequence[MemoryEstimate], run: MemoryEs
     if len(at_probe) != len(probe.steps):
         raise ConfigError("at_probe", f"one estimate per measured step ({len(probe.steps)})", len(at_probe))
     for i, (e, s) in enumerate(zip(at_probe, probe.steps)):
-        ts = getattr(e, "train_spec", None)
-        if not isinstance(e, MemoryEstimate) or e.counter != kind or (ts.batch_size, ts.seq_length) != (s.rows, s.tokens):
+        size = (e.train_spec.batch_size, e.train_spec.seq_length) if isinstance(e, MemoryEstimate) else None
+        if size != (s.rows, s.tokens) or e.counter != kind:
             raise ConfigError(f"at_probe[{i}]", f"an estimate of the {kind} counter at {s.rows} x {s.tokens} "
-                              f"tokens (the probe's step {i + 1})", getattr(ts, "seq_length", e))
+                              f"tokens (the probe's step {i + 1})", size or e)
     return kind
 
 
@@ -221,9 +221,9 @@ def fit_probe(probe: ProbeResult, at_probe: Sequence[MemoryEstimate], run: Memor
     With one step: the per-token ratio ``(measured - fixed) / per-token``, the fixed part kept.
     With two or more (the smallest and the largest are used): the per-token ratio from the
     difference between them, the fixed part from what is left. The measured figure is
-    :attr:`ProbeStep.step_bytes` against :func:`_seen`'s parts; both bounded
-    (:data:`PER_TOKEN_RATIO_BOUNDS`, :data:`FIXED_CUT_SHARE`; above, the fixed part may grow by at
-    most the whole predicted step at the largest size).
+    :attr:`ProbeStep.step_bytes` against :func:`_seen`'s parts. Both bounded: the ratio within
+    :data:`PER_TOKEN_RATIO_BOUNDS`, the fixed part lowered by at most :data:`FIXED_CUT_SHARE` of
+    the larger predicted one and raised by at most the whole predicted step at the largest size.
 
     Returns:
         ProbeFit; ``applied`` False (the run's own peak) where nothing was measured or what was

@@ -158,3 +158,13 @@ def test_with_the_hf_extra_estimates_and_the_quick_bench_gate_pass(hf_venv):
     # the failing gate: without `datasets` the tiny HF cases read 10-11 % under
     gate = _run([mg, "bench", "--quick", "--gate"], cwd=str(tmp), timeout=1200)
     assert gate.returncode == 0, (gate.stdout[-3000:], gate.stderr[-2000:])
+
+
+@pytest.mark.parametrize("adapter,extra", [("memguard_torch", "torch"), ("memguard_lightning", "lightning"),
+                                           ("memguard_mlx", "mlx")])
+def test_adapter_with_its_extra_imports(clean_venv, adapter, extra):
+    tmp, _ = clean_venv
+    env_dir = _linked_venv(tmp, next((tmp / "dist").glob("*.whl")), extra)
+    out = _run([str(env_dir / "bin" / "python"), "-c", f"import {adapter}; print({adapter}.__file__)"], cwd=str(tmp))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().startswith(str(env_dir)), out.stdout   # the wheel's copy, not the checkout

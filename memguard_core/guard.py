@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import ConfigError
 from .guard_preflight import PreflightMoment, SpecReader
+from .probe_policy import Measure
 from .monitor import MemoryEvent, MemoryMonitor
 from .observe import RunRecorder
 from .oom_recovery import OomRecovery
@@ -93,7 +94,7 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
               before_monitor: Optional[Callable[[int, Optional[int]], None]] = None,
               clean_fn: Optional[Callable[[], None]] = None,
               peak_fn: Optional[Callable[[], Optional[int]]] = None,
-              plan_hint: str = "") -> MemoryMonitor:
+              plan_hint: str = "", measure: Optional[Measure] = None) -> MemoryMonitor:
         """Preflight, budget, plan applied, monitor started. Call once, before the first forward.
         After :meth:`restore_state` (a resumed run) the saved micro-batches, budget and activation
         checkpointing are taken back instead of running the preflight.
@@ -108,6 +109,8 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
             clean_fn, peak_fn: passed to ``MemoryMonitor`` (None: its defaults).
             plan_hint: how the user applies a planned micro-batch change where the adapter cannot
                 split in place (e.g. Lightning's ``accumulate_grad_batches``), for the warning.
+            measure: the adapter's in-process measurement (``memguard_core.probe_policy.Measure``),
+                run by the preflight as ``preflight_probe`` says; None: the estimate alone.
 
         Returns:
             the started monitor.
@@ -129,7 +132,7 @@ class Guard(PreflightMoment, StepHeap, OomRecovery):
         if restored is not None:
             k = max(k, self._apply_restored(restored, read_specs, enable_checkpointing))
         elif opts.preflight and read_specs is not None:
-            k = max(k, self._run_preflight(read_specs, enable_checkpointing, rows, plan_hint))
+            k = max(k, self._run_preflight(read_specs, enable_checkpointing, rows, plan_hint, measure))
         if restored is None:
             self._planned_k = min(k, rows)
         self._pin_mmap_threshold()

@@ -13,7 +13,8 @@ from typing import Any, Callable, Optional, Tuple
 
 from .errors import ConfigError, DoesNotFitError
 from .guard_state import GuardState, parse_state
-from .preflight import Preflight, default_budget, plan_in_place, resident_bytes_for
+from .preflight import Measurement, Preflight, default_budget, plan_in_place, resident_bytes_for
+from .probe_policy import AUTO_MAX_SECONDS, Measure, probe_decision, probe_sizes
 
 __all__ = ["PreflightMoment", "SpecReader"]
 
@@ -199,11 +200,11 @@ class PreflightMoment:
             self.log.warning("memguard: could not open the run records", exc_info=True)
 
     def _run_preflight(self, read_specs: SpecReader, enable_checkpointing: Optional[Callable[[], None]],
-                       rows: int, plan_hint: str) -> int:
+                       rows: int, plan_hint: str, measure: Optional[Measure] = None) -> int:
         """The preflight moment: returns the micro-batches per batch it asks for (1: none)."""
         opts = self.options
         try:
-            self.preflight = pf = self.plan(read_specs, enable_checkpointing)
+            self.preflight = pf = self.plan(read_specs, enable_checkpointing, measure)
         except DoesNotFitError as exc:
             if opts.fail_fast:
                 raise
@@ -229,7 +230,8 @@ class PreflightMoment:
         self.budget_bytes = pf.budget_bytes
         return pf.micro_batches
 
-    def plan(self, read_specs: SpecReader, enable_checkpointing: Optional[Callable[[], None]] = None) -> Preflight:
+    def plan(self, read_specs: SpecReader, enable_checkpointing: Optional[Callable[[], None]] = None,
+             measure: Optional[Measure] = None) -> Preflight:
         """Estimate the run ``read_specs()`` describes, plan it against the budget (the option, else
         the default budget of its device) below the monitor's warning level, with what this
         process already holds counted, and turn activation checkpointing on when the plan asks
@@ -251,12 +253,36 @@ class PreflightMoment:
         apply = tuple(a for a in opts.apply if a != "grad_checkpoint" or enable_checkpointing is not None)
         # plan below the warning level: a run planned up to the budget would sit at the critical level
         # from its first step and be split further for nothing
+        probe = self._measure(model_spec, train_spec, measure)
         pf = plan_in_place(model_spec, train_spec, budget, apply=apply, plan_fraction=opts.thresholds.warning,
-                           resident_bytes=resident_bytes_for(train_spec))
+                           resident_bytes=resident_bytes_for(train_spec),
+                           correction=probe.factor if probe is not None and probe.factor else None)
+        pf.measurement = probe
         if pf.checkpointing_planned and enable_checkpointing is not None:
             enable_checkpointing()
             self._checkpointing_on = True
         return pf
+
+    def _measure(self, model_spec: Any, train_spec: Any, measure: Optional[Measure]) -> Optional[Measurement]:
+        """The in-process measurement as ``preflight_probe`` says (``memguard_core.probe_policy``);
+        None where there is no live model. Never raises: a failure is logged and the estimate kept."""
+        if measure is None:
+            return None
+        want, why = probe_decision(self.options.preflight_probe, model_spec, train_spec)
+        if not want:
+            return Measurement(None, f"in-process measurement {why}")
+        try:
+            from .estimator.probe_fit import correct_estimate
+
+            result = measure(probe_sizes(train_spec), AUTO_MAX_SECONDS * 2 if self.options.preflight_probe == "auto"
+                             else None)
+            fit = correct_estimate(model_spec, train_spec, result)
+            factor = fit.peak_bytes / fit.estimate_peak_bytes if fit.applied and fit.estimate_peak_bytes else None
+            return Measurement(factor, fit.explanation)
+        except Exception as exc:
+            self.log.warning("memguard: the in-process measurement failed (%s: %s); planning from the estimate "
+                             "alone", type(exc).__name__, exc)
+            return Measurement(None, "in-process measurement failed; the estimate alone")
 
     def _nothing_fits(self, exc: DoesNotFitError, enable_checkpointing: Optional[Callable[[], None]],
                       rows: int) -> int:

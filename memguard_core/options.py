@@ -10,7 +10,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import ConfigError, require_fraction, require_int, require_number
 from .monitor import GrowPolicy, Thresholds
@@ -77,6 +77,11 @@ class GuardOptions:
         monitor_interval_s: background sampling period in seconds (0: no thread).
         device: which memory to probe (``auto`` | ``cpu`` | ``cuda`` | ``cuda:<i>`` | ``mps`` | ``mlx``).
         preflight: estimate and plan at train start.
+        preflight_probe: before planning, run one forward + backward of the live model at one row of
+            a few hundred tokens (two sizes), read on the device's own counter, and correct the
+            estimate by what it saw (docs/estimator.md, "In-process measurement"): ``"auto"``
+            (default) where it costs a few seconds at most (CUDA / MPS; CPU for a model small
+            enough), ``True`` always, ``False`` never. The torch adapters; nothing on mlx_lm.
         grow: when the number of micro-batches may halve again after pressure has gone
             (``memguard_core.monitor.GrowPolicy``; None: never).
         log_dir: folder of the run event log (``memguard_core.events``: one JSONL file per rank);
@@ -118,6 +123,7 @@ class GuardOptions:
     monitor_interval_s: float = 0.5
     device: str = "auto"
     preflight: bool = True
+    preflight_probe: Union[bool, str] = "auto"
     grow: Optional[GrowPolicy] = GrowPolicy()
     log_dir: Optional[str] = None
     cuda_snapshots: Optional[str] = None
@@ -136,7 +142,7 @@ class GuardOptions:
                     log_dir: Optional[str] = None, cuda_snapshots: Optional[str] = None,
                     snapshot_steps: Sequence[int] = (), leak_detector: bool = True,
                     eval_micro_batches: int = 1, trim_heap: bool = True,
-                    reset_peak_rss: bool = True) -> "GuardOptions":
+                    reset_peak_rss: bool = True, preflight_probe: Union[bool, str] = "auto") -> "GuardOptions":
         """Validate and normalise. ``budget_bytes`` takes an int or a float (bytes, rounded down:
         ``8.5e9``); ``budget_gib`` gives the budget in GiB instead (not both).
 
@@ -175,6 +181,8 @@ class GuardOptions:
         for name, flag in (("fail_fast", fail_fast), ("preflight", preflight)):
             if not isinstance(flag, bool):
                 raise ConfigError(name, "True or False", flag)
+        if preflight_probe != "auto" and not isinstance(preflight_probe, bool):
+            raise ConfigError("preflight_probe", '"auto", True or False', preflight_probe)
         if grow is not None and not isinstance(grow, GrowPolicy):
             raise ConfigError("grow", "a memguard_core.monitor.GrowPolicy, or None", grow)
         for name, folder in (("log_dir", log_dir), ("cuda_snapshots", cuda_snapshots)):
@@ -195,7 +203,8 @@ class GuardOptions:
                    preflight=preflight, grow=grow, log_dir=None if log_dir is None else os.fspath(log_dir),
                    cuda_snapshots=None if cuda_snapshots is None else os.fspath(cuda_snapshots),
                    snapshot_steps=tuple(int(s) for s in snapshot_steps), leak_detector=leak_detector,
-                   eval_micro_batches=eval_micro_batches, trim_heap=trim_heap, reset_peak_rss=reset_peak_rss)
+                   eval_micro_batches=eval_micro_batches, trim_heap=trim_heap, reset_peak_rss=reset_peak_rss,
+                   preflight_probe=preflight_probe)
 
 
 #: The keyword names every adapter takes for its :class:`GuardOptions` (those of

@@ -25,6 +25,20 @@ IN_PLACE_FIELDS = {"grad_checkpoint": "grad_checkpoint", "batch_size": "micro_ba
 PLAN_ORDER = ("grad_checkpoint", "micro_batch", "seq_length", "lora_rank", "lora_layers")
 
 
+@dataclass(frozen=True)
+class Measurement:
+    """What the preflight's in-process measurement did (``memguard_core.probe_policy``).
+
+    Attributes:
+        factor: the corrected over the uncorrected estimate of the run's settings, the factor
+            every planned estimate takes (in place of the calibration's); None: no correction.
+        line: one line for the log: what was measured, its cost and the correction, or why not.
+    """
+
+    factor: Optional[float]
+    line: str
+
+
 @dataclass
 class Preflight:
     """Outcome of an adapter's preflight.
@@ -40,8 +54,10 @@ class Preflight:
         plan_fraction: the plan targets ``plan_fraction x budget_bytes``.
         resident_extra_bytes: memory the process already held at train start beyond the estimate's
             runtime overhead and weights (model-loading heap, datasets), added to every estimate.
-        correction: calibration factor applied to every estimate (``memguard_core.calibration``:
-            median measured / estimated of this machine's comparable past runs; 1.0 = none).
+        correction: factor applied to every estimate: the in-process measurement's
+            (``measurement.factor``) when it corrected the estimate, else the calibration's
+            (``memguard_core.calibration``: median measured / estimated of this machine's
+            comparable past runs; 1.0 = none).
         calibration_runs: comparable past runs found in the calibration store.
     """
 
@@ -57,6 +73,7 @@ class Preflight:
     resident_extra_bytes: int = 0
     correction: float = 1.0
     calibration_runs: int = 0
+    measurement: Optional[Measurement] = None
 
     def __repr__(self) -> str:
         """One readable line (the dataclass's own repr would print both specs and estimates in full)."""
@@ -99,8 +116,10 @@ class Preflight:
                  f"checkpointing {'on' if ts.grad_checkpoint else 'off'})",
                  f"  estimated peak {gib(self.requested_peak_bytes)} ({self.estimate.counter}) vs budget "
                  f"{gib(self.budget_bytes)}: {'fits' if self.requested_peak_bytes <= self.budget_bytes else 'does NOT fit'}"]
+        measured = self.measurement is not None and self.measurement.factor is not None
         for name, val in self.estimate.breakdown.items():
             if val:  # terms this run does not have (no optimizer states under SGD, ...) stay out
+                name = "measured correction" if measured and name == "calibration" else name
                 lines.append(f"    {name:<18} {gib(val)}")
         seen = set()
         for label, changes in (("applied", self.applied), ("CHANGE NEEDED (not applicable in place)", self.not_applied)):
@@ -108,7 +127,10 @@ class Preflight:
                 if c.reason not in seen:  # a micro-batch change is two Changes with one reason
                     seen.add(c.reason)
                     lines.append(f"  {label}: {c.reason}")
-        if self.correction != 1.0 or self.calibration_runs:
+        if self.measurement is not None:
+            lines.append(f"  {self.measurement.line}"
+                         + (f": every estimate x{self.correction:.3f}" if measured else ""))
+        if not measured and (self.correction != 1.0 or self.calibration_runs):
             from .calibration import MIN_RUNS
 
             lines.append(f"  calibration: x{self.correction:.3f} from {self.calibration_runs} comparable past runs on "

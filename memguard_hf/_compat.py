@@ -198,3 +198,16 @@ def generation_kwargs(trainer: Any) -> dict:
     ``prediction_step`` (``trainer._gen_kwargs``); {} when absent."""
     kw = getattr(trainer, "_gen_kwargs", None)
     return kw if isinstance(kw, dict) else {}
+
+
+def training_columns(trainer: Any, dataset: Any) -> Any:
+    """``dataset`` with the columns the model's forward does not take removed, as the ``Trainer``
+    does before batching (its private ``_remove_unused_columns``; a datasets ``Dataset`` only); the
+    dataset itself where that cannot be done."""
+    fn = getattr(trainer, "_remove_unused_columns", None)
+    if fn is None or not getattr(trainer.args, "remove_unused_columns", False) or not hasattr(dataset, "column_names"):
+        return dataset
+    try:
+        return fn(dataset, description="training")
+    except Exception:
+        return dataset

@@ -21,12 +21,13 @@ from typing import Any
 from transformers import TrainerCallback
 
 from memguard_torch import train_reading as tt
+from memguard_torch.preflight_probe import measure_fn
 from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.monitor import MemoryEvent
 from memguard_core.options import GuardOptions, option_kwargs, with_guard_options
 
 from . import _compat
-from .preflight import read_specs
+from .preflight import probe_batch, read_specs
 from .resume import restore_guard_state, save_guard_state
 from .eval import GuardedEval
 from .loss_weights import LossWeights
@@ -194,7 +195,9 @@ class MemGuardCallback(GuardAttributes, GuardedStep, GuardedEval, TrainerCallbac
                          enable_checkpointing=(lambda: tt.enable_activation_checkpointing(trainer.model))
                          if can_checkpoint else None,
                          plan_hint=": set per_device_train_batch_size and gradient_accumulation_steps "
-                                   "to these numbers")
+                                   "to these numbers",
+                         measure=measure_fn(tt.unwrap(trainer.model), lambda: probe_batch(trainer),
+                                            step_context=trainer.compute_loss_context_manager))
         back = self.guard.restored
         if back is not None and back.eval_micro_batches is not None:
             self.eval_micro_batches = max(self.eval_micro_batches, back.eval_micro_batches)

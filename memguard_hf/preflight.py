@@ -12,6 +12,7 @@ from memguard_torch import train_reading as tt
 from memguard_torch.block_kinds import with_live_block_kinds
 from memguard_torch.module_spec import model_spec_from_module
 
+from . import _compat
 from .specs import train_spec
 
 
@@ -25,3 +26,28 @@ def read_specs(trainer: Any, *, seq_length: Optional[int] = None, device: str = 
     ms = model_spec_from_module(model)
     ts = train_spec(trainer, ms, seq_length=seq_length, device=device)
     return with_live_block_kinds(model, ms, ts), ts
+
+
+def probe_batch(trainer: Any) -> Optional[Any]:
+    """One row of the training set, collated as the ``Trainer`` collates it, for the in-process
+    measurement (``memguard_torch.preflight_probe``); None for a dataset without indexable rows
+    (an ``IterableDataset``). The random number generators are put back afterwards (a collator may
+    draw from them: masking, padding to a random multiple), so the run's own batches are
+    unchanged.
+
+    Raises:
+        whatever the dataset or the collator raises (the measurement reports it, never the run).
+    """
+    import random
+
+    import torch
+
+    ds = getattr(trainer, "train_dataset", None)
+    if ds is None or not hasattr(ds, "__getitem__") or isinstance(ds, torch.utils.data.IterableDataset):
+        return None
+    state, py = torch.random.get_rng_state(), random.getstate()
+    try:
+        return trainer.data_collator([_compat.training_columns(trainer, ds)[0]])
+    finally:
+        torch.random.set_rng_state(state)
+        random.setstate(py)

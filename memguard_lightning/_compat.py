@@ -166,3 +166,11 @@ def tensor_parallel_size(strategy: Any) -> Optional[int]:
         return int(strategy.device_mesh["tensor_parallel"].size())
     except Exception:
         return None
+
+
+def forward_context(trainer: Any) -> Optional[Any]:
+    """The context Lightning runs ``training_step`` in (its precision plugin's autocast:
+    ``Precision.forward_context``), as a zero-argument callable; None where it cannot be read."""
+    plugin = getattr(trainer, "precision_plugin", None)
+    ctx = getattr(plugin, "forward_context", None)
+    return ctx if callable(ctx) else None

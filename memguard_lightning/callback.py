@@ -26,6 +26,7 @@ from memguard_core.guard import Guard, GuardAttributes
 from memguard_core.options import GuardOptions, option_kwargs, with_guard_options
 from memguard_core.preflight import Preflight
 from memguard_torch import _compat as torch_compat
+from memguard_torch.preflight_probe import measure_fn
 
 from . import _compat
 from .batch import LabelKey, batch_units
@@ -208,7 +209,8 @@ class MemGuardCallback(GuardAttributes, Callback):
             read_specs=lambda: read_specs(trainer, pl_module, batch, seq_length=opts.seq_length, device=opts.device),
             enable_checkpointing=(lambda: tt.enable_activation_checkpointing(find_model(pl_module)))
             if can_checkpoint else None,
-            plan_hint=plan_hint(pl_module.automatic_optimization))
+            plan_hint=plan_hint(pl_module.automatic_optimization),
+            measure=measure_fn(find_model(pl_module), batch, step_context=_compat.forward_context(trainer)))
         self._restore_eval_split()
         if self.guard.preflight is not None:
             self._log_preflight(trainer, self.guard.preflight)

@@ -37,6 +37,7 @@ from .guard_setup import GradientWatch, check_loop_args, chunk_context, install_
 from .oom import is_oom_error
 from .optim_state import prepare_optimizer
 from .preflight import read_specs
+from .preflight_probe import measure_fn
 from .specs import world_size
 from .ranks import RankAgreement
 from .sync import OomSync, PeerOutOfMemoryError
@@ -133,7 +134,9 @@ class TorchGuard(RankAgreement, GuardAttributes):
                                            grad_accum=self.grad_accum, accelerator=self.accelerator,
                                            device=opts.device)) if model is not None else None,
             enable_checkpointing=(lambda: tt.enable_activation_checkpointing(model)) if can_checkpoint else None,
-            plan_hint=": set the data loader's batch size and the accumulation steps to these numbers")
+            plan_hint=": set the data loader's batch size and the accumulation steps to these numbers",
+            measure=measure_fn(tt.unwrap(model), batch, step_context=getattr(self.accelerator, "autocast", None))
+            if model is not None else None)
         if model is not None:
             self._grads.watch(model)
         self._prepare_optimizer()

@@ -22,7 +22,7 @@ from memguard_core.estimator.probe_fit import PROBE_COUNTERS, ProbeResult, Probe
 from . import probes_cuda, probes_mps
 from .run_state import RunState
 
-__all__ = ["measure_steps", "cut_batch", "default_loss"]
+__all__ = ["measure_steps", "measure_fn", "cut_batch", "default_loss"]
 
 log = logging.getLogger("memguard.preflight")
 
@@ -265,3 +265,25 @@ def _one_step(model: Any, batch: Any, rows: int, tokens: int, counter: _Counter,
     after = counter.settle()
     return ProbeStep(rows=rows, tokens=tokens, held_bytes=held, peak_bytes=top, retained_bytes=after - held,
                      seconds=time.monotonic() - t)
+
+
+def measure_fn(model: Any, batch: Any, *, loss_fn: Optional[Callable[[Any, Any], Any]] = None,
+               step_context: Optional[Callable[[], Any]] = None) -> Callable[..., ProbeResult]:
+    """The adapters' ``measure(sizes, max_seconds)`` for the guard's preflight
+    (``memguard_core.probe_policy.Measure``): :func:`measure_steps` on ``model``'s own device.
+    ``batch`` is a batch, or a zero-argument callable that makes one (called only when the
+    measurement runs; None from it: "not measured"). Never raises."""
+    def measure(sizes: Sequence[Tuple[int, int]], max_seconds: Optional[float] = None) -> ProbeResult:
+        try:
+            b = batch() if callable(batch) else batch
+            p = next(iter(model.parameters()), None)
+            device = str(p.device) if p is not None else "cpu"
+        except Exception as exc:   # a dataset that cannot give a row, a model without parameters
+            b, device, why = None, "cpu", f"{type(exc).__name__}: {exc}"
+        else:
+            why = "no batch to cut the probe's rows from"
+        if b is None:
+            return ProbeResult(measured=False, device=device, counter="", steps=(), seconds=0.0, reason=why)
+        return measure_steps(model, b, sizes, device=device, loss_fn=loss_fn, step_context=step_context,
+                             max_seconds=max_seconds)
+    return measure

@@ -67,10 +67,28 @@ def _trim_heap_callback():
     return TrimHeap()
 
 
+#: PEFT ``task_type`` per head kind (``peft.TaskType``): what a user's ``LoraConfig`` for that head names.
+_PEFT_TASKS = {"causal_lm": "CAUSAL_LM", "masked_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS",
+               "token_classification": "TOKEN_CLS", "question_answering": "QUESTION_ANS"}
+
+
+def _head_kind(config) -> str:
+    """The head the case trains: the first its arch's ``architectures`` names (an encoder's
+    ``BertForSequenceClassification``), a causal LM when it names none."""
+    from memguard_core.estimator.heads import head_kind_from_architectures
+
+    return head_kind_from_architectures(getattr(config, "architectures", None))
+
+
 def _build_model(case: dict, torch):
     """(model, config, CUDA context bytes): the case's architecture with random weights in the
-    case's dtype, LoRA-wrapped by PEFT unless the method is full."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    case's dtype, built by the Auto class of the head its ``architectures`` names
+    (``heads.AUTO_CLASSES``; ``AutoModelForCausalLM`` when it names none), LoRA-wrapped by PEFT
+    unless the method is full."""
+    import transformers
+    from transformers import AutoConfig
+
+    from memguard_core.estimator.heads import AUTO_CLASSES
 
     kw = case["train"]
     arch = arch_of(case)
@@ -82,31 +100,42 @@ def _build_model(case: dict, torch):
         torch.zeros(1, device="cuda")
         free, total = torch.cuda.mem_get_info()
         ctx = (total - free) - torch.cuda.memory_reserved()  # context (assumes an otherwise idle GPU)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kw["attn_impl"])
+    kind = _head_kind(config)
+    model = getattr(transformers, AUTO_CLASSES[kind]).from_config(config, dtype=dtype,
+                                                                  attn_implementation=kw["attn_impl"])
     if kw["method"] != "full":
         from peft import LoraConfig, get_peft_model
 
         targets = kw["lora_targets"]
         lc = LoraConfig(r=kw["lora_rank"], lora_alpha=2 * kw["lora_rank"], lora_dropout=kw.get("lora_dropout", 0.0),
                         target_modules="all-linear" if targets == ["all-linear"] else targets,
-                        task_type="CAUSAL_LM")
+                        task_type=_PEFT_TASKS[kind])
         model = get_peft_model(model, lc)
     return model, config, ctx
 
 
-def _dataset(n: int, s: int, vocab_size: int, torch):
-    """``n`` rows of ``s`` random token ids (labels = inputs), the same every run."""
+def _dataset(n: int, s: int, vocab_size: int, torch, kind: str = "causal_lm", num_labels: int = 2):
+    """``n`` rows of ``s`` random token ids, the same every run, with the targets of the head
+    ``kind``: labels = inputs for an LM head, a random class per row (sequence classification) or
+    per token (token classification), random start / end positions (question answering)."""
     from torch.utils.data import Dataset
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab_size, (n, s), generator=g)
+    targets = {"sequence_classification": lambda: {"labels": torch.randint(0, num_labels, (n,), generator=g)},
+               "token_classification": lambda: {"labels": torch.randint(0, num_labels, (n, s), generator=g)},
+               "question_answering": lambda: {"start_positions": torch.randint(0, s, (n,), generator=g),
+                                              "end_positions": torch.randint(0, s, (n,), generator=g)},
+               }.get(kind, lambda: {"labels": ids})()
 
     class DS(Dataset):
         def __len__(self):
             return n
 
         def __getitem__(self, i):
-            return {"input_ids": ids[i], "labels": ids[i], "attention_mask": torch.ones(s, dtype=torch.long)}
+            row = {"input_ids": ids[i], "attention_mask": torch.ones(s, dtype=torch.long)}
+            row.update({k: v[i] for k, v in targets.items()})
+            return row
 
     return DS()
 
@@ -163,7 +192,8 @@ def run_hf_child(case: dict) -> dict:
     model, config, ctx = _build_model(case, torch)
     ms = model_spec_from_module(model, name=case["arch"])
     spec = dataclasses.asdict(ms)
-    train_ds = _dataset(kw["batch_size"] * kw["grad_accum"] * steps, kw["seq_length"], config.vocab_size, torch)
+    train_ds = _dataset(kw["batch_size"] * kw["grad_accum"] * steps, kw["seq_length"], config.vocab_size, torch,
+                        _head_kind(config), int(getattr(config, "num_labels", 2)))
     args = _training_args(kw, steps, device)
     read, reset = _counter(device, ctx, torch)
     callbacks = [_step_peaks_callback(read, reset)] if case.get("per_step") else []

@@ -12,6 +12,8 @@ from typing import List, Tuple
 from .attention import attention_core, dropout_bytes, sdpa_lse_per_token
 from .bnb import bnb_saved_inputs
 from .cuda import cuda_sdpa_backend
+from .encoder_blocks import encoder_block_act, encoder_reads_norm, is_post_norm_encoder
+from .lora_inputs import lora_input_bytes
 from .gradients import grad_layers
 from .mps import mps_sdpa_math
 from .trainable import block_linear_shapes, lora_linears, num_lora_layers
@@ -65,7 +67,8 @@ def block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tra
       * MoE (``MixtralExperts``): per (token, expert) pair, k per token: gate_up (2i), act (i),
         down output (h, saved by the routing-weight multiply), the gathered input (h) and the
         product (i) when the experts train; router logits and fp32 softmax (E per token).
-    GPT-2 family: ``_gpt2_block_act``; OPT / GPT-NeoX: ``_plain_mlp_block_act``.
+    GPT-2 family: ``_gpt2_block_act``; OPT / GPT-NeoX: ``_plain_mlp_block_act``; post-LN encoders
+    (BERT, RoBERTa, DistilBERT, DeBERTa-v2): ``encoder_blocks.encoder_block_act``.
     """
     e = DTYPE_BYTES[ts.dtype]
     h = ms.hidden_size
@@ -100,6 +103,8 @@ def block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tra
         return _plain_mlp_block_act(ms, ts, a, lora_names, trainable_block, e, r, amp)
     if gpt2:
         return _gpt2_block_act(ms, ts, a, lora_names, trainable_block, e, r, amp)
+    if is_post_norm_encoder(ms):
+        return encoder_block_act(ms, ts, a, lora_names, trainable_block, e, r, amp)
 
     # Llama family
     a.hidden += 4 * h                           # input_layernorm: fp32 input
@@ -206,32 +211,6 @@ def _gpt2_block_act(ms: ModelSpec, ts: TrainSpec, a: _Act, lora_names: set, trai
     return a
 
 
-def lora_input_bytes(ts: TrainSpec, n_lora: int, fin: int, e: int, amp: bool) -> float:
-    """Bytes per token that ``n_lora`` LoRA'd frozen linears reading one shared input of ``fin``
-    features save for their adapters (PEFT ``peft/tuners/lora/layer.py`` ``Linear.forward``:
-    ``x = self._cast_input_dtype(x, lora_A.weight.dtype)``, then ``lora_A(dropout(x))``):
-
-    * ``lora_dropout`` 0 (``nn.Identity``): ``lora_A`` saves its input -- the shared tensor itself
-      when it is already in the adapter's dtype (fp32 weights: one e x fin for the group), a
-      separate fp32 copy per linear when the base is half (PEFT's ``autocast_adapter_dtype``
-      keeps the adapters in fp32), a bf16 autocast copy per linear under autocast;
-    * ``lora_dropout`` > 0: per linear, the dropout's output (fp32, or the autocast copy ``lora_A``
-      saves in its place) and the dropout's mask on an fp32 input: on CPU / mps the ``noise``
-      tensor ``_dropout_impl`` multiplies by (4 bytes), on CUDA ``native_dropout``'s 1-byte mask
-      (``dropout_bytes``). The dropout saves its mask only when its input requires grad, which
-      is every LoRA'd linear but those ahead of the first trainable one (the first block's
-      q/k/v); they are counted alike (a slight over-estimate, one block's worth at most).
-    """
-    if n_lora <= 0:
-        return 0.0
-    per = 2 if amp else 4          # lora_A's saved input: the autocast copy, or fp32
-    if ts.lora_dropout > 0:
-        return (per + dropout_bytes(ts, 4)) * fin * n_lora
-    if amp:
-        return 2 * fin * n_lora
-    return e * fin if e == 4 else 4 * fin * n_lora
-
-
 #: Llama-family linears that read a product of the block (attention output, gated MLP product), not a
 #: normalised hidden state: under autocast their input is already in the compute dtype.
 _READS_PRODUCT = ("o_proj", "down_proj", "out_proj", "dense", "c_proj", "wo", "w2", "fc2")
@@ -264,6 +243,8 @@ def adapter_input_bytes(ms: ModelSpec, ts: TrainSpec) -> Tuple[float, float]:
       PEFT's fp32 copy (freed, 4); with a dropout, its noise is kept (4) and its fp32 output freed
       (4) once autocast has copied it for ``lora_A``.
 
+    A post-LN encoder's linears (``encoder_blocks``) are told apart by shape and path, not name
+    (BERT's three ``dense``): ``encoder_blocks.encoder_reads_norm`` says which read a LayerNorm.
     (0, 0) for a full fine-tune, LitGPT's model code and the GPT-2 / plain-MLP families (their
     rules count the adapters' inputs apart: ``_gpt2_block_act``, ``_plain_mlp_block_act``); routers
     and fused experts are left out. Checked against the casts and saved tensors of real PEFT
@@ -285,12 +266,18 @@ def adapter_input_tensors(ms: ModelSpec, ts: TrainSpec) -> List[Tuple[bool, int,
     amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
     drop = dropout_bytes(ts, 4) if ts.lora_dropout > 0 else 0
     lora_names = {ls.name for ls in lora_linears(ms, ts)}
+    # encoders by shape and path: BERT's ``dense`` names linears of both kinds; DeBERTa's ``pos_*``
+    # projections read the relative embeddings, not the tokens
+    encoder = is_post_norm_encoder(ms)
+    lora_set = set(lora_linears(ms, ts)) if encoder else set()
     out: List[Tuple[bool, int, int]] = []
     for ls in block_linear_shapes(ms):
         if getattr(ls, "is_param", False) or ls.kind in ("router", "experts"):
             continue
-        n, fin, lo = ls.count, ls.in_features, ls.name in lora_names
-        reads_norm = ls.name not in _READS_PRODUCT
+        if encoder and ls.name.startswith("pos_"):
+            continue
+        n, fin, lo = ls.count, ls.in_features, (ls in lora_set) if encoder else ls.name in lora_names
+        reads_norm = encoder_reads_norm(ms, ls) if encoder else ls.name not in _READS_PRODUCT
         if amp:
             if reads_norm:
                 out.append((False, 2 * fin, n))           # the base's autocast cast

@@ -47,13 +47,23 @@ def test_smaps_mappings_and_ranges_capped_at_each_mappings_rss():
 
 @linux
 def test_resident_bytes_of_real_storages_written_and_untouched():
+    import ctypes
+    import mmap
+
     written = torch.ones(64 * MiB // 4)              # every page written
-    untouched = torch.empty(256 * MiB // 4)          # a large allocation glibc maps lazily
-    st_w, st_u = written.untyped_storage(), untouched.untyped_storage()
+    st_w = written.untyped_storage()
     got_w = resident_bytes_in([(st_w.data_ptr(), st_w.nbytes())])
-    got_u = resident_bytes_in([(st_u.data_ptr(), st_u.nbytes())])
     assert 62 * MiB <= got_w <= 64 * MiB
-    assert got_u < 8 * MiB
+    # an anonymous mapping of its own (not glibc's, which earlier tests in this process may have
+    # tuned to reuse resident heap): untouched pages are not resident, written ones are
+    region = mmap.mmap(-1, 256 * MiB)
+    buf = (ctypes.c_char * (256 * MiB)).from_buffer(region)
+    addr = ctypes.addressof(buf)
+    assert resident_bytes_in([(addr, 256 * MiB)]) < 4 * MiB
+    ctypes.memset(addr, 1, 96 * MiB)
+    assert 94 * MiB <= resident_bytes_in([(addr, 256 * MiB)]) <= 98 * MiB
+    del buf
+    region.close()
 
 
 @linux

@@ -268,10 +268,10 @@ class PreflightMoment:
         None where there is no live model. Never raises: a failure is logged and the estimate kept."""
         if measure is None:
             return None
-        want, why = probe_decision(self.options.preflight_probe, model_spec, train_spec)
-        if not want:
-            return Measurement(None, f"in-process measurement {why}")
         try:
+            want, why = probe_decision(self.options.preflight_probe, model_spec, train_spec)
+            if not want:
+                return Measurement(None, f"in-process measurement {why}")
             from .estimator.probe_fit import correct_estimate
 
             result = measure(probe_sizes(train_spec), AUTO_MAX_SECONDS * 2 if self.options.preflight_probe == "auto"

@@ -42,3 +42,30 @@ def test_the_option_and_the_auto_rule():
     tiny = llama(64, 2, vocab=256)
     assert predicted_step_bytes(tiny, cpu) < CPU_MIN_STEP_BYTES
     assert "noise" in probe_decision("auto", tiny, cpu)[1]
+
+
+def test_a_cpu_reading_below_the_estimate_never_lowers_the_plan():
+    # a CPU probe of one row reads the glibc heap at that row only; the demo's one-row reading of
+    # x0.64 lowered its plan to 17 % under the run's peak: on a CPU the measurement only raises
+    import logging
+
+    from memguard_core.estimator.probe_fit import ProbeResult, ProbeStep
+    from memguard_core.guard import Guard
+    from memguard_core.options import GuardOptions
+
+    ms = llama(512, 3, vocab=4000)
+    ts = TrainSpec(method="full", dtype="fp32", seq_length=512, batch_size=8, device="cpu", framework="torch")
+
+    def reading(step_mib):
+        return lambda sizes, max_s: ProbeResult(
+            measured=True, device="cpu", counter="vmhwm", seconds=0.1,
+            steps=tuple(ProbeStep(rows=r, tokens=t, held_bytes=2**30, peak_bytes=2**30 + int(step_mib * t / 512) * 2**20,
+                                  retained_bytes=0, seconds=0.05) for r, t in sizes))
+
+    guard = Guard(GuardOptions.from_kwargs(budget_gib=64, preflight_probe=True, monitor_interval_s=0),
+                  log=logging.getLogger("test"))
+    low = guard.plan(lambda: (ms, ts), measure=reading(20))
+    assert low.measurement.factor is None and "only raises" in low.measurement.line
+    high = guard.plan(lambda: (ms, ts), measure=reading(4000))
+    assert high.measurement.factor > 1.0 and high.correction == high.measurement.factor
+    assert high.best_peak_bytes > low.best_peak_bytes

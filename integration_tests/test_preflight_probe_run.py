@@ -11,21 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from memguard_core.probes.linux import peak  # noqa: E402
-
-
-class BigSave(torch.autograd.Function):
-    """An op the estimator's rules do not know: it keeps ``copies`` copies of its input for the
-    backward (a custom kernel's workspace)."""
-
-    @staticmethod
-    def forward(ctx, x, copies):
-        ctx.save_for_backward(x.repeat(*([1] * (x.ndim - 1)), copies))
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        (big,) = ctx.saved_tensors
-        return g + 0 * big[..., : g.shape[-1]], None
+from memguard_testing.unknown_op import BigSave  # noqa: E402
 
 
 def _run(tmp_path, probe, caplog):

@@ -279,8 +279,8 @@ class PreflightMoment:
             fit = correct_estimate(model_spec, train_spec, result)
             factor = fit.peak_bytes / fit.estimate_peak_bytes if fit.applied and fit.estimate_peak_bytes else None
             if factor is not None and factor < 1.0 and train_spec.device == "cpu":
-                # one row's heap reading does not carry to the run's rows: on the demo's run a
-                # one-row reading of x0.64 lowered the plan to 17 % under the run's peak
+                # one row's glibc heap reading does not carry to the run's rows, and lowering is
+                # the direction that ends in an OOM (docs/estimator.md, "In-process measurement")
                 return Measurement(None, f"{fit.explanation}; not applied: a CPU reading only raises the estimate")
             return Measurement(factor, fit.explanation)
         except Exception as exc:

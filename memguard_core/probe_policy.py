@@ -16,9 +16,9 @@ __all__ = ["PROBE_TOKENS", "AUTO_MAX_SECONDS", "CPU_PROBE_FLOPS", "CPU_MIN_STEP_
 PROBE_TOKENS = (256, 512)
 #: ``preflight_probe="auto"`` runs the measurement where it is predicted to cost at most this long.
 AUTO_MAX_SECONDS = 3.0
-#: FLOP/s a CPU probe step is assumed to reach: the SmolLM2-135M-shape fp32 probe (256 + 512 tokens,
-#: 6 x params FLOPs a token) took 20.4 s on this project's 2-core VM, one thread, ~3e10 FLOP/s; a
-#: slow figure on purpose, so that "auto" errs towards not spending the user's time.
+#: FLOP/s a CPU probe step is assumed to reach: a slow one-thread figure on purpose, so that "auto"
+#: errs towards not spending the user's time (where it was read: docs/estimator.md, "In-process
+#: measurement").
 CPU_PROBE_FLOPS = 3e10
 #: ``"auto"`` on a CPU also needs the predicted step at the larger probe size to be at least this
 #: large: VmHWM is read in pages after a heap that moves by a few MiB between steps, and a tiny

@@ -101,4 +101,4 @@ def train_spec(trainer: Any, model_spec: ModelSpec, *, seq_length: Optional[int]
                      grad_checkpoint=gc_on, attn_impl=attn_impl_from(_compat.attn_implementation(model)),
                      framework="hf", device=device, world_size=world, **layout_of_trainer(trainer, world),
                      bnb_version=installed_version("bitsandbytes") if method == "qlora" else None,
-                     **tt.file_pages_kwargs(device, kwargs, model, [getattr(trainer, "optimizer", None)]))
+                     **tt.process_held_kwargs(device, kwargs, model, [getattr(trainer, "optimizer", None)]))

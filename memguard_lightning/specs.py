@@ -124,4 +124,4 @@ def train_spec(trainer, pl_module, batch: Any, model_spec: ModelSpec, *,
                      mixed_precision=mixed, grad_checkpoint=target is not None and tt.checkpointing_on(target),
                      attn_impl=attn_impl, framework="lightning", device=device,
                      world_size=world, **layout_of_strategy(trainer, pl_module, world),
-                     **tt.file_pages_kwargs(device, kwargs, pl_module, opts))
+                     **tt.process_held_kwargs(device, kwargs, pl_module, opts))

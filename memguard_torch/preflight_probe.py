@@ -1,4 +1,4 @@
-"""The in-process measurement (issue #33 item 3): before a guarded run's first step, one forward +
+"""The in-process measurement: before a guarded run's first step, one forward +
 backward per size (one row, a few hundred tokens) on the live model and device, read on the
 device's own counter -- the step's peak and what it added over the memory held before it -- with
 the run's state put back exactly after (:class:`memguard_torch.run_state.RunState`). The optimizer

@@ -96,4 +96,4 @@ def train_spec(model: Any, optimizer: Any, batch: Any, model_spec: ModelSpec, *,
                      grad_checkpoint=target is not None and tt.checkpointing_on(target),
                      attn_impl=attn_impl_from(tt.attn_implementation(inner)), framework="torch",
                      device=device, world_size=world, **layout,
-                     **tt.file_pages_kwargs(device, kwargs, inner, [optimizer]))
+                     **tt.process_held_kwargs(device, kwargs, inner, [optimizer]))

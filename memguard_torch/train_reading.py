@@ -135,7 +135,7 @@ def counter_device(device: str, weights_device: str) -> str:
     return weights_device if weights_device in ("cuda", "mps") else "cpu"
 
 
-def file_pages_kwargs(device: str, kwargs: dict, model: Any = None, optimizers: Iterable[Any] = ()) -> dict:
+def process_held_kwargs(device: str, kwargs: dict, model: Any = None, optimizers: Iterable[Any] = ()) -> dict:
     """``kwargs`` with what this process holds, read on the CPU counter: ``resident_file_bytes``
     (the mapped libraries' resident pages, part of VmHWM and varying with the page cache) and,
     given the live ``model``, ``runtime_held_bytes`` (:func:`runtime_held_bytes`)."""

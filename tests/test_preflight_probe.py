@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from memguard_core.estimator.estimate import estimate
 from memguard_core.estimator.probe_fit import STEP_MOMENTS, correct_estimate, probe_train_spec, step_parts
 from memguard_core.probes.linux import peak
+from memguard_testing.unknown_op import BigSave
 from memguard_testing.fakes import FakeTorchCuda
 from memguard_torch.preflight import read_specs
 from memguard_torch.preflight_probe import cut_batch, measure_steps
@@ -52,21 +53,6 @@ def tiny_llama(dropout: float = 0.0, layers: int = 2) -> LlamaForCausalLM:
 def lm_batch(rows: int = 2, tokens: int = 2048) -> dict:
     ids = torch.randint(0, 1000, (rows, tokens), generator=torch.Generator().manual_seed(1))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
-class BigSave(torch.autograd.Function):
-    """An op the estimator's rules do not know: it keeps a copy of its input ``copies`` times as
-    wide for the backward (as a custom kernel keeping an unexpected workspace would)."""
-
-    @staticmethod
-    def forward(ctx, x, copies):
-        ctx.save_for_backward(x.repeat(*([1] * (x.ndim - 1)), copies))
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        (big,) = ctx.saved_tensors
-        return g + 0 * big[..., : g.shape[-1]], None
 
 
 class Custom(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""The in-process measurement's arithmetic (issue #33 item 3): what the device's own counter saw
+"""The in-process measurement's arithmetic: what the device's own counter saw
 of one or two forward + backward steps at small sizes (``memguard_torch.preflight_probe``), set
 against what the estimate predicts the same counter sees of the same steps, gives a correction of
 the estimate's per-token and fixed parts of a step, applied at the run's size. Pure arithmetic, no

@@ -121,7 +121,8 @@ def score(case: dict, rec: dict, *, seed: bool = True) -> dict:
                error=(est.peak_bytes - actual) / actual, phase=est.phase, seconds=rec.get("seconds"),
                breakdown=est.breakdown)
     if case.get("full_depth"):
-        row.update(full_depth=True, arch_fitted=bool(case.get("arch_fitted")), date=rec.get("date"))
+        row.update(full_depth=True, arch_fitted=bool(case.get("arch_fitted")),
+                   arch_rules=bool(case.get("arch_rules")), date=rec.get("date"))
     if cpu_bf16_moe(ms, ts):
         row["cpu_backend_effect"] = CPU_BF16_MOE
     if rec.get("step_peak_bytes"):

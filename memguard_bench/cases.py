@@ -11,7 +11,7 @@ from importlib import resources
 from typing import Dict, List, Optional, Sequence
 
 __all__ = ["HF_ARCHS", "MLX_ARCHS", "HF_HELD_OUT_ARCHS", "MLX_HELD_OUT_ARCHS", "HF_FULL_DEPTH_ARCHS",
-           "MLX_FULL_DEPTH_ARCHS", "FULL_DEPTH_LAYERS", "FITTED_MODEL_TYPES", "TRAIN_DEFAULTS", "CASE_SETS",
+           "MLX_FULL_DEPTH_ARCHS", "FULL_DEPTH_LAYERS", "FITTED_MODEL_TYPES", "RULES_MODEL_TYPES", "TRAIN_DEFAULTS", "CASE_SETS",
            "CASES", "num_layers_of", "arch_of", "build_case", "cases", "full_depth_cases", "in_set", "select"]
 
 
@@ -38,6 +38,10 @@ FULL_DEPTH_LAYERS: Dict[str, int] = _FULL_DEPTH["layers"]
 #: The model types whose block model was fitted on the matrix, per backend: a full-depth case of
 #: another type is held out by architecture as well as by scale.
 FITTED_MODEL_TYPES = {b: frozenset(types) for b, types in _MATRIX["fitted_model_types"].items()}
+#: The model types whose block rule was written from their code while looking at them (no constant
+#: fitted on them), per backend: reported apart from the fitted types and from the types no rule was
+#: written for (data/archs_full_depth.toml ``rules_model_types``).
+RULES_MODEL_TYPES = {b: frozenset(types) for b, types in _FULL_DEPTH["rules_model_types"].items()}
 #: The train settings a case does not give (``lora_targets`` "backend" and ``lora_layers`` "all"
 #: stand for the backend's default targets and None, TOML having no null).
 TRAIN_DEFAULTS: Dict[str, object] = _TABLES["defaults"]
@@ -50,8 +54,9 @@ CASE_SETS = ("all", "matrix", "held-out", "full-depth")
 
 
 def num_layers_of(arch: dict) -> int:
-    """The layer count an arch dict builds (``num_hidden_layers`` or GPT-2's ``n_layer``)."""
-    return int(arch.get("num_hidden_layers") or arch["n_layer"])
+    """The layer count an arch dict builds (``num_hidden_layers``, GPT-2's ``n_layer`` or
+    DistilBERT's ``n_layers``)."""
+    return int(arch.get("num_hidden_layers") or arch.get("n_layer") or arch["n_layers"])
 
 
 def _arch_table(backend: str, full_depth: bool) -> Dict[str, dict]:
@@ -113,7 +118,7 @@ def build_case(backend: str, arch: str, quick: bool = False, held_out: bool = Fa
     if full_depth:
         mt = _arch_table(backend, True)[arch]["model_type"]
         c.update(full_depth=True, steps=steps, per_step=True, model_type=mt,
-                 arch_fitted=mt in FITTED_MODEL_TYPES[backend])
+                 arch_fitted=mt in FITTED_MODEL_TYPES[backend], arch_rules=mt in RULES_MODEL_TYPES[backend])
         if timeout_s:
             c["timeout_s"] = float(timeout_s)
     return c

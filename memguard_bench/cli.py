@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "held-out: architectures nothing was fitted on; all: those two (~20 min); "
                          "full-depth: every block of published configs (GPT-2, SmolLM2-135M/360M, "
                          "Qwen2.5-0.5B, TinyLlama-1.1B, Llama-3.2-1B, Granite-3 1B-A400M and TinyMixtral "
-                         "MoEs, Granite-4.0-H and LFM2 hybrids) at 512-2048 tokens per micro-batch on HF and "
+                         "MoEs, Granite-4.0-H and LFM2 hybrids, BERT / RoBERTa / DistilBERT with their task heads) at "
+                         "512-2048 tokens per micro-batch on HF and "
                          "short rows on mlx_lm, per-step peaks recorded (~1.5 hours; not part of all) [all]")
     ap.add_argument("--backend", action="append", choices=("hf", "mlx"),
                     help="only these backends (default: hf, and mlx when installed)")

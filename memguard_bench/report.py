@@ -51,14 +51,26 @@ _CPU_BF16_MOE_NOTE = (
     "docs/monitor.md, \"The CPU heap between steps\").")
 
 
+def family_group(row: dict) -> str:
+    """How a full-depth row's architecture relates to the estimator: ``fitted`` (its block type is in
+    the matrix the constants were fitted on), ``rules`` (a block rule was written from its code while
+    looking at it, nothing fitted on it) or ``held-out`` (neither: a family no one looked at)."""
+    if row.get("arch_fitted"):
+        return "fitted"
+    return "rules" if row.get("arch_rules") else "held-out"
+
+
 def _full_depth_backend_lines(fd: Sequence[dict], backend: str) -> List[str]:
-    """The full-depth summary of one backend, split by whether the architecture was fitted and
-    with the bf16 MoE cases apart."""
+    """The full-depth summary of one backend, split by :func:`family_group` (fitted, rules written
+    for it, held out by architecture) and with the bf16 MoE cases apart."""
     b = [r for r in fd if r["backend"] == backend]
     out = ["- " + summary_line(summarize(b), f"full depth, {backend}")]
-    for fitted, label in ((True, "architecture in the fitted matrix (held out by scale)"),
-                          (False, "architecture not in the fitted matrix (held out by architecture and scale)")):
-        sub = [r for r in b if bool(r.get("arch_fitted")) == fitted]
+    for group, label in (("fitted", "architecture in the fitted matrix (held out by scale)"),
+                         ("rules", "block rule written from the family's code, no constant fitted on it "
+                                   "(held out by scale)"),
+                         ("held-out", "no rule written for the family, not in the fitted matrix (held out by "
+                                      "architecture and scale)")):
+        sub = [r for r in b if family_group(r) == group]
         if sub:
             out.append("  - " + summary_line(summarize(sub), label))
     moe = [r for r in b if r.get("cpu_backend_effect") == CPU_BF16_MOE]
@@ -72,7 +84,7 @@ def _full_depth_backend_lines(fd: Sequence[dict], backend: str) -> List[str]:
 
 def _full_depth_section(rows: Sequence[dict], baseline: Optional[dict]) -> List[str]:
     """The markdown of the full-depth summaries: (a) the full-depth set per backend, split by
-    whether the architecture's block was in the fitted matrix; (b) the small / truncated matrix;
+    :func:`family_group`; (b) the small / truncated matrix;
     the per-step peaks."""
     fd = [r for r in rows if r.get("full_depth") and "error" in r]
     dates = sorted({r.get("date") for r in fd if r.get("date")})

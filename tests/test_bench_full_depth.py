@@ -32,6 +32,10 @@ PUBLISHED_LAYERS = {
     "tinymixtral-4x248m-12l": 12,   # Isotonic/TinyMixtral-4x248M-MoE (TinyMistral-248M's depth)
     "granite4-h-350m-32l": 32,      # ibm-granite/granite-4.0-h-350m (28 Mamba-2 + 4 attention blocks)
     "lfm2-1.2b-16l": 16,            # LiquidAI/LFM2-1.2B (10 short-convolution + 6 attention blocks)
+    "bert-base-12l": 12,            # google-bert/bert-base-uncased
+    "bert-base-12l-token-cls": 12,  # the same, token-classification head
+    "roberta-base-12l": 12,         # FacebookAI/roberta-base
+    "distilbert-base-6l": 6,        # distilbert/distilbert-base-uncased: n_layers
 }
 
 #: Published parameter counts (model cards / ``num_parameters()`` of the released checkpoints).
@@ -99,6 +103,47 @@ def test_full_depth_configs_have_the_published_parameter_counts():
             model = AutoModelForCausalLM.from_config(cfg)
         assert model.num_parameters() == n, key
         assert model.config.num_hidden_layers == PUBLISHED_LAYERS[key]
+
+
+#: Published parameter counts of the encoders' base models (``AutoModel``: BERT and RoBERTa with their
+#: pooler), from the model cards / ``num_parameters()`` of the released checkpoints.
+PUBLISHED_ENCODER_PARAMS = {
+    "bert-base-12l": 109_482_240,
+    "bert-base-12l-token-cls": 109_482_240,
+    "roberta-base-12l": 124_645_632,
+    "distilbert-base-6l": 66_362_880,
+}
+
+
+def test_full_depth_encoders_have_the_published_parameter_counts_and_their_heads():
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModel
+
+    from memguard_core.estimator.heads import AUTO_CLASSES, head_kind_from_architectures
+
+    for key, n in PUBLISHED_ENCODER_PARAMS.items():
+        arch = dict(HF_FULL_DEPTH_ARCHS[key])
+        cfg = AutoConfig.for_model(arch.pop("model_type"), **arch)
+        with torch.device("meta"):
+            base = AutoModel.from_config(cfg)
+            kind = head_kind_from_architectures(cfg.architectures)
+            headed = getattr(transformers, AUTO_CLASSES[kind]).from_config(cfg)
+        assert base.num_parameters() == n, key
+        assert cfg.num_hidden_layers == PUBLISHED_LAYERS[key]
+        assert type(headed).__name__ == cfg.architectures[0], key
+        last = [m for m in headed.modules() if isinstance(m, torch.nn.Linear)][-1]
+        assert last.out_features == cfg.num_labels, key  # the head's own classifier on top
+
+
+def test_full_depth_rows_are_grouped_by_how_the_estimator_saw_their_family():
+    from memguard_bench.report import family_group
+
+    fd = _fd()
+    groups = {c["model_type"]: family_group(c) for c in fd if c["backend"] == "hf"}
+    assert groups["llama"] == groups["gpt2"] == "fitted"
+    assert groups["bert"] == groups["roberta"] == groups["distilbert"] == "rules"
+    assert groups["granitemoehybrid"] == groups["lfm2"] == groups["granitemoe"] == "held-out"
 
 
 def test_every_full_depth_arch_names_its_source():

@@ -388,6 +388,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="also run each case with preflight_probe=False (a second guarded run)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "probe_full_depth"),
                     help="path stem of the .md / .json written (default bench/results/probe_full_depth)")
+    ap.add_argument("--timeout-s", type=float, default=None,
+                    help="seconds a case may run (default: its cases.toml timeout_s + 300 s)")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the records of cases already in OUT.json (failed ones run again)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -397,6 +399,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("RESULT " + json.dumps(run_guarded(p["case"], p["budget_bytes"], p["log_dir"], p["probe"]), default=str),
               flush=True)
         return 0
+    if a.timeout_s is not None and not a.timeout_s > 0:
+        ap.error(f"--timeout-s: expected a positive number of seconds, got {a.timeout_s}")
     if not a.budget_gib > 0:
         ap.error(f"--budget-gib: expected a positive number of GiB, got {a.budget_gib}")
     try:
@@ -423,7 +427,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 rows.append(score(kept[(c["name"], probe)]))
                 continue
             t = time.time()
-            rec = score(run_case(c, budget, probe, float(c.get("timeout_s", 600)) + 300))
+            limit = a.timeout_s if a.timeout_s else float(c.get("timeout_s", 600)) + 300
+            rec = score(run_case(c, budget, probe, limit))
             rows.append(rec)
             print(f"{c['name']} probe={'on' if probe else 'off'}: "
                   + (f"FAILED {rec['error'][:300]}" if "error" in rec and isinstance(rec["error"], str) else

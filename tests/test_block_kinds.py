@@ -149,7 +149,8 @@ def test_checkpointing_keeps_block_inputs_and_recomputes_the_largest_block():
     est = estimate(ms.replace(block_kinds=(big, BlockKind("Layer", 1))), ts)
     base = estimate(ms, ts)
     # the recomputed block is a traced one (1 MiB per token), the kept inputs are the rules'
-    assert est.phases["backward"] - base.phases["backward"] >= (1 << 20) * 128 - base.breakdown["activations"]
+    assert est.phases["backward"] - base.phases["backward"] >= (
+        (1 << 20) * 128 - base.phase_breakdowns["backward"]["activations"])
     assert any("traced: BigMixer x 3" in n for n in est.notes)
 
 

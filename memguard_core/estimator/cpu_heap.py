@@ -18,10 +18,12 @@ from .specs import DTYPE_BYTES, MiB, ModelSpec, TrainSpec
 CPU_HEAP_SLACK_FORWARD = {"full": 0.3, "lora": 0.5}
 #: The same at the end of the backward and the optimizer step: fitted, docs/estimator.md#cpu-heap-slack.
 CPU_HEAP_SLACK_BACKWARD = {"full": 0.95, "lora": 0.9}
-#: The same at every moment under checkpointing: fitted, docs/estimator.md#cpu-heap-slack.
-CPU_HEAP_SLACK_CHECKPOINTED = {"full": 0.25, "lora": 0.65}
+#: The same at every moment under checkpointing: fitted on the small matrix with the loss moment
+#: holding the larger of the logits and the recomputed block (``moments.recompute_beyond_logits``),
+#: docs/estimator.md#cpu-heap-slack.
+CPU_HEAP_SLACK_CHECKPOINTED = {"full": 0.35, "lora": 0.9}
 #: Trimmed checkpointed full fine-tune, loss moment, in ONE block's traffic: fitted, docs/estimator.md#cpu-heap-slack.
-CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS = 1.0
+CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS = 1.75
 #: glibc's largest dynamic mmap threshold on 64-bit, mallopt(3) ``M_MMAP_THRESHOLD`` (larger requests leave no hole).
 MMAP_THRESHOLD_MAX = 32 * MiB
 

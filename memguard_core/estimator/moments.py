@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Dict
 
 from .gradients import grad_layers
-from .specs import ModelSpec, TrainSpec
+from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 
 #: The moments, in step order.
 MOMENTS = ("loss", "backward", "optimizer")
@@ -49,12 +49,14 @@ class StepTerms:
 
 def compose_moments(ms: ModelSpec, ts: TrainSpec, t: StepTerms) -> Dict[str, Dict[str, int]]:
     """moment -> breakdown term -> bytes, for the terms ``t`` (no allocator slack yet)."""
-    # moment 1: loss (gradients resident only while accumulating)
+    # moment 1: loss (gradients resident only while accumulating); under checkpointing it also
+    # stands for the top block's recompute, which holds the same block inputs (see below)
     loss = dict(weights=t.weights, weight_copies=t.weight_copies,
                 gradients=(t.gradients if ts.grad_accum > 1 else 0) + t.kept_gradient,
                 optimizer_states=t.optimizer_states, master_weights=t.master_weights, optimizer_temporaries=0,
                 backward_transients=t.head_transient,
-                activations=t.blocks + t.lora + t.head_inputs + t.recompute + t.last_step + t.vision,
+                activations=t.blocks + t.lora + t.head_inputs + recompute_beyond_logits(ms, ts, t) + t.last_step
+                + t.vision,
                 attention_scores=t.scores + t.mask, logits=t.logits, runtime_overhead=t.runtime_overhead)
     # moment 2: end of the backward: every gradient, the embedding-gradient transients and the
     # bottom block's working set; the vision tower's backward runs after the decoder's
@@ -69,3 +71,36 @@ def compose_moments(ms: ModelSpec, ts: TrainSpec, t: StepTerms) -> Dict[str, Dic
                optimizer_temporaries=t.optimizer_temporaries, backward_transients=0, activations=0,
                attention_scores=0, logits=0, runtime_overhead=t.runtime_overhead)
     return {"loss": loss, "backward": bwd, "optimizer": opt}
+
+
+def top_block_gradient_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Bytes of the gradient of the top block's output (batch x seq x hidden, in the dtype of the
+    hidden states between blocks: fp32 under autocast of an fp32 model, else the compute dtype):
+    what the backward holds, beside the checkpointed block inputs, while it recomputes the top block."""
+    e = DTYPE_BYTES[ts.dtype]
+    amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
+    return int(ts.batch_size * ts.seq_length * ms.hidden_size * (4 if amp else e))
+
+
+def recompute_beyond_logits(ms: ModelSpec, ts: TrainSpec, t: StepTerms) -> int:
+    """Under activation checkpointing, what the top block's recompute (``t.recompute``) plus the
+    gradient of its output (:func:`top_block_gradient_bytes`) hold beyond the logits' working set
+    (``t.logits``), bytes; 0 without a recompute (no checkpointing, MLX, LitGPT's terms).
+
+    The two never coexist: torch ``utils/checkpoint.py`` (non-reentrant, as transformers
+    ``modeling_utils.py`` ``_activation_checkpointing_enable`` sets ``use_reentrant=False``)
+    recomputes a block when the backward first unpacks one of its saved tensors, and for the top
+    block that is after the head's backward; by then ``Trainer.training_step`` has dropped the
+    model output (``compute_loss`` returns the loss only), so the logits, the loss's fp32 copy and
+    ``log_softmax``'s output and gradient are freed. The loss moment, which holds the block inputs
+    the recompute holds too, takes the larger of the two working sets: docs/estimator.md,
+    "Checkpointed LoRA at full depth".
+
+    On ``cuda`` the sum is kept (``t.recompute`` whole): the caching allocator's reserved segments
+    (``cuda.allocator_slack``) do not yet model what the freed logits leave behind, and the sum
+    stands in for it there (docs/estimator.md, same section)."""
+    if not t.recompute:
+        return 0
+    if ts.device == "cuda":
+        return t.recompute
+    return max(0, t.recompute + top_block_gradient_bytes(ms, ts) - t.logits)

@@ -69,15 +69,18 @@ def _trim_heap_callback():
 
 #: PEFT ``task_type`` per head kind (``peft.TaskType``): what a user's ``LoraConfig`` for that head names.
 _PEFT_TASKS = {"causal_lm": "CAUSAL_LM", "masked_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS",
-               "token_classification": "TOKEN_CLS", "question_answering": "QUESTION_ANS"}
+               "token_classification": "TOKEN_CLS", "question_answering": "QUESTION_ANS",
+               "seq2seq_lm": "SEQ_2_SEQ_LM"}
 
 
 def _head_kind(config) -> str:
     """The head the case trains: the first its arch's ``architectures`` names (an encoder's
-    ``BertForSequenceClassification``), a causal LM when it names none."""
+    ``BertForSequenceClassification``), a causal LM when it names none; the seq2seq LM of an
+    encoder-decoder (T5, BART: ``AutoModelForSeq2SeqLM``)."""
     from memguard_core.estimator.heads import head_kind_from_architectures
 
-    return head_kind_from_architectures(getattr(config, "architectures", None))
+    return head_kind_from_architectures(getattr(config, "architectures", None), getattr(config, "model_type", None),
+                                        bool(getattr(config, "is_encoder_decoder", False)))
 
 
 def _build_model(case: dict, torch):
@@ -114,10 +117,13 @@ def _build_model(case: dict, torch):
     return model, config, ctx
 
 
-def _dataset(n: int, s: int, vocab_size: int, torch, kind: str = "causal_lm", num_labels: int = 2):
+def _dataset(n: int, s: int, vocab_size: int, torch, kind: str = "causal_lm", num_labels: int = 2,
+             target_length: int = 0):
     """``n`` rows of ``s`` random token ids, the same every run, with the targets of the head
     ``kind``: labels = inputs for an LM head, a random class per row (sequence classification) or
-    per token (token classification), random start / end positions (question answering)."""
+    per token (token classification), random start / end positions (question answering), random
+    target ids of ``target_length`` (``s`` when 0) for a seq2seq LM (the model shifts them into its
+    ``decoder_input_ids``)."""
     from torch.utils.data import Dataset
 
     g = torch.Generator().manual_seed(1)
@@ -126,6 +132,7 @@ def _dataset(n: int, s: int, vocab_size: int, torch, kind: str = "causal_lm", nu
                "token_classification": lambda: {"labels": torch.randint(0, num_labels, (n, s), generator=g)},
                "question_answering": lambda: {"start_positions": torch.randint(0, s, (n,), generator=g),
                                               "end_positions": torch.randint(0, s, (n,), generator=g)},
+               "seq2seq_lm": lambda: {"labels": torch.randint(0, vocab_size, (n, target_length or s), generator=g)},
                }.get(kind, lambda: {"labels": ids})()
 
     class DS(Dataset):
@@ -183,6 +190,7 @@ def run_hf_child(case: dict) -> dict:
     import torch
     from transformers import Trainer
 
+    from memguard_hf.model_spec import with_seq2seq_fields
     from memguard_torch.module_spec import model_spec_from_module
 
     torch.manual_seed(0)
@@ -190,10 +198,10 @@ def run_hf_child(case: dict) -> dict:
     device = case.get("device", "cpu")
     steps = int(case.get("steps", 2))
     model, config, ctx = _build_model(case, torch)
-    ms = model_spec_from_module(model, name=case["arch"])
+    ms = with_seq2seq_fields(model, model_spec_from_module(model, name=case["arch"]))
     spec = dataclasses.asdict(ms)
     train_ds = _dataset(kw["batch_size"] * kw["grad_accum"] * steps, kw["seq_length"], config.vocab_size, torch,
-                        _head_kind(config), int(getattr(config, "num_labels", 2)))
+                        _head_kind(config), int(getattr(config, "num_labels", 2)), int(kw.get("target_length") or 0))
     args = _training_args(kw, steps, device)
     read, reset = _counter(device, ctx, torch)
     callbacks = [_step_peaks_callback(read, reset)] if case.get("per_step") else []

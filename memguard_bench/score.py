@@ -30,6 +30,7 @@ def model_spec_from_dict(d: dict):
     d["params"] = ParamCounts(**d["params"])
     d["block_kinds"] = tuple(BlockKind(**x) for x in d.get("block_kinds") or ())
     d["block_linears"] = tuple(LinearShape(**x) for x in d.get("block_linears") or ())
+    d["decoder_block_linears"] = tuple(LinearShape(**x) for x in d.get("decoder_block_linears") or ())
     if isinstance(d.get("head"), dict):  # the task head (a record from before it has none: a causal LM)
         from memguard_core.estimator.heads import TaskHead
 
@@ -75,7 +76,7 @@ def specs_of(case: dict, rec: dict):
         return _with_block_kinds(case, ms, ts), ts
     kw = case["train"]
     ts = TrainSpec(batch_size=kw["batch_size"], seq_length=kw["seq_length"], grad_accum=kw["grad_accum"],
-                   method=kw["method"], lora_rank=kw["lora_rank"], lora_targets=tuple(kw["lora_targets"]),
+                   target_length=kw.get("target_length"), method=kw["method"], lora_rank=kw["lora_rank"], lora_targets=tuple(kw["lora_targets"]),
                    lora_layers=kw["lora_layers"], lora_dropout=kw.get("lora_dropout", 0.0),
                    optimizer=kw["optimizer"], dtype=kw["dtype"],
                    mixed_precision=kw["mixed_precision"], grad_checkpoint=kw["grad_checkpoint"],

@@ -31,6 +31,7 @@ from .errors import ConfigError, DoesNotFitError, MemGuardError
 FLAG_OF = {
     "config": "--config", "model": "MODEL", "head": "--head", "image_tokens": "--image-tokens", "revision": "--revision",
     "batch_size": "--batch-size", "seq_length": "--seq-length", "grad_accum": "--grad-accum",
+    "target_length": "--target-length",
     "method": "--method", "lora_rank": "--lora-rank", "lora_targets": "--lora-targets",
     "lora_layers": "--lora-layers", "lora_dropout": "--lora-dropout", "optimizer": "--optimizer", "dtype": "--dtype",
     "attn_impl": "--attn", "framework": "--framework", "model_code": "--model-code",
@@ -84,7 +85,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model-bits", type=float, default=None, help="storage bits of the weights (16, 8, 4) [16]")
     t = p.add_argument_group("training settings")
     t.add_argument("--batch-size", type=int, default=1, help="micro-batch (rows per forward) [1]")
-    t.add_argument("--seq-length", type=int, default=512, help="tokens per row [512]")
+    t.add_argument("--seq-length", type=int, default=512, help="tokens per row [512]; an encoder-decoder's "
+                   "source tokens (the encoder's input_ids)")
+    t.add_argument("--target-length", "--target-len", dest="target_length", type=int, default=None,
+                   help="an encoder-decoder's (T5, BART) target tokens per row: the decoder's labels / "
+                        "decoder_input_ids length [= --seq-length]; not for other models")
     t.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps [1]")
     t.add_argument("--method", default="lora", help="full | lora | qlora [lora]")
     t.add_argument("--lora-rank", type=int, default=None, help="LoRA rank r (lora / qlora) [8]")
@@ -385,6 +390,10 @@ def _train_spec(args, model_spec):
     if args.image_tokens and model_spec.source == "hf-config" and not model_spec.image_tokens:
         raise ConfigError("--image-tokens", f"no value for a text-only model ({model_spec.name}: model_type "
                           f"{model_spec.model_type!r} has no vision tower)", args.image_tokens)
+    if getattr(args, "target_length", None) is not None and not model_spec.is_encoder_decoder:
+        raise ConfigError("--target-length", f"no value for a model without a decoder stack ({model_spec.name}: "
+                          f"model_type {model_spec.model_type!r}; it is an encoder-decoder's target tokens)",
+                          args.target_length)
     ratio = 0.8 if args.safety_ratio is None else args.safety_ratio
     if not (math.isfinite(ratio) and 0 < ratio <= 1):
         raise ConfigError("--safety-ratio", "a fraction in (0, 1] of --available-gib", args.safety_ratio)
@@ -432,7 +441,7 @@ def _train_spec(args, model_spec):
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
     dtype = resolve_dtype(args.dtype, args.mixed_precision, model_spec)
     ts = TrainSpec(batch_size=args.batch_size, seq_length=args.seq_length, grad_accum=args.grad_accum,
-                     method=args.method, lora_rank=8 if args.lora_rank is None else args.lora_rank,
+                     target_length=getattr(args, "target_length", None), method=args.method, lora_rank=8 if args.lora_rank is None else args.lora_rank,
                      lora_targets=targets, lora_dropout=lora_dropout,
                      lora_layers=args.lora_layers, optimizer=args.optimizer, dtype=dtype,
                      mixed_precision=args.mixed_precision, grad_checkpoint=args.grad_checkpoint,

@@ -18,7 +18,8 @@ from memguard_core.estimator.numbers import quant_bits_arg
 from memguard_core.estimator.config_fields import (REQUIRED_KEYS, cfg_get, config_numbers, fill_intermediate,
                                                    image_tokens_per_image, is_vision_language, load_config_dict,
                                                    quant_bits_from_config, vision_tower_from_config)
-from memguard_core.estimator.heads import AUTO_CLASSES, CAUSAL_LM, SUPPORTED, head_kind_from_architectures, parse_head
+from memguard_core.estimator.heads import (AUTO_CLASSES, CAUSAL_LM, SEQ2SEQ_LM, TaskHead, check_seq2seq_family,
+                                           head_kind_from_architectures, parse_head)
 from memguard_core.estimator.specs import DTYPE_NAMES, ModelSpec, ParamCounts, dtype_bits
 
 from memguard_torch.module_spec import count_params, torch_block_linears
@@ -483,13 +484,17 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
     else:
         d, label = load_config_dict(config)
         raw_qc = d.get("quantization_config")
-        _ = head or head_kind_from_architectures(d.get("architectures"))  # a head not counted: one line
-        if d.get("is_encoder_decoder"):
-            raise ConfigError("model_type", SUPPORTED, f"{d.get('model_type')} (encoder-decoder)")
+        # a head or an encoder-decoder family not counted: one line, before transformers reads it
+        _ = head or head_kind_from_architectures(d.get("architectures"), d.get("model_type"),
+                                                 bool(d.get("is_encoder_decoder")))
         cfg = config_from_dict(d, label if label != "config" else "config")
-    kind = parse_head(head) if head is not None else head_kind_from_architectures(getattr(cfg, "architectures", None))
-    if getattr(cfg, "is_encoder_decoder", False):
-        raise ConfigError("model_type", SUPPORTED, f"{cfg.model_type} (encoder-decoder)")
+    enc_dec = bool(getattr(cfg, "is_encoder_decoder", False))
+    kind = head_kind_from_architectures(getattr(cfg, "architectures", None), cfg.model_type, enc_dec)
+    if head is not None:
+        kind = parse_head(head)
+        if enc_dec != (kind == SEQ2SEQ_LM):
+            raise ConfigError("head", f"{SEQ2SEQ_LM} for an encoder-decoder, another head otherwise "
+                              f"(model_type {cfg.model_type})", head)
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     nums = config_numbers(text_cfg)
     tied = bool(getattr(text_cfg, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False)))
@@ -505,9 +510,99 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
         dense = min(dense, 16.0)  # bitsandbytes keeps the rest in the compute dtype (fp16/bf16)
     declared = DTYPE_NAMES.get(str(getattr(cfg, "dtype", None) or vars(cfg).get("torch_dtype"))
                                 .replace("torch.", ""))
+    head_spec, block_linears, params, with_meta = counted["head"], counted["block_linears"], counted["counts"], {}
+    if enc_dec:
+        with_meta = _seq2seq_meta_fields(cfg)
+        head_spec, block_linears = with_meta.pop("head"), with_meta.pop("block_linears")
+        nums.update(with_meta.pop("numbers"))
+        # the per-kind count sees the stacks' embed_tokens apart from ``shared``; tied, they are one
+        # tensor (transformers ``_tied_weights_keys``), as the tied model built by ``tie_weights`` says
+        total, tied = with_meta.pop("total"), with_meta.pop("tied")
+        params = dataclasses.replace(params, embeddings=params.embeddings - (params.total - total),
+                                     lm_head=0 if tied else params.lm_head)
     return ModelSpec(
-        name=name or str(label), model_type=str(cfg.model_type), params=counted["counts"],
-        block_linears=counted["block_linears"], tie_word_embeddings=tied,
+        name=name or str(label), model_type=str(cfg.model_type), params=params,
+        block_linears=block_linears, tie_word_embeddings=tied,
         weight_bits=float(weight_bits), dense_bits=float(dense), source="hf-config",
         weight_dtype=declared, image_tokens=image_tokens_per_image(cfg),
-        vision_tower=vision_tower_from_config(cfg), head=counted["head"], **nums)
+        vision_tower=vision_tower_from_config(cfg), head=head_spec, **with_meta, **nums)
+
+
+def _seq2seq_meta_fields(cfg: Any) -> dict:
+    """:func:`seq2seq_fields` of the model ``cfg`` describes, built on the meta device (cached per
+    config)."""
+    key = "seq2seq:" + json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    if key not in _META_CACHE:
+        model = _build_meta(cfg, SEQ2SEQ_LM)
+        model.tie_weights()
+        fields = seq2seq_fields(model)
+        fields["total"] = sum(p.numel() for p in model.parameters())
+        fields["tied"] = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        _META_CACHE[key] = fields
+    out = dict(_META_CACHE[key])
+    out["numbers"] = dict(out["numbers"])
+    return out
+
+
+def seq2seq_fields(model: Any) -> dict:
+    """The encoder-decoder fields of a ``ModelSpec`` read from a T5 / mT5 / BART
+    ``*ForConditionalGeneration`` (PEFT-wrapped or not, live or on the meta device):
+    ``decoder_layers`` and ``decoder_block_linears`` (from ``model.get_decoder()``'s block list:
+    T5 ``T5Stack.block``, BART ``BartDecoder.layers``), ``block_linears`` (the encoder's, from
+    ``model.get_encoder()``'s list), ``ffn_act`` (T5 ``dense_act_fn``, BART
+    ``activation_function``), ``head`` (the seq2seq LM head: a final norm outside the blocks for
+    T5's pre-norm stacks, none for BART's post-LN ones) and, under ``numbers``, the dropouts the
+    config names its own way (T5 ``dropout_rate`` on the residuals, the FFN and the attention
+    probabilities; BART ``dropout`` and ``attention_dropout``), which ``config_numbers`` does not
+    read.
+
+    Raises:
+        ConfigError: (field ``model_type``, one line) an encoder-decoder family the estimator does not
+            count (Whisper, ...), or a model without a decoder block list.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = base.config
+    check_seq2seq_family(cfg.model_type)
+    dec = base.get_decoder() if hasattr(base, "get_decoder") else None
+    enc = base.get_encoder() if hasattr(base, "get_encoder") else None
+    blocks = getattr(dec, "block", None) or getattr(dec, "layers", None)
+    enc_blocks = getattr(enc, "block", None) or getattr(enc, "layers", None)
+    if not blocks or not enc_blocks:
+        raise ConfigError("model_type", "an encoder-decoder with a decoder block list (T5Stack.block, "
+                          "BartDecoder.layers)", cfg.model_type)
+    hidden = int(cfg.d_model)
+    t5 = cfg.model_type in ("t5", "mt5")
+    if t5:
+        numbers = dict(residual_dropout=float(cfg.dropout_rate), attention_dropout=float(cfg.dropout_rate),
+                       embedding_dropout=0.0)
+        act = str(cfg.dense_act_fn)
+    else:
+        numbers = dict(residual_dropout=float(cfg.dropout), attention_dropout=float(cfg.attention_dropout),
+                       embedding_dropout=0.0)
+        act = str(cfg.activation_function)
+    arch = type(base).__name__
+    return dict(decoder_layers=len(blocks), decoder_block_linears=torch_block_linears(blocks[-1], hidden, False),
+                block_linears=torch_block_linears(enc_blocks[-1], hidden, False),
+                ffn_act=act, head=TaskHead(kind=SEQ2SEQ_LM, final_norm=t5, architecture=arch), numbers=numbers)
+
+
+def with_seq2seq_fields(model: Any, ms: ModelSpec) -> ModelSpec:
+    """``ms`` (read from the live ``model`` by ``memguard_torch.module_spec.model_spec_from_module``)
+    with an encoder-decoder's fields (:func:`seq2seq_fields`: the decoder stack, the encoder's block
+    linears, the seq2seq LM head, the config's dropouts); ``ms`` itself for any other model.
+
+    Raises:
+        ConfigError: (one line) an encoder-decoder family the estimator does not count.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(getattr(base, "config", None), "is_encoder_decoder", False):
+        return ms
+    f = seq2seq_fields(model)
+    return ms.replace(decoder_layers=f["decoder_layers"], decoder_block_linears=f["decoder_block_linears"],
+                      block_linears=f["block_linears"], num_layers=len(_encoder_blocks(base)),
+                      ffn_act=f["ffn_act"], head=f["head"], **f["numbers"])
+
+
+def _encoder_blocks(base: Any) -> Any:
+    enc = base.get_encoder()
+    return getattr(enc, "block", None) or enc.layers

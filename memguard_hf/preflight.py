@@ -13,17 +13,21 @@ from memguard_torch.block_kinds import with_live_block_kinds
 from memguard_torch.module_spec import model_spec_from_module
 
 from . import _compat
+from .model_spec import with_seq2seq_fields
 from .specs import train_spec
 
 
 def read_specs(trainer: Any, *, seq_length: Optional[int] = None, device: str = "auto") -> Tuple[ModelSpec, TrainSpec]:
-    """``(ModelSpec, TrainSpec)`` of ``trainer``'s model (PEFT and 4-bit aware) and run.
+    """``(ModelSpec, TrainSpec)`` of ``trainer``'s model (PEFT and 4-bit aware) and run; an
+    encoder-decoder's (T5, BART: ``model_spec.with_seq2seq_fields``) with its decoder stack and its
+    target length (``specs.target_length``: the training rows' ``labels`` / ``decoder_input_ids``).
 
     Raises:
-        ConfigError: the model's shapes or a setting cannot be read.
+        ConfigError: the model's shapes or a setting cannot be read; (one line) an
+            encoder-decoder family the estimator does not count.
     """
     model = tt.unwrap(trainer.model)
-    ms = model_spec_from_module(model)
+    ms = with_seq2seq_fields(model, model_spec_from_module(model))
     ts = train_spec(trainer, ms, seq_length=seq_length, device=device)
     return with_live_block_kinds(model, ms, ts), ts
 

@@ -8,7 +8,11 @@ import torch
 
 from memguard_torch import microbatch as torch_microbatch
 
-__all__ = ["units_of", "rows_of"]
+__all__ = ["units_of", "rows_of", "target_length_of", "longest_target"]
+
+#: The columns that hold an encoder-decoder's target tokens (its decoder's length), in the order read:
+#: ``DataCollatorForSeq2Seq`` pads ``labels``; a model given ``decoder_input_ids`` runs on those.
+TARGET_COLUMNS = ("decoder_input_ids", "labels")
 
 
 def units_of(inputs) -> int:
@@ -34,3 +38,32 @@ def rows_of(inputs) -> int:
         return ((p == 0).sum() + (p[0] != 0).long()).clamp(min=1)
     seqs = torch_microbatch.sequence_starts(inputs)
     return rows if seqs is None else len(seqs)
+
+
+def target_length_of(row) -> int:
+    """An encoder-decoder's target tokens in one dataset row or collated batch: the last dimension
+    of its ``decoder_input_ids``, else of its ``labels`` (a tensor or a list of ids); 0 when it has
+    neither (a mapping is needed: tuple rows name no column)."""
+    if not hasattr(row, "get"):
+        return 0
+    for name in TARGET_COLUMNS:
+        v = row.get(name)
+        if torch.is_tensor(v):
+            return int(v.shape[-1]) if v.dim() > 0 else 0
+        if isinstance(v, (list, tuple)) and v:
+            return len(v[0]) if isinstance(v[0], (list, tuple)) else len(v)
+    return 0
+
+
+def longest_target(dataset, scan_rows: int = 2048) -> int:
+    """The longest target (:func:`target_length_of`) among the first ``scan_rows`` rows of a
+    map-style dataset, as ``memguard_torch.train_reading.infer_seq_length`` scans its inputs; 0 for
+    none (an iterable dataset, no target column, a row that raises)."""
+    longest = 0
+    try:
+        if dataset is not None and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+            for i in range(min(len(dataset), scan_rows)):
+                longest = max(longest, target_length_of(dataset[i]))
+    except Exception:
+        return longest
+    return longest

@@ -10,6 +10,10 @@
   which hold for every wrapper the ``Trainer`` may build (DDP, FSDP1 / FSDP2, a DeepSpeed engine);
 * sequence length = given, else ``args.max_length`` / ``max_seq_length`` (TRL ``SFTConfig``), else
   the longest ``input_ids`` among the first 2048 training rows;
+* an encoder-decoder's target length (``TrainSpec.target_length``; its source is the sequence
+  length above) = given, else the longest ``decoder_input_ids`` / ``labels`` among those rows
+  (``rows.longest_target``), else ``args.generation_max_length`` (``Seq2SeqTrainingArguments``);
+  none of them: the source length;
 * method = ``qlora`` for 4-bit weights, ``lora`` for a PEFT model, else ``full``;
 * optimizer from ``args.optim`` (``memguard_torch.train_reading.optimizer_name``; ``paged_adamw_8bit`` /
   ``paged_adamw_32bit`` -> the paged optimizers, whose large states the CUDA counters leave out);
@@ -36,6 +40,7 @@ from memguard_torch.sharding_settings import accelerate_settings, ddp_handler_se
 from memguard_torch.train_reading import method_and_lora
 
 from . import _compat
+from .rows import longest_target
 
 #: ``TrainingArguments`` / TRL ``SFTConfig`` fields that give the sequence length.
 SEQ_LENGTH_ARGS = ("max_length", "max_seq_length")
@@ -73,9 +78,24 @@ def layout_of_trainer(trainer: Any, world: int) -> Dict[str, Any]:
     return ddp_handler_settings(SimpleNamespace(bucket_cap_mb=getattr(args, "ddp_bucket_cap_mb", None)))
 
 
+def target_length(trainer: Any, model_spec: ModelSpec, given: Optional[int] = None) -> Optional[int]:
+    """An encoder-decoder run's target tokens per row (see the module doc); ``None`` for any other
+    model, or when nothing says it (the estimate then takes the source length)."""
+    if not model_spec.is_encoder_decoder:
+        return None
+    if given:
+        return int(given)
+    found = longest_target(getattr(trainer, "train_dataset", None))
+    if found:
+        return found
+    g = getattr(trainer.args, "generation_max_length", None)
+    return int(g) if isinstance(g, int) and not isinstance(g, bool) and g > 0 else None
+
+
 def train_spec(trainer: Any, model_spec: ModelSpec, *, seq_length: Optional[int] = None,
-               device: str = "auto") -> TrainSpec:
-    """The ``TrainSpec`` of a ``Trainer`` run (see the module doc for the mapping).
+               device: str = "auto", target: Optional[int] = None) -> TrainSpec:
+    """The ``TrainSpec`` of a ``Trainer`` run (see the module doc for the mapping); ``target``: an
+    encoder-decoder's target tokens per row when the caller knows them (a batch's labels).
 
     Raises:
         ConfigError: a setting the ``TrainSpec`` rejects (naming its field).
@@ -96,6 +116,7 @@ def train_spec(trainer: Any, model_spec: ModelSpec, *, seq_length: Optional[int]
     seq = tt.infer_seq_length(seq_length, [(args, SEQ_LENGTH_ARGS)], getattr(trainer, "train_dataset", None))
     world = max(1, int(getattr(args, "world_size", 1)))
     return TrainSpec(batch_size=args.per_device_train_batch_size, seq_length=seq,
+                     target_length=target_length(trainer, model_spec, target),
                      grad_accum=args.gradient_accumulation_steps, method=method,
                      optimizer=tt.optimizer_name(args.optim), dtype=dtype, mixed_precision=mixed,
                      grad_checkpoint=gc_on, attn_impl=attn_impl_from(_compat.attn_implementation(model)),

@@ -2,7 +2,7 @@
 ``architectures`` and from a live module, its parameters counted as the classifier they are, the
 logits and head terms per head checked against what transformers' heads save for the backward
 (a census of ``torch.autograd.graph.saved_tensors_hooks``, parameters left out), and the one-line
-refusal of an encoder-decoder or a head the estimator does not count."""
+refusal of a speech encoder-decoder or a head the estimator does not count."""
 
 from __future__ import annotations
 
@@ -217,14 +217,20 @@ def test_heads_not_counted_get_one_line(arch, why):
 
 
 def test_encoder_decoder_and_unbuildable_heads_get_one_line(tmp_path):
+    # a T5 config is estimated as a seq2seq LM (tests/test_seq2seq_estimate.py); a speech
+    # encoder-decoder is refused in one line naming the families counted
     t5 = transformers.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=2, vocab_size=1000,
                                architectures=["T5ForConditionalGeneration"])
     p = tmp_path / "config.json"
     p.write_text(json.dumps(t5.to_dict()))
     for src in (str(p), t5):
-        with pytest.raises(ConfigError) as e:
-            model_spec_from_hf_config(src)
-        assert "encoder-decoder" in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 400
+        assert model_spec_from_hf_config(src).head.kind == "seq2seq_lm"
+    whisper = transformers.WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                                         decoder_attention_heads=2, vocab_size=1000,
+                                         architectures=["WhisperForConditionalGeneration"])
+    with pytest.raises(ConfigError) as e:
+        model_spec_from_hf_config(whisper)
+    assert "encoder-decoder" in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 400
     # GPT-2 has no masked-LM class: transformers' message lists every class; ours is one line
     with pytest.raises(ConfigError) as e:
         model_spec_from_hf_config(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000),

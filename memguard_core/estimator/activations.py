@@ -16,6 +16,7 @@ from .encoder_blocks import encoder_block_act, encoder_reads_norm, is_post_norm_
 from .lora_inputs import lora_input_bytes
 from .gradients import grad_layers
 from .mps import mps_sdpa_math
+from .seq2seq_blocks import is_seq2seq, stack_activation_bytes
 from .trainable import block_linear_shapes, lora_linears, num_lora_layers
 from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 
@@ -390,7 +391,10 @@ def activation_bytes(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
     ``modeling_utils.py`` ``_activation_checkpointing_enable``, torch ``utils/checkpoint.py``) each
     block keeps only its input hidden state (e*h per token), and during the backward ONE block's
     full working set is recomputed (counted in the ``backward``/``loss`` moments) -- not sqrt(L).
+    An encoder-decoder's two stacks (source and target tokens): ``seq2seq_blocks.stack_activation_bytes``.
     """
+    if is_seq2seq(ms):
+        return stack_activation_bytes(ms, ts)
     tokens = ts.batch_size * ts.seq_length
     e = DTYPE_BYTES[ts.dtype]
     n_grad = grad_layers(ms, ts)

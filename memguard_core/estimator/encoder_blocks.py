@@ -15,7 +15,7 @@ from .mps import mps_sdpa_math
 from .specs import ModelSpec, TrainSpec
 from .trainable import block_linear_shapes, lora_linears
 
-__all__ = ["is_post_norm_encoder", "encoder_block_act", "encoder_reads_norm", "relative_positions"]
+__all__ = ["is_post_norm_encoder", "encoder_block_act", "encoder_reads_norm", "relative_positions", "output_copied"]
 
 #: Residual dropouts per block where a family's block has other than BERT's two (``BertSelfOutput``
 #: and ``BertOutput`` each drop their dense's output): DistilBERT drops only the FFN's output
@@ -159,6 +159,13 @@ def relative_positions(ms: ModelSpec) -> int:
     buckets, or without ``relative_attention``, is not counted right (docs/estimator.md, "Encoder
     blocks")."""
     return int(ms.max_position_embeddings or 512)
+
+
+def output_copied(ms: ModelSpec, ts: TrainSpec) -> bool:
+    """Whether the attention's output reaches the out projection as a new tensor (a contiguous copy:
+    eager, SDPA's math path) rather than the fused kernel's own output; the rule of
+    :func:`encoder_block_act`, for the encoder-decoder blocks (``seq2seq_blocks``)."""
+    return _output_copied(ms, ts)
 
 
 def _disentangled_attention(ms: ModelSpec, ts: TrainSpec, a: Any, e: int) -> None:

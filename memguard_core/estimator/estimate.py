@@ -22,6 +22,7 @@ from .moments import StepTerms, compose_moments
 from .optimizer import optimizer_state_bytes, optimizer_temporary_bytes
 from .result import BREAKDOWN_ORDER, MemoryEstimate
 from .runtime import runtime_overhead_bytes, runtime_source
+from .seq2seq_blocks import decoder_lora_params, is_seq2seq
 from .sharding import apply_sharding  # per-rank terms of DDP / FSDP / ZeRO (no-op for "none")
 from .specs import DTYPE_BYTES, ModelSpec, NF4_BITS, TrainSpec
 from .trainable import check_train_spec, trainable_param_count, vision_lora_linears, weights_for_training
@@ -59,7 +60,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
         train_spec = with_default_lora_targets(model_spec, train_spec)  # PEFT's targets when none given
     ms, ts, images, notes = _prepare(model_spec, train_spec)
     is_litgpt = ts.model_code == "litgpt"
-    trainable = litgpt.trainable_params(ms, ts) if is_litgpt else trainable_param_count(ms, ts)
+    trainable = litgpt.trainable_params(ms, ts) if is_litgpt else _trainable(ms, ts)
     terms, head_moment = _step_terms(ms, ts, trainable, images)
     phases = compose_moments(ms, ts, terms)
     if ts.framework == "mlx" and ts.method == "full":  # the update runs inside the backward's graph
@@ -81,6 +82,19 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
                           phase_breakdowns={k: {t: int(v.get(t, 0)) for t in BREAKDOWN_ORDER
                                                 if t != "calibration"} for k, v in phases.items()},
                           correction=float(correction), notes=tuple(notes))
+
+
+def _trainable(ms: ModelSpec, ts: TrainSpec) -> int:
+    """``trainable_param_count``, plus an encoder-decoder's decoder adapters where the count is
+    derived from the shapes (``trainable`` counts the encoder's blocks, ``ModelSpec.block_linears``);
+    a live module's own count (every adapter of both stacks) is taken as it is."""
+    n = trainable_param_count(ms, ts)
+    if is_seq2seq(ms) and ts.method != "full":
+        live = (ms.trainable_params is not None and ms.lora_rank_found is not None
+                and ts.lora_rank == ms.lora_rank_found and ts.lora_layers is None)
+        if not live:
+            n += decoder_lora_params(ms, ts)
+    return n
 
 
 def _validate(ms, ts, correction) -> None:
@@ -138,7 +152,7 @@ def _step_terms(ms: ModelSpec, ts: TrainSpec, trainable: int, images: float) -> 
                   optimizer_temporaries=optimizer_temporary_bytes(ms, ts, trainable),
                   vision=vision_activation_bytes(ms, ts, images),
                   # eager causal mask (batch x 1 x s x s in the compute dtype), built once per forward
-                  mask=ts.batch_size * ts.seq_length ** 2 * DTYPE_BYTES[ts.dtype] if ts.attn_impl == "eager" else 0,
+                  mask=_eager_masks(ms, ts) if ts.attn_impl == "eager" else 0,
                   runtime_overhead=runtime_overhead_bytes(ts), embedding_transient=emb_tmp, head_transient=head_tmp)
     if ts.model_code == "litgpt":
         return litgpt.step_terms(ms, ts, trainable, shared)
@@ -154,6 +168,15 @@ def _step_terms(ms: ModelSpec, ts: TrainSpec, trainable: int, images: float) -> 
     return StepTerms(weights=weight_bytes(ms, ts, trainable), weight_copies=copies, backward_weight_copies=copies,
                      recompute=acts["one_block"] if ts.grad_checkpoint else 0,
                      last_step=bnb_last_step_inputs(ms, ts), **acts, **shared), None
+
+
+def _eager_masks(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Eager attention's additive masks, bytes: ``batch x 1 x s x s`` in the compute dtype; an
+    encoder-decoder's three (encoder S x S, decoder T x T, cross-attention T x S: transformers
+    ``masking_utils`` ``create_bidirectional_mask`` / ``create_causal_mask``)."""
+    s, t = ts.seq_length, ts.decoder_tokens
+    area = s * s + t * t + t * s if is_seq2seq(ms) else s * s
+    return ts.batch_size * area * DTYPE_BYTES[ts.dtype]
 
 
 def _allocator_slack(ms: ModelSpec, ts: TrainSpec, totals: Dict[str, int], t: StepTerms) -> Dict[str, int]:

@@ -16,10 +16,15 @@ MASKED_LM = "masked_lm"
 SEQUENCE_CLASSIFICATION = "sequence_classification"
 TOKEN_CLASSIFICATION = "token_classification"
 QUESTION_ANSWERING = "question_answering"
+#: An encoder-decoder's LM head (T5, BART ``*ForConditionalGeneration``): logits over the target tokens.
+SEQ2SEQ_LM = "seq2seq_lm"
 #: The heads the estimator counts.
-HEAD_KINDS = (CAUSAL_LM, MASKED_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, QUESTION_ANSWERING)
+HEAD_KINDS = (CAUSAL_LM, MASKED_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, QUESTION_ANSWERING, SEQ2SEQ_LM)
 #: Heads over the vocabulary (their logits are ``tokens x vocab_size``).
-LM_HEADS = (CAUSAL_LM, MASKED_LM)
+LM_HEADS = (CAUSAL_LM, MASKED_LM, SEQ2SEQ_LM)
+#: Encoder-decoder text families whose blocks the estimator counts (``memguard_core.estimator.seq2seq_blocks``),
+#: by ``model_type``: T5 (and mT5, the same modules) and BART.
+SEQ2SEQ_FAMILIES = ("t5", "mt5", "bart")
 #: How the classifier of a sequence-classification head reads the hidden states.
 #: ``all_tokens``: a linear on every position, one position's logits picked after (transformers'
 #: ``GenericForSequenceClassification``: Llama, Qwen2, Mistral, GPT-2 ``score``);
@@ -31,7 +36,7 @@ READS = ("all_tokens", "first_token")
 AUTO_CLASSES = {CAUSAL_LM: "AutoModelForCausalLM", MASKED_LM: "AutoModelForMaskedLM",
                 SEQUENCE_CLASSIFICATION: "AutoModelForSequenceClassification",
                 TOKEN_CLASSIFICATION: "AutoModelForTokenClassification",
-                QUESTION_ANSWERING: "AutoModelForQuestionAnswering"}
+                QUESTION_ANSWERING: "AutoModelForQuestionAnswering", SEQ2SEQ_LM: "AutoModelForSeq2SeqLM"}
 
 # transformers' naming convention for heads, ``<Family>For<Task>`` (models/auto/modeling_auto.py
 # ``MODEL_FOR_*_MAPPING_NAMES``), longest suffix first; GPT-2 / GPT-J style ``LMHeadModel`` is causal.
@@ -42,7 +47,7 @@ _SUFFIXES = (
     ("ForMaskedLM", MASKED_LM),
     ("ForCausalLM", CAUSAL_LM),
     ("LMHeadModel", CAUSAL_LM),
-    ("ForConditionalGeneration", CAUSAL_LM),  # a vision-language decoder; encoder-decoders refused
+    ("ForConditionalGeneration", CAUSAL_LM),  # a vision-language decoder; an encoder-decoder's is SEQ2SEQ_LM
     ("ForImageTextToText", CAUSAL_LM),
 )
 # Heads transformers has that the estimator does not count (named in the one-line refusal).
@@ -51,7 +56,8 @@ _NOT_COUNTED = ("ForImageClassification", "ForAudioClassification", "ForMultiple
                 "ForObjectDetection", "ForDepthEstimation", "ForMaskGeneration", "ForTextToSpeech")
 
 SUPPORTED = ("causal LM (*ForCausalLM, *LMHeadModel, vision-language *ForConditionalGeneration), masked LM, "
-             "sequence / token classification, question answering, on a decoder-only or encoder-only model")
+             "sequence / token classification, question answering, on a decoder-only or encoder-only model; "
+             "seq2seq LM on a text encoder-decoder (T5, mT5, BART *ForConditionalGeneration)")
 
 
 @dataclass(frozen=True)
@@ -141,18 +147,47 @@ def head_kind_of(architecture: str) -> Optional[str]:
     return None
 
 
-def head_kind_from_architectures(architectures: Optional[Iterable[str]]) -> str:
+def head_kind_from_architectures(architectures: Optional[Iterable[str]], model_type: Optional[str] = None,
+                                 encoder_decoder: bool = False) -> str:
     """The head kind of a config's ``architectures`` list: the first entry that names one, causal
-    LM when none does (a config without the list, or a bare ``*Model``).
+    LM when none does (a config without the list, or a bare ``*Model``). For an encoder-decoder
+    config (``is_encoder_decoder``) the head is :data:`SEQ2SEQ_LM` (``AutoModelForSeq2SeqLM``:
+    ``T5ForConditionalGeneration``, ``BartForConditionalGeneration``, or no list at all) once
+    :func:`check_seq2seq_family` accepts ``model_type``.
 
     Raises:
-        ConfigError: as :func:`head_kind_of`, for the first entry naming a head not counted.
+        ConfigError: as :func:`head_kind_of`, for the first entry naming a head not counted; as
+            :func:`check_seq2seq_family` for an encoder-decoder family not counted (Whisper); for an
+            encoder-decoder, an entry naming another head (``BartForSequenceClassification``).
     """
+    if encoder_decoder:
+        check_seq2seq_family(model_type)
+        for arch in architectures or ():
+            if str(arch).endswith("ForConditionalGeneration"):
+                return SEQ2SEQ_LM
+            if head_kind_of(arch) is not None:  # BartForSequenceClassification: not the seq2seq LM
+                raise ConfigError("architectures", "*ForConditionalGeneration (the seq2seq LM head) on an "
+                                  "encoder-decoder", arch)
+        return SEQ2SEQ_LM
     for arch in architectures or ():
         kind = head_kind_of(arch)
         if kind is not None:
             return kind
     return CAUSAL_LM
+
+
+def check_seq2seq_family(model_type: Optional[str]) -> None:
+    """Accept an encoder-decoder ``model_type`` whose blocks the estimator counts
+    (:data:`SEQ2SEQ_FAMILIES`).
+
+    Raises:
+        ConfigError: (field ``model_type``, one line naming what is supported) any other
+            encoder-decoder: speech (Whisper, Speech2Text), Pegasus, Marian, LED, ...
+    """
+    if str(model_type) not in SEQ2SEQ_FAMILIES:
+        raise ConfigError("model_type", "an encoder-decoder of a family memguard counts ("
+                          + ", ".join(SEQ2SEQ_FAMILIES) + "), or " + SUPPORTED.split("; seq2seq")[0],
+                          f"{model_type} (encoder-decoder)")
 
 
 def parse_head(value: str) -> str:
@@ -163,7 +198,7 @@ def parse_head(value: str) -> str:
     """
     v = str(value).strip().lower().replace("-", "_")
     v = {"seq_cls": SEQUENCE_CLASSIFICATION, "token_cls": TOKEN_CLASSIFICATION, "qa": QUESTION_ANSWERING,
-         "mlm": MASKED_LM, "clm": CAUSAL_LM}.get(v, v)
+         "mlm": MASKED_LM, "clm": CAUSAL_LM, "seq2seq": SEQ2SEQ_LM}.get(v, v)
     if v not in HEAD_KINDS:
         raise ConfigError("head", f"one of {', '.join(HEAD_KINDS)}", value)
     return v

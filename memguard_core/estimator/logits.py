@@ -10,6 +10,7 @@ from typing import Tuple
 from .attention import dropout_bytes
 from .heads import (MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, TaskHead,
                     head_of)
+from . import seq2seq_blocks
 from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 
 
@@ -48,6 +49,8 @@ def logits_bytes(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int]:
     head = head_of(ms)
     if not head.is_lm:
         return classifier_logits(ms, ts, head), 0
+    if seq2seq_blocks.is_seq2seq(ms):  # over the target tokens: seq2seq_blocks.logits_bytes
+        return seq2seq_blocks.logits_bytes(ms, ts), 0
     e = DTYPE_BYTES[ts.dtype]
     amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
     n = ts.batch_size * ts.seq_length * ms.vocab_size
@@ -87,9 +90,13 @@ def head_input_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
 
     Causal LM: the final norm's saved input (fp32) and, when the head trains (full fine-tune), the
     head's input in the compute dtype twice (the norm's weight multiply and ``lm_head``).
-    Other heads: :func:`task_head_input_bytes`."""
+    An encoder-decoder: what its two stacks keep outside their blocks
+    (``seq2seq_blocks.outside_bytes``: embedding dropouts, final norms, the encoder's output, the
+    head's input). Other heads: :func:`task_head_input_bytes`."""
     if ts.framework == "mlx":
         return 0
+    if seq2seq_blocks.is_seq2seq(ms):
+        return seq2seq_blocks.outside_bytes(ms, ts)
     e = DTYPE_BYTES[ts.dtype]
     tokens = ts.batch_size * ts.seq_length
     head = head_of(ms)

@@ -275,8 +275,20 @@ class ModelSpec:
             model's module tree; empty for a spec from plain numbers (every block counted by the
             rules).
         head: the task head (:class:`memguard_core.estimator.heads.TaskHead`: causal / masked LM,
-            sequence / token classification, question answering, its output features), read from
-            the config's ``architectures`` or the live module; a causal LM by default.
+            sequence / token classification, question answering, seq2seq LM, its output features),
+            read from the config's ``architectures`` or the live module; a causal LM by default.
+        decoder_layers: an encoder-decoder's decoder blocks (T5 ``num_decoder_layers``, BART
+            ``decoder_layers``); ``num_layers`` / ``block_linears`` then describe the encoder's
+            blocks, which run over the source tokens (``TrainSpec.seq_length``) while the decoder's
+            run over the target tokens (``TrainSpec.target_length``). 0: no decoder stack
+            (decoder-only or encoder-only model).
+        decoder_block_linears: the linears of ONE decoder block: self-attention, cross-attention
+            (its ``path`` names the cross-attention module: T5 ``layer.1.EncDecAttention.q``, BART
+            ``encoder_attn.q_proj``; its keys and values read the encoder's output, source tokens)
+            and the feed-forward network. Empty without a decoder stack.
+        ffn_act: an encoder-decoder's feed-forward activation as its config names it (T5
+            ``dense_act_fn``: ``relu``, ``gelu_new`` for ``gated-gelu``; BART
+            ``activation_function``: ``gelu``); empty otherwise.
     """
 
     name: str
@@ -311,6 +323,14 @@ class ModelSpec:
     vision_tower: Optional[VisionTower] = None
     block_kinds: tuple = ()
     head: TaskHead = DEFAULT_HEAD
+    decoder_layers: int = 0
+    decoder_block_linears: tuple = ()
+    ffn_act: str = ""
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        """An encoder-decoder (T5, BART): a decoder stack with cross-attention over the encoder."""
+        return self.decoder_layers > 0
 
     @property
     def total_params(self) -> int:
@@ -425,6 +445,10 @@ class TrainSpec:
         litgpt_version: the LitGPT release of a ``model_code="litgpt"`` run (``"0.4.13"``); from
             0.5.0 on its QLoRA swaps in a trainable ``StableEmbedding``
             (``memguard_core.estimator.litgpt.stable_embedding``). ``None`` = the current LitGPT.
+        target_length: an encoder-decoder's target tokens per row (the decoder's ``labels`` /
+            ``decoder_input_ids`` length, padded), >= 1; ``seq_length`` stays the source tokens
+            (the encoder's ``input_ids``). ``None`` = ``seq_length`` (:attr:`decoder_tokens`).
+            Ignored for a model without a decoder stack.
     """
 
     batch_size: int = 1
@@ -458,9 +482,12 @@ class TrainSpec:
     heap_trim: bool = True
     model_code: str = "transformers"
     litgpt_version: Optional[str] = None
+    target_length: Optional[int] = None
 
     def __post_init__(self) -> None:
         require_positive_int("batch_size", self.batch_size)
+        if self.target_length is not None:
+            require_positive_int("target_length", self.target_length)
         rf = self.resident_file_bytes
         if rf is not None and (isinstance(rf, bool) or not isinstance(rf, int) or rf < 0):
             raise ConfigError("resident_file_bytes", "an integer >= 0 (bytes) or None", rf)
@@ -518,6 +545,11 @@ class TrainSpec:
     def effective_batch(self) -> int:
         """Samples per optimizer step: micro-batch x accumulation x world_size."""
         return self.batch_size * self.grad_accum * self.world_size
+
+    @property
+    def decoder_tokens(self) -> int:
+        """An encoder-decoder's target tokens per row: ``target_length``, ``seq_length`` when None."""
+        return int(self.target_length or self.seq_length)
 
     @property
     def paged(self) -> bool:

@@ -550,7 +550,8 @@ def seq2seq_fields(model: Any) -> dict:
     ``decoder_layers`` and ``decoder_block_linears`` (from ``model.get_decoder()``'s block list:
     T5 ``T5Stack.block``, BART ``BartDecoder.layers``), ``block_linears`` (the encoder's, from
     ``model.get_encoder()``'s list), ``ffn_act`` (T5 ``dense_act_fn``, BART
-    ``activation_function``), ``head`` (the seq2seq LM head: a final norm outside the blocks for
+    ``activation_function``), ``ffn_dropout`` (T5 ``dropout_rate``, BART ``activation_dropout``),
+    ``head`` (the seq2seq LM head: a final norm outside the blocks for
     T5's pre-norm stacks, none for BART's post-LN ones) and, under ``numbers``, the dropouts the
     config names its own way (T5 ``dropout_rate`` on the residuals, the FFN and the attention
     probabilities; BART ``dropout`` and ``attention_dropout``), which ``config_numbers`` does not
@@ -575,15 +576,16 @@ def seq2seq_fields(model: Any) -> dict:
     if t5:
         numbers = dict(residual_dropout=float(cfg.dropout_rate), attention_dropout=float(cfg.dropout_rate),
                        embedding_dropout=0.0)
-        act = str(cfg.dense_act_fn)
+        act, ffn_p = str(cfg.dense_act_fn), float(cfg.dropout_rate)
     else:
         numbers = dict(residual_dropout=float(cfg.dropout), attention_dropout=float(cfg.attention_dropout),
                        embedding_dropout=0.0)
-        act = str(cfg.activation_function)
+        act, ffn_p = str(cfg.activation_function), float(cfg.activation_dropout)
     arch = type(base).__name__
     return dict(decoder_layers=len(blocks), decoder_block_linears=torch_block_linears(blocks[-1], hidden, False),
                 block_linears=torch_block_linears(enc_blocks[-1], hidden, False),
-                ffn_act=act, head=TaskHead(kind=SEQ2SEQ_LM, final_norm=t5, architecture=arch), numbers=numbers)
+                ffn_act=act, ffn_dropout=ffn_p, numbers=numbers,
+                head=TaskHead(kind=SEQ2SEQ_LM, final_norm=t5, architecture=arch))
 
 
 def with_seq2seq_fields(model: Any, ms: ModelSpec) -> ModelSpec:
@@ -600,7 +602,7 @@ def with_seq2seq_fields(model: Any, ms: ModelSpec) -> ModelSpec:
     f = seq2seq_fields(model)
     return ms.replace(decoder_layers=f["decoder_layers"], decoder_block_linears=f["decoder_block_linears"],
                       block_linears=f["block_linears"], num_layers=len(_encoder_blocks(base)),
-                      ffn_act=f["ffn_act"], head=f["head"], **f["numbers"])
+                      ffn_act=f["ffn_act"], ffn_dropout=f["ffn_dropout"], head=f["head"], **f["numbers"])
 
 
 def _encoder_blocks(base: Any) -> Any:

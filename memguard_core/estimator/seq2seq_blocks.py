@@ -159,9 +159,7 @@ def _ffn(ms: ModelSpec, ts: TrainSpec, lins: list, lora: set, trainable: bool) -
     outs = [ls for ls in lins if ls.name in _FFN_OUT]
     gated = len(ins) > 1
     act = ms.ffn_act or ("relu" if _t5(ms) else "gelu")
-    # T5's FFN dropout is ``dropout_rate``; BART's ``activation_dropout`` (0.0 in the released
-    # configs) is not read: counted as 0
-    p = ms.residual_dropout if _t5(ms) else 0.0
+    p = ms.ffn_dropout
     out = _saved_input(ms, ts, ins, lora, trainable, h)
     out += (4 if act == "gelu_new" else 1) * e * i
     if gated:
@@ -206,6 +204,8 @@ def block_bytes_per_row(ms: ModelSpec, ts: TrainSpec, *, decoder: bool, trainabl
     if not decoder and not _t5(ms):                            # BART's encoder block: BERT's rule
         a = encoder_block_act(ms.replace(block_linears=tuple(lins)), ts, _Row(), {ls.name for ls in lora},
                               trainable, e, 4 if amp else e, amp)
+        if ms.ffn_dropout > 0:                                 # activation_dropout's noise (BERT has none);
+            a.hidden += dropout_bytes(ts, e) * ms.intermediate_size  # fc2 saves its output in GELU's place
         row.hidden += a.hidden * S
         row.scores += a.scores * S
         return row

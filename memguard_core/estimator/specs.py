@@ -289,6 +289,8 @@ class ModelSpec:
         ffn_act: an encoder-decoder's feed-forward activation as its config names it (T5
             ``dense_act_fn``: ``relu``, ``gelu_new`` for ``gated-gelu``; BART
             ``activation_function``: ``gelu``); empty otherwise.
+        ffn_dropout: an encoder-decoder's dropout on the feed-forward activation's output (T5
+            ``dropout_rate``, BART ``activation_dropout``); 0.0 otherwise.
     """
 
     name: str
@@ -326,6 +328,7 @@ class ModelSpec:
     decoder_layers: int = 0
     decoder_block_linears: tuple = ()
     ffn_act: str = ""
+    ffn_dropout: float = 0.0
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -169,8 +169,8 @@ def _ffn(ms: ModelSpec, ts: TrainSpec, lins: list, lora: set, trainable: bool) -
     fresh = p > 0 or gated or act != "relu"                   # wo's input is a tensor of its own
     if fresh:
         out += _saved_input(ms, ts, outs, lora, trainable, i)
-    elif not trainable and ts.lora_dropout > 0:               # relu's result is saved anyway
-        out += _saved_input(ms, ts, outs, lora, trainable, i)
+    elif not trainable and (e < 4 or _amp(ms, ts) or ts.lora_dropout > 0):
+        out += _saved_input(ms, ts, outs, lora, trainable, i)  # a LoRA'd wo's own copy of relu's result
     return out
 
 

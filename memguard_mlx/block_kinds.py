@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Tuple
 
 from memguard_core.estimator.specs import BlockKind
 
-__all__ = ["block_kinds"]
+__all__ = ["block_kinds", "kind_of"]
 
 #: Class-name endings of the mlx_lm modules the rules count: linears (also the LoRA and quantized
 #: ones), norms, attention, MLPs, mixture-of-experts parts, embeddings and position encodings.
@@ -47,6 +47,12 @@ def _block_kind(block: Any) -> Tuple[str, bool]:
     if _unknown(block):
         return type(block).__name__, False
     return type(block).__name__, True
+
+
+def kind_of(block: Any) -> str:
+    """The kind name :func:`block_kinds` gives ``block`` (the class of the module that sets it apart,
+    else the block's own class)."""
+    return _block_kind(block)[0]
 
 
 def block_kinds(model: Any) -> Tuple[BlockKind, ...]:

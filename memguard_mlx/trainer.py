@@ -32,6 +32,7 @@ from ._mlx_lm_loop import compile_halves, train_loop
 from .memory import LeakDetector, MemoryControls, is_allocation_error
 from .resume import guard_state_metadata, restore_guard_state, resume_run, skip_batches
 from .eval import GuardedEval, batch_rows, micro_batch_ranges, row_token_counts, slice_batch
+from .block_census import with_measured_blocks
 from .specs import model_spec_from_mlx_module, train_spec
 
 logger = logging.getLogger("memguard.mlx")
@@ -57,8 +58,9 @@ def default_budget(safety_ratio: float = 0.8) -> int:
 def _reader(model, optimizer, args, train_dataset, seq_length: Optional[int]) -> Callable[[], tuple]:
     def read_specs() -> tuple:
         ms = model_spec_from_mlx_module(model, args)
-        return ms, train_spec(model, optimizer, args, ms, train_dataset=train_dataset,
-                                        seq_length=seq_length)
+        ts = train_spec(model, optimizer, args, ms, train_dataset=train_dataset, seq_length=seq_length)
+        # block kinds the rules do not model: one block measured on the MLX backend (never raises)
+        return with_measured_blocks(model, ms, ts), ts
     return read_specs
 
 

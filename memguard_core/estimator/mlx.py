@@ -79,7 +79,7 @@ def mlx_activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
         i = ms.intermediate_size
         mlp = 5 * i
         i_eff = i
-    per_block = e * (4 * h + 2 * qd + 2 * kvd + mlp)
+    per_block = e * (4 * h + 2 * qd + 2 * kvd + mlp + extra_norm_inputs(ms))
     if ts.method == "full":
         # trained RMSNorm weights: the VJP for each norm's weight reads the normalised input
         # (``x * rsqrt(mean(x^2) + eps)``), one hidden-sized array per norm, 2 per block -- like
@@ -98,10 +98,50 @@ def mlx_activations(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int, int, int]:
         one_time = e * (MLX_ONE_TIME_H * h + MLX_ONE_TIME_I * i_eff) * tokens
         bwd_scores = 0
     logits = MLX_LOGITS_COPIES * e * ms.vocab_size * tokens
+    keep, measured, one_measured = _measured_blocks(ms)
     if ts.grad_checkpoint:
-        blocks = n * MLX_CKPT_H * e * h * tokens + (per_block + probs) * tokens
+        one = max(per_block + probs, one_measured)
+        blocks = n * MLX_CKPT_H * e * h * tokens + one * tokens
         return int(blocks), int(bwd_scores), int(one_time), int(logits)
-    return int(n * per_block * tokens), int(n * probs * tokens + bwd_scores), int(one_time), int(logits)
+    # the blocks a VJP reaches (n of num_layers) hold the kinds in the model's proportions
+    share = n / max(ms.num_layers, 1)
+    blocks = n * per_block * tokens * keep + share * measured * tokens
+    return int(blocks), int(n * probs * tokens * keep + bwd_scores), int(one_time), int(logits)
+
+
+def _measured_blocks(ms: ModelSpec) -> Tuple[float, float, float]:
+    """Block kinds the rules do not model whose saved bytes per token were measured on MLX
+    (``memguard_mlx.block_census``: ``traced_under`` ends in the ``mlx`` device; a PyTorch census
+    does not carry to MLX's graph): (share of blocks the rules still count, bytes per token all
+    measured blocks keep, bytes per token the largest one keeps)."""
+    kinds = [k for k in ms.block_kinds if not k.modelled and k.saved_per_token is not None
+             and k.traced_under.endswith(" mlx")]
+    if not kinds:
+        return 1.0, 0.0, 0.0
+    n_measured = sum(k.count for k in kinds)
+    keep = max(ms.num_layers - n_measured, 0) / max(ms.num_layers, 1)
+    return keep, float(sum(k.count * k.saved_per_token for k in kinds)), max(k.saved_per_token for k in kinds)
+
+
+def extra_norm_inputs(ms: ModelSpec) -> int:
+    """Elements per token a block keeps for the VJPs of norms beyond the Llama layout's two (the
+    block input and the post-attention residual, already in the rule): ``mx.fast.rms_norm``'s VJP
+    reads its input (mlx ``mlx/fast.cpp`` ``RMSNorm::vjp``), so every further
+    hidden-sized norm keeps a hidden-sized array -- Gemma-2/3 sandwich norms
+    (``mlx_lm/models/gemma3_text.py`` ``TransformerBlock``: ``post_attention_layernorm``,
+    ``post_feedforward_layernorm``) -- and head-dim q/k norms (``Attention.q_norm`` / ``k_norm``,
+    Qwen3, Gemma-3) keep q and k before the norm (q_dim + kv_dim).
+
+    The norms are read from the spec's block norm weights (``params.norms_in_blocks`` per block):
+    hidden-sized ones by rounding over ``hidden_size``; a remainder of two ``head_dim`` vectors
+    is a q/k norm pair. 0 when the spec does not count norms."""
+    per = ms.params.norms_in_blocks / max(ms.num_layers, 1)
+    h, hd = ms.hidden_size, ms.head_dim
+    if per < 1.5 * h:
+        return 0
+    n_h = int(round(per / h))
+    qk = ms.num_heads * hd + ms.num_kv_heads * hd if abs(per - n_h * h - 2 * hd) < 0.5 else 0
+    return max(n_h - 2, 0) * h + qk
 
 
 def activation_terms(ms: ModelSpec, ts: TrainSpec) -> Dict[str, int]:

@@ -330,7 +330,7 @@ def write_report(rows: Sequence[Dict[str, Any]], meta: Dict[str, Any], stem: str
     lines += table(rows)
     lines += ["", _summary_line("estimate without the probe", summarise(rows, "error_no_probe")),
               _summary_line("estimate the guard acted on (probe on)", summarise(rows, "error_acted")),
-              _summary_line("with the read factor applied (what a GPU run would do)", summarise(rows, "error_if_applied"))]
+              _summary_line("with the read factor applied (a CPU factor below 1 is not)", summarise(rows, "error_if_applied"))]
     secs = [r["probe_seconds"] for r in rows if r.get("probe_seconds") is not None]
     if secs:
         lines.append(f"- the measurement's cost: {min(secs):.1f}-{max(secs):.1f} s (median {sorted(secs)[len(secs) // 2]:.1f} s)")

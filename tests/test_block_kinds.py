@@ -142,6 +142,28 @@ def test_untraced_kind_is_named_not_zero():
     assert any(n.startswith("not modelled, not traced: SomeMixer x 3") for n in est.notes)
 
 
+def test_a_figure_counts_only_under_the_framework_that_took_it():
+    """A census figure of PyTorch's code is not used under mlx_lm, and an MLX measurement (its
+    ``traced_under`` ends in ``mlx``) is not used under PyTorch; each is named where it counts."""
+    from memguard_core.estimator.block_terms import block_kind_notes, how_counted
+
+    torch_kind = BlockKind("SomeMixer", 3, modelled=False, saved_per_token=4096.0, traced_under="fp32 lora sdpa cpu")
+    mlx_kind = BlockKind("ShortConv", 3, modelled=False, saved_per_token=4096.0, traced_under="fp32 lora mlx")
+    torch_ts, mlx_ts = _lora_ts(), TrainSpec(framework="mlx", device="mlx", method="lora", seq_length=64)
+    assert how_counted(torch_kind, torch_ts) == "traced" and how_counted(mlx_kind, mlx_ts) == "traced"
+    assert how_counted(torch_kind, mlx_ts) == how_counted(mlx_kind, torch_ts) == "rules (not modelled, not traced)"
+    assert how_counted(BlockKind("Layer", 1), torch_ts) == "rules"
+    ms = model_spec_from_hf_config(_HYBRID_CFG())
+    note = block_kind_notes(ms.replace(block_kinds=(mlx_kind,)), mlx_ts)[0]
+    assert note.startswith("traced: ShortConv x 3 (4.0 KiB saved per token per block") and "MLX" in note
+    note = block_kind_notes(ms.replace(block_kinds=(mlx_kind,)), torch_ts)[0]
+    assert note.startswith("not modelled, not traced: ShortConv x 3")
+    # under PyTorch the MLX figure leaves the blocks counted by the rules
+    ts = _lora_ts()
+    assert estimate(ms.replace(block_kinds=(mlx_kind, BlockKind("Layer", 1))), ts).breakdown == \
+        estimate(ms.replace(block_kinds=()), ts).breakdown
+
+
 def test_checkpointing_keeps_block_inputs_and_recomputes_the_largest_block():
     ts = _lora_ts(128).replace(grad_checkpoint=True)
     ms = model_spec_from_hf_config(_HYBRID_CFG())

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-from .specs import ModelSpec, TrainSpec, trace_key
+from .specs import BlockKind, ModelSpec, TrainSpec, trace_key
 
-__all__ = ["with_traced_blocks", "block_kind_notes"]
+__all__ = ["with_traced_blocks", "how_counted", "block_kind_notes"]
 
 
 def with_traced_blocks(ms: ModelSpec, ts: TrainSpec, hidden: int, scores: int, lora: int,
@@ -30,7 +30,7 @@ def with_traced_blocks(ms: ModelSpec, ts: TrainSpec, hidden: int, scores: int, l
     Returns:
         ``(hidden, scores, lora, one_block)`` in bytes for the micro-batch.
     """
-    traced = [k for k in ms.block_kinds if not k.modelled and k.saved_per_token is not None]
+    traced = [k for k in ms.block_kinds if how_counted(k, ts) == "traced"]
     if not traced:
         return hidden, scores, lora, one_block
     tokens = ts.batch_size * ts.seq_length
@@ -44,22 +44,36 @@ def with_traced_blocks(ms: ModelSpec, ts: TrainSpec, hidden: int, scores: int, l
     return int(hidden * keep + added), int(scores * keep), int(lora * keep), one
 
 
+def how_counted(k: BlockKind, ts: TrainSpec) -> str:
+    """How the estimate counts one block kind: ``rules`` (modelled), ``traced`` (its own figure,
+    from a census of the model's code on fake tensors under PyTorch, or measured on MLX's backend
+    under mlx_lm: ``traced_under`` ends in ``mlx``) or ``rules (not modelled, not traced)`` (no figure
+    for this framework: counted as a decoder block of the rules, never as zero)."""
+    if k.modelled:
+        return "rules"
+    if k.saved_per_token is None or (ts.framework == "mlx") != k.traced_under.endswith(" mlx"):
+        return "rules (not modelled, not traced)"
+    return "traced"
+
+
 def block_kind_notes(ms: ModelSpec, ts: TrainSpec) -> List[str]:
-    """One note per block kind the rules do not model: traced (with its figure, and whether it was
-    traced under other settings) or counted as a rule block (never as zero)."""
+    """One note per block kind the rules do not model: traced (with its figure, how it was taken,
+    and whether it was traced under other settings) or counted as a rule block (never as zero)."""
     notes = []
+    mlx = ts.framework == "mlx"
     for k in ms.block_kinds:
         if k.modelled:
             continue
-        if k.saved_per_token is None or ts.framework == "mlx":
-            why = ("the census runs PyTorch's code, not MLX's" if ts.framework == "mlx" else
+        if how_counted(k, ts) != "traced":
+            why = ("no measurement of it on MLX's backend" if mlx else
                    "give a transformers config or the live model to trace it")
             notes.append(f"not modelled, not traced: {k.name} x {k.count} counted as a decoder block of the "
                          f"rules ({why})")
             continue
-        note = (f"traced: {k.name} x {k.count} ({k.saved_per_token / 1024:.1f} KiB saved per token per block, "
-                "a census of the model's code on fake tensors)")
-        if k.traced_under and k.traced_under != trace_key(ts):
+        how = ("one block's value_and_grad measured on MLX's backend" if mlx else
+               "a census of the model's code on fake tensors")
+        note = f"traced: {k.name} x {k.count} ({k.saved_per_token / 1024:.1f} KiB saved per token per block, {how})"
+        if not mlx and k.traced_under and k.traced_under != trace_key(ts):
             note += f"; traced under other settings ({k.traced_under})"
         notes.append(note)
     return notes

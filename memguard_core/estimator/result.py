@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Tuple
 
+from .block_terms import how_counted
 from .specs import ModelSpec, TrainSpec
 
 
@@ -73,9 +74,7 @@ class MemoryEstimate:
             "correction": float(self.correction),
             "notes": list(self.notes),
             "block_kinds": [{"name": k.name, "count": k.count,
-                             "counted": "rules" if k.modelled else
-                             ("traced" if k.saved_per_token is not None and self.train_spec.framework != "mlx"
-                              else "rules (not modelled, not traced)"),
+                             "counted": how_counted(k, self.train_spec),
                              "saved_bytes_per_token": k.saved_per_token, "traced_under": k.traced_under or None}
                             for k in self.model_spec.block_kinds],
             "model": plain(self.model_spec),

@@ -253,9 +253,15 @@ class PreflightMoment:
         apply = tuple(a for a in opts.apply if a != "grad_checkpoint" or enable_checkpointing is not None)
         # plan below the warning level: a run planned up to the budget would sit at the critical level
         # from its first step and be split further for nothing
+        # what the process holds is read before the measurement allocates, and the heap is set up
+        # as the steps will run (a bf16 MoE's mmap threshold), so the probe reads the run's heap
+        resident = resident_bytes_for(train_spec)
+        pin = getattr(self, "_pin_mmap_threshold", None)
+        if pin is not None:
+            pin()
         probe = self._measure(model_spec, train_spec, measure)
         pf = plan_in_place(model_spec, train_spec, budget, apply=apply, plan_fraction=opts.thresholds.warning,
-                           resident_bytes=resident_bytes_for(train_spec),
+                           resident_bytes=resident,
                            correction=probe.factor if probe is not None and probe.factor else None)
         pf.measurement = probe
         if pf.checkpointing_planned and enable_checkpointing is not None:

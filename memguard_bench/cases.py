@@ -54,9 +54,13 @@ CASE_SETS = ("all", "matrix", "held-out", "full-depth")
 
 
 def num_layers_of(arch: dict) -> int:
-    """The layer count an arch dict builds (``num_hidden_layers``, GPT-2's ``n_layer`` or
-    DistilBERT's ``n_layers``)."""
-    return int(arch.get("num_hidden_layers") or arch.get("n_layer") or arch["n_layers"])
+    """The layer count an arch dict builds (``num_hidden_layers``, GPT-2's ``n_layer``,
+    DistilBERT's ``n_layers``; an encoder-decoder's encoder blocks: T5's ``num_layers``, BART's
+    ``encoder_layers``)."""
+    for key in ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers"):
+        if arch.get(key):
+            return int(arch[key])
+    raise KeyError("num_hidden_layers")
 
 
 def _arch_table(backend: str, full_depth: bool) -> Dict[str, dict]:
@@ -95,6 +99,8 @@ def _name(backend: str, arch: str, t: dict, full_depth: bool, steps: int) -> str
         parts.append(f"drop{t['lora_dropout']:g}")
     if t["method"] != "full" and t["lora_targets"] != _DEFAULT_TARGETS[backend]:
         parts.append("+".join(t["lora_targets"]))
+    if t.get("target_length"):
+        parts.append(f"t{t['target_length']}")
     if steps != 2:
         parts.append(f"{steps}steps")
     return "-".join(parts)

@@ -36,6 +36,8 @@ PUBLISHED_LAYERS = {
     "bert-base-12l-token-cls": 12,  # the same, token-classification head
     "roberta-base-12l": 12,         # FacebookAI/roberta-base
     "distilbert-base-6l": 6,        # distilbert/distilbert-base-uncased: n_layers
+    "t5-base-12l": 12,              # google-t5/t5-base: num_layers (and num_decoder_layers 12)
+    "bart-base-6l": 6,              # facebook/bart-base: encoder_layers (and decoder_layers 6)
 }
 
 #: Published parameter counts (model cards / ``num_parameters()`` of the released checkpoints).
@@ -105,9 +107,11 @@ def test_full_depth_configs_have_the_published_parameter_counts():
         assert model.config.num_hidden_layers == PUBLISHED_LAYERS[key]
 
 
-#: Published parameter counts of the encoders' base models (``AutoModel``: BERT and RoBERTa with their
-#: pooler), from the model cards / ``num_parameters()`` of the released checkpoints.
+#: Published parameter counts of the encoders' and encoder-decoders' base models (``AutoModel``: BERT
+#: and RoBERTa with their pooler), from the model cards / ``num_parameters()`` of the released checkpoints.
 PUBLISHED_ENCODER_PARAMS = {
+    "t5-base-12l": 222_903_552,
+    "bart-base-6l": 139_420_416,
     "bert-base-12l": 109_482_240,
     "bert-base-12l-token-cls": 109_482_240,
     "roberta-base-12l": 124_645_632,
@@ -127,13 +131,14 @@ def test_full_depth_encoders_have_the_published_parameter_counts_and_their_heads
         cfg = AutoConfig.for_model(arch.pop("model_type"), **arch)
         with torch.device("meta"):
             base = AutoModel.from_config(cfg)
-            kind = head_kind_from_architectures(cfg.architectures)
+            kind = head_kind_from_architectures(cfg.architectures, cfg.model_type, cfg.is_encoder_decoder)
             headed = getattr(transformers, AUTO_CLASSES[kind]).from_config(cfg)
         assert base.num_parameters() == n, key
         assert cfg.num_hidden_layers == PUBLISHED_LAYERS[key]
         assert type(headed).__name__ == cfg.architectures[0], key
         last = [m for m in headed.modules() if isinstance(m, torch.nn.Linear)][-1]
-        assert last.out_features == cfg.num_labels, key  # the head's own classifier on top
+        # the head's own classifier on top; an encoder-decoder's LM head over the vocabulary
+        assert last.out_features == (cfg.vocab_size if cfg.is_encoder_decoder else cfg.num_labels), key
 
 
 def test_full_depth_rows_are_grouped_by_how_the_estimator_saw_their_family():
@@ -142,7 +147,7 @@ def test_full_depth_rows_are_grouped_by_how_the_estimator_saw_their_family():
     fd = _fd()
     groups = {c["model_type"]: family_group(c) for c in fd if c["backend"] == "hf"}
     assert groups["llama"] == groups["gpt2"] == "fitted"
-    assert groups["bert"] == groups["roberta"] == groups["distilbert"] == "rules"
+    assert groups["bert"] == groups["roberta"] == groups["distilbert"] == groups["t5"] == groups["bart"] == "rules"
     assert groups["granitemoehybrid"] == groups["lfm2"] == groups["granitemoe"] == "held-out"
 
 

@@ -28,6 +28,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from memguard_core.errors import ConfigError
 from memguard_core.estimator.components import component_kind as _component_kind
+from memguard_core.estimator.mlx import MlxParamCounts
 from memguard_core.estimator.specs import LinearShape, ModelSpec, ParamCounts, TrainSpec, dtype_bits as _dtype_bits
 
 from .block_kinds import block_kinds
@@ -200,7 +201,7 @@ def model_spec_from_mlx_module(model: Any, args: Any = None, name: Optional[str]
     nums = _model_args_numbers(model)
     is_moe = nums["num_experts"] > 0
     counts = dict(embeddings=0, attention=0, mlp=0, experts=0, router=0, norms=0, lm_head=0, other=0,
-                  norms_in_blocks=0)
+                  norms_in_blocks=0, norm_weights_in_blocks=0)
     q_elems = q_bytes = 0  # quantized block linears: real elements and stored bytes
     lin_elems = lin_bytes = 0  # all block linears (quantized or not)
     dense_bits = None
@@ -262,6 +263,8 @@ def model_spec_from_mlx_module(model: Any, args: Any = None, name: Optional[str]
                 counts["norms"] += n
                 if in_block:
                     counts["norms_in_blocks"] += n
+                    if k == "weight":  # a LayerNorm's bias is no further norm input
+                        counts["norm_weights_in_blocks"] += n
                 dense_bits = dense_bits or _mx_dtype_bits(v.dtype)
             elif in_block:
                 kind = _kind(clean, is_moe)
@@ -283,7 +286,7 @@ def model_spec_from_mlx_module(model: Any, args: Any = None, name: Optional[str]
     label = name or str(getattr(a, "model_type", None) or type(model).__name__)
     lin_shapes = tuple(LinearShape(**v) for v in block_lin.values())
     return ModelSpec(name=label, model_type=str(getattr(a, "model_type", None) or type(model).__name__),
-                     params=ParamCounts(**counts), block_linears=lin_shapes, tie_word_embeddings=tied,
+                     params=MlxParamCounts(**counts), block_linears=lin_shapes, tie_word_embeddings=tied,
                      weight_bits=float(round(wbits, 4)), dense_bits=dense, trainable_params=trainable,
                      lora_rank_found=lora["rank"], adapter_params=lora["adapter_params"],
                      source="module", block_kinds=block_kinds(model), **nums)

@@ -141,3 +141,26 @@ def test_all_modelled_model_is_left_as_is():
     ms = model_spec_from_mlx_module(m)
     ts = TrainSpec(framework="mlx", device="mlx", method="full", dtype="fp32", seq_length=64)
     assert with_measured_blocks(m, ms, ts) is ms
+
+
+def test_layernorm_biases_are_not_counted_as_extra_norm_inputs():
+    """StarCoder2 and StableLM blocks hold two LayerNorms with a bias each: the biases are
+    parameters of the same two norms, not further norm inputs, so nothing is added to the Llama
+    layout there (and the parameter count still holds them); Gemma-3's sandwich norms and q/k norms
+    are."""
+    h, layers = 128, 2
+    sc2 = model_spec_from_mlx_module(_model("starcoder2", hidden_size=h, num_hidden_layers=layers,
+                                            intermediate_size=256, num_attention_heads=4,
+                                            num_key_value_heads=2, vocab_size=256))
+    slm = model_spec_from_mlx_module(_model("stablelm", vocab_size=256, hidden_size=h, num_attention_heads=4,
+                                            num_hidden_layers=layers, num_key_value_heads=2,
+                                            intermediate_size=256, rope_theta=10000.0, use_qkv_bias=False,
+                                            partial_rotary_factor=0.25, layer_norm_eps=1e-5))
+    for ms in (sc2, slm):
+        assert ms.params.norms_in_blocks == layers * 2 * 2 * h  # two norms, weight and bias each
+        assert mlx_rules.extra_norm_inputs(ms) == 0, ms.model_type
+    g3 = model_spec_from_mlx_module(_model("gemma3_text", hidden_size=h, num_hidden_layers=layers,
+                                           intermediate_size=256, num_attention_heads=4, head_dim=32,
+                                           num_key_value_heads=2, vocab_size=256, sliding_window=64))
+    # two sandwich norms beyond the Llama pair, plus q (4 x 32) and k (2 x 32) ahead of q/k norms
+    assert mlx_rules.extra_norm_inputs(g3) == 2 * h + 4 * 32 + 2 * 32

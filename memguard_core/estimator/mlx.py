@@ -5,11 +5,12 @@ docs/estimator.md, "MLX constants".
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Tuple
 
 from .gradients import grad_layers
 from .trainable import lora_linears, num_lora_layers
-from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
+from .specs import DTYPE_BYTES, ModelSpec, ParamCounts, TrainSpec
 from .weights import trainable_param_bytes
 
 
@@ -123,6 +124,20 @@ def _measured_blocks(ms: ModelSpec) -> Tuple[float, float, float]:
     return keep, float(sum(k.count * k.saved_per_token for k in kinds)), max(k.saved_per_token for k in kinds)
 
 
+@dataclasses.dataclass(frozen=True)
+class MlxParamCounts(ParamCounts):
+    """:class:`ParamCounts` of a live mlx_lm model, plus the elements of the blocks' norm WEIGHTS
+    alone (``norm_weights_in_blocks``; ``norms_in_blocks`` also holds LayerNorm biases, which are
+    parameters but no further saved input). Not part of ``as_dict``."""
+
+    norm_weights_in_blocks: int = 0
+
+    def as_dict(self) -> dict:
+        d = super().as_dict()
+        d.pop("norm_weights_in_blocks", None)
+        return d
+
+
 def extra_norm_inputs(ms: ModelSpec) -> int:
     """Elements per token a block keeps for the VJPs of norms beyond the Llama layout's two (the
     block input and the post-attention residual, already in the rule): ``mx.fast.rms_norm``'s VJP
@@ -132,10 +147,16 @@ def extra_norm_inputs(ms: ModelSpec) -> int:
     ``post_feedforward_layernorm``) -- and head-dim q/k norms (``Attention.q_norm`` / ``k_norm``,
     Qwen3, Gemma-3) keep q and k before the norm (q_dim + kv_dim).
 
-    The norms are read from the spec's block norm weights (``params.norms_in_blocks`` per block):
-    hidden-sized ones by rounding over ``hidden_size``; a remainder of two ``head_dim`` vectors
-    is a q/k norm pair. 0 when the spec does not count norms."""
-    per = ms.params.norms_in_blocks / max(ms.num_layers, 1)
+    The norms are read from the blocks' norm WEIGHTS per block
+    (:attr:`MlxParamCounts.norm_weights_in_blocks`; a LayerNorm's bias is one more vector of the
+    same norm, not another norm -- StarCoder2, StableLM: 0 here), else from
+    ``params.norms_in_blocks``: hidden-sized ones by rounding over ``hidden_size``; a remainder of
+    two ``head_dim`` vectors is a q/k norm pair. 0 when the spec does not count norms."""
+    if isinstance(ms.params, MlxParamCounts):
+        total = ms.params.norm_weights_in_blocks
+    else:
+        total = ms.params.norms_in_blocks
+    per = total / max(ms.num_layers, 1)
     h, hd = ms.hidden_size, ms.head_dim
     if per < 1.5 * h:
         return 0

@@ -485,6 +485,9 @@ def cmd_estimate(args) -> int:
         ms = load("blocks.hf", "hf")(args.config, ms, ts)
     est = estimate(ms, ts)
     trace = None
+    if args.trace and ms.is_encoder_decoder:
+        raise ConfigError("--trace", "a decoder-only or encoder-only model: the trace builds a causal-LM step, "
+                          "not an encoder-decoder's", ms.model_type)
     if args.trace:  # torch / transformers / peft are imported only here
         from .features import load
 

@@ -485,12 +485,17 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
         d, label = load_config_dict(config)
         raw_qc = d.get("quantization_config")
         # a head or an encoder-decoder family not counted: one line, before transformers reads it
-        _ = head or head_kind_from_architectures(d.get("architectures"), d.get("model_type"),
-                                                 bool(d.get("is_encoder_decoder")))
+        if head is None:
+            head_kind_from_architectures(d.get("architectures"), d.get("model_type"), bool(d.get("is_encoder_decoder")))
+        elif d.get("is_encoder_decoder"):
+            check_seq2seq_family(d.get("model_type"))
         cfg = config_from_dict(d, label if label != "config" else "config")
     enc_dec = bool(getattr(cfg, "is_encoder_decoder", False))
-    kind = head_kind_from_architectures(getattr(cfg, "architectures", None), cfg.model_type, enc_dec)
-    if head is not None:
+    if head is None:
+        kind = head_kind_from_architectures(getattr(cfg, "architectures", None), cfg.model_type, enc_dec)
+    else:  # --head overrides the config's ``architectures``
+        if enc_dec:
+            check_seq2seq_family(cfg.model_type)
         kind = parse_head(head)
         if enc_dec != (kind == SEQ2SEQ_LM):
             raise ConfigError("head", f"{SEQ2SEQ_LM} for an encoder-decoder, another head otherwise "

@@ -91,6 +91,24 @@ def test_head_override_builds_that_head():
         parse_head("regression")
 
 
+def test_head_override_wins_over_an_architecture_not_counted(tmp_path):
+    """``--head`` names the head the run trains: a config whose ``architectures`` names a head the
+    estimator does not count is estimated with the given head (as the refusal tells the user to
+    do), from a config object and from a config.json alike; a Whisper config stays refused."""
+    cfg = _config("llama", "LlamaForMultipleChoice")
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg.to_dict()))
+    for src in (cfg, str(p)):
+        with pytest.raises(ConfigError, match="--head names the head"):
+            model_spec_from_hf_config(src)
+        assert model_spec_from_hf_config(src, head="causal-lm").head.kind == "causal_lm"
+    whisper = transformers.WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                                         decoder_attention_heads=2, vocab_size=1000)
+    with pytest.raises(ConfigError) as e:
+        model_spec_from_hf_config(whisper, head="seq2seq")
+    assert "encoder-decoder" in str(e.value) and "\n" not in str(e.value)
+
+
 def _full(dtype="fp32", **kw):
     return TrainSpec(batch_size=B, seq_length=S, method="full", optimizer="adamw", dtype=dtype, device="cpu", **kw)
 

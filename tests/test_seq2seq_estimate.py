@@ -218,3 +218,30 @@ def test_hf_guard_reads_the_target_length_from_the_rows(tmp_path):
     assert ms.decoder_layers == L and ms.head.kind == SEQ2SEQ_LM
     assert (ts.seq_length, ts.target_length) == (S, T + 3)   # the longest row of each
     assert estimate(ms, ts).peak_bytes > 0
+
+
+def test_settings_an_encoder_decoder_cannot_have_are_refused_in_one_line():
+    """What has no meaning for T5 / BART is refused naming the field, not estimated wrongly: a
+    decoder stack on a family without one, mlx_lm, ``lora_layers``, a bad FFN dropout."""
+    from memguard_core.errors import ConfigError
+    from memguard_core.estimator.specs import TrainSpec
+    from memguard_core.estimator.trainable import check_train_spec
+    from memguard_hf.model_spec import model_spec_from_hf_config
+    import transformers
+
+    t5 = model_spec_from_hf_config(transformers.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=2,
+                                                         vocab_size=1000))
+    assert t5.is_encoder_decoder
+    cases = [(lambda: t5.replace(decoder_layers=-1), "decoder_layers"),
+             (lambda: t5.replace(decoder_layers=True), "decoder_layers"),
+             (lambda: t5.replace(model_type="llama"), "decoder_layers"),
+             (lambda: t5.replace(decoder_block_linears=()), "decoder_block_linears"),
+             (lambda: t5.replace(ffn_dropout=1.0), "ffn_dropout"),
+             (lambda: check_train_spec(t5, TrainSpec(framework="mlx", device="mlx")), "framework"),
+             (lambda: check_train_spec(t5, TrainSpec(method="lora", lora_targets=("q", "v"), lora_layers=1)),
+              "lora_layers")]
+    for make, field in cases:
+        with pytest.raises(ConfigError) as e:
+            make()
+        assert e.value.field == field and "\n" not in str(e.value)
+    assert check_train_spec(t5, TrainSpec(method="lora", lora_targets=("q", "v"))) == []

@@ -51,7 +51,7 @@ def how_counted(k: BlockKind, ts: TrainSpec) -> str:
     for this framework: counted as a decoder block of the rules, never as zero)."""
     if k.modelled:
         return "rules"
-    if k.saved_per_token is None or (ts.framework == "mlx") != k.traced_under.endswith(" mlx"):
+    if k.saved_per_token is None or (ts.framework == "mlx") != (k.traced_under or "").endswith(" mlx"):
         return "rules (not modelled, not traced)"
     return "traced"
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from ..errors import ConfigError, require_choice, require_positive_int
-from .heads import DEFAULT_HEAD, TaskHead
+from .heads import DEFAULT_HEAD, SEQ2SEQ_FAMILIES, TaskHead
 from .layout import validate_sharding
 
 
@@ -329,6 +329,20 @@ class ModelSpec:
     decoder_block_linears: tuple = ()
     ffn_act: str = ""
     ffn_dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = self.decoder_layers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError("decoder_layers", "a whole number >= 0 (0: no decoder stack)", n)
+        if n > 0:
+            if self.model_type not in SEQ2SEQ_FAMILIES:
+                raise ConfigError("decoder_layers", f"0 unless model_type is one of {', '.join(SEQ2SEQ_FAMILIES)}",
+                                  f"{n} for model_type {self.model_type!r}")
+            if not self.decoder_block_linears:
+                raise ConfigError("decoder_block_linears", "the decoder block's linears when decoder_layers > 0", "()")
+        p = self.ffn_dropout
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= float(p) < 1.0:
+            raise ConfigError("ffn_dropout", "a probability p with 0 <= p < 1", p)
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -178,7 +178,8 @@ def check_train_spec(model_spec: ModelSpec, train_spec: TrainSpec) -> List[str]:
     logged on ``memguard.spec``) for settings that run but are probably not meant.
 
     Errors (``ConfigError`` naming the field):
-        lora_layers: more blocks than the model has.
+        framework: mlx for an encoder-decoder (mlx_lm has none).
+        lora_layers: more blocks than the model has; any value for an encoder-decoder.
         lora_rank: above the larger width of every LoRA'd linear (a rank no layer can use; PEFT
             would still allocate ``r x (in + out)`` per layer).
     Warnings:
@@ -188,7 +189,12 @@ def check_train_spec(model_spec: ModelSpec, train_spec: TrainSpec) -> List[str]:
     """
     ms, ts = model_spec, train_spec
     warnings: List[str] = []
+    if ms.is_encoder_decoder and ts.framework == "mlx":
+        raise ConfigError("framework", "torch for an encoder-decoder (mlx_lm trains decoder-only models)", "mlx")
     if ts.method != "full":
+        if ms.is_encoder_decoder and ts.lora_layers is not None:
+            raise ConfigError("lora_layers", "unset (every block) for an encoder-decoder: which of its two stacks "
+                              "'the last N blocks' means is not defined", ts.lora_layers)
         if ts.lora_layers is not None and ts.lora_layers > ms.num_layers:
             raise ConfigError("lora_layers", f"at most the model's {ms.num_layers} blocks", ts.lora_layers)
         targets = [t.strip() for t in ts.lora_targets]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import time
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from memguard_core.errors import ConfigError
@@ -27,9 +28,21 @@ from memguard_core.estimator.specs import ModelSpec, TrainSpec, trace_key
 
 logger = logging.getLogger("memguard.mlx")
 
-__all__ = ["block_saved_per_token", "with_measured_blocks"]
+__all__ = ["CENSUS_TIME_LIMIT_S", "CensusTimeout", "block_saved_per_token", "with_measured_blocks"]
 
 _CACHE: Dict[Tuple, float] = {}
+
+# Wall-clock cap on the whole census of one preflight, seconds. The census runs ahead of the user's
+# training and only refines the rules' figure for kinds they do not model, so it must not hold the
+# start of a run longer than a small share of loading the model; each kind costs 16 evaluations of
+# one block (2 token counts x 2 application counts x (1 warm-up + 3 readings)), which grows with the
+# block's width and the token counts, so a cap is kept rather than a count of kinds. Past it the
+# remaining kinds are counted by the rules (logged).
+CENSUS_TIME_LIMIT_S = 30.0
+
+
+class CensusTimeout(RuntimeError):
+    """The census passed its wall-clock limit (:data:`CENSUS_TIME_LIMIT_S`) before a figure was read."""
 
 
 def _call(block: Any) -> Callable:
@@ -58,7 +71,12 @@ def _peak_of(block: Any, fwd: Callable, x: Any, reps: int) -> int:
     applications of ``block`` (its trainable arrays and the input)."""
     import mlx.core as mx
 
+    from mlx.utils import tree_flatten, tree_unflatten
+
     params = block.trainable_parameters()
+    # the block's own arrays, held apart from ``params``: value_and_grad puts its tracers into the
+    # tree it is given, and an error inside it need not swap them back
+    own = tree_flatten(params)
 
     def loss(p, inp):
         block.update(p)
@@ -72,16 +90,33 @@ def _peak_of(block: Any, fwd: Callable, x: Any, reps: int) -> int:
     mx.clear_cache()
     base = int(mx.get_active_memory())
     mx.reset_peak_memory()
-    out = mx.value_and_grad(loss, argnums=(0, 1))(params, x)
-    mx.eval(out)
-    peak = int(mx.get_peak_memory()) - base
-    del out
-    block.update(params)
+    try:
+        out = mx.value_and_grad(loss, argnums=(0, 1))(params, x)
+        mx.eval(out)
+        peak = int(mx.get_peak_memory()) - base
+        del out
+    finally:
+        # the traced loss put tracer arrays into the live block: put its own arrays back
+        # whether or not the evaluation raised
+        block.update(tree_unflatten(own))
     return peak
 
 
+def _floating_dtype(block: Any) -> Any:
+    """The dtype of the block's first floating parameter (a quantized block's linear weights are
+    packed ``uint32``; its norm weights and quantization scales carry the compute dtype), fp32 when
+    it has none."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    for _, v in tree_flatten(block.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return v.dtype
+    return mx.float32
+
+
 def block_saved_per_token(block: Any, hidden_size: int, dtype: Any = None,
-                          tokens: Sequence[int] = (128, 512)) -> float:
+                          tokens: Sequence[int] = (128, 512), deadline: Optional[float] = None) -> float:
     """Bytes ONE application of ``block`` keeps for its backward per token, measured on the MLX
     backend (see the module docstring): ``(saved(t2) - saved(t1)) / (t2 - t1)`` with
     ``saved(t) = peak(2 applications, t) - peak(1 application, t)``.
@@ -89,8 +124,11 @@ def block_saved_per_token(block: Any, hidden_size: int, dtype: Any = None,
     Args:
         block: a live block of an mlx_lm model's ``layers`` (LoRA-wrapped / frozen as it trains).
         hidden_size: the width of its (1, tokens, hidden) input.
-        dtype: the input's ``mx.Dtype`` (default: the dtype of the block's first parameter).
+        dtype: the input's ``mx.Dtype`` (default: the dtype of the block's first floating
+            parameter -- norm weight or quantization scales of a quantized block -- else fp32).
         tokens: two token counts, the smaller first.
+        deadline: a ``time.monotonic()`` instant past which no further reading is taken
+            (``None``: no limit).
 
     Returns:
         Bytes per token (float; >= 0). Cached per block class, parameter shapes, trainable arrays,
@@ -99,22 +137,21 @@ def block_saved_per_token(block: Any, hidden_size: int, dtype: Any = None,
     Raises:
         ConfigError: ``tokens`` is not two increasing positive counts, ``hidden_size`` < 1, or the
             block cannot be called as ``block(x, mask)`` or ``block(x)``.
+        CensusTimeout: ``deadline`` passed before the figure was read (nothing is cached).
     """
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     if len(tokens) != 2 or not (0 < int(tokens[0]) < int(tokens[1])):
         raise ConfigError("tokens", "two increasing positive token counts", tokens)
     if int(hidden_size) < 1:
         raise ConfigError("hidden_size", "a positive integer", hidden_size)
     if dtype is None:
-        flat = tree_flatten(block.parameters())
-        dtype = flat[0][1].dtype if flat else mx.float32
-        if not mx.issubdtype(dtype, mx.floating):
-            dtype = mx.float32
+        dtype = _floating_dtype(block)
     key = _key(block, dtype, tokens)
     if key in _CACHE:
         return _CACHE[key]
+    if deadline is not None and time.monotonic() > deadline:
+        raise CensusTimeout(f"over the census limit of {CENSUS_TIME_LIMIT_S:.0f} s")
     fwd = None
     probe = mx.zeros((1, int(tokens[0]), int(hidden_size)), dtype=dtype)
     for f in _call(block):
@@ -136,8 +173,12 @@ def block_saved_per_token(block: Any, hidden_size: int, dtype: Any = None,
             # kernels' buffers) and readings vary by whole arrays: one warm-up, then the lowest of three
             peaks = {}
             for reps in (1, 2):
-                _peak_of(block, fwd, x, reps)
-                peaks[reps] = min(_peak_of(block, fwd, x, reps) for _ in range(3))
+                readings = []
+                for _ in range(4):  # the first is the warm-up
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise CensusTimeout(f"over the census limit of {CENSUS_TIME_LIMIT_S:.0f} s")
+                    readings.append(_peak_of(block, fwd, x, reps))
+                peaks[reps] = min(readings[1:])
             saved.append(peaks[2] - peaks[1])
     finally:
         mx.set_memory_limit(old)
@@ -151,6 +192,8 @@ def with_measured_blocks(model: Any, ms: ModelSpec, ts: TrainSpec, tokens: Seque
     model, measured on the first block of that kind in ``model.layers``
     (:func:`block_saved_per_token`). A kind that cannot be measured keeps ``saved_per_token=None``
     (the failure is logged; never raises: the estimate then counts it as a rule block and says so).
+    Each figure is logged with the seconds it took; once the census has run
+    :data:`CENSUS_TIME_LIMIT_S` the kinds not yet measured are left to the rules (logged).
     """
     try:
         from .block_kinds import kind_of
@@ -161,14 +204,23 @@ def with_measured_blocks(model: Any, ms: ModelSpec, ts: TrainSpec, tokens: Seque
         for b in model.layers:
             first.setdefault(kind_of(b), b)
         kinds = []
+        start = time.monotonic()
+        deadline = start + CENSUS_TIME_LIMIT_S
         for k in ms.block_kinds:
             if k.modelled or k.name not in first:
                 kinds.append(k)
                 continue
+            t0 = time.monotonic()
             try:
-                per = block_saved_per_token(first[k.name], ms.hidden_size, tokens=tokens)
+                per = block_saved_per_token(first[k.name], ms.hidden_size, tokens=tokens, deadline=deadline)
                 kinds.append(dataclasses.replace(k, saved_per_token=per, traced_under=trace_key(ts)))
-                logger.info("memguard: measured %s on MLX: %.1f KiB saved per token per block", k.name, per / 1024)
+                logger.info("memguard: measured %s on MLX: %.1f KiB saved per token per block (%.1f s)",
+                            k.name, per / 1024, time.monotonic() - t0)
+            except CensusTimeout:
+                logger.warning("memguard: block kind %s not measured on MLX: the census passed its %.0f s "
+                               "limit (%.1f s so far); counted by the rules", k.name, CENSUS_TIME_LIMIT_S,
+                               time.monotonic() - start)
+                kinds.append(k)
             except Exception:
                 logger.warning("memguard: could not measure block kind %s on MLX; counted by the rules",
                                k.name, exc_info=True)

@@ -164,3 +164,70 @@ def test_layernorm_biases_are_not_counted_as_extra_norm_inputs():
                                            num_key_value_heads=2, vocab_size=256, sliding_window=64))
     # two sandwich norms beyond the Llama pair, plus q (4 x 32) and k (2 x 32) ahead of q/k norms
     assert mlx_rules.extra_norm_inputs(g3) == 2 * h + 4 * 32 + 2 * 32
+
+
+def test_census_past_its_time_limit_leaves_kinds_to_the_rules(monkeypatch, caplog):
+    """With the limit already spent the ShortConv kind is not measured (counted by the rules, a
+    warning says why); within it the figure is logged with the seconds it took."""
+    import logging
+
+    from memguard_mlx import block_census
+
+    m = _lfm2(4, attn=(1, 3))
+    ms = model_spec_from_mlx_module(m)
+    ts = TrainSpec(framework="mlx", device="mlx", method="full", dtype="fp32", seq_length=64)
+    monkeypatch.setattr(block_census, "_CACHE", {})
+    monkeypatch.setattr(block_census, "CENSUS_TIME_LIMIT_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="memguard.mlx"):
+        out = with_measured_blocks(m, ms, ts, tokens=(32, 64))
+    assert all(k.saved_per_token is None for k in out.block_kinds)
+    assert any("limit" in r.getMessage() and "ShortConv" in r.getMessage() for r in caplog.records)
+    with pytest.raises(block_census.CensusTimeout):
+        block_saved_per_token(m.layers[0], 128, tokens=(32, 64), deadline=0.0)
+    monkeypatch.setattr(block_census, "CENSUS_TIME_LIMIT_S", 30.0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="memguard.mlx"):
+        out = with_measured_blocks(m, ms, ts, tokens=(32, 64))
+    conv = {k.name: k for k in out.block_kinds}["ShortConv"]
+    assert conv.saved_per_token is not None and conv.traced_under.endswith(" mlx")
+    msgs = [r.getMessage() for r in caplog.records if "measured ShortConv" in r.getMessage()]
+    assert msgs and msgs[0].rstrip().endswith(" s)")
+
+
+def test_peak_reading_restores_the_live_block_on_an_error():
+    """An error inside value_and_grad leaves the live block holding its own arrays, not the
+    tracers the loss put into it."""
+    from mlx.utils import tree_flatten
+
+    from memguard_mlx.block_census import _peak_of
+
+    block = _lfm2(2).layers[0]
+    before = {k: id(v) for k, v in tree_flatten(block.trainable_parameters())}
+
+    def failing(y):
+        block(y, None)
+        raise ValueError("boom")
+
+    x = mx.zeros((1, 8, 128))
+    with pytest.raises(ValueError, match="boom"):
+        _peak_of(block, failing, x, 1)
+    after = {k: id(v) for k, v in tree_flatten(block.trainable_parameters())}
+    assert after == before
+    mx.eval(block(x, None))  # still usable outside a transform
+
+
+def test_quantized_block_is_measured_at_its_floating_dtype():
+    """A quantized block's first parameter is a packed uint32 weight: the input dtype comes from
+    its floating arrays (fp16 here: norm weights, scales), not a fall-back to fp32."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from memguard_mlx.block_census import _floating_dtype
+
+    m = _model("llama", **dict(_BASE, num_hidden_layers=1))
+    m.set_dtype(mx.float16)
+    nn.quantize(m, group_size=64, bits=4)
+    block = m.layers[0]
+    dtypes = [v.dtype for _, v in tree_flatten(block.parameters())]
+    assert mx.uint32 in dtypes and dtypes[0] == mx.uint32  # the case the fall-back got wrong
+    assert _floating_dtype(block) == mx.float16

@@ -235,7 +235,8 @@ class PreflightMoment:
         """Estimate the run ``read_specs()`` describes, plan it against the budget (the option, else
         the default budget of its device) below the monitor's warning level, with what this
         process already holds counted, and turn activation checkpointing on when the plan asks
-        for it. Starts nothing; :meth:`start` calls it for its preflight.
+        for it. Starts nothing (it may fix glibc's mmap threshold for a bf16 MoE on a CPU, as the run
+        would: :mod:`memguard_core.step_heap`); :meth:`start` calls it for its preflight.
 
         Raises:
             ConfigError: the run cannot be read or a setting is invalid.

@@ -116,7 +116,7 @@ def _measured_blocks(ms: ModelSpec) -> Tuple[float, float, float]:
     does not carry to MLX's graph): (share of blocks the rules still count, bytes per token all
     measured blocks keep, bytes per token the largest one keeps)."""
     kinds = [k for k in ms.block_kinds if not k.modelled and k.saved_per_token is not None
-             and k.traced_under.endswith(" mlx")]
+             and (k.traced_under or "").endswith(" mlx")]
     if not kinds:
         return 1.0, 0.0, 0.0
     n_measured = sum(k.count for k in kinds)

@@ -26,8 +26,12 @@ def model_spec_from_dict(d: dict):
     (parameter counts, linear shapes, a vision tower, the task head) rebuilt."""
     from memguard_core.estimator.specs import BlockKind, LinearShape, ModelSpec, ParamCounts, VisionTower
 
+    from memguard_core.estimator.mlx import MlxParamCounts
+
     d = dict(d)
-    d["params"] = ParamCounts(**d["params"])
+    # a live mlx_lm model's counts carry its norm weights apart (MlxParamCounts)
+    counts = MlxParamCounts if "norm_weights_in_blocks" in d["params"] else ParamCounts
+    d["params"] = counts(**d["params"])
     d["block_kinds"] = tuple(BlockKind(**x) for x in d.get("block_kinds") or ())
     d["block_linears"] = tuple(LinearShape(**x) for x in d.get("block_linears") or ())
     d["decoder_block_linears"] = tuple(LinearShape(**x) for x in d.get("decoder_block_linears") or ())

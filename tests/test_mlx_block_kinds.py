@@ -53,3 +53,19 @@ def test_short_convolution_blocks_are_named_and_not_silent():
                                  lora_targets=("all-linear",)))
     assert any(n.startswith("not modelled, not traced: ShortConv x 2") and "MLX" in n for n in est.notes)
     assert est.to_dict()["block_kinds"][0]["counted"] == "rules (not modelled, not traced)"
+
+
+def test_a_recorded_mlx_spec_reads_back_to_the_same_estimate():
+    """The bench's children record ``dataclasses.asdict`` of the spec they measured and the parent
+    scores that record (``memguard_bench.score.model_spec_from_dict``): a live mlx_lm model's
+    counts (``MlxParamCounts``, with the norm weights apart) must read back whole."""
+    import dataclasses
+
+    from memguard_bench.score import model_spec_from_dict
+
+    ms = model_spec_from_mlx_module(_model("llama", **_BASE))
+    back = model_spec_from_dict(dataclasses.asdict(ms))
+    assert type(back.params) is type(ms.params) and back.params == ms.params
+    ts = TrainSpec(framework="mlx", device="mlx", method="lora", dtype="fp32", seq_length=64,
+                   lora_targets=("all-linear",))
+    assert estimate(back, ts).peak_bytes == estimate(ms, ts).peak_bytes

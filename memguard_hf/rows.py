@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from memguard_torch import microbatch as torch_microbatch
+from memguard_torch.train_reading import longest_in_rows
 
 __all__ = ["units_of", "rows_of", "target_length_of", "longest_target"]
 
@@ -59,11 +60,4 @@ def longest_target(dataset, scan_rows: int = 2048) -> int:
     """The longest target (:func:`target_length_of`) among the first ``scan_rows`` rows of a
     map-style dataset, as ``memguard_torch.train_reading.infer_seq_length`` scans its inputs; 0 for
     none (an iterable dataset, no target column, a row that raises)."""
-    longest = 0
-    try:
-        if dataset is not None and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-            for i in range(min(len(dataset), scan_rows)):
-                longest = max(longest, target_length_of(dataset[i]))
-    except Exception:
-        return longest
-    return longest
+    return longest_in_rows(dataset, target_length_of, scan_rows)

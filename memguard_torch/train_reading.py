@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Tuple
 
 if TYPE_CHECKING:  # annotations only
     import torch
@@ -212,6 +212,20 @@ def batch_seq_length(batch: Any) -> int:
     return 0
 
 
+def longest_in_rows(dataset: Any, length_of: Callable[[Any], int], scan_rows: int = 2048) -> int:
+    """The largest ``length_of(row)`` among the first ``scan_rows`` rows of a map-style dataset
+    (``__getitem__`` and ``__len__``); 0 for none or for another kind of dataset. A row that raises
+    ends the scan with the longest found so far (logged at debug), never an error."""
+    longest = 0
+    try:
+        if dataset is not None and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+            for i in range(min(len(dataset), scan_rows)):
+                longest = max(longest, int(length_of(dataset[i])))
+    except Exception:
+        logger.debug("memguard: could not scan the dataset for lengths", exc_info=True)
+    return longest
+
+
 def infer_seq_length(given: Optional[int], settings: Iterable[Tuple[Any, Iterable[str]]], dataset: Any = None,
                      batch: Any = None, scan_rows: int = 2048) -> int:
     """Tokens per row for the estimate: ``given``; else the first positive integer setting among
@@ -227,13 +241,7 @@ def infer_seq_length(given: Optional[int], settings: Iterable[Tuple[Any, Iterabl
             v = source.get(name) if isinstance(source, Mapping) else getattr(source, name, None)
             if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                 return v
-    longest = 0
-    try:
-        if dataset is not None and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-            for i in range(min(len(dataset), scan_rows)):
-                longest = max(longest, row_length(dataset[i]))
-    except Exception:
-        logger.debug("memguard: could not scan the dataset for lengths", exc_info=True)
+    longest = longest_in_rows(dataset, row_length, scan_rows)
     if batch is not None:
         longest = max(longest, batch_seq_length(batch))
     if longest:

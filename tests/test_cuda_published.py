@@ -3,22 +3,16 @@ complete and the scorer reports every row (analytic estimates; no GPU, no networ
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 
-from memguard_core.estimator.cuda import CUDA_COUNTERS
+from memguard_testing.bench_scripts import load_bench_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from memguard_core.estimator.cuda import CUDA_COUNTERS
 
 
 @pytest.fixture(scope="module")
 def cp():
-    spec = importlib.util.spec_from_file_location("cuda_published", os.path.join(ROOT, "bench", "cuda_published.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("cuda_published")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ on given numbers. About 35 s on a 2-core machine (one process, one thread)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,16 +12,15 @@ import sys
 
 import pytest
 
+from memguard_testing.bench_scripts import load_bench_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
 
 
 @pytest.fixture(scope="module")
 def gc():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("gpu_check")
 
 
 def test_dry_run_passes_and_writes_both_reports(tmp_path, gc):

@@ -5,11 +5,12 @@ modules keep per block is checked against them in tests/test_litgpt_code.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
+
+from memguard_testing.bench_scripts import load_bench_script
 
 from memguard_core.estimator import litgpt as _litgpt
 from memguard_core.cli import main
@@ -194,9 +195,7 @@ def test_the_planner_keeps_litgpts_targets_and_offers_nothing_litgpt_lacks(name)
 def test_every_published_litgpt_row_is_in_the_band():
     # the published max_memory_allocated of LitGPT's own LoRA / QLoRA runs (bench/cuda_published.json):
     # the issue's band, no constant fitted on them
-    spec = importlib.util.spec_from_file_location("cuda_published", os.path.join(ROOT, "bench", "cuda_published.py"))
-    cp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cp)
+    cp = load_bench_script("cuda_published")
     data = cp.load()
     rows = [r for r in cp.score(data) if r["source"].startswith("litgpt")]
     assert len(rows) >= 30

@@ -5,10 +5,9 @@ timed or trained here."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
+
+from memguard_testing.bench_scripts import load_bench_script
 
 from memguard_core.estimator import probe_fit as pf
 from memguard_core.estimator.estimate import estimate
@@ -16,7 +15,6 @@ from memguard_core.estimator.numbers import model_spec_from_numbers
 from memguard_core.estimator.specs import MiB, TrainSpec
 from memguard_core.events import RUN_ID_ENV, EventLog, read_events
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MS = model_spec_from_numbers(135_000_000, 576, 30, 9, num_kv_heads=3, vocab_size=49152, intermediate_size=1536,
                              tie_word_embeddings=True, model_bits=32)
 TS = TrainSpec(batch_size=2, seq_length=1024, method="full", dtype="fp32", framework="torch", device="cpu")
@@ -24,10 +22,7 @@ TS = TrainSpec(batch_size=2, seq_length=1024, method="full", dtype="fp32", frame
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("probe_full_depth", os.path.join(ROOT, "bench", "probe_full_depth.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("probe_full_depth")
 
 
 def _probe(scale: float, seconds: float = 12.34) -> pf.ProbeResult:

@@ -136,6 +136,17 @@ EST_CASES: List[dict] = [
 for _c in EST_CASES:
     _c.update(kind="estimate", lora_rank=16, optimizer="adamw", steps=3)
 
+#: Guarded twins of three estimate cases: ``MemGuardCallback`` with its defaults (the in-process
+#: measurement, ``preflight_probe="auto"``, runs on CUDA) and room to spare on the device. Judged: the
+#: run does its 3 steps with the requested micro-batch and no checkpointing added, the measurement
+#: ran on the device's counter and did not raise, and the estimate the guard acted on is within the
+#: band of the process's NVML peak; its cost in seconds is reported beside it.
+GUARD_CASES: List[dict] = [
+    dict(c, name="guard-" + c["name"][len("est-"):], kind="guard", guarded=True,
+         what="guarded (MemGuardCallback defaults, in-process measurement on): " + c["what"])
+    for c in EST_CASES if c["name"] in ("est-lora-llama3.2-1b", "est-full-llama3.2-1b-amp",
+                                        "est-lora-qwen2.5-1.5b-ckpt")]
+
 #: The OOM model and shapes (GPU; the dry run's are below). ``rows`` is the large micro-batch, the
 #: reference runs at ``rows // 2``; the evaluation batch is ``eval_rows``.
 OOM_SHAPES = dict(vocab=32000, hidden=1024, inter=2816, layers=8, heads=16, kv_heads=8, seq=1024,
@@ -161,7 +172,7 @@ CASES: List[dict] = (
        dict(name="oom-eval", kind="oom", phase="evaluation", expect_s=25,
             what="OOM in an HF evaluation: the unguarded twin dies; the guard's eval split gives the "
                  "reference's eval_loss")]
-    + EST_CASES)
+    + EST_CASES + GUARD_CASES)
 #: Run before the first oom-* case (its figures place the limits), reported as a row of its own.
 MEASURE = dict(name="oom-measure", kind="measure", expect_s=40,
                what="unguarded peaks per phase of the OOM model; reference runs at the smaller micro-batch")
@@ -529,6 +540,7 @@ def child_estimate(case: dict, dry: bool) -> dict:
         gradient_checkpointing=case["grad_checkpoint"], report_to=[], save_strategy="no", logging_strategy="no",
         dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False, dataloader_pin_memory=False)
     trainer = _sequential_trainer_cls()(model=model, args=args, train_dataset=ds)
+    guard = _add_guard(trainer, dry) if case.get("guarded") else None
     nv = None
     if device == "cuda":
         # the training's peaks: blocks cached while the model was built or loaded (QLoRA's quantization)
@@ -554,7 +566,82 @@ def child_estimate(case: dict, dry: bool) -> dict:
                    num_ooms=int(stats.get("num_ooms", 0)))
     else:
         rec.update(measured={"cpu": _vm_hwm()})  # in process (the dry run's default): the process's peak
+    if guard is not None:
+        rec["guard"] = _guard_record(guard, case)
     rec["seconds"] = time.time() - t0
+    return rec
+
+
+def _add_guard(trainer, dry: bool) -> dict:
+    """A ``MemGuardCallback`` with its defaults (an event log in a temporary folder) on ``trainer``,
+    timed around its train start (the preflight with the in-process measurement), the measurement's
+    own result kept: ``{"callback", "results", "log_dir", "begin_seconds"}``. The dry run asks for
+    the measurement (``preflight_probe=True``): "auto" skips a tiny model's on a CPU."""
+    import memguard_hf.callback as hf_callback
+
+    out: Dict[str, Any] = {"results": [], "log_dir": tempfile.mkdtemp(prefix="gpu_check_guard_"),
+                           "begin_seconds": None}
+    real = hf_callback.measure_fn
+
+    def recording(*a, **k):
+        measure = real(*a, **k)
+
+        def recorded(sizes, max_seconds=None):
+            r = measure(sizes, max_seconds)
+            out["results"].append(r)
+            return r
+        return recorded
+
+    hf_callback.measure_fn = recording
+
+    class TimedGuard(hf_callback.MemGuardCallback):
+        def on_train_begin(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return super().on_train_begin(*a, **k)
+            finally:
+                out["begin_seconds"] = time.perf_counter() - t
+
+    out["callback"] = TimedGuard(log_dir=out["log_dir"], **({"preflight_probe": True} if dry else {}))
+    trainer.add_callback(out["callback"])
+    return out
+
+
+def _guard_record(guard: dict, case: dict) -> dict:
+    """What the guarded run acted on: the planned estimate (``Preflight.best_peak_bytes``, bytes, on
+    the counter of ``estimate(...).peak_bytes``: the process's device memory on CUDA), the same
+    estimate without the measurement's correction, the plan (micro-batches, checkpointing), the
+    measurement's line, steps and cost (seconds), and the guard's per-step figures from its event log."""
+    import glob
+
+    from memguard_core.estimator.estimate import estimate
+    from memguard_core.events import read_events
+
+    cb = guard["callback"]
+    pf = cb.preflight
+    rec: Dict[str, Any] = {"preflight_seconds": guard["begin_seconds"], "preflight": pf is not None}
+    if pf is None:
+        return rec
+    ms, ts = pf.model_spec, pf.train_spec
+    rec.update(acted_on_bytes=int(pf.best_peak_bytes),
+               no_probe_bytes=int(estimate(ms, ts, correction=1.0).peak_bytes) + int(pf.resident_extra_bytes),
+               resident_extra_bytes=int(pf.resident_extra_bytes), correction=float(pf.correction),
+               micro_batches=int(pf.micro_batches), checkpointing_planned=bool(pf.checkpointing_planned),
+               budget_bytes=int(pf.budget_bytes), device=str(ts.device),
+               measurement_line=pf.measurement.line if pf.measurement is not None else None,
+               measurement_factor=pf.measurement.factor if pf.measurement is not None else None)
+    if guard["results"]:
+        r = guard["results"][-1]
+        rec.update(probe_measured=bool(r.measured), probe_seconds=float(r.seconds), probe_counter=r.counter,
+                   probe_reason=r.reason,
+                   probe_steps=[dict(rows=s.rows, tokens=s.tokens, held_bytes=s.held_bytes, peak_bytes=s.peak_bytes,
+                                     retained_bytes=s.retained_bytes, seconds=s.seconds) for s in r.steps])
+    steps = []
+    for path in glob.glob(os.path.join(guard["log_dir"], "*.jsonl")):
+        steps += [e for e in read_events(path) if e.get("type") == "step"]
+    rec["step_records"] = [{k: e.get(k) for k in ("step", "peak_bytes", "micro_batches", "reserved_bytes")}
+                           for e in steps]
+    rec["summary"] = {k: v for k, v in (cb.guard.summary or {}).items() if isinstance(v, (int, float, str))}
     return rec
 
 
@@ -1105,7 +1192,8 @@ class Runner:
             case = next(c for c in CASES if c["name"] == name)
             if case["kind"] == "oom" and self.measure is None:
                 self._run_case(MEASURE, self.case_measure)
-            fn = {"probe": self.case_probe, "oom": self.case_oom, "estimate": self.case_estimate}[case["kind"]]
+            fn = {"probe": self.case_probe, "oom": self.case_oom, "estimate": self.case_estimate,
+                  "guard": self.case_guard}[case["kind"]]
             self._run_case(case, fn)
         self.meta["finished"] = _now()
         self.meta["elapsed_s"] = round(self.elapsed(), 1)
@@ -1272,6 +1360,36 @@ class Runner:
             summ = ", ".join(f"{r['counter']} {_fmt_pct(r['error'])}" for r in est_rows)
         return dict(status=status, scores=est_rows, detail=detail, summary=summ)
 
+    def case_guard(self, case: dict) -> dict:
+        """One guarded case: the run, what the guard acted on, scored against the process's NVML
+        peak (the counter of ``Preflight.best_peak_bytes`` on CUDA; the dry run: the process's
+        VmHWM, scored, not judged)."""
+        rec = self.child({"kind": "estimate", "case": case}, case["name"], 300)
+        if rec.get("child_error"):
+            return dict(status="error", detail=rec, summary=rec["child_error"][:300])
+        g = rec.get("guard") or {}
+        measured = (rec.get("measured") or {}).get("cpu" if self.dry else "nvidia-smi")
+        acted, no_probe = g.get("acted_on_bytes"), g.get("no_probe_bytes")
+        err = (acted / measured - 1.0) if acted and measured else None
+        err_no = (no_probe / measured - 1.0) if no_probe and measured else None
+        checks = {
+            "3 optimizer steps": rec.get("steps") == case["steps"],
+            "the preflight ran": bool(g.get("preflight")),
+            "the measurement ran on the device's counter": bool(g.get("probe_measured")),
+            "the plan kept the requested micro-batch (1 micro-batch per batch)": g.get("micro_batches") == 1,
+            "no checkpointing added": case["grad_checkpoint"] or not g.get("checkpointing_planned"),
+        }
+        if not self.dry:
+            checks["acted-on estimate within the band of the NVML peak"] = bool(band(err))
+        detail = {k: v for k, v in rec.items() if k != "model_spec"}
+        detail.update(acted_on_error=err, no_probe_error=err_no, measured_peak=measured,
+                      in_target=band(err, TARGET_UNDER, TARGET_OVER))
+        summ = (f"acted on {_fmt_gib(acted)} GiB vs {'VmHWM' if self.dry else 'NVML'} {_fmt_gib(measured)} GiB "
+                f"({_fmt_pct(err)}; without the measurement {_fmt_pct(err_no)}), measurement "
+                f"{g.get('probe_seconds') or 0:.1f} s, preflight {g.get('preflight_seconds') or 0:.1f} s, "
+                f"k={g.get('micro_batches')}")
+        return dict(status="pass" if all(checks.values()) else "fail", checks=checks, detail=detail, summary=summ)
+
     def estimate_rows(self, case: dict, rec: dict):
         """memguard's estimate of ``case`` per counter, scored against the child's measurement:
         the estimate from the config file (as ``memguard estimate CONFIG --device cuda``) and the
@@ -1369,6 +1487,21 @@ def markdown(doc: dict) -> str:
                          f"context {_fmt_gib(d.get('context_bytes'))} GiB, NVML {d.get('nvml_source')} "
                          f"({d.get('nvml_samples')} samples), num_alloc_retries {d.get('num_alloc_retries')}, "
                          f"phase {d.get('estimate_phase')}")
+    guarded = [r for r in doc.get("cases", []) if r["name"].startswith("guard-") and (r.get("detail") or {}).get("guard")]
+    if guarded:
+        lines += ["", "## Guarded runs: the in-process measurement (GiB, seconds)", "",
+                  "| case | measured peak | acted on | error | without the measurement | error | factor | "
+                  "measurement s | preflight s | k |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in guarded:
+            d = r["detail"]
+            g = d["guard"]
+            lines.append(f"| {r['name']} | {_fmt_gib(d.get('measured_peak'))} | {_fmt_gib(g.get('acted_on_bytes'))} | "
+                         f"{_fmt_pct(d.get('acted_on_error'))} | {_fmt_gib(g.get('no_probe_bytes'))} | "
+                         f"{_fmt_pct(d.get('no_probe_error'))} | {'-' if g.get('measurement_factor') is None else format(g['measurement_factor'], '.3f')} | "
+                         f"{g.get('probe_seconds') or 0:.1f} | {g.get('preflight_seconds') or 0:.1f} | "
+                         f"{g.get('micro_batches')} |")
+        for r in guarded:
+            lines.append(f"\n- {r['name']}: {r['detail']['guard'].get('measurement_line')}")
     for r in doc.get("cases", []):
         if not r.get("checks"):
             continue

@@ -44,6 +44,15 @@ def test_dry_run_passes_and_writes_both_reports(tmp_path, gc):
     assert qlora == "pass" or qlora == "skipped: bitsandbytes not importable"
     assert [s["counter"] for s in by["est-lora-llama3-8b"]["scores"]] == ["cpu", *gc.COUNTERS]
     assert "[gpu_check" in p.stdout  # progress lines
+    # the guarded twins: MemGuardCallback with the in-process measurement, its cost and plan reported
+    for name in ("guard-lora-llama3.2-1b", "guard-lora-qwen2.5-1.5b-ckpt", "guard-full-llama3.2-1b-amp"):
+        row = by[name]
+        assert row["status"] == "pass", row
+        g = row["detail"]["guard"]
+        assert g["probe_measured"] and g["probe_counter"] and g["probe_seconds"] > 0
+        assert g["micro_batches"] == 1 and g["acted_on_bytes"] > 0 and g["no_probe_bytes"] > 0
+        assert g["step_records"] and g["measurement_line"]
+    assert "## Guarded runs: the in-process measurement" in md
 
 
 def test_list_and_unknown_case():

@@ -57,20 +57,65 @@ def test_the_parts_sum_to_each_moment_and_an_identity_correction_keeps_the_peak(
     assert pf.corrected_peak(cal, 1.0, 0) == cal.peak_bytes
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_two_sizes_recover_the_per_token_ratio_and_the_fixed_part(device):
+@pytest.mark.parametrize("device, sizes", [("cpu", SIZES), ("cuda", ((1, 512), (1, 1024)))])
+def test_two_sizes_recover_the_per_token_ratio_and_the_fixed_part(device, sizes):
+    # two sizes whose steps the estimate has largest at the same moment (cpu: the backward at
+    # 256 and 512 tokens, the heap slack per token; cuda: the loss at 512 and 1024)
     ts = _train(device)
-    probe, ests = _measured(ts, ratio=1.5, fixed=40 * MiB)
+    probe, ests = _measured(ts, ratio=1.5, fixed=40 * MiB, sizes=sizes)
     run = estimate(MS, ts)
     fit = pf.fit_probe(probe, ests, run)
     assert fit.applied and fit.per_token_ratio == pytest.approx(1.5, rel=1e-6)
     assert fit.fixed_delta_bytes == pytest.approx(40 * MiB, abs=2)
-    assert fit.peak_bytes == pf.corrected_peak(run, 1.5, fit.fixed_delta_bytes) > run.peak_bytes
-    assert "2 forward+backward steps (1 x 256, 1 x 512 tokens) in 0.8 s" in fit.explanation
-    assert "per-token x1.50, fixed +40 MiB" in fit.explanation
+    assert fit.moment == {"cpu": "backward", "cuda": "loss"}[device]
+    # the fixed delta goes to the moment it was read at, the per-token ratio to both
+    assert fit.peak_bytes == pf.corrected_peak(run, 1.5, fit.fixed_delta_bytes, fixed_moments=(fit.moment,)) \
+        > run.peak_bytes
+    assert f"2 forward+backward steps (1 x {sizes[0][1]}, 1 x {sizes[1][1]} tokens) in 0.8 s" in fit.explanation
+    assert f"per-token x1.50, fixed +40 MiB at the {fit.moment} moment" in fit.explanation
     # the same correction applied to another micro-batch size of the run
     other = estimate(MS, ts.replace(batch_size=2))
-    assert fit.apply(other) == pf.corrected_peak(other, 1.5, fit.fixed_delta_bytes)
+    assert fit.apply(other) == pf.corrected_peak(other, 1.5, fit.fixed_delta_bytes, fixed_moments=(fit.moment,))
+
+
+def test_sizes_that_peak_at_different_moments_fit_the_larger_alone():
+    # cuda, full fp32: one row of 256 tokens peaks in the backward (gradients), of 512 at the loss
+    ts = _train("cuda")
+    probe, ests = _measured(ts, ratio=1.5)
+    assert [pf._seen(e)[2] for e in ests] == ["backward", "loss"]
+    fit = pf.fit_probe(probe, ests, estimate(MS, ts))
+    one, one_ests = _measured(ts, ratio=1.5, sizes=SIZES[1:])
+    alone = pf.fit_probe(one, one_ests, estimate(MS, ts))
+    assert (fit.per_token_ratio, fit.fixed_delta_bytes, fit.peak_bytes) == \
+        (alone.per_token_ratio, alone.fixed_delta_bytes, alone.peak_bytes)
+    assert fit.per_token_ratio == pytest.approx(1.5, rel=1e-6) and fit.moment == "loss"
+
+
+def test_a_fixed_dominated_backward_peak_corrects_the_backward_alone():
+    # a full fine-tune in bf16 autocast on CUDA: one row's step peaks in its backward (gradients,
+    # weight copies, a few MiB of activations), and the weight copies are freed block by block as
+    # the gradients are made, so the step reads less than the estimate's fixed part. That says
+    # nothing of the activations and logits the run's loss moment holds: the run's peak (at the
+    # loss) stays, the backward moment alone is lowered, and no per-token ratio is read.
+    ms = model_spec_from_numbers(1_235_814_400, 2048, 16, 32, num_kv_heads=8, vocab_size=128256,
+                                 intermediate_size=8192, tie_word_embeddings=True, model_bits=32)
+    ts = TrainSpec(batch_size=1, seq_length=2048, method="full", dtype="bf16", mixed_precision=True,
+                   framework="hf", device="cuda")
+    run = estimate(ms, ts)
+    assert run.phase == "loss"
+    steps, ests = [], []
+    for rows, tokens in SIZES:
+        e = estimate(ms, pf.probe_train_spec(ts, rows, tokens))
+        f, v, m = pf._seen(e)
+        assert m == "backward" and v < pf.FIXED_CUT_SHARE * f
+        steps.append(pf.ProbeStep(rows, tokens, 4 * 2**30, 4 * 2**30 + int(0.7 * f), 0, 0.4))
+        ests.append(e)
+    fit = pf.fit_probe(pf.ProbeResult(True, "cuda", "max_memory_allocated", tuple(steps), 0.9), ests, run)
+    assert fit.applied and fit.ratio_read is None and fit.per_token_ratio == 1.0
+    assert fit.fixed_delta_bytes == -int(pf.FIXED_CUT_SHARE * pf._seen(ests[-1])[0])   # bounded
+    assert fit.peak_bytes == run.peak_bytes   # the loss moment, the run's peak, is kept
+    lowered = pf.corrected_peak(run, 1.0, fit.fixed_delta_bytes, fixed_moments=("backward",))
+    assert lowered == run.peak_bytes and "per-token not read (a fixed-dominated peak)" in fit.explanation
 
 
 def test_one_size_gives_a_per_token_ratio_and_keeps_the_fixed_part():

@@ -108,6 +108,8 @@ class ProbeFit:
         ratio_read: the ratio the measurement read before the bounds (None: not read).
         applied: False where nothing was measured or the reading was unusable.
         explanation: one line for the log.
+        moment: the step moment the measured peaks were compared with (``loss`` | ``backward``;
+            "" when nothing was fitted): the one moment ``fixed_delta_bytes`` applies to.
     """
 
     peak_bytes: int
@@ -117,13 +119,15 @@ class ProbeFit:
     ratio_read: Optional[float]
     applied: bool
     explanation: str
+    moment: str = ""
 
     def apply(self, est: MemoryEstimate) -> int:
         """This correction applied to ``est`` (another micro-batch size of the same run), bytes:
-        :func:`corrected_peak`."""
+        :func:`corrected_peak` at :attr:`moment`."""
         if not self.applied:
             return int(est.peak_bytes)
-        return corrected_peak(est, self.per_token_ratio, self.fixed_delta_bytes)
+        return corrected_peak(est, self.per_token_ratio, self.fixed_delta_bytes,
+                              fixed_moments=(self.moment,) if self.moment else STEP_MOMENTS)
 
 
 def probe_train_spec(ts: TrainSpec, rows: int, tokens: int) -> TrainSpec:
@@ -148,18 +152,18 @@ def step_parts(est: MemoryEstimate, moment: str) -> Dict[str, int]:
             "per_token": sum(b.get(k, 0) for k in PER_TOKEN_TERMS), "slack": b.get("allocator_slack", 0)}
 
 
-def _seen(est: MemoryEstimate) -> Tuple[int, int]:
-    """``(fixed, per-token)`` of the step as the probe's counter on ``est.counter`` sees it, at the
-    step moment where it is largest, bytes. cpu: VmHWM sees the heap slack the step's traffic
-    leaves (counted per token); cuda: ``max_memory_allocated`` sees no allocator slack; mps: the
-    driver's figure sees the cache the step leaves, which the measured figure is divided by
-    instead (:func:`_live_scale`)."""
+def _seen(est: MemoryEstimate) -> Tuple[int, int, str]:
+    """``(fixed, per-token, moment)`` of the step as the probe's counter on ``est.counter`` sees
+    it, at the step moment where it is largest (bytes; the moment's name). cpu: VmHWM sees the heap
+    slack the step's traffic leaves (counted per token); cuda: ``max_memory_allocated`` sees no
+    allocator slack; mps: the driver's figure sees the cache the step leaves, which the measured
+    figure is divided by instead (:func:`_live_scale`)."""
     best = None
     for m in STEP_MOMENTS:
         p = step_parts(est, m)
         v = p["per_token"] + (p["slack"] if est.counter == "cpu" else 0)
-        if best is None or p["fixed"] + v > sum(best):
-            best = (p["fixed"], v)
+        if best is None or p["fixed"] + v > best[0] + best[1]:
+            best = (p["fixed"], v, m)
     return best
 
 
@@ -168,27 +172,34 @@ def _live_scale(counter: str) -> float:
     return 1.0 + mps.MPS_FRAGMENTATION if counter == "mps" else 1.0
 
 
-def corrected_peak(est: MemoryEstimate, per_token_ratio: float, fixed_delta_bytes: int) -> int:
-    """``est``'s peak with each step moment (``loss``, ``backward``) rebuilt as held + (fixed +
-    ``fixed_delta_bytes``) + ``per_token_ratio`` x per-token, bytes; on cuda / mps the allocator
-    slack is recomputed from the new live total (``cuda.allocator_slack`` / ``mps.allocator_slack``),
-    on cpu the heap slack scales with the per-token part. The optimizer moment is kept; the
-    estimate's calibration factor (``est.correction``) applies on top.
+def corrected_peak(est: MemoryEstimate, per_token_ratio: float, fixed_delta_bytes: int,
+                   fixed_moments: Sequence[str] = STEP_MOMENTS) -> int:
+    """``est``'s peak with each step moment (``loss``, ``backward``) rebuilt as held + fixed
+    (+ ``fixed_delta_bytes`` at the moments in ``fixed_moments``) + ``per_token_ratio`` x
+    per-token, bytes: the per-token tensors (activations, logits) are the same tensors at both
+    moments, each moment's fixed part is its own (the loss's: weight copies; the backward's:
+    gradients and its transients too). On cuda / mps the allocator slack is recomputed from the
+    new live total (``cuda.allocator_slack`` / ``mps.allocator_slack``), on cpu the heap slack
+    scales with the per-token part. The optimizer moment is kept; the estimate's calibration
+    factor (``est.correction``) applies on top.
 
     Raises:
-        ConfigError: a ratio that is not a positive number.
+        ConfigError: a ratio that is not a positive number, or a moment not in :data:`STEP_MOMENTS`.
     """
     r = per_token_ratio
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
         raise ConfigError("per_token_ratio", "a positive number", per_token_ratio)
+    if any(m not in STEP_MOMENTS for m in fixed_moments):
+        raise ConfigError("fixed_moments", " and / or ".join(STEP_MOMENTS), fixed_moments)
     totals = dict(est.phases)
     overhead = est.phase_breakdowns["loss"].get("runtime_overhead", 0)
     for m in STEP_MOMENTS:
         p = step_parts(est, m)
+        d = fixed_delta_bytes if m in fixed_moments else 0
         if est.counter == "cpu":
-            totals[m] = p["held"] + p["fixed"] + fixed_delta_bytes + r * (p["per_token"] + p["slack"])
+            totals[m] = p["held"] + p["fixed"] + d + r * (p["per_token"] + p["slack"])
             continue
-        live = p["held"] + p["fixed"] + fixed_delta_bytes + r * p["per_token"]
+        live = p["held"] + p["fixed"] + d + r * p["per_token"]
         rule = {"cuda": cuda.allocator_slack, "mps": mps.allocator_slack}.get(est.counter)
         totals[m] = live + (rule({m: live}, overhead)[m] if rule else 0)
     return int(math.ceil(max(totals.values()) * est.correction))
@@ -225,6 +236,17 @@ def fit_probe(probe: ProbeResult, at_probe: Sequence[MemoryEstimate], run: Memor
     :data:`PER_TOKEN_RATIO_BOUNDS`, the fixed part lowered by at most :data:`FIXED_CUT_SHARE` of
     the larger predicted one and raised by at most the whole predicted step at the largest size.
 
+    A peak is one moment's reading, compared with the moment the estimate has largest at the
+    probe's size (:func:`_seen`). The fixed delta applies to that moment only: a full fine-tune's
+    one-row step peaks in its backward (gradients, weight copies), the run at its loss
+    (activations, logits), and what the backward's reading says of its fixed part does not hold
+    for the loss's. The per-token ratio applies to both moments, but is read only where that
+    moment's per-token part is at least :data:`FIXED_CUT_SHARE` of its fixed part: below, a
+    fixed-part error the bounds allow is as large as the whole per-token part, and a slope read
+    there (a backward peak after most activations are freed) says nothing of the activations the
+    loss moment holds; the ratio is then 1 and the step's difference goes to the fixed delta. Where
+    the two sizes peak at different moments, the larger size alone is fitted.
+
     Returns:
         ProbeFit; ``applied`` False (the run's own peak) where nothing was measured or what was
         measured is unusable (no step above the memory held before it).
@@ -240,11 +262,17 @@ def fit_probe(probe: ProbeResult, at_probe: Sequence[MemoryEstimate], run: Memor
     pts = sorted(((s.rows * s.tokens, s.step_bytes / scale) + _seen(e) for s, e in zip(probe.steps, at_probe)))
     head = (f"measured {len(probe.steps)} forward+backward step{'s' if len(probe.steps) > 1 else ''} "
             f"({probe.sizes()}) in {probe.seconds:.1f} s ({probe.counter})")
-    if all(m <= 0 for _, m, _, _ in pts):
+    if all(p[1] <= 0 for p in pts):
         return ProbeFit(base, base, 1.0, 0, None, False, f"{head}: nothing above the held memory, estimate kept")
-    (_, m1, f1, v1), (_, m2, f2, v2) = pts[0], pts[-1]
+    moment = pts[-1][4]
+    if pts[0][4] != moment:   # the sizes peak at different moments: no slope between them
+        pts = pts[-1:]
+    (_, m1, f1, v1, _), (_, m2, f2, v2, _) = pts[0], pts[-1]
     lo, hi = PER_TOKEN_RATIO_BOUNDS
-    if len(pts) > 1 and v2 != v1:
+    if v2 < FIXED_CUT_SHARE * f2:   # a fixed-dominated peak: no per-token reading (above)
+        read, r = None, 1.0
+        d = int(min(max(m2 - f2 - v2, -FIXED_CUT_SHARE * f2), f2 + v2))
+    elif len(pts) > 1 and v2 != v1:
         read = ((m2 - f2) - (m1 - f1)) / (v2 - v1)
         r = min(max(read, lo), hi)
         d = ((m1 - f1 - r * v1) + (m2 - f2 - r * v2)) / 2
@@ -252,10 +280,12 @@ def fit_probe(probe: ProbeResult, at_probe: Sequence[MemoryEstimate], run: Memor
     else:
         read = (m2 - f2) / v2 if v2 > 0 else 1.0
         r, d = min(max(read, lo), hi), 0
-    peak = corrected_peak(run, r, d)
-    ratio = f"per-token x{r:.2f}" + (f" (bounded; read x{read:.2f})" if r != read else "")
-    return ProbeFit(peak, base, float(r), int(d), float(read), True,
-                    f"{head}: {ratio}, fixed {d / MiB:+.0f} MiB; peak {base / 2**30:.2f} -> {peak / 2**30:.2f} GiB")
+    peak = corrected_peak(run, r, d, fixed_moments=(moment,))
+    ratio = ("per-token not read (a fixed-dominated peak)" if read is None else
+             f"per-token x{r:.2f}" + (f" (bounded; read x{read:.2f})" if r != read else ""))
+    return ProbeFit(peak, base, float(r), int(d), None if read is None else float(read), True,
+                    f"{head}: {ratio}, fixed {d / MiB:+.0f} MiB at the {moment} moment; peak "
+                    f"{base / 2**30:.2f} -> {peak / 2**30:.2f} GiB", moment)
 
 
 def correct_estimate(model_spec: ModelSpec, train_spec: TrainSpec, probe: ProbeResult, *,

@@ -18,7 +18,8 @@ from memguard_core.estimator.numbers import quant_bits_arg
 from memguard_core.estimator.config_fields import (REQUIRED_KEYS, cfg_get, config_numbers, fill_intermediate,
                                                    image_tokens_per_image, is_vision_language, load_config_dict,
                                                    quant_bits_from_config, vision_tower_from_config)
-from memguard_core.estimator.heads import (AUTO_CLASSES, CAUSAL_LM, SEQ2SEQ_LM, TaskHead, check_seq2seq_family,
+from memguard_core.estimator.heads import (AUTO_CLASSES, CAUSAL_LM, IMAGE_CLASSIFICATION, IMAGE_FAMILIES, SEQ2SEQ_LM,
+                                           TaskHead, check_image_family, check_seq2seq_family,
                                            head_kind_from_architectures, parse_head)
 from memguard_core.estimator.specs import DTYPE_NAMES, ModelSpec, ParamCounts, dtype_bits
 
@@ -489,6 +490,8 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
             head_kind_from_architectures(d.get("architectures"), d.get("model_type"), bool(d.get("is_encoder_decoder")))
         elif d.get("is_encoder_decoder"):
             check_seq2seq_family(d.get("model_type"))
+        if d.get("model_type") in IMAGE_FAMILIES and "vocab_size" not in d:
+            d = dict(d, vocab_size=1)  # no token vocabulary: the vocabulary terms vanish (_with_vocab)
         cfg = config_from_dict(d, label if label != "config" else "config")
     enc_dec = bool(getattr(cfg, "is_encoder_decoder", False))
     if head is None:
@@ -500,6 +503,9 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
         if enc_dec != (kind == SEQ2SEQ_LM):
             raise ConfigError("head", f"{SEQ2SEQ_LM} for an encoder-decoder, another head otherwise "
                               f"(model_type {cfg.model_type})", head)
+    image = image_fields(cfg) if kind == IMAGE_CLASSIFICATION else {}
+    if image:
+        cfg = _with_vocab(cfg)
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     nums = config_numbers(text_cfg)
     tied = bool(getattr(text_cfg, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False)))
@@ -530,7 +536,89 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
         block_linears=block_linears, tie_word_embeddings=tied,
         weight_bits=float(weight_bits), dense_bits=float(dense), source="hf-config",
         weight_dtype=declared, image_tokens=image_tokens_per_image(cfg),
-        vision_tower=vision_tower_from_config(cfg), head=head_spec, **with_meta, **nums)
+        vision_tower=vision_tower_from_config(cfg), head=head_spec, **with_meta, **image, **nums)
+
+
+def _square_side(cfg: Any, key: str) -> int:
+    """``cfg.<key>`` (``image_size`` / ``patch_size``) as one side in pixels: an int, or a pair of
+    equal ints (``ViTPatchEmbeddings`` takes either).
+
+    Raises:
+        ConfigError: (field ``key``, one line) missing, not a positive integer, or a non-square pair.
+    """
+    v = getattr(cfg, key, None)
+    if isinstance(v, (list, tuple)) and len(v) == 2 and v[0] == v[1]:
+        v = v[0]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(key, "a positive integer (pixels; a square image)", v)
+    return int(v)
+
+
+def image_fields(cfg: Any, image_size: Optional[int] = None) -> dict:
+    """The ``ModelSpec`` fields of an image classifier's config (ViT, DeiT): ``image_size``,
+    ``patch_size``, ``num_channels`` (3 when the config has none) and ``prefix_tokens``
+    (``heads.check_image_family``: CLS, and DeiT's distillation token); ``image_size`` given (the
+    side a guarded run reads from ``pixel_values``) replaces the config's.
+
+    Raises:
+        ConfigError: (one line) a vision family the estimator does not count (``model_type``);
+            an ``image_size`` / ``patch_size`` that is not a positive integer or a square pair, or
+            an image smaller than one patch (naming the field).
+    """
+    prefix = check_image_family(getattr(cfg, "model_type", None))
+    size = _square_side(cfg, "image_size") if image_size is None else int(image_size)
+    patch = _square_side(cfg, "patch_size")
+    ch = getattr(cfg, "num_channels", 3)
+    if isinstance(ch, bool) or not isinstance(ch, int) or ch < 1:
+        raise ConfigError("num_channels", "a positive integer (pixel channels)", ch)
+    if size < patch:
+        raise ConfigError("image_size", f"at least patch_size ({patch} pixels)", size)
+    return dict(image_size=size, patch_size=patch, num_channels=int(ch), prefix_tokens=prefix)
+
+
+def _with_vocab(cfg: Any) -> Any:
+    """``cfg``, or a copy of it with ``vocab_size`` 1 when it has none: an image classifier's config
+    names no token vocabulary, which ``config_numbers`` and the estimate's vocabulary terms read
+    (embedding gradients, LM logits: 1 makes them vanish)."""
+    if isinstance(getattr(cfg, "vocab_size", None), int):
+        return cfg
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    cfg.vocab_size = 1
+    return cfg
+
+
+def live_model_spec(model: Any, dataset: Any = None) -> Any:
+    """``memguard_torch.module_spec.model_spec_from_module`` of a live model, and for an image
+    classifier (ViT, DeiT) its image fields (:func:`image_fields`), the image side read from the
+    ``pixel_values`` of ``dataset``'s first rows (``rows.largest_image``) when they hold one, the
+    config's otherwise.
+
+    ``model_spec_from_module`` reads the numbers from the model's config, and an image classifier's
+    names no vocabulary: the config is given ``vocab_size`` 1 for that call and has it removed
+    after (the model's config is the user's object, saved with the model).
+
+    Raises:
+        ConfigError: as ``model_spec_from_module``; as :func:`image_fields`.
+    """
+    from memguard_torch.module_spec import model_spec_from_module
+
+    from .rows import largest_image
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base, "config", None)
+    if getattr(cfg, "model_type", None) not in IMAGE_FAMILIES or "ForImageClassification" not in type(base).__name__:
+        return model_spec_from_module(model)
+    added = not isinstance(getattr(cfg, "vocab_size", None), int)
+    if added:
+        cfg.vocab_size = 1
+    try:
+        ms = model_spec_from_module(model)
+    finally:
+        if added:
+            del cfg.vocab_size
+    return ms.replace(**image_fields(cfg, largest_image(dataset) or None))
 
 
 def _seq2seq_meta_fields(cfg: Any) -> dict:

@@ -10,10 +10,9 @@ from typing import Any, Optional, Tuple
 from memguard_core.estimator.specs import ModelSpec, TrainSpec
 from memguard_torch import train_reading as tt
 from memguard_torch.block_kinds import with_live_block_kinds
-from memguard_torch.module_spec import model_spec_from_module
 
 from . import _compat
-from .model_spec import with_seq2seq_fields
+from .model_spec import live_model_spec, with_seq2seq_fields
 from .specs import train_spec
 
 
@@ -27,7 +26,7 @@ def read_specs(trainer: Any, *, seq_length: Optional[int] = None, device: str = 
             encoder-decoder family the estimator does not count.
     """
     model = tt.unwrap(trainer.model)
-    ms = with_seq2seq_fields(model, model_spec_from_module(model))
+    ms = with_seq2seq_fields(model, live_model_spec(model, getattr(trainer, "train_dataset", None)))
     ts = train_spec(trainer, ms, seq_length=seq_length, device=device)
     return with_live_block_kinds(model, ms, ts), ts
 

@@ -9,7 +9,7 @@ import torch
 from memguard_torch import microbatch as torch_microbatch
 from memguard_torch.train_reading import longest_in_rows
 
-__all__ = ["units_of", "rows_of", "target_length_of", "longest_target"]
+__all__ = ["units_of", "rows_of", "target_length_of", "longest_target", "image_size_of", "largest_image"]
 
 #: The columns that hold an encoder-decoder's target tokens (its decoder's length), in the order read:
 #: ``DataCollatorForSeq2Seq`` pads ``labels``; a model given ``decoder_input_ids`` runs on those.
@@ -61,3 +61,24 @@ def longest_target(dataset, scan_rows: int = 2048) -> int:
     map-style dataset, as ``memguard_torch.train_reading.infer_seq_length`` scans its inputs; 0 for
     none (an iterable dataset, no target column, a row that raises)."""
     return longest_in_rows(dataset, target_length_of, scan_rows)
+
+
+def image_size_of(row) -> int:
+    """The side in pixels of the image in one dataset row or collated batch: the last dimension of
+    its ``pixel_values`` (``(channels, height, width)`` or ``(rows, channels, height, width)``, a
+    tensor or nested lists); 0 without one (a mapping is needed). A non-square image gives its
+    larger side (the patch count then over-counts: an image classifier's config is square)."""
+    if not hasattr(row, "get"):
+        return 0
+    v = row.get("pixel_values")
+    if v is None:
+        return 0
+    if not torch.is_tensor(v):
+        v = torch.as_tensor(v)
+    return int(max(v.shape[-2:])) if v.dim() >= 2 else 0
+
+
+def largest_image(dataset, scan_rows: int = 2048) -> int:
+    """The largest image side (:func:`image_size_of`) among the first ``scan_rows`` rows of a
+    map-style dataset; 0 for none (an iterable dataset, no ``pixel_values`` column)."""
+    return longest_in_rows(dataset, image_size_of, scan_rows)

@@ -9,7 +9,8 @@
   otherwise, with more than one process, DDP with ``ddp_bucket_cap_mb``): the settings as given,
   which hold for every wrapper the ``Trainer`` may build (DDP, FSDP1 / FSDP2, a DeepSpeed engine);
 * sequence length = given, else ``args.max_length`` / ``max_seq_length`` (TRL ``SFTConfig``), else
-  the longest ``input_ids`` among the first 2048 training rows;
+  the longest ``input_ids`` among the first 2048 training rows; an image classifier's (ViT, DeiT)
+  = its patch tokens (``ModelSpec.patch_tokens``, the image side read from ``pixel_values``);
 * an encoder-decoder's target length (``TrainSpec.target_length``; its source is the sequence
   length above) = given, else the longest ``decoder_input_ids`` / ``labels`` among those rows
   (``rows.longest_target``), else ``args.generation_max_length`` (``Seq2SeqTrainingArguments``);
@@ -113,7 +114,9 @@ def train_spec(trainer: Any, model_spec: ModelSpec, *, seq_length: Optional[int]
     gc_on = bool(getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False)
                  or tt.checkpointing_on(model))
     device = tt.counter_device(device, weights_device)
-    seq = tt.infer_seq_length(seq_length, [(args, SEQ_LENGTH_ARGS)], getattr(trainer, "train_dataset", None))
+    # an image classifier's rows are its patch tokens (live_model_spec read the image side)
+    seq = model_spec.patch_tokens or tt.infer_seq_length(seq_length, [(args, SEQ_LENGTH_ARGS)],
+                                                          getattr(trainer, "train_dataset", None))
     world = max(1, int(getattr(args, "world_size", 1)))
     return TrainSpec(batch_size=args.per_device_train_batch_size, seq_length=seq,
                      target_length=target_length(trainer, model_spec, target),

@@ -226,7 +226,8 @@ def test_head_term_matches_what_the_head_saves(model_type, arch, setting):
 
 
 @pytest.mark.parametrize("arch,why", [
-    ("ViTForImageClassification", "architectures"), ("BertForMultipleChoice", "architectures"),
+    ("DeiTForImageClassificationWithTeacher", "architectures"), ("BertForMultipleChoice", "architectures"),
+    ("Dinov2ForImageClassification", "model_type"),  # an image family not counted (test_image_blocks.py)
 ])
 def test_heads_not_counted_get_one_line(arch, why):
     with pytest.raises(ConfigError) as e:

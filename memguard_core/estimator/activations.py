@@ -13,6 +13,7 @@ from .attention import attention_core, dropout_bytes, sdpa_lse_per_token
 from .bnb import bnb_saved_inputs
 from .cuda import cuda_sdpa_backend
 from .encoder_blocks import encoder_block_act, encoder_reads_norm, is_post_norm_encoder
+from .image_blocks import image_block_act, is_image_classifier
 from .lora_inputs import lora_input_bytes
 from .gradients import grad_layers
 from .mps import mps_sdpa_math
@@ -106,6 +107,8 @@ def block_act_per_token_modules(ms: ModelSpec, ts: TrainSpec, *, lora: bool, tra
         return _gpt2_block_act(ms, ts, a, lora_names, trainable_block, e, r, amp)
     if is_post_norm_encoder(ms):
         return encoder_block_act(ms, ts, a, lora_names, trainable_block, e, r, amp)
+    if is_image_classifier(ms):  # ViT / DeiT: image_blocks
+        return image_block_act(ms, ts, a, lora_names, trainable_block, e, r, amp)
 
     # Llama family
     a.hidden += 4 * h                           # input_layernorm: fp32 input

@@ -16,6 +16,7 @@ from .block_terms import block_kind_notes, with_traced_blocks
 from .bnb import bnb_4bit_keeps_input, bnb_last_step_inputs
 from .gradients import embedding_grad_transients
 from .heads import head_of
+from .image_blocks import with_patch_tokens
 from .logits import head_input_bytes, logits_bytes
 from .lora_targets import with_default_lora_targets
 from .moments import StepTerms, compose_moments
@@ -120,7 +121,7 @@ def _prepare(model_spec: ModelSpec, train_spec: TrainSpec) -> Tuple[ModelSpec, T
     """The specs as counted (image tokens in the row, weights in their training dtype), images per
     row, and the notes on what is (not) counted."""
     notes: List[str] = list(check_train_spec(model_spec, train_spec))
-    ts = train_spec
+    ts = with_patch_tokens(model_spec, train_spec)  # an image classifier's rows are its patch tokens
     # images per row: the image tokens of the row over those one image adds (one image at the defaults)
     images = ts.image_tokens / model_spec.image_tokens if ts.image_tokens and model_spec.image_tokens else 0.0
     if ts.image_tokens:  # a vision-language decoder's sequence holds the image tokens too

@@ -18,13 +18,22 @@ TOKEN_CLASSIFICATION = "token_classification"
 QUESTION_ANSWERING = "question_answering"
 #: An encoder-decoder's LM head (T5, BART ``*ForConditionalGeneration``): logits over the target tokens.
 SEQ2SEQ_LM = "seq2seq_lm"
+#: A vision transformer's classifier (``ViTForImageClassification``): ``num_labels`` logits per image,
+#: read from the first (CLS) token of the patch tokens.
+IMAGE_CLASSIFICATION = "image_classification"
 #: The heads the estimator counts.
-HEAD_KINDS = (CAUSAL_LM, MASKED_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, QUESTION_ANSWERING, SEQ2SEQ_LM)
+HEAD_KINDS = (CAUSAL_LM, MASKED_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, QUESTION_ANSWERING, SEQ2SEQ_LM,
+              IMAGE_CLASSIFICATION)
 #: Heads over the vocabulary (their logits are ``tokens x vocab_size``).
 LM_HEADS = (CAUSAL_LM, MASKED_LM, SEQ2SEQ_LM)
 #: Encoder-decoder text families whose blocks the estimator counts (``memguard_core.estimator.seq2seq_blocks``),
 #: by ``model_type``: T5 (and mT5, the same modules) and BART.
 SEQ2SEQ_FAMILIES = ("t5", "mt5", "bart")
+#: Vision transformer families whose image classifier the estimator counts
+#: (``memguard_core.estimator.image_blocks``), by ``model_type``, with the tokens each adds in front of the
+#: patch tokens: ViT's CLS token (``modeling_vit.py`` ``ViTEmbeddings``); DeiT's CLS and distillation
+#: tokens (``modeling_deit.py`` ``DeiTEmbeddings``).
+IMAGE_FAMILIES = {"vit": 1, "deit": 2}
 #: How the classifier of a sequence-classification head reads the hidden states.
 #: ``all_tokens``: a linear on every position, one position's logits picked after (transformers'
 #: ``GenericForSequenceClassification``: Llama, Qwen2, Mistral, GPT-2 ``score``);
@@ -36,7 +45,8 @@ READS = ("all_tokens", "first_token")
 AUTO_CLASSES = {CAUSAL_LM: "AutoModelForCausalLM", MASKED_LM: "AutoModelForMaskedLM",
                 SEQUENCE_CLASSIFICATION: "AutoModelForSequenceClassification",
                 TOKEN_CLASSIFICATION: "AutoModelForTokenClassification",
-                QUESTION_ANSWERING: "AutoModelForQuestionAnswering", SEQ2SEQ_LM: "AutoModelForSeq2SeqLM"}
+                QUESTION_ANSWERING: "AutoModelForQuestionAnswering", SEQ2SEQ_LM: "AutoModelForSeq2SeqLM",
+                IMAGE_CLASSIFICATION: "AutoModelForImageClassification"}
 
 # transformers' naming convention for heads, ``<Family>For<Task>`` (models/auto/modeling_auto.py
 # ``MODEL_FOR_*_MAPPING_NAMES``), longest suffix first; GPT-2 / GPT-J style ``LMHeadModel`` is causal.
@@ -44,6 +54,7 @@ _SUFFIXES = (
     ("ForSequenceClassification", SEQUENCE_CLASSIFICATION),
     ("ForTokenClassification", TOKEN_CLASSIFICATION),
     ("ForQuestionAnswering", QUESTION_ANSWERING),
+    ("ForImageClassification", IMAGE_CLASSIFICATION),
     ("ForMaskedLM", MASKED_LM),
     ("ForCausalLM", CAUSAL_LM),
     ("LMHeadModel", CAUSAL_LM),
@@ -51,13 +62,13 @@ _SUFFIXES = (
     ("ForImageTextToText", CAUSAL_LM),
 )
 # Heads transformers has that the estimator does not count (named in the one-line refusal).
-_NOT_COUNTED = ("ForImageClassification", "ForAudioClassification", "ForMultipleChoice", "ForSpeechSeq2Seq",
+_NOT_COUNTED = ("ForImageClassificationWithTeacher", "ForAudioClassification", "ForMultipleChoice", "ForSpeechSeq2Seq",
                 "ForCTC", "ForPreTraining", "ForNextSentencePrediction", "ForSemanticSegmentation",
                 "ForObjectDetection", "ForDepthEstimation", "ForMaskGeneration", "ForTextToSpeech")
 
 SUPPORTED = ("causal LM (*ForCausalLM, *LMHeadModel, vision-language *ForConditionalGeneration), masked LM, "
              "sequence / token classification, question answering, on a decoder-only or encoder-only model; "
-             "seq2seq LM on a text encoder-decoder (T5, mT5, BART *ForConditionalGeneration)")
+             "seq2seq LM on T5, mT5, BART; image classification on ViT, DeiT")
 
 
 @dataclass(frozen=True)
@@ -135,7 +146,7 @@ def head_kind_of(architecture: str) -> Optional[str]:
 
     Raises:
         ConfigError: (field ``architectures``, one line) a head transformers has and the estimator
-            does not count (``ViTForImageClassification``, ``BertForMultipleChoice``, ...).
+            does not count (``DeiTForImageClassificationWithTeacher``, ``BertForMultipleChoice``, ...).
     """
     name = str(architecture)
     for suffix, kind in _SUFFIXES:
@@ -150,14 +161,16 @@ def head_kind_of(architecture: str) -> Optional[str]:
 def head_kind_from_architectures(architectures: Optional[Iterable[str]], model_type: Optional[str] = None,
                                  encoder_decoder: bool = False) -> str:
     """The head kind of a config's ``architectures`` list: the first entry that names one, causal
-    LM when none does (a config without the list, or a bare ``*Model``). For an encoder-decoder
+    LM when none does (a config without the list, or a bare ``*Model``; image classification for a
+    model type of :data:`IMAGE_FAMILIES`, whose bare ``ViTModel`` has no LM head). For an encoder-decoder
     config (``is_encoder_decoder``) the head is :data:`SEQ2SEQ_LM` (``AutoModelForSeq2SeqLM``:
     ``T5ForConditionalGeneration``, ``BartForConditionalGeneration``, or no list at all) once
     :func:`check_seq2seq_family` accepts ``model_type``.
 
     Raises:
         ConfigError: as :func:`head_kind_of`, for the first entry naming a head not counted; as
-            :func:`check_seq2seq_family` for an encoder-decoder family not counted (Whisper); for an
+            :func:`check_seq2seq_family` for an encoder-decoder family not counted (Whisper); as
+            :func:`check_image_family` for an image classifier of a family not counted (DINOv2); for an
             encoder-decoder, an entry naming another head (``BartForSequenceClassification``).
     """
     if encoder_decoder:
@@ -172,8 +185,26 @@ def head_kind_from_architectures(architectures: Optional[Iterable[str]], model_t
     for arch in architectures or ():
         kind = head_kind_of(arch)
         if kind is not None:
+            if kind == IMAGE_CLASSIFICATION:
+                check_image_family(model_type)
             return kind
-    return CAUSAL_LM
+    return IMAGE_CLASSIFICATION if str(model_type) in IMAGE_FAMILIES else CAUSAL_LM
+
+
+def check_image_family(model_type: Optional[str]) -> int:
+    """Accept an image classifier's ``model_type`` whose blocks the estimator counts
+    (:data:`IMAGE_FAMILIES`) and return the tokens it puts in front of the patch tokens (1: ViT's
+    CLS; 2: DeiT's CLS and distillation tokens).
+
+    Raises:
+        ConfigError: (field ``model_type``, one line naming what is supported) any other vision
+            family: DINOv2 (its ``Dinov2LayerScale`` multiplies save tensors the ViT rule has not,
+            and its head reads the CLS token and the patch mean), Swin, BEiT, ConvNeXt, ...
+    """
+    if str(model_type) not in IMAGE_FAMILIES:
+        raise ConfigError("model_type", "an image classifier of a family memguard counts ("
+                          + ", ".join(IMAGE_FAMILIES) + ")", f"{model_type} (image classification)")
+    return IMAGE_FAMILIES[str(model_type)]
 
 
 def check_seq2seq_family(model_type: Optional[str]) -> None:
@@ -198,7 +229,7 @@ def parse_head(value: str) -> str:
     """
     v = str(value).strip().lower().replace("-", "_")
     v = {"seq_cls": SEQUENCE_CLASSIFICATION, "token_cls": TOKEN_CLASSIFICATION, "qa": QUESTION_ANSWERING,
-         "mlm": MASKED_LM, "clm": CAUSAL_LM, "seq2seq": SEQ2SEQ_LM}.get(v, v)
+         "mlm": MASKED_LM, "clm": CAUSAL_LM, "seq2seq": SEQ2SEQ_LM, "image_cls": IMAGE_CLASSIFICATION}.get(v, v)
     if v not in HEAD_KINDS:
         raise ConfigError("head", f"one of {', '.join(HEAD_KINDS)}", value)
     return v

@@ -10,7 +10,7 @@ from typing import Tuple
 from .attention import dropout_bytes
 from .heads import (MASKED_LM, QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, TaskHead,
                     head_of)
-from . import seq2seq_blocks
+from . import image_blocks, seq2seq_blocks
 from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 
 
@@ -72,6 +72,8 @@ def classifier_logits(ms: ModelSpec, ts: TrainSpec, head: TaskHead) -> int:
     start and end and take one cross-entropy over the positions of each row for each (``tokens``
     logits twice). Bytes per logit as for an LM head (:func:`logits_bytes`)."""
     e = DTYPE_BYTES[ts.dtype]
+    if image_blocks.is_image_classifier(ms):
+        return image_blocks.logits_bytes(ms, ts, 3 * e if ts.framework == "mlx" else _loss_bytes_per_logit(ms, ts))
     rows, tokens = ts.batch_size, ts.batch_size * ts.seq_length
     k = head.out_features(ms.vocab_size)
     if head.kind == SEQUENCE_CLASSIFICATION:
@@ -97,6 +99,8 @@ def head_input_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
         return 0
     if seq2seq_blocks.is_seq2seq(ms):
         return seq2seq_blocks.outside_bytes(ms, ts)
+    if image_blocks.is_image_classifier(ms):  # pixels, final LayerNorm, the classifier's CLS view
+        return image_blocks.outside_bytes(ms, ts)
     e = DTYPE_BYTES[ts.dtype]
     tokens = ts.batch_size * ts.seq_length
     head = head_of(ms)

@@ -291,6 +291,12 @@ class ModelSpec:
             ``activation_function``: ``gelu``); empty otherwise.
         ffn_dropout: an encoder-decoder's dropout on the feed-forward activation's output (T5
             ``dropout_rate``, BART ``activation_dropout``); 0.0 otherwise.
+        image_size / patch_size / num_channels: an image classifier's (ViT, DeiT) square input in
+            pixels, its patch side in pixels and the pixel channels (config ``image_size``,
+            ``patch_size``, ``num_channels``; a guarded run reads the size from ``pixel_values``);
+            0 for a text model. The blocks then run on :attr:`patch_tokens` tokens per image.
+        prefix_tokens: tokens an image classifier puts in front of the patch tokens (ViT's CLS: 1;
+            DeiT's CLS and distillation tokens: 2; ``heads.IMAGE_FAMILIES``); 0 for a text model.
     """
 
     name: str
@@ -329,8 +335,22 @@ class ModelSpec:
     decoder_block_linears: tuple = ()
     ffn_act: str = ""
     ffn_dropout: float = 0.0
+    image_size: int = 0
+    patch_size: int = 0
+    num_channels: int = 0
+    prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
+        for f in ("image_size", "patch_size", "num_channels", "prefix_tokens"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f, "a whole number >= 0 (0: not an image classifier)", v)
+        if self.image_size or self.patch_size:
+            if not (self.image_size and self.patch_size and self.num_channels):
+                raise ConfigError("patch_size", "image_size, patch_size and num_channels all > 0 for an image "
+                                  "classifier", f"{self.image_size}, {self.patch_size}, {self.num_channels}")
+            if self.image_size < self.patch_size:
+                raise ConfigError("image_size", f"at least patch_size ({self.patch_size} pixels)", self.image_size)
         n = self.decoder_layers
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError("decoder_layers", "a whole number >= 0 (0: no decoder stack)", n)
@@ -343,6 +363,15 @@ class ModelSpec:
         p = self.ffn_dropout
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= float(p) < 1.0:
             raise ConfigError("ffn_dropout", "a probability p with 0 <= p < 1", p)
+
+    @property
+    def patch_tokens(self) -> int:
+        """Tokens an image classifier's blocks run on per image: ``(image_size // patch_size) ** 2``
+        patches (a ``patch_size``-strided convolution, ``ViTPatchEmbeddings.num_patches``) plus the
+        :attr:`prefix_tokens`; 0 for a text model."""
+        if not self.patch_size:
+            return 0
+        return (self.image_size // self.patch_size) ** 2 + self.prefix_tokens
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -1,0 +1,157 @@
+"""Image classifiers (memguard_core/estimator/image_blocks.py, docs/estimator.md "Image classification
+(ViT)"): what one ViT / DeiT block saves for its backward per token, against a census of the tensors
+real blocks save (``memguard_torch.saved_census``: autograd's ``saved_tensors_hooks``, parameters and
+buffers left out), full fine-tune and LoRA (PEFT, q_proj / v_proj), fp32, pure bf16 and bf16
+autocast, dropouts 0 and 0.1; what the model saves outside its blocks against the census of a whole
+forward; the spec read from a config (patch tokens, the head, the one-line refusals). Small configs,
+random weights, CPU.
+
+Per token: the census at two micro-batch sizes, the difference over the added tokens, so what does
+not grow with the rows (autocast's weight casts, counted by the weights term) drops out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from memguard_core.errors import ConfigError  # noqa: E402
+from memguard_core.estimator.activations import block_act_per_token  # noqa: E402
+from memguard_core.estimator.image_blocks import is_image_classifier, outside_bytes, with_patch_tokens  # noqa: E402
+from memguard_core.estimator.specs import TrainSpec  # noqa: E402
+from memguard_hf.model_spec import model_spec_from_hf_config  # noqa: E402
+from memguard_torch.block_kinds import find_blocks  # noqa: E402
+from memguard_torch.saved_census import saved_bytes_per_block  # noqa: E402
+
+H, I, NH, L, IMG, P, B = 128, 512, 4, 3, 64, 8, 2   # 64 patches + CLS (+ DeiT's distillation token)
+_ARCH = {"vit": "ViTForImageClassification", "deit": "DeiTForImageClassification"}
+
+
+def _config(model_type: str, p: float):
+    return transformers.AutoConfig.for_model(
+        model_type, hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_hidden_layers=L,
+        image_size=IMG, patch_size=P, num_labels=10, hidden_dropout_prob=p, attention_probs_dropout_prob=p,
+        architectures=[_ARCH[model_type]])
+
+
+def _model(model_type: str, *, p: float, attn: str, method: str, dtype: str, amp: bool, targets: tuple, lora_p: float):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageClassification.from_config(_config(model_type, p), attn_implementation=attn)
+    if dtype == "bf16" and not amp:
+        model = model.to(torch.bfloat16)
+    if method == "lora":
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=list(targets), lora_dropout=lora_p,
+                                                           modules_to_save=["classifier"]))
+    return model.train()
+
+
+def _census(model_type: str, rows=(B, 2 * B), **kw) -> list:
+    """(saved bytes of the last block, saved bytes outside every block) at each micro-batch size."""
+    model = _model(model_type, **kw)
+    blocks = find_blocks(model, L)
+    out = []
+    for b in rows:
+        pixels = torch.randn(b, 3, IMG, IMG)   # fp32, as image processors return them
+        labels = torch.randint(0, 10, (b,))
+
+        def forward():
+            ctx = torch.autocast("cpu", dtype=torch.bfloat16) if kw["amp"] else contextlib.nullcontext()
+            with ctx:
+                return model(pixel_values=pixels, labels=labels).loss
+
+        per = saved_bytes_per_block(forward, [model] + list(blocks),
+                                    exclude=list(model.parameters()) + list(model.buffers()))
+        out.append((per[-1], per[0]))
+    return out
+
+
+def _spec_ts(model_type: str, rows: int, **kw):
+    ms = model_spec_from_hf_config(_config(model_type, kw["p"]))
+    ts = TrainSpec(batch_size=rows, seq_length=512, method=kw["method"], dtype=kw["dtype"], mixed_precision=kw["amp"],
+                   attn_impl=kw["attn"], lora_dropout=kw["lora_p"], lora_rank=4,
+                   lora_targets=kw["targets"] or ("q_proj",), device="cpu")
+    return ms, with_patch_tokens(ms, ts)
+
+
+_SETTINGS = [
+    # (method, dtype, autocast, attention, config dropout, LoRA targets, LoRA dropout)
+    ("full", "fp32", False, "sdpa", 0.0, (), 0.0),     # ViT's configs: no dropout, SDPA's CPU flash kernel
+    ("full", "fp32", False, "sdpa", 0.1, (), 0.0),     # SDPA's math path (attention dropout)
+    ("full", "fp32", False, "eager", 0.0, (), 0.0),
+    ("full", "bf16", False, "sdpa", 0.0, (), 0.0),
+    ("full", "bf16", False, "eager", 0.0, (), 0.0),     # the fp32 softmax and its cast
+    ("full", "bf16", True, "sdpa", 0.0, (), 0.0),
+    ("full", "bf16", True, "eager", 0.1, (), 0.0),
+    ("lora", "fp32", False, "sdpa", 0.0, ("q_proj", "v_proj"), 0.0),
+    ("lora", "fp32", False, "sdpa", 0.1, ("q_proj", "v_proj"), 0.1),
+    ("lora", "bf16", False, "sdpa", 0.0, ("q_proj", "v_proj"), 0.0),
+    ("lora", "bf16", True, "sdpa", 0.0, ("q_proj", "v_proj"), 0.0),
+    ("lora", "fp32", False, "sdpa", 0.0, ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"), 0.0),
+]
+
+
+@pytest.mark.parametrize("model_type", ["vit", "deit"])
+@pytest.mark.parametrize("method,dtype,amp,attn,p,targets,lora_p", _SETTINGS)
+def test_block_rule_equals_the_census_per_token(model_type, method, dtype, amp, attn, p, targets, lora_p):
+    kw = dict(p=p, attn=attn, method=method, dtype=dtype, amp=amp, targets=targets, lora_p=lora_p)
+    (small, _), (large, _) = _census(model_type, **kw)
+    ms, ts = _spec_ts(model_type, B, **kw)
+    per_token = (large - small) / (B * ts.seq_length)
+    assert per_token > 0
+    a = block_act_per_token(ms, ts, lora=method == "lora", trainable_block=method == "full")
+    assert (a.hidden + a.scores + a.lora) == pytest.approx(per_token, rel=0.005)
+
+
+@pytest.mark.parametrize("method,dtype,amp,targets", [
+    ("full", "fp32", False, ()), ("full", "bf16", False, ()), ("full", "bf16", True, ()),
+    ("lora", "fp32", False, ("q_proj", "v_proj")), ("lora", "bf16", True, ("q_proj", "v_proj")),
+])
+def test_outside_the_blocks_equals_the_census(method, dtype, amp, targets):
+    """What the forward saves outside every block (the embeddings, the final LayerNorm, the
+    classifier, the loss), against ``outside_bytes`` less the pixels (the batch is not a saved
+    tensor unless the convolution keeps it); per added row, so autocast's weight casts drop out."""
+    kw = dict(p=0.0, attn="sdpa", method=method, dtype=dtype, amp=amp, targets=targets, lora_p=0.0)
+    (_, out_s), (_, out_l) = _census("vit", **kw)
+    ms, ts = _spec_ts("vit", B, **kw)
+    _, ts2 = _spec_ts("vit", 2 * B, **kw)
+    outside_census = out_l - out_s
+    pixels = 4 * 3 * IMG * IMG * B
+    # the batch tensor itself is a saved tensor only where the fp32 convolution trains on it
+    batch_saved = pixels if (method == "full" and dtype == "fp32") else 0
+    rule = outside_bytes(ms, ts2) - outside_bytes(ms, ts) - pixels + batch_saved
+    assert rule == pytest.approx(outside_census, rel=0.01, abs=4096)
+
+
+def test_spec_from_a_vit_config():
+    ms = model_spec_from_hf_config(_config("vit", 0.0))
+    assert is_image_classifier(ms)
+    assert (ms.image_size, ms.patch_size, ms.num_channels, ms.prefix_tokens, ms.patch_tokens) == (IMG, P, 3, 1, 65)
+    assert ms.head.num_labels == 10 and ms.head.kind == "image_classification" and ms.vocab_size == 1
+    deit = model_spec_from_hf_config(_config("deit", 0.0))
+    assert deit.patch_tokens == 66
+    ts = with_patch_tokens(ms, TrainSpec(seq_length=512))
+    assert ts.seq_length == 65
+    # a bare ViTModel's config (the in21k checkpoints) is read as the image classifier too
+    bare = dict(_config("vit", 0.0).to_dict(), architectures=["ViTModel"])
+    assert model_spec_from_hf_config(bare).patch_tokens == 65
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(model_type="dinov2", architectures=["Dinov2ForImageClassification"], image_size=56, patch_size=14),
+     "model_type"),
+    (dict(architectures=["DeiTForImageClassificationWithTeacher"], model_type="deit"), "architectures"),
+    (dict(patch_size=0), "patch_size"),
+    (dict(image_size=4), "image_size"),
+])
+def test_bad_image_configs_refused_in_one_line(change, field):
+    d = dict(model_type="vit", hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_hidden_layers=L,
+             image_size=IMG, patch_size=P, num_labels=10, architectures=["ViTForImageClassification"])
+    d.update(change)
+    with pytest.raises(ConfigError) as err:
+        model_spec_from_hf_config(d)
+    assert "\n" not in str(err.value) and field in str(err.value)

@@ -1,0 +1,125 @@
+"""Case heap probe: where a full-depth bench case's CPU peak goes, live tensors or glibc's free heap.
+
+    python bench/case_heap_probe.py hf-fd-bert-base-12l-lora-r16-b8-s128-fp32-query+value-3steps
+    python bench/case_heap_probe.py CASE --mmap-threshold 1048576      # glibc's threshold fixed
+    python bench/case_heap_probe.py CASE --set attention_probs_dropout_prob=0   # a config field changed
+
+One HF ``Trainer`` run of a case recorded in ``bench/results/full_depth_cpu.json``, built as the
+bench's HF child builds it (``memguard_bench.child_hf``: the head ``architectures`` names, PEFT LoRA
+with the case's targets, random weights seeded with 0, the head's random targets seeded with 1,
+``adamw_torch_fused``, glibc's free heap trimmed at every optimizer step's end as the guard does).
+At the whole model's forward pre / post hooks (HF computes the loss inside the forward, so the post
+hook is the estimate's ``loss`` moment), when the gradient reaches the loss (the backward's start),
+and at the Trainer's optimizer and step callbacks it prints VmHWM (reset at each step's start),
+VmRSS and glibc's ``mallinfo2`` (bytes in use, free inside the arenas, mmapped; all arenas). In use
++ mmapped is the live set (tensors and the interpreter's own heap); free is what the estimate's
+``allocator_slack`` stands for. A 3 ms sampling thread adds the sample with the largest RSS per step.
+
+``--mmap-threshold N`` fixes glibc's mmap threshold at N bytes before the model is built
+(``memguard_core.probes.pin_mmap_threshold``): tensors of at least N bytes are then mmapped and
+leave no hole when freed. ``--set field=value`` changes a config field of the arch (a float).
+Linux / glibc only. Findings: docs/benchmarks.md, "Encoder blocks" (2026-11-28).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from heap_probe import Heap, Sampler, proc_status  # noqa: E402
+
+MiB = 1 << 20
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("case", help="a case name of bench/results/full_depth_cpu.json")
+    ap.add_argument("--steps", type=int, default=2, help="optimizer steps [2]")
+    ap.add_argument("--mmap-threshold", type=int, default=0, help="fix glibc's mmap threshold at this many bytes")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a config field of the arch")
+    a = ap.parse_args(argv)
+
+    import torch
+    from transformers import Trainer, TrainerCallback
+
+    from memguard_bench import child_hf as C
+    from memguard_core.probes import pin_mmap_threshold, trim_heap
+    from memguard_core.probes.linux.peak import reset_peak
+
+    if a.mmap_threshold and not pin_mmap_threshold(a.mmap_threshold):
+        print("could not fix the mmap threshold", file=sys.stderr)
+        return 2
+    d = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "full_depth_cpu.json")))
+    found = [c["case"] for c in d["cases"] if c["name"] == a.case]
+    if not found:
+        print(f"case: no case named {a.case!r} in full_depth_cpu.json", file=sys.stderr)
+        return 2
+    case = dict(json.loads(json.dumps(found[0])), steps=a.steps)
+    if a.set:
+        over = {k: float(v) for k, v in (s.split("=", 1) for s in a.set)}
+        base = C.arch_of
+        C.arch_of = lambda c: {**base(c), **over}
+    torch.manual_seed(0)
+    kw = case["train"]
+    model, config, _ = C._build_model(case, torch)
+    ds = C._dataset(kw["batch_size"] * a.steps, kw["seq_length"], config.vocab_size, torch, C._head_kind(config),
+                    int(getattr(config, "num_labels", 2)), int(kw.get("target_length") or 0))
+    heap = Heap()
+    sampler = Sampler(heap, 0.003)
+    marks = []
+
+    def mark(tag: str) -> None:
+        st = proc_status(("VmRSS", "VmHWM"))
+        marks.append((sampler.step, tag, st["VmHWM"], st["VmRSS"], heap.read() or (0, 0, 0, 0)))
+        sampler.mark(tag)
+
+    def post(m, i, o):
+        mark("post_forward")
+        loss = o["loss"] if hasattr(o, "keys") else o[0]
+        loss.register_hook(lambda g: mark("bwd_start"))
+
+    model.register_forward_pre_hook(lambda m, i: mark("pre_forward"))
+    model.register_forward_hook(post)
+
+    class Marks(TrainerCallback):
+        def on_step_begin(self, *args, **kw):
+            sampler.step += 1
+            sampler.in_step = True
+            reset_peak()
+            mark("step_begin")
+
+        def on_pre_optimizer_step(self, *args, **kw):
+            mark("pre_opt")
+
+        def on_step_end(self, *args, **kw):
+            mark("step_end")
+            sampler.in_step = False
+            trim_heap()
+
+    trainer = Trainer(model=model, args=C._training_args(kw, a.steps, "cpu"), train_dataset=ds, callbacks=[Marks()])
+    t0 = time.time()
+    sampler.start()
+    try:
+        trainer.train()
+    finally:
+        sampler.stop()
+    print(f"| step | where | VmHWM MiB | RSS MiB | in use MiB | free MiB | mmapped MiB |\n|---|---|---|---|---|---|---|")
+    for st, tag, hwm, rss, h in marks:
+        print(f"| {st} | {tag} | {hwm / MiB:,.1f} | {rss / MiB:,.1f} | {h[0] / MiB:,.1f} | {h[1] / MiB:,.1f} | {h[2] / MiB:,.1f} |")
+    for s in range(1, a.steps + 1):
+        x = max((x for x in sampler.samples if x[0] == s), key=lambda x: x[3], default=None)
+        if x and x[5] is not None:
+            print(f"step {s}, largest RSS sample ({x[1]}): RSS {x[3] / MiB:,.1f}, in use {x[5] / MiB:,.1f}, "
+                  f"free {x[6] / MiB:,.1f}, mmapped {x[7] / MiB:,.1f} MiB")
+    print(f"{time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

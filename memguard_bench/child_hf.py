@@ -70,7 +70,10 @@ def _trim_heap_callback():
 #: PEFT ``task_type`` per head kind (``peft.TaskType``): what a user's ``LoraConfig`` for that head names.
 _PEFT_TASKS = {"causal_lm": "CAUSAL_LM", "masked_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS",
                "token_classification": "TOKEN_CLS", "question_answering": "QUESTION_ANS",
-               "seq2seq_lm": "SEQ_2_SEQ_LM"}
+               "seq2seq_lm": "SEQ_2_SEQ_LM", "image_classification": None}
+#: What a ``LoraConfig`` for a head without a PEFT task type trains besides the adapters: PEFT's image
+#: classification guide (``LoraConfig(..., modules_to_save=["classifier"])``) trains ViT's classifier.
+_MODULES_TO_SAVE = {"image_classification": ["classifier"]}
 
 
 def _head_kind(config) -> str:
@@ -112,20 +115,43 @@ def _build_model(case: dict, torch):
         targets = kw["lora_targets"]
         lc = LoraConfig(r=kw["lora_rank"], lora_alpha=2 * kw["lora_rank"], lora_dropout=kw.get("lora_dropout", 0.0),
                         target_modules="all-linear" if targets == ["all-linear"] else targets,
-                        task_type=_PEFT_TASKS[kind])
+                        task_type=_PEFT_TASKS[kind], modules_to_save=_MODULES_TO_SAVE.get(kind))
         model = get_peft_model(model, lc)
     return model, config, ctx
 
 
+def _pixel_dataset(n: int, config, torch, num_labels: int):
+    """``n`` rows of random fp32 ``pixel_values`` (``num_channels x image_size x image_size``, as an
+    image processor returns them) with a random class each, the same every run."""
+    from torch.utils.data import Dataset
+
+    g = torch.Generator().manual_seed(1)
+    side = int(config.image_size)
+    pixels = torch.randn(n, int(getattr(config, "num_channels", 3)), side, side, generator=g)
+    labels = torch.randint(0, num_labels, (n,), generator=g)
+
+    class DS(Dataset):
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return {"pixel_values": pixels[i], "labels": labels[i]}
+
+    return DS()
+
+
 def _dataset(n: int, s: int, vocab_size: int, torch, kind: str = "causal_lm", num_labels: int = 2,
-             target_length: int = 0):
+             target_length: int = 0, config=None):
     """``n`` rows of ``s`` random token ids, the same every run, with the targets of the head
     ``kind``: labels = inputs for an LM head, a random class per row (sequence classification) or
     per token (token classification), random start / end positions (question answering), random
     target ids of ``target_length`` (``s`` when 0) for a seq2seq LM (the model shifts them into its
-    ``decoder_input_ids``)."""
+    ``decoder_input_ids``); an image classifier's rows are random pixels (:func:`_pixel_dataset`,
+    at ``config``'s image size)."""
     from torch.utils.data import Dataset
 
+    if kind == "image_classification":
+        return _pixel_dataset(n, config, torch, num_labels)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab_size, (n, s), generator=g)
     targets = {"sequence_classification": lambda: {"labels": torch.randint(0, num_labels, (n,), generator=g)},
@@ -190,18 +216,18 @@ def run_hf_child(case: dict) -> dict:
     import torch
     from transformers import Trainer
 
-    from memguard_hf.model_spec import with_seq2seq_fields
-    from memguard_torch.module_spec import model_spec_from_module
+    from memguard_hf.model_spec import live_model_spec, with_seq2seq_fields
 
     torch.manual_seed(0)
     kw = case["train"]
     device = case.get("device", "cpu")
     steps = int(case.get("steps", 2))
     model, config, ctx = _build_model(case, torch)
-    ms = with_seq2seq_fields(model, model_spec_from_module(model, name=case["arch"]))
+    train_ds = _dataset(kw["batch_size"] * kw["grad_accum"] * steps, kw["seq_length"],
+                        int(getattr(config, "vocab_size", 1) or 1), torch, _head_kind(config),
+                        int(getattr(config, "num_labels", 2)), int(kw.get("target_length") or 0), config)
+    ms = with_seq2seq_fields(model, live_model_spec(model, train_ds, name=case["arch"]))
     spec = dataclasses.asdict(ms)
-    train_ds = _dataset(kw["batch_size"] * kw["grad_accum"] * steps, kw["seq_length"], config.vocab_size, torch,
-                        _head_kind(config), int(getattr(config, "num_labels", 2)), int(kw.get("target_length") or 0))
     args = _training_args(kw, steps, device)
     read, reset = _counter(device, ctx, torch)
     callbacks = [_step_peaks_callback(read, reset)] if case.get("per_step") else []

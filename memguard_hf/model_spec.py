@@ -106,6 +106,8 @@ def config_from_dict(d: dict, label: str) -> Any:
         raise ConfigError(f"{label}: model_type", "the transformers model_type (e.g. 'llama')", mt)
     if mt not in CONFIG_MAPPING:
         raise ConfigError(f"{label}: model_type", "a model_type this transformers knows", mt)
+    if mt in IMAGE_FAMILIES and "vocab_size" not in d:
+        d = dict(d, vocab_size=1)  # an image classifier has no token vocabulary (_with_vocab)
     cls = CONFIG_MAPPING[mt]
     text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
     amap = getattr(cls, "attribute_map", {}) or {}
@@ -490,8 +492,6 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
             head_kind_from_architectures(d.get("architectures"), d.get("model_type"), bool(d.get("is_encoder_decoder")))
         elif d.get("is_encoder_decoder"):
             check_seq2seq_family(d.get("model_type"))
-        if d.get("model_type") in IMAGE_FAMILIES and "vocab_size" not in d:
-            d = dict(d, vocab_size=1)  # no token vocabulary: the vocabulary terms vanish (_with_vocab)
         cfg = config_from_dict(d, label if label != "config" else "config")
     enc_dec = bool(getattr(cfg, "is_encoder_decoder", False))
     if head is None:
@@ -589,11 +589,11 @@ def _with_vocab(cfg: Any) -> Any:
     return cfg
 
 
-def live_model_spec(model: Any, dataset: Any = None) -> Any:
+def live_model_spec(model: Any, dataset: Any = None, name: Optional[str] = None) -> Any:
     """``memguard_torch.module_spec.model_spec_from_module`` of a live model, and for an image
     classifier (ViT, DeiT) its image fields (:func:`image_fields`), the image side read from the
     ``pixel_values`` of ``dataset``'s first rows (``rows.largest_image``) when they hold one, the
-    config's otherwise.
+    config's otherwise; ``name`` labels the spec (``model_spec_from_module``'s).
 
     ``model_spec_from_module`` reads the numbers from the model's config, and an image classifier's
     names no vocabulary: the config is given ``vocab_size`` 1 for that call and has it removed
@@ -609,12 +609,12 @@ def live_model_spec(model: Any, dataset: Any = None) -> Any:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     cfg = getattr(base, "config", None)
     if getattr(cfg, "model_type", None) not in IMAGE_FAMILIES or "ForImageClassification" not in type(base).__name__:
-        return model_spec_from_module(model)
+        return model_spec_from_module(model, name=name)
     added = not isinstance(getattr(cfg, "vocab_size", None), int)
     if added:
         cfg.vocab_size = 1
     try:
-        ms = model_spec_from_module(model)
+        ms = model_spec_from_module(model, name=name)
     finally:
         if added:
             del cfg.vocab_size

@@ -55,6 +55,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
             ``model_code="litgpt"`` the settings ``memguard_core.estimator.litgpt.check`` refuses.
     """
     _validate(model_spec, train_spec, correction)
+    train_spec = with_patch_tokens(model_spec, train_spec)  # an image classifier's rows are its patch tokens
     if train_spec.model_code == "litgpt":
         litgpt.check(model_spec, train_spec)
     else:
@@ -121,7 +122,7 @@ def _prepare(model_spec: ModelSpec, train_spec: TrainSpec) -> Tuple[ModelSpec, T
     """The specs as counted (image tokens in the row, weights in their training dtype), images per
     row, and the notes on what is (not) counted."""
     notes: List[str] = list(check_train_spec(model_spec, train_spec))
-    ts = with_patch_tokens(model_spec, train_spec)  # an image classifier's rows are its patch tokens
+    ts = train_spec
     # images per row: the image tokens of the row over those one image adds (one image at the defaults)
     images = ts.image_tokens / model_spec.image_tokens if ts.image_tokens and model_spec.image_tokens else 0.0
     if ts.image_tokens:  # a vision-language decoder's sequence holds the image tokens too

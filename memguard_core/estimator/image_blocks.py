@@ -14,7 +14,7 @@ from .heads import IMAGE_CLASSIFICATION, head_of
 from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 
 __all__ = ["is_image_classifier", "with_patch_tokens", "image_block_act", "outside_bytes", "logits_bytes",
-           "pixel_bytes"]
+           "pixel_bytes", "pixel_batches"]
 
 
 def is_image_classifier(ms: ModelSpec) -> bool:
@@ -64,9 +64,19 @@ def image_block_act(ms: ModelSpec, ts: TrainSpec, a: Any, lora_names: set, train
 
 
 def pixel_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
-    """The micro-batch's ``pixel_values``, ``batch x num_channels x image_size ** 2`` in fp32 (image
-    processors return float32; the collated batch lives through the step), bytes."""
+    """One micro-batch's ``pixel_values``, ``batch x num_channels x image_size ** 2`` in fp32 (image
+    processors return float32), bytes."""
     return 4 * ts.batch_size * ms.num_channels * ms.image_size ** 2
+
+
+def pixel_batches(ts: TrainSpec) -> int:
+    """Collated batches alive during a step: the HF ``Trainer`` takes the accumulation window's
+    ``grad_accum`` batches before its first forward (transformers ``Trainer.get_batch_samples``) and
+    accelerate's ``DataLoaderShard.__iter__`` has fetched the next one ("We iterate one batch ahead");
+    Lightning's ``_PrefetchDataFetcher`` holds one ahead too (2); a plain loop its own batch (1)."""
+    if ts.framework == "hf":
+        return ts.grad_accum + 1
+    return 2 if ts.framework == "lightning" else 1
 
 
 def outside_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
@@ -74,7 +84,8 @@ def outside_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
     (T = batch x patch tokens, R = rows, h = hidden, e = compute-dtype bytes, r = the residual
     stream's: fp32 under autocast):
 
-    * the batch's pixels (:func:`pixel_bytes`) and, when the patch convolution trains (a full
+    * the collated pixels (:func:`pixel_bytes` x :func:`pixel_batches`) and, when the patch
+      convolution trains (a full
       fine-tune), the copy it saves of them in a half compute dtype (``ViTModel.forward`` casts
       ``pixel_values`` to the projection's dtype; autocast casts a conv's input): 2 bytes per pixel;
     * the embedding dropout's noise (``ViTEmbeddings.dropout``, ``hidden_dropout_prob`` > 0) on the
@@ -95,7 +106,7 @@ def outside_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
     h = ms.hidden_size
     rows = ts.batch_size
     tokens = rows * ms.patch_tokens
-    out = pixel_bytes(ms, ts)
+    out = pixel_bytes(ms, ts) * pixel_batches(ts)
     if ts.method == "full" and (amp or e < 4):
         out += pixel_bytes(ms, ts) // 2
     if ms.embedding_dropout > 0:

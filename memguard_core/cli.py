@@ -73,8 +73,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--config", metavar="PATH", help="HF config.json (or a folder holding one)")
     m.add_argument("--revision", default=None, help="hub branch, tag or commit of MODEL [the default branch]")
     m.add_argument("--head", default=None, help="the task head trained (with a config): causal_lm | masked_lm | "
-                   "sequence_classification | token_classification | question_answering [the config's "
-                   "architectures]")
+                   "sequence_classification | token_classification | question_answering | image_classification "
+                   "(ViT, DeiT: over the patch tokens, --seq-length not used) [the config's architectures]")
     m.add_argument("--model-params", type=float, help="total parameters, e.g. 7e9")
     m.add_argument("--hidden-dim", type=int)
     m.add_argument("--num-layers", type=int)
@@ -485,9 +485,9 @@ def cmd_estimate(args) -> int:
         ms = load("blocks.hf", "hf")(args.config, ms, ts)
     est = estimate(ms, ts)
     trace = None
-    if args.trace and ms.is_encoder_decoder:
-        raise ConfigError("--trace", "a decoder-only or encoder-only model: the trace builds a causal-LM step, "
-                          "not an encoder-decoder's", ms.model_type)
+    if args.trace and (ms.is_encoder_decoder or ms.patch_size):
+        raise ConfigError("--trace", "a decoder-only or encoder-only text model: the trace builds a causal-LM step, "
+                          "not an encoder-decoder's or an image classifier's", ms.model_type)
     if args.trace:  # torch / transformers / peft are imported only here
         from .features import load
 

@@ -38,6 +38,7 @@ PUBLISHED_LAYERS = {
     "distilbert-base-6l": 6,        # distilbert/distilbert-base-uncased: n_layers
     "t5-base-12l": 12,              # google-t5/t5-base: num_layers (and num_decoder_layers 12)
     "bart-base-6l": 6,              # facebook/bart-base: encoder_layers (and decoder_layers 6)
+    "vit-base-16-224-12l": 12,      # google/vit-base-patch16-224
 }
 
 #: Published parameter counts (model cards / ``num_parameters()`` of the released checkpoints).
@@ -116,6 +117,7 @@ PUBLISHED_ENCODER_PARAMS = {
     "bert-base-12l-token-cls": 109_482_240,
     "roberta-base-12l": 124_645_632,
     "distilbert-base-6l": 66_362_880,
+    "vit-base-16-224-12l": 86_389_248,  # ViTModel with its pooler (google/vit-base-patch16-224-in21k)
 }
 
 
@@ -148,6 +150,7 @@ def test_full_depth_rows_are_grouped_by_how_the_estimator_saw_their_family():
     groups = {c["model_type"]: family_group(c) for c in fd if c["backend"] == "hf"}
     assert groups["llama"] == groups["gpt2"] == "fitted"
     assert groups["bert"] == groups["roberta"] == groups["distilbert"] == groups["t5"] == groups["bart"] == "rules"
+    assert groups["vit"] == "rules"
     assert groups["granitemoehybrid"] == groups["lfm2"] == groups["granitemoe"] == "held-out"
 
 
@@ -168,7 +171,8 @@ def test_full_depth_set_covers_what_users_run():
     assert len({c["arch"] for c in hf if c["model_type"] not in moe}) >= 6
     assert {c["model_type"] for c in hf} >= moe
     assert len({c["arch"] for c in mlx}) >= 3
-    tokens = [c["train"]["batch_size"] * c["train"]["seq_length"] for c in hf]
+    # text rows (an image classifier's are its patch tokens: 16 images x 197 for ViT-base)
+    tokens = [c["train"]["batch_size"] * c["train"]["seq_length"] for c in hf if c["model_type"] != "vit"]
     assert max(tokens) == 2048 and min(tokens) >= 512
     assert all(c["train"]["batch_size"] * c["train"]["seq_length"] <= 128 for c in mlx)
     t = [c["train"] for c in hf]

@@ -16,6 +16,14 @@ import tempfile
 # Guarded runs in the tests record into the calibration store: keep that out of the user's data dir
 # (also for code that runs before the per-test fixture below, such as collection).
 os.environ.setdefault("MEMGUARD_DATA_DIR", tempfile.mkdtemp(prefix="memguard-test-data-"))
+# Idle OpenMP threads sleep instead of spinning. ``make test`` runs two workers, each training with 2
+# torch threads (in process or in the child processes of the integration tests, which inherit this)
+# on a 2-core machine: with libgomp's default (spin ~300k rounds before sleeping; each process sees
+# only its own 2 threads, so it never backs off), a waiting thread burns the core the other worker's
+# thread needs. It changes no allocation and no thread count (address-space limits and peaks stay
+# as they were), only how fast the suite runs: docs/ci_time.md. Set before torch loads libgomp,
+# which reads it once; an explicit setting of the user's wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from contextlib import ExitStack  # noqa: E402
 from typing import Callable, Iterator, Optional  # noqa: E402
@@ -28,7 +36,8 @@ from memguard_testing.fakes import FakeTorchCuda  # noqa: E402
 
 #: test files that take minutes: collected first, so that under ``make test``'s two workers they do
 #: not start last and run alone at the end
-_LONG_FILES = ("test_full_depth_preflight.py", "test_rlimit_oom.py", "test_lightning_eval_split.py", "test_resume_state.py")
+_LONG_FILES = ("test_full_depth_preflight.py", "test_rlimit_oom.py", "test_lightning_eval_split.py", "test_resume_state.py",
+               "test_lightning_window_redo.py", "test_hf_eval_split.py", "test_torch_loop.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -281,7 +281,7 @@ class PreflightMoment:
                 return Measurement(None, f"in-process measurement {why}")
             from .estimator.probe_fit import correct_estimate
 
-            result = measure(probe_sizes(train_spec), AUTO_MAX_SECONDS * 2 if self.options.preflight_probe == "auto"
+            result = measure(probe_sizes(train_spec, model_spec), AUTO_MAX_SECONDS * 2 if self.options.preflight_probe == "auto"
                              else None)
             fit = correct_estimate(model_spec, train_spec, result)
             factor = fit.peak_bytes / fit.estimate_peak_bytes if fit.applied and fit.estimate_peak_bytes else None

@@ -31,11 +31,14 @@ CPU_MIN_STEP_BYTES = 64 * 2**20
 Measure = Callable[[Sequence[Tuple[int, int]], Optional[float]], object]
 
 
-def probe_sizes(ts: TrainSpec) -> Tuple[Tuple[int, int], ...]:
+def probe_sizes(ts: TrainSpec, ms: Optional[ModelSpec] = None) -> Tuple[Tuple[int, int], ...]:
     """The ``(rows, tokens)`` of the probe steps: one row of each of :data:`PROBE_TOKENS`, capped
     at the run's sequence length (one size when the run's rows are that short or shorter than the
-    smaller size: the second then adds no slope)."""
+    smaller size: the second then adds no slope). An image classifier (``ms.image_size``): one row
+    at the run's tokens (its patches, which a batch cannot be cut to fewer of)."""
     seq = int(ts.seq_length)
+    if ms is not None and getattr(ms, "image_size", 0):
+        return ((1, seq),)
     sizes = sorted({min(t, seq) for t in PROBE_TOKENS})
     return tuple((1, t) for t in sizes)
 
@@ -44,7 +47,7 @@ def predicted_seconds(ms: ModelSpec, ts: TrainSpec) -> float:
     """The probe's predicted cost on a CPU, seconds: 6 x parameters FLOPs a token (forward 2,
     backward 4: Kaplan et al. 2020, "Scaling Laws for Neural Language Models", section 2.1) over
     the probe's tokens, at :data:`CPU_PROBE_FLOPS`."""
-    tokens = sum(t * r for r, t in probe_sizes(ts))
+    tokens = sum(t * r for r, t in probe_sizes(ts, ms))
     return 6.0 * float(ms.total_params) * tokens / CPU_PROBE_FLOPS
 
 
@@ -54,7 +57,7 @@ def predicted_step_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
     from .estimator.estimate import estimate
     from .estimator.probe_fit import STEP_MOMENTS, probe_train_spec, step_parts
 
-    rows, tokens = probe_sizes(ts)[-1]
+    rows, tokens = probe_sizes(ts, ms)[-1]
     est = estimate(ms, probe_train_spec(ts, rows, tokens))
     return max(sum(v for k, v in step_parts(est, m).items() if k != "held") for m in STEP_MOMENTS)
 

@@ -122,7 +122,8 @@ def cut_batch(batch: Any, rows: int, tokens: int) -> Tuple[Any, int, int]:
     A mapping: its rows are dimension 0 of its tensors (their count read from ``input_ids``, else
     the first tensor), its tokens dimension 1 of those of at least two dimensions whose length
     is the sequence's (``input_ids``'), and both last dimensions of a 4-D square mask over it; other
-    values are kept. A tensor: rows on dimension 0, tokens on dimension 1 for token ids (an
+    values are kept. An image batch (``pixel_values``, no ``input_ids``): rows only, and ``tokens``
+    comes back as asked (an image's patches cannot be cut). A tensor: rows on dimension 0, tokens on dimension 1 for token ids (an
     integer tensor) or a float one of three or more dimensions (``batch x tokens x features``);
     a 2-D float tensor has no tokens (``tokens`` comes back 1).
 
@@ -140,6 +141,14 @@ def cut_batch(batch: Any, rows: int, tokens: int) -> Tuple[Any, int, int]:
     first = batch.get("input_ids") if torch.is_tensor(batch.get("input_ids")) else (tensors[0] if tensors else None)
     if first is None:
         raise ValueError("batch: a mapping without a tensor")
+    if first is not batch.get("input_ids") and torch.is_tensor(batch.get("pixel_values")):
+        # an image batch: its tokens are the image's patches, which cannot be cut; rows only, and
+        # the tokens are the caller's (probe_policy.probe_sizes gives an image model's patch count)
+        first = batch["pixel_values"]
+        n = first.shape[0]
+        r = min(rows, n)
+        out = {k: (v[:r] if torch.is_tensor(v) and v.ndim >= 1 and v.shape[0] == n else v) for k, v in batch.items()}
+        return (out if isinstance(batch, dict) else type(batch)(out)), r, int(tokens)
     n, seq = first.shape[0], (first.shape[1] if first.ndim >= 2 else None)
     r, t = min(rows, n), (min(tokens, seq) if seq else 1)
     out = {}

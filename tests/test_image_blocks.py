@@ -256,3 +256,30 @@ def test_guarded_trainer_run_of_a_vit_within_bounds(tmp_path):
     assert (got["image"], got["seq"], got["micro_batches"]) == (160, 101, 1)
     err = got["estimate"] / got["peak"] - 1
     assert -0.05 <= err <= 0.12, got
+
+
+def test_the_in_process_measurement_runs_on_an_image_batch():
+    """The preflight's measurement on a live ViT (CPU, VmHWM): an image batch is cut by rows only
+    (its patches cannot be cut), one row at the run's patch count (``probe_sizes`` with the model
+    spec), the fit made against the estimate at that size. Before, the pixels' channel dimension
+    was read as the tokens (3) and the fit compared a 65-token step with a 3-token estimate."""
+    from memguard_core.estimator.probe_fit import correct_estimate
+    from memguard_core.probe_policy import probe_sizes
+    from memguard_hf.model_spec import live_model_spec
+    from memguard_torch.preflight_probe import cut_batch, measure_steps
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageClassification.from_config(_config("vit", 0.0))
+    batch = {"pixel_values": torch.randn(2, 3, IMG, IMG), "labels": torch.tensor([1, 3])}
+    cut, r, t = cut_batch(batch, 1, 65)
+    assert (r, t) == (1, 65) and cut["pixel_values"].shape == (1, 3, IMG, IMG) and cut["labels"].shape == (1,)
+    ms = live_model_spec(model)
+    ts = TrainSpec(batch_size=2, seq_length=(IMG // P) ** 2 + 1, method="full", dtype="fp32", framework="hf",
+                   device="cpu")
+    sizes = probe_sizes(ts, ms)
+    assert sizes == ((1, 65),) and probe_sizes(ts) == ((1, 65),)
+    res = measure_steps(model, batch, sizes, device="cpu")
+    assert res.measured, res.reason
+    assert [(s.rows, s.tokens) for s in res.steps] == [(1, 65)] and res.steps[0].peak_bytes > res.steps[0].held_bytes
+    fit = correct_estimate(ms, ts, res)
+    assert fit.applied and "1 x 65 tokens" in fit.explanation

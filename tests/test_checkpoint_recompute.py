@@ -85,3 +85,21 @@ def test_cuda_keeps_the_recompute_beside_the_logits():
     blocks, _, _, one = activation_bytes(m, t)
     loss = estimate(m, t).phase_breakdowns["loss"]
     assert loss["activations"] == blocks + head_input_bytes(m, t) + one
+
+
+def test_an_encoder_decoders_top_block_gradient_is_over_the_target_tokens():
+    # the first block the backward recomputes is the decoder's last: its output gradient is
+    # batch x target tokens x d_model, not batch x source tokens
+    from transformers import T5Config
+
+    from memguard_core.estimator.specs import TrainSpec
+    from memguard_hf.model_spec import model_spec_from_hf_config
+
+    t5 = model_spec_from_hf_config(T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=2, d_kv=16,
+                                            vocab_size=1000))
+    assert t5.decoder_layers
+    spec = TrainSpec(batch_size=4, seq_length=512, target_length=128, method="lora", dtype="fp32",
+                     grad_checkpoint=True, framework="hf", device="cpu")
+    assert top_block_gradient_bytes(t5, spec) == 4 * 128 * 64 * 4
+    assert top_block_gradient_bytes(t5, spec.replace(target_length=None)) == 4 * 512 * 64 * 4
+    assert top_block_gradient_bytes(tiny(), spec) == 4 * 512 * tiny().hidden_size * 4   # a decoder-only model

@@ -74,12 +74,15 @@ def compose_moments(ms: ModelSpec, ts: TrainSpec, t: StepTerms) -> Dict[str, Dic
 
 
 def top_block_gradient_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
-    """Bytes of the gradient of the top block's output (batch x seq x hidden, in the dtype of the
-    hidden states between blocks: fp32 under autocast of an fp32 model, else the compute dtype):
-    what the backward holds, beside the checkpointed block inputs, while it recomputes the top block."""
+    """Bytes of the gradient of the top block's output (batch x tokens x hidden, in the dtype of
+    the hidden states between blocks: fp32 under autocast of an fp32 model, else the compute
+    dtype): what the backward holds, beside the checkpointed block inputs, while it recomputes the
+    top block. For an encoder-decoder the top block is the decoder's last, over the target tokens
+    (``TrainSpec.decoder_tokens``)."""
     e = DTYPE_BYTES[ts.dtype]
     amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
-    return int(ts.batch_size * ts.seq_length * ms.hidden_size * (4 if amp else e))
+    tokens = ts.decoder_tokens if ms.decoder_layers else ts.seq_length
+    return int(ts.batch_size * tokens * ms.hidden_size * (4 if amp else e))
 
 
 def recompute_beyond_logits(ms: ModelSpec, ts: TrainSpec, t: StepTerms) -> int:

@@ -43,8 +43,9 @@ def rows_of(inputs) -> int:
 
 def target_length_of(row) -> int:
     """An encoder-decoder's target tokens in one dataset row or collated batch: the last dimension
-    of its ``decoder_input_ids``, else of its ``labels`` (a tensor or a list of ids); 0 when it has
-    neither (a mapping is needed: tuple rows name no column)."""
+    of its ``decoder_input_ids``, else of its ``labels`` (a tensor, a list of ids, or a batch of
+    such lists: the longest); 0 when it has neither (a mapping is needed: tuple rows name no
+    column)."""
     if not hasattr(row, "get"):
         return 0
     for name in TARGET_COLUMNS:
@@ -52,7 +53,8 @@ def target_length_of(row) -> int:
         if torch.is_tensor(v):
             return int(v.shape[-1]) if v.dim() > 0 else 0
         if isinstance(v, (list, tuple)) and v:
-            return len(v[0]) if isinstance(v[0], (list, tuple)) else len(v)
+            # a batch of unpadded lists: its longest row
+            return max(len(x) for x in v) if isinstance(v[0], (list, tuple)) else len(v)
     return 0
 
 

@@ -15,6 +15,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 from .errors import ConfigError, DoesNotFitError, require_fraction, require_positive_int
 from .estimator.estimate import estimate
+from .estimator.image_blocks import is_image_classifier, with_patch_tokens
 from .estimator.lora_targets import with_default_lora_targets
 from .estimator.result import MemoryEstimate
 from .estimator.specs import NF4_BITS, ModelSpec, TrainSpec
@@ -304,6 +305,7 @@ def plan(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
     """
     budget, allow, min_batch = _validate(model_spec, train_spec, budget_bytes, allow, min_batch)
     ms, ts = model_spec, with_default_lora_targets(model_spec, train_spec)  # PEFT's targets when none given
+    ts = with_patch_tokens(ms, ts)   # an image classifier's tokens are its patches, whatever was asked
     s = _Search(ms, ts, budget, correction, shown_offset, target_name)
 
     def done() -> Plan:
@@ -324,6 +326,8 @@ def plan(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: int, *,
         if step not in allow:
             continue
         if step == "seq_length":
+            if is_image_classifier(ms):   # an image's patches cannot be made fewer here
+                continue
             s.halve("seq_length", min(MIN_SEQ_LENGTH, s.cur.seq_length), "sequence length")
         elif step == "lora_rank" and lora:
             s.halve("lora_rank", MIN_LORA_RANK, "LoRA rank")
@@ -366,7 +370,7 @@ def _suggestions(ms: ModelSpec, original: TrainSpec, cur: TrainSpec, allow) -> L
     if cur.batch_size > 1:
         candidates.append((f"use micro-batch 1 with gradient accumulation {cur.batch_size * cur.grad_accum}",
                            (ms, cur.replace(batch_size=1, grad_accum=cur.batch_size * cur.grad_accum))))
-    if cur.seq_length > 64:
+    if cur.seq_length > 64 and not is_image_classifier(ms):
         candidates.append((f"use shorter sequences (now {cur.seq_length} tokens; half shown)",
                            (ms, cur.replace(seq_length=cur.seq_length // 2))))
     if cur.method != "full" and cur.lora_rank > 1:

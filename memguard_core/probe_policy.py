@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Tuple, Union
 
+from .estimator.image_blocks import is_image_classifier
 from .estimator.specs import ModelSpec, TrainSpec
 
 __all__ = ["PROBE_TOKENS", "AUTO_MAX_SECONDS", "CPU_PROBE_FLOPS", "CPU_MIN_STEP_BYTES", "Measure", "probe_sizes",
@@ -34,11 +35,12 @@ Measure = Callable[[Sequence[Tuple[int, int]], Optional[float]], object]
 def probe_sizes(ts: TrainSpec, ms: Optional[ModelSpec] = None) -> Tuple[Tuple[int, int], ...]:
     """The ``(rows, tokens)`` of the probe steps: one row of each of :data:`PROBE_TOKENS`, capped
     at the run's sequence length (one size when the run's rows are that short or shorter than the
-    smaller size: the second then adds no slope). An image classifier (``ms.image_size``): one row
-    at the run's tokens (its patches, which a batch cannot be cut to fewer of)."""
+    smaller size: the second then adds no slope). An image classifier (``ms``): one row at its
+    patch count (``ModelSpec.patch_tokens``: a batch cannot be cut to fewer), whatever
+    ``ts.seq_length`` says."""
+    if ms is not None and is_image_classifier(ms):
+        return ((1, int(ms.patch_tokens)),)
     seq = int(ts.seq_length)
-    if ms is not None and getattr(ms, "image_size", 0):
-        return ((1, seq),)
     sizes = sorted({min(t, seq) for t in PROBE_TOKENS})
     return tuple((1, t) for t in sizes)
 

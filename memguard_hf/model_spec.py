@@ -472,10 +472,10 @@ def model_spec_from_hf_config(config: Any, name: Optional[str] = None, *,
 
     Raises:
         ConfigError: unreadable path, invalid JSON, missing ``model_type`` / ``hidden_size`` /
-            ``num_hidden_layers`` / ``num_attention_heads`` / ``vocab_size`` (the message names
-            the field and the path), unknown model_type, or a config transformers cannot build;
-            in one line, an encoder-decoder model (T5, BART, Whisper), a head the estimator does
-            not count (image classification, multiple choice, ...) or a model type the head's Auto
+            ``num_hidden_layers`` / ``num_attention_heads`` / ``vocab_size`` (not needed for an
+            image classifier; the message names the field and the path), unknown model_type, or a
+            config transformers cannot build; in one line, Whisper, a head the estimator does not
+            count (masked image modeling, multiple choice, ...) or a model type the head's Auto
             class does not build.
     """
     qbits = quant_bits_arg(quantization_bits, double_quant)
@@ -589,6 +589,11 @@ def _with_vocab(cfg: Any) -> Any:
     return cfg
 
 
+#: Rows of an image dataset read for the image side at train start: an image processor gives every
+#: row its one size, and each read can decode an image.
+IMAGE_SCAN_ROWS = 16
+
+
 def live_model_spec(model: Any, dataset: Any = None, name: Optional[str] = None) -> Any:
     """``memguard_torch.module_spec.model_spec_from_module`` of a live model, and for an image
     classifier (ViT, DeiT) its image fields (:func:`image_fields`), the image side read from the
@@ -596,8 +601,10 @@ def live_model_spec(model: Any, dataset: Any = None, name: Optional[str] = None)
     config's otherwise; ``name`` labels the spec (``model_spec_from_module``'s).
 
     ``model_spec_from_module`` reads the numbers from the model's config, and an image classifier's
-    names no vocabulary: the config is given ``vocab_size`` 1 for that call and has it removed
-    after (the model's config is the user's object, saved with the model).
+    names no vocabulary: that call reads a copy with ``vocab_size`` 1 (:func:`_with_vocab`; the
+    model's config is the user's object, saved with the model, and is not changed). The rows
+    scanned are the first :data:`IMAGE_SCAN_ROWS`, with the random states put back after (an image
+    dataset's ``__getitem__`` often draws random augmentations).
 
     Raises:
         ConfigError: as ``model_spec_from_module``; as :func:`image_fields`.
@@ -610,15 +617,8 @@ def live_model_spec(model: Any, dataset: Any = None, name: Optional[str] = None)
     cfg = getattr(base, "config", None)
     if getattr(cfg, "model_type", None) not in IMAGE_FAMILIES or "ForImageClassification" not in type(base).__name__:
         return model_spec_from_module(model, name=name)
-    added = not isinstance(getattr(cfg, "vocab_size", None), int)
-    if added:
-        cfg.vocab_size = 1
-    try:
-        ms = model_spec_from_module(model, name=name)
-    finally:
-        if added:
-            del cfg.vocab_size
-    return ms.replace(**image_fields(cfg, largest_image(dataset) or None))
+    ms = model_spec_from_module(model, name=name, config=_with_vocab(cfg))
+    return ms.replace(**image_fields(cfg, largest_image(dataset, IMAGE_SCAN_ROWS) or None))
 
 
 def _seq2seq_meta_fields(cfg: Any) -> dict:

@@ -278,7 +278,7 @@ def count_params(model: Any, *, num_layers: Optional[int], hidden_size: int, is_
                 block_prefix=prefix if blocks is not None else None, per_block=per_block)
 
 
-def model_spec_from_module(model: Any, name: Optional[str] = None) -> ModelSpec:
+def model_spec_from_module(model: Any, name: Optional[str] = None, *, config: Any = None) -> ModelSpec:
     """Introspect a live ``torch.nn.Module``: a HF ``PreTrainedModel`` or a PEFT ``PeftModel``.
 
     Counts come from ``named_parameters`` (a tied head, being the same tensor, is listed once).
@@ -288,6 +288,8 @@ def model_spec_from_module(model: Any, name: Optional[str] = None) -> ModelSpec:
     ``requires_grad``; ``lora_rank_found`` is the largest ``lora_A`` weight's first dimension
     (PEFT's ``lora_A`` is ``nn.Linear(in, r)``, weight ``(r, in)``). ``head`` is the task head read
     from the module's class and tree (``memguard_torch.task_head.task_head_from_module``).
+    ``config``: the config to read the numbers from in place of the model's own (a copy the
+    caller completed; the model's is the user's object and is never changed here).
 
     bitsandbytes: a ``Params4bit`` weight packs two 4-bit values per uint8 (its ``numel`` is
     half the real count; ``quant_state.shape`` holds the real shape); ``weight_bits`` becomes
@@ -309,7 +311,7 @@ def model_spec_from_module(model: Any, name: Optional[str] = None) -> ModelSpec:
     base = model
     if hasattr(model, "get_base_model") and callable(model.get_base_model):
         base = model.get_base_model()
-    cfg = getattr(base, "config", None)
+    cfg = config if config is not None else getattr(base, "config", None)
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     nums = None
     if text_cfg is not None:

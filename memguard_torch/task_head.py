@@ -81,7 +81,7 @@ def task_head_from_module(model: Any, kind: Optional[str] = None) -> TaskHead:
 
     Raises:
         ConfigError: (field ``architectures``, one line) a class naming a head the estimator does
-            not count (``ViTForImageClassification``).
+            not count (``DeiTForImageClassificationWithTeacher``, ``ViTForMaskedImageModeling``).
     """
     import torch.nn as nn
 

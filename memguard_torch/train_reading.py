@@ -10,6 +10,8 @@ runs, so the adapters import this module cheaply.
 from __future__ import annotations
 
 import logging
+import random
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Tuple
 
@@ -215,14 +217,25 @@ def batch_seq_length(batch: Any) -> int:
 def longest_in_rows(dataset: Any, length_of: Callable[[Any], int], scan_rows: int = 2048) -> int:
     """The largest ``length_of(row)`` among the first ``scan_rows`` rows of a map-style dataset
     (``__getitem__`` and ``__len__``); 0 for none or for another kind of dataset. A row that raises
-    ends the scan with the longest found so far (logged at debug), never an error."""
+    ends the scan with the longest found so far (logged at debug), never an error. torch's CPU,
+    Python's and numpy's random states are put back after the scan: a ``__getitem__`` that draws
+    (random crops, masking, augmentations) must not shift the run's draws."""
     longest = 0
+    if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        return 0
+    py_state = random.getstate()
+    np_random = sys.modules.get("numpy.random")
+    np_state = np_random.get_state() if np_random is not None else None
     try:
-        if dataset is not None and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        with _torch().random.fork_rng(devices=[]):
             for i in range(min(len(dataset), scan_rows)):
                 longest = max(longest, int(length_of(dataset[i])))
     except Exception:
         logger.debug("memguard: could not scan the dataset for lengths", exc_info=True)
+    finally:
+        random.setstate(py_state)
+        if np_state is not None:
+            np_random.set_state(np_state)
     return longest
 
 

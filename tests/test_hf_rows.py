@@ -27,3 +27,25 @@ def test_image_size_of_a_row_and_a_batch():
     assert image_size_of({"pixel_values": torch.zeros(3, 160, 160)}) == 160
     assert image_size_of({"pixel_values": torch.zeros(2, 3, 96, 96)}) == 96
     assert image_size_of({"input_ids": [1]}) == 0
+
+
+def test_a_scan_puts_the_random_states_back():
+    # a dataset whose rows draw (random crops, masking): scanning it at train start must not shift
+    # the run's draws in torch, Python's random or numpy
+    import random
+
+    import numpy as np
+
+    class Augmenting:
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            torch.rand(3), random.random(), np.random.rand()
+            return {"labels": list(range(1 + i % 5))}
+
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    assert longest_target(Augmenting()) == 5
+    after = (torch.rand(1).item(), random.random(), np.random.rand())
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    assert after == (torch.rand(1).item(), random.random(), np.random.rand())

@@ -147,6 +147,7 @@ def test_spec_from_a_vit_config():
     (dict(architectures=["DeiTForImageClassificationWithTeacher"], model_type="deit"), "architectures"),
     (dict(patch_size=0), "patch_size"),
     (dict(image_size=4), "image_size"),
+    (dict(architectures=["ViTForMaskedImageModeling"]), "architectures"),   # its decoder and pixel loss
 ])
 def test_bad_image_configs_refused_in_one_line(change, field):
     d = dict(model_type="vit", hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_hidden_layers=L,
@@ -155,6 +156,17 @@ def test_bad_image_configs_refused_in_one_line(change, field):
     with pytest.raises(ConfigError) as err:
         model_spec_from_hf_config(d)
     assert "\n" not in str(err.value) and field in str(err.value)
+
+
+def test_a_spec_field_at_zero_is_named():
+    from memguard_core.estimator.specs import ModelSpec
+
+    ms = model_spec_from_hf_config(_config("vit", 0.0))
+    assert isinstance(ms, ModelSpec)
+    for f in ("num_channels", "image_size"):
+        with pytest.raises(ConfigError) as err:
+            ms.replace(**{f: 0, "patch_size": P})
+        assert err.value.field == f
 
 
 def test_cli_estimates_a_vit_config(tmp_path):
@@ -261,25 +273,51 @@ def test_guarded_trainer_run_of_a_vit_within_bounds(tmp_path):
 def test_the_in_process_measurement_runs_on_an_image_batch():
     """The preflight's measurement on a live ViT (CPU, VmHWM): an image batch is cut by rows only
     (its patches cannot be cut), one row at the run's patch count (``probe_sizes`` with the model
-    spec), the fit made against the estimate at that size. Before, the pixels' channel dimension
-    was read as the tokens (3) and the fit compared a 65-token step with a 3-token estimate."""
+    spec, whatever the run's ``seq_length`` says), the fit made against the estimate at that size.
+    Before, the pixels' channel dimension was read as the tokens (3)."""
     from memguard_core.estimator.probe_fit import correct_estimate
     from memguard_core.probe_policy import probe_sizes
     from memguard_hf.model_spec import live_model_spec
     from memguard_torch.preflight_probe import cut_batch, measure_steps
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForImageClassification.from_config(_config("vit", 0.0))
-    batch = {"pixel_values": torch.randn(2, 3, IMG, IMG), "labels": torch.tensor([1, 3])}
-    cut, r, t = cut_batch(batch, 1, 65)
-    assert (r, t) == (1, 65) and cut["pixel_values"].shape == (1, 3, IMG, IMG) and cut["labels"].shape == (1,)
+    img = 160   # 400 patches + CLS: above the text sizes' 256, so the image rule is what gives 401
+    cfg = _config("vit", 0.0)
+    cfg.image_size = img
+    model = transformers.AutoModelForImageClassification.from_config(cfg)
+    batch = {"pixel_values": torch.randn(2, 3, img, img), "labels": torch.tensor([1, 3])}
+    cut, r, t = cut_batch(batch, 1, 401)
+    assert (r, t) == (1, 401) and cut["pixel_values"].shape == (1, 3, img, img) and cut["labels"].shape == (1,)
     ms = live_model_spec(model)
-    ts = TrainSpec(batch_size=2, seq_length=(IMG // P) ** 2 + 1, method="full", dtype="fp32", framework="hf",
-                   device="cpu")
+    ts = TrainSpec(batch_size=2, seq_length=2048, method="full", dtype="fp32", framework="hf", device="cpu")
     sizes = probe_sizes(ts, ms)
-    assert sizes == ((1, 65),) and probe_sizes(ts) == ((1, 65),)
+    assert sizes == ((1, 401),) and probe_sizes(ts) == ((1, 256), (1, 512))
+    ts = ts.replace(seq_length=401)
     res = measure_steps(model, batch, sizes, device="cpu")
     assert res.measured, res.reason
-    assert [(s.rows, s.tokens) for s in res.steps] == [(1, 65)] and res.steps[0].peak_bytes > res.steps[0].held_bytes
+    assert [(s.rows, s.tokens) for s in res.steps] == [(1, 401)] and res.steps[0].peak_bytes > res.steps[0].held_bytes
     fit = correct_estimate(ms, ts, res)
-    assert fit.applied and "1 x 65 tokens" in fit.explanation
+    assert fit.applied and "1 x 401 tokens" in fit.explanation
+
+
+def test_the_planner_never_shortens_an_image_classifiers_tokens():
+    """An image's patches cannot be cut by the run: the planner takes the patch count whatever
+    ``seq_length`` it is given, never halves it, and never suggests shorter sequences; it reaches
+    the LoRA rank instead."""
+    from memguard_core.errors import DoesNotFitError
+    from memguard_core.estimator.estimate import estimate
+    from memguard_core.plan import plan
+
+    ms = model_spec_from_hf_config(_config("vit", 0.0))
+    ts = TrainSpec(batch_size=1, seq_length=512, method="lora", lora_rank=64, lora_targets=("all-linear",),
+                   grad_checkpoint=True, dtype="fp32", framework="hf", device="cpu")
+    need = estimate(ms, ts.replace(seq_length=ms.patch_tokens, lora_rank=8)).peak_bytes
+    p = plan(ms, ts, int(need * 1.01), allow=("seq_length", "lora_rank"))
+    assert p.train_spec.seq_length == ms.patch_tokens == (IMG // P) ** 2 + 1
+    assert [c.field for c in p.changes] and all(c.field == "lora_rank" for c in p.changes), p.changes
+    try:
+        plan(ms, ts, 2**20, allow=("seq_length",))
+    except DoesNotFitError as exc:
+        assert not any("shorter sequences" in s for s in exc.suggestions), exc.suggestions
+    else:
+        raise AssertionError("1 MiB cannot fit")

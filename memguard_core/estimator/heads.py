@@ -64,7 +64,8 @@ _SUFFIXES = (
 # Heads transformers has that the estimator does not count (named in the one-line refusal).
 _NOT_COUNTED = ("ForImageClassificationWithTeacher", "ForAudioClassification", "ForMultipleChoice", "ForSpeechSeq2Seq",
                 "ForCTC", "ForPreTraining", "ForNextSentencePrediction", "ForSemanticSegmentation",
-                "ForObjectDetection", "ForDepthEstimation", "ForMaskGeneration", "ForTextToSpeech")
+                "ForObjectDetection", "ForDepthEstimation", "ForMaskGeneration", "ForTextToSpeech",
+                "ForMaskedImageModeling")
 
 SUPPORTED = ("causal LM (*ForCausalLM, *LMHeadModel, vision-language *ForConditionalGeneration), masked LM, "
              "sequence / token classification, question answering, on a decoder-only or encoder-only model; "

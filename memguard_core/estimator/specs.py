@@ -347,8 +347,9 @@ class ModelSpec:
                 raise ConfigError(f, "a whole number >= 0 (0: not an image classifier)", v)
         if self.image_size or self.patch_size:
             if not (self.image_size and self.patch_size and self.num_channels):
-                raise ConfigError("patch_size", "image_size, patch_size and num_channels all > 0 for an image "
-                                  "classifier", f"{self.image_size}, {self.patch_size}, {self.num_channels}")
+                zero = next(f for f in ("image_size", "patch_size", "num_channels") if not getattr(self, f))
+                raise ConfigError(zero, "> 0 for an image classifier (image_size, patch_size and num_channels "
+                                  "all set)", getattr(self, zero))
             if self.image_size < self.patch_size:
                 raise ConfigError("image_size", f"at least patch_size ({self.patch_size} pixels)", self.image_size)
         n = self.decoder_layers

@@ -474,10 +474,14 @@ def _train_spec(args, model_spec):
 
 def cmd_estimate(args) -> int:
     from .estimator.estimate import estimate
+    from .estimator.trainable import check_train_spec
     from .plan import budget_from_available, plan
 
     ms = _model_spec(args)
     ts = _train_spec(args, ms)
+    # settings the model cannot take are refused before the block census builds it (with PEFT's
+    # adapters: minutes for an impossible rank); the warnings are logged once, by the estimate
+    check_train_spec(ms, ts, log=False)
     if args.config and ts.model_code != "litgpt":
         from .features import load
 

@@ -173,9 +173,10 @@ def _target_matches(lin: LinearShape, target: str) -> bool:
     return hit
 
 
-def check_train_spec(model_spec: ModelSpec, train_spec: TrainSpec) -> List[str]:
+def check_train_spec(model_spec: ModelSpec, train_spec: TrainSpec, *, log: bool = True) -> List[str]:
     """Check training settings against the model they train; return warnings (strings, also
-    logged on ``memguard.spec``) for settings that run but are probably not meant.
+    logged on ``memguard.spec`` unless ``log`` is False) for settings that run but are probably
+    not meant.
 
     Errors (``ConfigError`` naming the field):
         framework: mlx for an encoder-decoder (mlx_lm has none).
@@ -219,7 +220,8 @@ def check_train_spec(model_spec: ModelSpec, train_spec: TrainSpec) -> List[str]:
         warnings.append(f"{what} is above the model's max_position_embeddings "
                         f"({ms.max_position_embeddings})")
     for w in warnings:
-        _log.warning("memguard: %s", w)
+        if log:
+            _log.warning("memguard: %s", w)
     return warnings
 
 

@@ -373,10 +373,11 @@ def _numbers_from_structure(model: Any) -> dict:
     if emb is None:
         emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     _, blocks = _find_blocks(model, None)
-    if emb is None or blocks is None:
+    weight = getattr(emb, "weight", None)   # an image model's input embedding is a patch conv module
+    if emb is None or blocks is None or getattr(weight, "ndim", 0) != 2:
         raise ConfigError("model", "a model with a config, or an nn.Embedding and a block ModuleList",
                           type(model).__name__)
-    vocab, hidden = (int(s) for s in emb.weight.shape)
+    vocab, hidden = (int(s) for s in weight.shape)
     heads = max(1, hidden // 64)
     return dict(hidden_size=hidden, num_heads=heads, num_layers=len(blocks), vocab_size=vocab,
                 num_kv_heads=heads, head_dim=hidden // heads, intermediate_size=0,

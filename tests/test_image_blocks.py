@@ -321,3 +321,15 @@ def test_the_planner_never_shortens_an_image_classifiers_tokens():
         assert not any("shorter sequences" in s for s in exc.suggestions), exc.suggestions
     else:
         raise AssertionError("1 MiB cannot fit")
+
+
+def test_the_generic_module_reader_refuses_an_image_model_in_one_line():
+    # Lightning's and TorchGuard's preflight read a live module without the HF image fields: a ViT
+    # (no token vocabulary, a patch conv as its input embedding) is refused naming the model, not
+    # an AttributeError
+    from memguard_torch.module_spec import model_spec_from_module
+
+    model = transformers.AutoModelForImageClassification.from_config(_config("vit", 0.0))
+    with pytest.raises(ConfigError) as err:
+        model_spec_from_module(model)
+    assert err.value.field == "model" and "\n" not in str(err.value)

@@ -1,6 +1,7 @@
-"""What the HF ``Trainer`` benchmarks share (``fit_quality.py``, ``overhead.py``): the environment
-of their child processes, the model and data of a run, a timed ``Trainer`` run, and how the
-results are written and shown.
+"""What the HF ``Trainer`` benchmarks share (``fit_quality.py``, ``overhead.py``, ``gpu_check.py``,
+``probe_full_depth.py``): the environment of their child processes, the model and data of a run, a
+timed ``Trainer`` run, a guard whose preflight is recorded, and how the results are written and
+shown.
 
 The model is ``memguard_testing.hf_tiny.llama`` (a Llama-architecture decoder from config numbers,
 random weights seeded with 0: 4 query / 2 KV heads, MLP 2 x hidden, untied head, SDPA); the rows
@@ -116,3 +117,36 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
     for r in rows:
         t.add_row(*r)
     Console().print(t)
+
+
+def recording_guard(hf_callback: Any, **options: Any) -> Tuple[Any, List[Any]]:
+    """A ``MemGuardCallback(**options)`` for a benchmark's guarded run: its ``on_train_begin`` (the
+    preflight, with the in-process measurement) timed into the callback's ``begin_seconds``, and the
+    measurement's own ``ProbeResult`` kept (the guard keeps only its log line). ``hf_callback`` is
+    the ``memguard_hf.callback`` module, whose ``measure_fn`` is wrapped for the rest of the process.
+    Returns ``(callback, results)``; ``results`` fills as the measurement runs."""
+    results: List[Any] = []
+    real = hf_callback.measure_fn
+
+    def recording(*a, **k):
+        measure = real(*a, **k)
+
+        def recorded(sizes, max_seconds=None):
+            r = measure(sizes, max_seconds)
+            results.append(r)
+            return r
+        return recorded
+
+    hf_callback.measure_fn = recording
+
+    class TimedGuard(hf_callback.MemGuardCallback):
+        begin_seconds: Optional[float] = None
+
+        def on_train_begin(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return super().on_train_begin(*a, **k)
+            finally:
+                self.begin_seconds = time.perf_counter() - t
+
+    return TimedGuard(**options), results

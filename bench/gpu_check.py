@@ -575,36 +575,15 @@ def child_estimate(case: dict, dry: bool) -> dict:
 def _add_guard(trainer, dry: bool) -> dict:
     """A ``MemGuardCallback`` with its defaults (an event log in a temporary folder) on ``trainer``,
     timed around its train start (the preflight with the in-process measurement), the measurement's
-    own result kept: ``{"callback", "results", "log_dir", "begin_seconds"}``. The dry run asks for
+    own result kept (``_common.recording_guard``): ``{"callback", "results", "log_dir"}``. The dry run asks for
     the measurement (``preflight_probe=True``): "auto" skips a tiny model's on a CPU."""
     import memguard_hf.callback as hf_callback
+    from _common import recording_guard
 
-    out: Dict[str, Any] = {"results": [], "log_dir": tempfile.mkdtemp(prefix="gpu_check_guard_"),
-                           "begin_seconds": None}
-    real = hf_callback.measure_fn
-
-    def recording(*a, **k):
-        measure = real(*a, **k)
-
-        def recorded(sizes, max_seconds=None):
-            r = measure(sizes, max_seconds)
-            out["results"].append(r)
-            return r
-        return recorded
-
-    hf_callback.measure_fn = recording
-
-    class TimedGuard(hf_callback.MemGuardCallback):
-        def on_train_begin(self, *a, **k):
-            t = time.perf_counter()
-            try:
-                return super().on_train_begin(*a, **k)
-            finally:
-                out["begin_seconds"] = time.perf_counter() - t
-
-    out["callback"] = TimedGuard(log_dir=out["log_dir"], **({"preflight_probe": True} if dry else {}))
-    trainer.add_callback(out["callback"])
-    return out
+    log_dir = tempfile.mkdtemp(prefix="gpu_check_guard_")
+    cb, results = recording_guard(hf_callback, log_dir=log_dir, **({"preflight_probe": True} if dry else {}))
+    trainer.add_callback(cb)
+    return {"callback": cb, "results": results, "log_dir": log_dir}
 
 
 def _guard_record(guard: dict, case: dict) -> dict:
@@ -619,7 +598,7 @@ def _guard_record(guard: dict, case: dict) -> dict:
 
     cb = guard["callback"]
     pf = cb.preflight
-    rec: Dict[str, Any] = {"preflight_seconds": guard["begin_seconds"], "preflight": pf is not None}
+    rec: Dict[str, Any] = {"preflight_seconds": cb.begin_seconds, "preflight": pf is not None}
     if pf is None:
         return rec
     ms, ts = pf.model_spec, pf.train_spec

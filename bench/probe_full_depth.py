@@ -178,32 +178,11 @@ def run_guarded(case: dict, budget_bytes: int, log_dir: str, probe: bool = True)
                   _head_kind(config), int(getattr(config, "num_labels", 2)))
     args = _training_args(kw, steps, "cpu")
 
+    from _common import recording_guard
+
     # keep the probe's own result (its steps and seconds): the guard keeps only its log line
-    results: List[Any] = []
-    real_measure_fn = hf_callback.measure_fn
-
-    def recording_measure_fn(*a, **k):
-        measure = real_measure_fn(*a, **k)
-
-        def recorded(sizes, max_seconds=None):
-            r = measure(sizes, max_seconds)
-            results.append(r)
-            return r
-        return recorded
-
-    hf_callback.measure_fn = recording_measure_fn
-
-    class TimedGuard(hf_callback.MemGuardCallback):
-        begin_seconds = None
-
-        def on_train_begin(self, *a, **k):
-            t = time.perf_counter()
-            try:
-                return super().on_train_begin(*a, **k)
-            finally:
-                self.begin_seconds = time.perf_counter() - t
-
-    cb = TimedGuard(budget_bytes=budget_bytes, preflight_probe=bool(probe), log_dir=log_dir)
+    cb, results = recording_guard(hf_callback, budget_bytes=budget_bytes, preflight_probe=bool(probe),
+                                  log_dir=log_dir)
     trainer = Trainer(model=model, args=args, train_dataset=ds)
     trainer.add_callback(cb)
     t_train = time.time()

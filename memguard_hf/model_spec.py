@@ -589,11 +589,6 @@ def _with_vocab(cfg: Any) -> Any:
     return cfg
 
 
-#: Rows of an image dataset read for the image side at train start: an image processor gives every
-#: row its one size, and each read can decode an image.
-IMAGE_SCAN_ROWS = 16
-
-
 def live_model_spec(model: Any, dataset: Any = None, name: Optional[str] = None) -> Any:
     """``memguard_torch.module_spec.model_spec_from_module`` of a live model, and for an image
     classifier (ViT, DeiT) its image fields (:func:`image_fields`), the image side read from the
@@ -603,7 +598,7 @@ def live_model_spec(model: Any, dataset: Any = None, name: Optional[str] = None)
     ``model_spec_from_module`` reads the numbers from the model's config, and an image classifier's
     names no vocabulary: that call reads a copy with ``vocab_size`` 1 (:func:`_with_vocab`; the
     model's config is the user's object, saved with the model, and is not changed). The rows
-    scanned are the first :data:`IMAGE_SCAN_ROWS`, with the random states put back after (an image
+    scanned are the first ``rows.IMAGE_SCAN_ROWS``, with the random states put back after (an image
     dataset's ``__getitem__`` often draws random augmentations).
 
     Raises:
@@ -618,7 +613,7 @@ def live_model_spec(model: Any, dataset: Any = None, name: Optional[str] = None)
     if getattr(cfg, "model_type", None) not in IMAGE_FAMILIES or "ForImageClassification" not in type(base).__name__:
         return model_spec_from_module(model, name=name)
     ms = model_spec_from_module(model, name=name, config=_with_vocab(cfg))
-    return ms.replace(**image_fields(cfg, largest_image(dataset, IMAGE_SCAN_ROWS) or None))
+    return ms.replace(**image_fields(cfg, largest_image(dataset) or None))
 
 
 def _seq2seq_meta_fields(cfg: Any) -> dict:

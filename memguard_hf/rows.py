@@ -80,7 +80,12 @@ def image_size_of(row) -> int:
     return int(max(v.shape[-2:])) if v.dim() >= 2 else 0
 
 
-def largest_image(dataset, scan_rows: int = 2048) -> int:
+#: Rows of an image dataset read for the image side at train start: an image processor gives every
+#: row its one size, and each read can decode an image.
+IMAGE_SCAN_ROWS = 16
+
+
+def largest_image(dataset, scan_rows: int = IMAGE_SCAN_ROWS) -> int:
     """The largest image side (:func:`image_size_of`) among the first ``scan_rows`` rows of a
     map-style dataset; 0 for none (an iterable dataset, no ``pixel_values`` column)."""
     return longest_in_rows(dataset, image_size_of, scan_rows)

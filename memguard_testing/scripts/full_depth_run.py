@@ -3,7 +3,9 @@ random weights), LoRA r=16 on every linear, pure bf16 weights, micro-batch 4 x 5
 a CPU without native bf16, where it is emulated), 1 step
 (the preflight decides before it; one step holds the LoRA run's peak);
 guarded by ``MemGuardCallback(budget_bytes=BUDGET)`` or, with budget 0, unguarded. Prints one JSON
-line: the peak (VmHWM) and, when guarded, what the preflight decided.
+line: the process's peak resident set over the run (the guard's own figure when guarded: its per-step
+VmHWM resets keep the largest reading, ``memguard_core.process_peak``; VmHWM when unguarded) and,
+when guarded, what the preflight decided and the estimate it compared with the budget.
 
 usage: python full_depth_run.py BUDGET_BYTES OUT_DIR
 """
@@ -16,6 +18,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
+from memguard_core.process_peak import process_peak_rss_bytes
 from memguard_hf import MemGuardCallback
 from memguard_testing import ROOT
 
@@ -64,13 +67,17 @@ def main() -> None:
         guard = MemGuardCallback(budget_bytes=budget)
         trainer.add_callback(guard)
     trainer.train()
-    with open("/proc/self/status") as f:
-        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    r = {"peak": hwm, "global_step": trainer.state.global_step, "layers": config.num_hidden_layers,
+    if guard is not None:
+        peak = process_peak_rss_bytes()
+    else:
+        with open("/proc/self/status") as f:
+            peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    r = {"peak": peak, "global_step": trainer.state.global_step, "layers": config.num_hidden_layers,
          "rows": BATCH}
     if guard is not None:
         pf = guard.preflight
-        r.update(estimate=pf.estimate.peak_bytes, changes=[c.field for c in pf.plan.changes],
+        r.update(estimate=pf.estimate.peak_bytes, requested_peak=pf.requested_peak_bytes,
+                 plan_fraction=pf.plan_fraction, changes=[c.field for c in pf.plan.changes],
                  micro_batches=pf.micro_batches, forward_rows=sorted(set(guard.micro_batch_rows)),
                  final_micro_batches=guard.monitor.micro_batches)
     print("RESULT " + json.dumps(r))

@@ -52,16 +52,40 @@ def _run(out, mode: str):
             [json.load(open(out / f"rank{r}.json")) for r in (0, 1)])
 
 
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """``launches(version)``: {mode: (params per rank, figures per rank)} of the unguarded
+    out-of-memory reference, HF's unsplit run and the guarded split run under FSDP ``version``, all
+    three in one 2-rank launch (one process start and one import per rank for the three; each run
+    builds its own seeded model and Trainer), made once per module on first use. The reference
+    comes first: the out-of-memory test places its limit from that run's VmPeak, which never falls
+    within a process."""
+    root = tmp_path_factory.mktemp("hf-fsdp")
+    cache = {}
+
+    def get(version: str):
+        if version not in cache:
+            v = "" if version == "2" else "1"
+            modes = [f"oom-ref{v}", f"plain{v}", f"split{v}"]
+            rc, log = _launch(root / version, "+".join(modes))
+            assert rc == 0, log[-6000:]
+            cache[version] = {m.rstrip("1"): ([torch.load(root / version / m / f"params{r}.pt") for r in (0, 1)],
+                                              [json.load(open(root / version / m / f"rank{r}.json")) for r in (0, 1)])
+                              for m in modes}
+        return cache[version]
+    return get
+
+
 def _diff(a, b) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
-def test_fsdp2_split_equals_hf_unsplit_run(tmp_path):
+def test_fsdp2_split_equals_hf_unsplit_run(launches):
     """Rank 0 alone asks for k=2 then k=4 mid-window; both ranks cut alike (k and the number of
     chunks agreed), every chunk reduce-scatters, and the parameters equal HF's own unsplit FSDP2 run
     (whose window's earlier batches run under ``no_sync``)."""
-    base_p, base = _run(tmp_path / "plain", "plain")
-    split_p, split = _run(tmp_path / "split", "split")
+    runs = launches("2")
+    (base_p, base), (split_p, split) = runs["plain"], runs["split"]
     assert base[0]["loss"][0] > base[0]["loss"][-1]           # the reference trains
     for r in (0, 1):
         assert split[r]["global_step"] == base[r]["global_step"] == 4
@@ -76,14 +100,14 @@ def test_fsdp2_split_equals_hf_unsplit_run(tmp_path):
                                       "offload": "none", "applied": [], "micro_batches": 1}
 
 
-def test_fsdp1_split_reduce_scatters_every_chunk_and_equals_hf_unsplit_run(tmp_path):
+def test_fsdp1_split_reduce_scatters_every_chunk_and_equals_hf_unsplit_run(launches):
     """Under FSDP1 (``fsdp_version: 1``) the Trainer runs a window's earlier batches under FSDP1's
     ``no_sync`` (unsharded gradients kept until the window's last backward); memguard's chunks
     reduce-scatter every time instead: FSDP1 issues one reduce-scatter per unit per forward of the
     guarded run, against one per unit per optimizer step unguarded. Rank 0 alone asks for k=2 then
     k=4; both ranks cut alike and the parameters equal HF's own unsplit FSDP1 run."""
-    base_p, base = _run(tmp_path / "plain", "plain1")
-    split_p, split = _run(tmp_path / "split", "split1")
+    runs = launches("1")
+    (base_p, base), (split_p, split) = runs["plain"], runs["split"]
     for r in (0, 1):
         assert split[r]["global_step"] == base[r]["global_step"] == 4
         assert split[r]["lr"] == pytest.approx(base[r]["lr"])
@@ -98,7 +122,7 @@ def test_fsdp1_split_reduce_scatters_every_chunk_and_equals_hf_unsplit_run(tmp_p
 
 
 @pytest.mark.parametrize("version", ["2", "1"])
-def test_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version):
+def test_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version, launches):
     """FSDP2, and FSDP1 (its sync points: each handle's all-gather after its allocation, and a
     communication hook before each reduce-scatter; its state reset after the abort). Rank 1 alone
     gets an address-space limit (RLIMIT_AS) of its VmSize at train begin plus 70 % of what the
@@ -110,7 +134,7 @@ def test_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version):
     only, to keep CI's time: under FSDP1 rank 1's errors, the allocator's own, show the limit
     bites.)"""
     v = "" if version == "2" else "1"
-    ref_p, ref = _run(tmp_path / "ref", f"oom-ref{v}")
+    ref_p, ref = launches(version)["oom-ref"]
     headroom = int(0.7 * (ref[1]["vmpeak"] - ref[1]["base_vmsize"]))
     if version == "2":
         rc, log = _launch(tmp_path / "none", f"oom-none{v}:{headroom}")

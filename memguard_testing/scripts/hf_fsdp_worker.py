@@ -1,7 +1,10 @@
 """One rank of a 2-rank gloo HF ``Trainer`` run under FSDP2 (accelerate's ``fsdp_version: 2``,
 ``fully_shard`` per ``LlamaDecoderLayer`` and the root) or FSDP1 on CPU, for integration_tests/test_hf_fsdp.py.
 
-usage: python -m torch.distributed.run --nproc_per_node=2 hf_fsdp_worker.py MODE OUT_DIR
+usage: python -m torch.distributed.run --nproc_per_node=2 hf_fsdp_worker.py MODE[+MODE...] OUT_DIR
+
+(``plain+split``: both runs in the same ranks, one after the other, in ``OUT_DIR/plain`` and
+``OUT_DIR/split``.)
 
 Modes:
 
@@ -77,6 +80,24 @@ def main() -> None:
 
     torch.set_num_threads(1)
     fsdp_on_cpu()
+    # "plain+split": both runs in this process, one after the other (one process start and one
+    # import of torch/transformers for both; each run builds its own seeded model and Trainer)
+    modes = mode.split("+")
+    for one in modes:
+        run(one, os.path.join(out, one.partition(":")[0]) if len(modes) > 1 else out)
+        torch.distributed.barrier()
+    # leave without tearing the gloo group down: its teardown can abort the process after every
+    # result is written
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run(mode: str, out: str) -> None:
+    """One ``Trainer`` run as ``mode`` says (the module docstring); writes ``params{rank}.pt`` and
+    ``rank{rank}.json`` in ``out`` (``OUT_DIR/<mode>`` when several modes share the launch)."""
+    import torch
+
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from memguard_hf import MemGuardCallback
@@ -143,7 +164,11 @@ def main() -> None:
     trainer = Trainer(model=model, args=args, train_dataset=RowsDataset(96, max_len=seq), data_collator=pad_collate,
                       callbacks=callbacks)
     assert trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2 == (version == 2)
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if version == 1:
+            dist.reduce_scatter_single = orig_scatter   # the next run in this process counts its own
     peak = proc_status_bytes("VmPeak")
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
@@ -171,12 +196,6 @@ def main() -> None:
                    "oom_retries": guard.oom_retries if guard else 0, "reduce_scatters": scatters[0],
                    "oom_errors": guard.oom_errors if guard else [],
                    "layout": preflight_layout(guard.preflight if guard else None, "fsdp_version", "offload")}, f)
-    torch.distributed.barrier()
-    # leave without tearing the gloo group down: its teardown can abort the process after every
-    # result is written
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -128,10 +128,19 @@ ALLOC_FAILED = "DefaultCPUAllocator: can't allocate memory"
 EVAL_LIMIT = 3_000_000_000
 
 
-def _run_child(tmp_path, limit: int, mode: str) -> dict:
-    out = tmp_path / f"{mode}-{limit}.json"
+#: How much more address space the unguarded twin may start with than the guarded run before it in
+#: the same process (what the guarded run mapped and kept: memguard's modules, lazily loaded
+#: libraries, the heap's top): half the ~0.9 GB by which an unsplit evaluation's peak exceeds
+#: ``EVAL_LIMIT``, and below the ~0.6 GB between the training peak and the limit, so the twin's
+#: failure is its own and in its own phase.
+LEFTOVER_MAX = 450_000_000
+
+
+def _run_child(tmp_path, limit: int, modes: str) -> dict:
+    """``rlimit_hf_eval_run.py`` with ``modes`` run in that order in one child; results by mode."""
+    out = tmp_path / "runs.json"
     env = with_root_on_pythonpath(dict(os.environ, OMP_NUM_THREADS="2"))
-    proc = subprocess.run([sys.executable, script("rlimit_hf_eval_run.py"), str(limit), mode, str(out),
+    proc = subprocess.run([sys.executable, script("rlimit_hf_eval_run.py"), str(limit), modes, str(out),
                            str(tmp_path / "events")], capture_output=True, text=True, env=env, timeout=600)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -143,13 +152,16 @@ def test_real_eval_oom_never_ends_training(tmp_path):
     evaluation (after optimizer step 1) kills the run with torch's allocator error; guarded, the
     evaluation batch is redone in smaller chunks, both optimizer steps and both evaluations finish,
     each ``eval_loss`` equals the unlimited unsplit run's, the training micro-batches stay whole
-    batches, and the run's event log shows the evaluation re-splits."""
-    ref = _run_child(tmp_path, 0, "none")
+    batches, and the run's event log shows the evaluation re-splits. One child runs all three, each
+    on a fresh model: the guarded run first (a fresh address space), then the unguarded twin under
+    the same limit (starting within ``LEFTOVER_MAX`` of the guarded run's address space, so its
+    failure is its own), then the reference with the limit lifted."""
+    runs = _run_child(tmp_path, EVAL_LIMIT, "oom,none,ref")
+    ref, bare, guarded = runs["ref"], runs["none"], runs["oom"]
     assert ref["steps"] == 2 and len(ref["eval_losses"]) == 2, ref.get("error")
-    bare = _run_child(tmp_path, EVAL_LIMIT, "none")
     assert bare.get("failed") == "evaluation" and ALLOC_FAILED in bare["error"], bare.get("error")
     assert bare["steps"] == 1  # training was healthy up to the evaluation
-    guarded = _run_child(tmp_path, EVAL_LIMIT, "oom")
+    assert bare["vm_start"] - guarded["vm_start"] < LEFTOVER_MAX, (bare["vm_start"], guarded["vm_start"])
     assert "failed" not in guarded, guarded.get("error")
     assert guarded["steps"] == 2
     # float32 losses of the chunks summed in another order
@@ -254,18 +266,20 @@ def test_split_evaluation_false_leaves_the_step_alone(tmp_path):
 DDP_EVAL_HEADROOM = 1_200_000_000
 
 
-def _ddp_eval_run(tmp_path, mode: str, headroom: int = 0):
-    """``rlimit_hf_eval_ddp.py`` on 2 gloo ranks, rank 1 limited to ``headroom`` bytes above its VmSize at
-    its first evaluation (0: no limit); the launcher's exit status, the ranks' results that were written
-    and the output's tail."""
-    out = tmp_path / f"{mode}-{headroom}"
+def _ddp_eval_run(tmp_path, modes: str, headroom: int = 0):
+    """``rlimit_hf_eval_ddp.py`` on 2 gloo ranks running ``modes`` in that order in one launch, rank 1
+    limited to ``headroom`` bytes above its VmSize at each run's first evaluation (0: no limit; the
+    ``ref`` run: none); the launcher's exit status, the ranks' results that were written (by mode,
+    then rank) and the output's tail."""
+    out = tmp_path / "runs"
     # one arena per process: gloo's threads would otherwise each reserve a 64 MiB heap of address space
     # at their first allocation, wherever in the run that falls
     env = script_env(OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="1", MEMGUARD_TEST_DUMP_AFTER_S="480")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           script("rlimit_hf_eval_ddp.py"), mode, str(out), "1", str(headroom)],
+                           script("rlimit_hf_eval_ddp.py"), modes, str(out), "1", str(headroom)],
                           env=env, capture_output=True, text=True, timeout=600)   # a hang ends in the watchdog
-    results = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1) if (out / f"rank{r}.json").exists()}
+    results = {m: {r: json.loads((out / f"{m}-rank{r}.json").read_text())
+                   for r in (0, 1) if (out / f"{m}-rank{r}.json").exists()} for m in modes.split(",")}
     return proc.returncode, results, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -277,15 +291,18 @@ def test_ddp_one_rank_eval_oom(tmp_path):
     agreement needed: docs/evaluation.md, "Under DDP"), nothing hangs, both ranks finish both steps and
     evaluations with the unlimited unguarded run's ``eval_loss`` (the token count summed over the ranks,
     ``average_tokens_across_devices``), and a final ``predict()`` whose batch rank 1 still splits and
-    rank 0 does not gives the same predictions, labels and loss. The training micro-batches never move."""
-    rc, ref, tail = _ddp_eval_run(tmp_path, "none")
-    assert rc == 0 and all(ref[r]["steps"] == 2 and len(ref[r]["eval_losses"]) == 2 for r in (0, 1)), tail
-    rc, bare, tail = _ddp_eval_run(tmp_path, "none", DDP_EVAL_HEADROOM)
+    rank 0 does not gives the same predictions, labels and loss. The training micro-batches never move.
+    One launch runs all three, each on a fresh model over the same process group: the guarded run, the
+    unlimited reference, then the unguarded twin (its failure ends the launch); rank 1's limit is
+    relative to its VmSize at each run's first evaluation, so what an earlier run left is in its base."""
+    rc, runs, tail = _ddp_eval_run(tmp_path, "oom,ref,none", DDP_EVAL_HEADROOM)
+    guarded, ref, bare = runs["oom"], runs["ref"], runs["none"]
     assert rc != 0, tail
-    assert bare[1].get("failed") == "evaluation" and ALLOC_FAILED in bare[1]["error"], tail
+    assert len(ref) == 2 and all(ref[r]["steps"] == 2 and len(ref[r]["eval_losses"]) == 2 for r in (0, 1)), tail
+    assert ref[1]["limit"] == 0
+    assert 1 in bare and bare[1].get("failed") == "evaluation" and ALLOC_FAILED in bare[1]["error"], tail
     assert bare[1]["steps"] == 1  # training was healthy up to the evaluation
-    rc, guarded, tail = _ddp_eval_run(tmp_path, "oom", DDP_EVAL_HEADROOM)
-    assert rc == 0, tail
+    assert len(guarded) == 2, tail
     for r in (0, 1):
         g, b = guarded[r], ref[r]
         assert "failed" not in g and g["steps"] == 2, g.get("error")

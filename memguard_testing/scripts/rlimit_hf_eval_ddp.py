@@ -3,31 +3,38 @@ an evaluation of one 16 x 256-token batch of a 49152-token vocabulary per rank a
 ``predict()`` of a small ragged set with its logits kept; for
 ``integration_tests/test_hf_eval_split.py::test_ddp_one_rank_eval_oom``.
 
-usage: python -m torch.distributed.run --nproc_per_node=2 rlimit_hf_eval_ddp.py MODE OUT_DIR
+usage: python -m torch.distributed.run --nproc_per_node=2 rlimit_hf_eval_ddp.py MODES OUT_DIR
        [LIMIT_RANK HEADROOM_BYTES]
 
-MODE: ``none`` (unguarded) or ``oom`` (guarded, only the OOM path acting, as in
+MODES: one or more of these, comma-separated, run in that order by each rank in this one launch
+(each on a freshly built model and ``Trainer`` over the same process group, the limit lifted after
+each, so a test pays one launch instead of one per run): ``none`` (unguarded), ``ref`` (unguarded,
+no limit on any rank), ``oom`` (guarded, only the OOM path acting, as in
 ``rlimit_hf_eval_run.py``); ``oom-k4``: guarded with ``eval_micro_batches = 4`` from the start (the
 split's peak, for placing the limit). With LIMIT_RANK, that rank alone sets ``RLIMIT_AS`` to its
-VmSize when its first evaluation starts plus HEADROOM_BYTES, so torch's CPU allocator really fails
-in that rank's evaluation forward when it needs more, the other rank unlimited. One thread per
-rank; ``MEMGUARD_TEST_DUMP_AFTER_S`` (default 480) arms a faulthandler watchdog that dumps every
-thread and exits, so a hang shows where each rank waits.
+VmSize when the run's first evaluation starts plus HEADROOM_BYTES, so torch's CPU allocator really
+fails in that rank's evaluation forward when it needs more, the other rank unlimited. A run that
+fails ends the launch (exit 1), so an unguarded limited run goes last. One thread per rank;
+``MEMGUARD_TEST_DUMP_AFTER_S`` (default 480) arms a faulthandler watchdog that dumps every thread
+and exits, so a hang shows where each rank waits.
 
-Each rank writes ``OUT_DIR/rank<R>.json``: the failed phase and error, or the steps done, every
-``eval_loss``, the eval metrics, a fingerprint of the predictions, the guard's training and
-evaluation micro-batch rows and retries, its limit, and VmSize at the first evaluation's start and
-VmPeak after each phase (bytes, for finding limits). Exits 1 when the run failed.
+Each rank writes ``OUT_DIR/<MODE>-rank<R>.json`` per run: the failed phase and error, or the steps
+done, every ``eval_loss``, the eval metrics, a fingerprint of the predictions, the guard's training
+and evaluation micro-batch rows and retries, its limit, and VmSize at the first evaluation's start
+and VmPeak after each phase (bytes, for finding limits; VmPeak is the process's, so only the first
+run's readings are its own).
 """
 
 import faulthandler
+import gc
+import json
 import os
 import resource
 import sys
 
 import torch
 
-from memguard_testing.rlimit import PHASE, TokenRows, act_only_on_oom, mark, run_limited, sampled_params
+from memguard_testing.rlimit import PEAKS, PHASE, TokenRows, act_only_on_oom, mark, run_limited, sampled_params
 from memguard_testing.scripts.rlimit_hf_eval_run import PhaseTrainer, build_trainer
 
 PRED_ROWS, PRED_SEQ = 4, 32   # per rank; each rank's predict batch is filled up to the eval batch (even_batches)
@@ -55,16 +62,14 @@ class LimitedTrainer(PhaseTrainer):
         return super().evaluate(*args, **kwargs)
 
 
-def main() -> None:
-    faulthandler.dump_traceback_later(float(os.environ.get("MEMGUARD_TEST_DUMP_AFTER_S", "480")), exit=True)
-    mode, out_dir = sys.argv[1], sys.argv[2]
-    limit_rank = int(sys.argv[3]) if len(sys.argv) > 3 else -1
-    headroom = int(sys.argv[4]) if len(sys.argv) > 4 else 0
-    rank = int(os.environ["RANK"])
-    os.makedirs(out_dir, exist_ok=True)
+def run_one(mode: str, out_dir: str, rank: int, limit_rank: int, headroom: int) -> bool:
+    """One run (module docstring) on a fresh model and ``Trainer``; writes its result and returns
+    whether it failed."""
+    PHASE["now"] = "setup"
+    PEAKS.clear()
     trainer = build_trainer(out_dir, ranks=2, trainer_cls=LimitedTrainer, ddp_backend="gloo")
     torch.set_num_threads(1)   # smollm2() sets 2; one per rank on a shared machine
-    if rank == limit_rank:
+    if rank == limit_rank and mode != "ref":
         trainer.headroom = headroom
     guard = None
     if mode.startswith("oom"):
@@ -98,18 +103,29 @@ def main() -> None:
                      eval_micro_batches=guard.eval_micro_batches,
                      micro_batches=guard.monitor.micro_batches if guard.monitor is not None else None)
 
-    out = os.path.join(out_dir, f"rank{rank}.json")
+    out = os.path.join(out_dir, f"{mode}-rank{rank}.json")
     run_limited(0, mode, out, train, finish)
-    faulthandler.cancel_dump_traceback_later()
-    import json
-
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    resource.setrlimit(resource.RLIMIT_AS, (hard, hard))   # the next run sets its own
     with open(out) as f:
         failed = "failed" in json.load(f)
-    if failed:
-        sys.stdout.flush()
-        os._exit(1)   # no interpreter teardown: the peer may be gone, and gloo's teardown would wait on it
-    torch.distributed.destroy_process_group()
+    return failed
 
+
+def main() -> None:
+    faulthandler.dump_traceback_later(float(os.environ.get("MEMGUARD_TEST_DUMP_AFTER_S", "480")), exit=True)
+    modes, out_dir = sys.argv[1].split(","), sys.argv[2]
+    limit_rank = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    headroom = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    rank = int(os.environ["RANK"])
+    os.makedirs(out_dir, exist_ok=True)
+    for mode in modes:
+        if run_one(mode, out_dir, rank, limit_rank, headroom):
+            sys.stdout.flush()
+            os._exit(1)   # no interpreter teardown: the peer may be gone, and gloo's teardown would wait on it
+        gc.collect()   # the run's model, optimizer states and frames, before the next run builds its own
+    faulthandler.cancel_dump_traceback_later()
+    torch.distributed.destroy_process_group()
 
 if __name__ == "__main__":
     main()

@@ -10,23 +10,32 @@ its forward holds the logits (16 x 256 x 49152 fp32, 0.8 GB) and the loss's log-
 size, while a training step of 2 x 128 tokens holds a sixteenth of that. The narrow hidden size
 keeps the head's matmul (and the run) fast; the logits' size does not depend on it.
 
-usage: python rlimit_hf_eval_run.py LIMIT_BYTES MODE OUT_JSON [LOG_DIR]
+usage: python rlimit_hf_eval_run.py LIMIT_BYTES MODES OUT_JSON [LOG_DIR]
 
-LIMIT_BYTES 0: no limit. MODE: ``none`` (unguarded), ``oom`` (guarded, only the OOM path acting:
-budget 1 TiB, no preflight, no background thread, the monitor's step sample switched off so its
-reading of the limit cannot split the training first). LOG_DIR: the guard's event log folder.
-Writes OUT_JSON: the phase of the failure (``train`` / ``evaluation``), the optimizer steps done
-and the error, or the steps done, the ``eval_loss`` of every evaluation, a fingerprint of the
-final parameters (every 997th value of each), the guard's training and evaluation micro-batch rows
-and retries, and VmPeak after each phase (bytes, for finding limits).
+LIMIT_BYTES 0: no limit. MODES: one or more of these, comma-separated, run in that order in this
+one process (each on a freshly built model and ``Trainer``, the soft limit lifted after each, so a
+test pays one interpreter start instead of one per run): ``none`` (unguarded), ``oom`` (guarded,
+only the OOM path acting: budget 1 TiB, no preflight, no background thread, the monitor's step
+sample switched off so its reading of the limit cannot split the training first), ``ref``
+(unguarded, no limit: the reference). LOG_DIR: the guard's event log folder. Writes OUT_JSON: one
+result per mode, keyed by the mode: the phase of the failure (``train`` / ``evaluation``), the
+optimizer steps done and the error, or the steps done, the ``eval_loss`` of every evaluation, a
+fingerprint of the final parameters (every 997th value of each), the guard's training and
+evaluation micro-batch rows and retries; VmSize when the run's limit was set (``vm_start``, bytes:
+what an earlier run in this process left mapped shows there) and VmPeak after each phase (bytes,
+for finding limits; VmPeak is the process's, so only the first run's readings are its own).
 """
 
+import gc
+import json
 import os
+import resource
 import sys
+import tempfile
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from memguard_testing.rlimit import PHASE, TokenRows, act_only_on_oom, mark, run_limited, sampled_params, smollm2
+from memguard_testing.rlimit import PEAKS, PHASE, TokenRows, act_only_on_oom, mark, run_limited, sampled_params, smollm2
 
 LAYERS, HIDDEN, TRAIN_ROWS, TRAIN_SEQ, TRAIN_BATCH = 2, 64, 4, 128, 2
 EVAL_ROWS, EVAL_SEQ = 16, 256
@@ -69,10 +78,17 @@ def build_trainer(out_dir: str, ranks: int = 1, trainer_cls=None, **args) -> Tra
         eval_dataset=TokenRows(vocab, EVAL_ROWS * ranks, EVAL_SEQ, 1, ragged=True), callbacks=[Phases()])
 
 
-def main() -> None:
-    limit, mode, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    log_dir = sys.argv[4] if len(sys.argv) > 4 else None
-    trainer = build_trainer(os.path.dirname(out) or ".")
+def vm_size() -> int:
+    """This process's virtual size now (``VmSize``), bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def run_one(limit: int, mode: str, out_dir: str, log_dir=None) -> dict:
+    """One run (module docstring) on a fresh model and ``Trainer``; returns its result."""
+    PHASE["now"] = "setup"
+    PEAKS.clear()
+    trainer = build_trainer(out_dir)
     guard = None
     if mode == "oom":
         from memguard_hf import MemGuardCallback
@@ -95,8 +111,28 @@ def main() -> None:
                      micro_batches=guard.monitor.micro_batches if guard.monitor is not None else None,
                      event_log=(guard.summary or {}).get("event_log"))
 
-    run_limited(limit, mode, out, train, finish)
+    vm_start = vm_size()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.json")
+        run_limited(limit, mode, out, train, finish)
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))   # the next run sets its own
+        with open(out) as f:
+            r = json.load(f)
+    r["vm_start"] = vm_start
+    return r
 
+
+def main() -> None:
+    limit, modes, out = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
+    log_dir = sys.argv[4] if len(sys.argv) > 4 else None
+    results = {}
+    for mode in modes:
+        results[mode] = run_one(0 if mode == "ref" else limit, "none" if mode == "ref" else mode,
+                                os.path.dirname(out) or ".", log_dir)
+        gc.collect()   # the run's model, optimizer states and frames, before the next run builds its own
+    with open(out, "w") as f:
+        json.dump(results, f)
 
 if __name__ == "__main__":
     main()

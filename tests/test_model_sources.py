@@ -58,14 +58,15 @@ def _cli_here(capsys, *args):
     return code, out, err
 
 
-def test_hub_id_resolves_from_the_hf_hub_cache_offline(tmp_path):
+def test_hub_id_resolves_from_the_hf_hub_cache_offline(tmp_path, capsys):
     cache = str(tmp_path / "hub")
     _lay_out_cache(cache, "HuggingFaceTB/SmolLM2-135M", SMOL)
     env = {"HF_HUB_CACHE": cache, "HF_HUB_OFFLINE": "1"}
     by_id = _cli("HuggingFaceTB/SmolLM2-135M", "--json", "--device", "cpu", env=env)
     assert by_id.returncode == 0, by_id.stderr
-    by_path = _cli("--config", SMOL, "--json", "--device", "cpu")
-    a, b = json.loads(by_id.stdout), json.loads(by_path.stdout)
+    code, by_path, err = _cli_here(capsys, "--config", SMOL, "--json", "--device", "cpu")
+    assert code == 0, err
+    a, b = json.loads(by_id.stdout), json.loads(by_path)
     assert a["peak_bytes"] == b["peak_bytes"] > 0
     assert a["model"]["num_layers"] == 30
 
@@ -228,7 +229,7 @@ class _FakeTorchCuda:
         return self.available
 
 
-def test_device_default_follows_what_this_machine_would_train_on():
+def test_device_default_follows_what_this_machine_would_train_on(capsys):
     assert default_device("hf", torch_cuda=_FakeTorchCuda(True)) == "cuda"
     assert default_device("lightning", torch_cuda=_FakeTorchCuda(False)) == "cpu"
     assert default_device("mlx", torch_cuda=_FakeTorchCuda(True)) == "mlx"
@@ -244,12 +245,12 @@ def test_device_default_follows_what_this_machine_would_train_on():
     import torch
 
     assert default_device("hf") == ("cuda" if torch.cuda.is_available() else "cpu")
-    p = _cli("--config", SMOL, "--json")
-    assert p.returncode == 0
-    assert json.loads(p.stdout)["counter"] == default_device("hf")
-    table = _cli("--config", SMOL)
+    code, out, err = _cli_here(capsys, "--config", SMOL, "--json")
+    assert code == 0, err
+    assert json.loads(out)["counter"] == default_device("hf")
+    code, table, err = _cli_here(capsys, "--config", SMOL)
     expected = "peak RSS" if default_device("hf") == "cpu" else "peak device memory"
-    assert "predicts" in table.stdout and expected in " ".join(table.stdout.split())
+    assert code == 0 and "predicts" in table and expected in " ".join(table.split())
 
 
 # -- bad input -------------------------------------------------------------------------------

@@ -54,14 +54,34 @@ def _run(tmp_path, mode: str, port: int, version: str = "2") -> list:
     return [torch.load(tmp_path / f"{kind}_rank{r}.pt") for r in (0, 1)]
 
 
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """``launches(version)``: {mode: per-rank results} of the unguarded out-of-memory reference,
+    Lightning's unsplit run and the guarded split run under FSDP ``version``, the three fits in one
+    2-rank launch (one process start and one import of torch/Lightning per rank for the three; each
+    fit seeds and builds its own module), made once per module on first use. The reference comes
+    first: the out-of-memory test places its limit from that fit's VmPeak, which never falls within
+    a process."""
+    root = tmp_path_factory.mktemp("lightning-fsdp")
+    cache = {}
+
+    def get(version: str):
+        if version not in cache:
+            modes = ("oom-ref", "plain", "split")
+            rc, log = _launch(root / version, "+".join(modes), _port(), version)
+            assert rc == 0, log[-6000:]
+            cache[version] = {m: [torch.load(root / version / f"{m}_rank{r}.pt") for r in (0, 1)] for m in modes}
+        return cache[version]
+    return get
+
+
 def _diff(a, b) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
 @pytest.mark.parametrize("version", ["2", "1"])
-def test_fsdp_split_in_place_equals_the_unsplit_run(tmp_path, version):
-    plain = _run(tmp_path, "plain", _port(), version)
-    split = _run(tmp_path, "split", _port(), version)
+def test_fsdp_split_in_place_equals_the_unsplit_run(version, launches):
+    plain, split = launches(version)["plain"], launches(version)["split"]
     expected = [[4], [2, 2], [2, 2], [2, 2]] + [[1, 1, 1, 1]] * 4
     for r in (0, 1):
         p, s = plain[r], split[r]
@@ -86,7 +106,7 @@ def test_fsdp_split_in_place_equals_the_unsplit_run(tmp_path, version):
 
 
 @pytest.mark.parametrize("version", ["2", "1"])
-def test_fsdp_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version):
+def test_fsdp_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version, launches):
     """Rank 1 alone gets an address-space limit (RLIMIT_AS) of its VmSize at train start plus 80 % of
     what the unlimited unsplit run added to its VmPeak: its allocator really fails at the unsplit
     size. (Most of that growth is fixed -- AdamW's states, the gradients, the gathered parameters --
@@ -97,7 +117,7 @@ def test_fsdp_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version
     end of the micro-batch, both ranks redid the window at the same cut, and the parameters are the
     unlimited run's. (The unguarded twin runs under FSDP2 only, to keep CI's time: under FSDP1 rank
     1's errors, the allocator's own, show the limit bites.)"""
-    ref = _run(tmp_path / "ref", "oom-ref", _port(), version)
+    ref = launches(version)["oom-ref"]
     headroom = int(0.8 * (ref[1]["vmpeak"] - ref[1]["base_vmsize"]))
     if version == "2":
         rc, log = _launch(tmp_path / "none", f"oom-none:{headroom}", _port(), version)

@@ -5,7 +5,9 @@ decoder block and the model over the ``data_parallel`` mesh dimension), or, with
 model wrapped at the root, full shard; Lightning's defaults otherwise, ``use_orig_params=True``
 included; no gradient clipping, which ``FSDPPrecision`` refuses by norm).
 
-usage: python -m torch.distributed.run --nproc_per_node=2 lightning_fsdp_worker.py MODE OUT_DIR
+usage: python -m torch.distributed.run --nproc_per_node=2 lightning_fsdp_worker.py MODE[+MODE...] OUT_DIR
+
+(``plain+split``: both fits in the same ranks, one after the other.)
 
 * ``plain``: unguarded, Lightning's own FSDP run (batch 4 per rank, accumulation 2, 4 steps,
   gradient clipping at norm 1 under FSDP2).
@@ -125,6 +127,14 @@ def main() -> None:
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["MEMGUARD_TEST_DUMP_AFTER_S"]), exit=True)
+    # "plain+split": both fits in this process, one after the other (one process start and one
+    # import of torch/Lightning for both; each fit seeds and builds its own module)
+    for one in mode.split("+"):
+        run(one, out)
+
+
+def run(mode: str, out: str) -> None:
+    """One fit as ``mode`` says (the module docstring); saves ``OUT/{kind}_rank{r}.pt``."""
     kind, _, headroom = mode.partition(":")
     long_rows = kind.startswith("oom")
     steps = 3 if long_rows else 4
@@ -178,7 +188,11 @@ def main() -> None:
 
         dist.reduce_scatter_single = counting_scatter
     trainer = make_trainer(callbacks=cbs, max_steps=steps, accumulate=2, devices=2, strategy=strategy, **extra)
-    trainer.fit(module, loader)
+    try:
+        trainer.fit(module, loader)
+    finally:
+        if fsdp1:
+            dist.reduce_scatter_single = orig_scatter   # the next fit in this process counts its own
     peak = proc_status_bytes("VmPeak")
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))

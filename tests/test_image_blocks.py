@@ -169,39 +169,46 @@ def test_a_spec_field_at_zero_is_named():
         assert err.value.field == f
 
 
-def test_cli_estimates_a_vit_config(tmp_path):
+def test_cli_estimates_a_vit_config(tmp_path, capsys):
     """``memguard estimate`` on a ViT config.json: the head from ``architectures``, the rows' tokens
     the patch count whatever ``--seq-length`` says; ``--head image_classification`` on a bare
-    ``ViTModel`` config gives the same figure."""
+    ``ViTModel`` config gives the same figure. (The CLI's ``main`` in this process: it needs no
+    environment of its own.)"""
     import json
-    import subprocess
-    import sys
+
+    from memguard_core.cli import main
+
+    def cli(*args):
+        code = main(["estimate", *args])
+        out, err = capsys.readouterr()
+        return code, out, err
 
     d = _config("vit", 0.0).to_dict()
     p = tmp_path / "config.json"
     p.write_text(json.dumps(d))
-    run = [sys.executable, "-m", "memguard_core.cli", "estimate", "--config", str(p), "--device", "cpu",
-           "--method", "full", "--dtype", "fp32", "--batch-size", "4", "--json"]
-    out = json.loads(subprocess.run(run, capture_output=True, text=True, check=True).stdout)
+    run = ["--config", str(p), "--device", "cpu", "--method", "full", "--dtype", "fp32", "--batch-size", "4",
+           "--json"]
+    code, text, err = cli(*run)
+    assert code == 0, err
+    out = json.loads(text)
     assert out["model"]["head"]["kind"] == "image_classification"
     assert (out["model"]["image_size"], out["model"]["patch_size"]) == (IMG, P)
     assert out["breakdown"]["activations"] > 0 and out["breakdown"]["logits"] < 4096
-    longer = json.loads(subprocess.run(run + ["--seq-length", "4096"], capture_output=True, text=True,
-                                       check=True).stdout)
-    assert longer["peak_bytes"] == out["peak_bytes"]
+    code, text, err = cli(*run, "--seq-length", "4096")
+    assert code == 0, err
+    assert json.loads(text)["peak_bytes"] == out["peak_bytes"]
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps(dict(d, architectures=["ViTModel"])))
-    run_bare = [a if a != str(p) else str(bare) for a in run] + ["--head", "image_classification"]
-    same = json.loads(subprocess.run(run_bare, capture_output=True, text=True, check=True).stdout)
-    assert same["peak_bytes"] == out["peak_bytes"]
+    code, text, err = cli(*[a if a != str(p) else str(bare) for a in run], "--head", "image_classification")
+    assert code == 0, err
+    assert json.loads(text)["peak_bytes"] == out["peak_bytes"]
     d2 = dict(d, model_type="dinov2", architectures=["Dinov2ForImageClassification"])
     (tmp_path / "dino.json").write_text(json.dumps(d2))
-    r = subprocess.run([a if a != str(p) else str(tmp_path / "dino.json") for a in run], capture_output=True,
-                       text=True)
-    assert r.returncode != 0 and "model_type" in r.stderr and "vit, deit" in r.stderr
+    code, _, err = cli(*[a if a != str(p) else str(tmp_path / "dino.json") for a in run])
+    assert code != 0 and "model_type" in err and "vit, deit" in err
     # --trace builds a causal-LM step: refused in one line, not transformers' list of every class
-    r = subprocess.run(run + ["--trace"], capture_output=True, text=True)
-    assert r.returncode == 2 and "--trace" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    code, _, err = cli(*run, "--trace")
+    assert code == 2 and "--trace" in err and len(err.strip().splitlines()) == 1, err
 
 
 _GUARDED_RUN = r'''

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -154,31 +152,41 @@ def test_target_length_drives_the_decoder_and_the_logits():
     assert e.value.field == "target_length"
 
 
-def test_cli_estimates_a_t5_config_with_target_length(tmp_path):
+def _cli(capsys, *args):
+    """``memguard estimate *args`` through the CLI's ``main`` in this process (it needs no
+    environment of its own): (exit code, stdout, stderr)."""
+    from memguard_core.cli import main
+
+    try:
+        code = main(["estimate", *args])
+    except SystemExit as e:  # argparse's --help
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_estimates_a_t5_config_with_target_length(tmp_path, capsys):
     cfg = _config("flan-t5").to_dict()
     p = tmp_path / "config.json"
     p.write_text(json.dumps(cfg))
-    run = [sys.executable, "-m", "memguard_core.cli", "estimate", "--config", str(p), "--device", "cpu",
-           "--batch-size", "2", "--seq-length", "64", "--json"]
-    r = subprocess.run(run + ["--target-length", "16"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    run = ["--config", str(p), "--device", "cpu", "--batch-size", "2", "--seq-length", "64", "--json"]
+    code, text, err = _cli(capsys, *run, "--target-length", "16")
+    assert code == 0, err
+    out = json.loads(text)
     assert out["train"]["target_length"] == 16 and out["train"]["seq_length"] == 64
-    r2 = subprocess.run(run + ["--target-len", "48"], capture_output=True, text=True, timeout=300)
-    assert r2.returncode == 0, r2.stderr
-    assert json.loads(r2.stdout)["peak_bytes"] > out["peak_bytes"]
-    helped = subprocess.run([sys.executable, "-m", "memguard_core.cli", "estimate", "--help"], capture_output=True,
-                            text=True, timeout=120)
-    assert "--target-length" in helped.stdout and "labels" in helped.stdout
+    code, text, err = _cli(capsys, *run, "--target-len", "48")
+    assert code == 0, err
+    assert json.loads(text)["peak_bytes"] > out["peak_bytes"]
+    code, helped, _ = _cli(capsys, "--help")
+    assert code == 0 and "--target-length" in helped and "labels" in helped
 
 
-def test_target_length_on_a_decoder_only_model_is_one_line(tmp_path):
+def test_target_length_on_a_decoder_only_model_is_one_line(tmp_path, capsys):
     p = tmp_path / "config.json"
     p.write_text(json.dumps(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000).to_dict()))
-    r = subprocess.run([sys.executable, "-m", "memguard_core.cli", "estimate", "--config", str(p), "--device", "cpu",
-                        "--target-length", "16"], capture_output=True, text=True, timeout=300)
-    said = [ln for ln in r.stderr.splitlines() if "--target-length" in ln]
-    assert r.returncode != 0 and len(said) == 1 and "decoder stack" in said[0]
+    code, _, err = _cli(capsys, "--config", str(p), "--device", "cpu", "--target-length", "16")
+    said = [ln for ln in err.splitlines() if "--target-length" in ln]
+    assert code != 0 and len(said) == 1 and "decoder stack" in said[0], err
 
 
 def test_speech_encoder_decoder_is_refused_in_one_line(tmp_path):

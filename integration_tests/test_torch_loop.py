@@ -122,7 +122,9 @@ def _port() -> int:
 
 def _launch(out, *args, world=2, timeout=150, **env_extra):
     """Run ``world`` ranks of the worker; returns (return codes, outputs); return codes None when
-    the run did not end within ``timeout`` seconds (a hang: the ranks are killed)."""
+    the run did not end within ``timeout`` seconds (a hang: the ranks are killed). ``args`` may hold
+    several scenarios separated by ``"--then"``, each with its own ``--out``, run in sequence by the
+    same ranks (``out`` is then the first scenario's)."""
     env = script_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()),
                      WORLD_SIZE=str(world), MALLOC_ARENA_MAX="1", TOKENIZERS_PARALLELISM="false", **env_extra)
     procs = [subprocess.Popen([sys.executable, WORKER, "--out", str(out), *map(str, args)],
@@ -140,47 +142,76 @@ def _launch(out, *args, world=2, timeout=150, **env_extra):
     return [p.returncode for p in procs], outs
 
 
-def _run(out, *args, **kw):
-    rc, outs = _launch(out, *args, **kw)
+def _check(rc, outs):
     assert rc is not None, "the ranks hung:\n" + "\n".join(o[-3000:] for o in outs)
     assert rc == [0, 0], "\n".join(o[-3000:] for o in outs)
+
+
+def _results(out):
     params = torch.load(os.path.join(out, "params.pt"))
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
-    return params, ranks, outs
+    return params, ranks
 
 
 def _diff(a, b) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """The unsplit, unguarded 2-rank runs (DDP and FSDP2), computed once."""
-    root = tmp_path_factory.mktemp("torch-loop-ref")
-    return {mode: _run(root / mode, "--mode", mode, "--plain") for mode in ("ddp", "fsdp", "fsdp1")}
+OOM_ARGS = ("--seq", 256, "--attn", "eager")   # eager attention: activations dominate a rank's growth
 
-
+# Every run of a mode but the allocator-failure ones, in one 2-rank launch (one process start and one
+# import of torch/transformers per rank for all of them; each run builds its own seeded model and
+# optimizer). The out-of-memory test's reference comes first: its limit is placed from the VmPeak
+# growth of that run, and VmPeak never falls within a process.
 # ddp: chunks under no_sync, the guard averages; ddp --no-oom-sync: DDP reduces in the last chunk's
 # backward; fsdp: sync points in FSDP's comms; fsdp --module-hooks: the module-hook fallback;
-# fsdp1: FSDP1, sync points in its all-gathers and a communication hook
-VARIANTS = [("ddp", ()), ("ddp", ("--no-oom-sync",)), ("fsdp", ()), ("fsdp", ("--module-hooks",)), ("fsdp1", ())]
+# fsdp1: FSDP1, sync points in its all-gathers and a communication hook; fsdp k-at-step: rank 1
+# alone raises k at step 1
+SCENARIOS = {
+    "ddp": {"oom-ref": ("--plain", *OOM_ARGS), "ref": ("--plain",), "ddp": ("--k", 3),
+            "ddp-no-oom-sync": ("--k", 3, "--no-oom-sync")},
+    "fsdp": {"oom-ref": ("--plain", *OOM_ARGS), "ref": ("--plain",), "fsdp": ("--k", 3),
+             "fsdp-module-hooks": ("--k", 3, "--module-hooks"), "k-at-step": ("--k-at-step", "1:1:4")},
+    "fsdp1": {"oom-ref": ("--plain", *OOM_ARGS), "ref": ("--plain",), "fsdp1": ("--k", 3)},
+}
 
 
-@pytest.mark.parametrize("mode, extra", VARIANTS, ids=["ddp", "ddp-no-oom-sync", "fsdp", "fsdp-module-hooks", "fsdp1"])
-def test_two_rank_split_equals_unsplit(mode, extra, references, tmp_path):
-    params, ranks, _ = _run(tmp_path, "--mode", mode, "--k", 3, *extra)
-    assert _diff(references[mode][0], params) < ATOL
+@pytest.fixture(scope="module")
+def mode_runs(tmp_path_factory):
+    """``mode_runs(mode)``: {scenario: (params, per-rank figures)} of SCENARIOS[mode], launched once
+    per module on first use."""
+    root = tmp_path_factory.mktemp("torch-loop-runs")
+    cache = {}
+
+    def get(mode):
+        if mode not in cache:
+            args = []
+            for name, extra in SCENARIOS[mode].items():
+                args += [*(["--then", "--out", root / mode / name] if args else []), "--mode", mode, *extra]
+            _check(*_launch(root / mode / "oom-ref", *args, timeout=400))
+            cache[mode] = {name: _results(root / mode / name) for name in SCENARIOS[mode]}
+        return cache[mode]
+    return get
+
+
+@pytest.mark.parametrize("variant", ["ddp", "ddp-no-oom-sync", "fsdp", "fsdp-module-hooks", "fsdp1"])
+def test_two_rank_split_equals_unsplit(variant, mode_runs):
+    mode = variant.split("-")[0]
+    runs = mode_runs(mode)
+    params, ranks = runs[variant]
+    assert _diff(runs["ref"][0], params) < ATOL
     for r in ranks:
         assert r["micro_batch_rows"] == [3, 2, 3] * 3 and r["optimizer_steps"] == 3 and r["oom_retries"] == 0
         # the preflight read the sharding from the live model (per-rank estimate, docs/distributed.md)
         assert r["preflight_sharding"] == {"ddp": "ddp", "fsdp": "fsdp-full", "fsdp1": "fsdp-full"}[mode]
 
 
-def test_one_rank_asks_for_more_micro_batches(references, tmp_path):
+def test_one_rank_asks_for_more_micro_batches(mode_runs):
     """Rank 1 alone raises k at step 1 (as its monitor would): both ranks cut alike (FSDP2 would hang
     otherwise) and the result is the unsplit one."""
-    params, ranks, _ = _run(tmp_path, "--mode", "fsdp", "--k-at-step", "1:1:4")
-    assert _diff(references["fsdp"][0], params) < ATOL
+    runs = mode_runs("fsdp")
+    params, ranks = runs["k-at-step"]
+    assert _diff(runs["ref"][0], params) < ATOL
     for r in ranks:
         assert r["micro_batch_rows"] == [8, 2, 2, 2, 2, 2, 2, 2, 2]
 
@@ -189,39 +220,30 @@ def test_fsdp2_no_sync_holds_the_unsharded_gradients(tmp_path):
     """Why memguard reduce-scatters every chunk under FSDP2: the alternative,
     ``set_requires_gradient_sync(False)`` for the non-final chunks, keeps every unit's unsharded
     gradient until the window's last backward. Two unguarded 2-rank FSDP2 runs of a wider model
-    (hidden 1024: ~145 MiB of fp32 gradients, ~72 MiB per rank sharded), 4 chunks per batch: the
-    peak resident memory (VmHWM growth over the training; large blocks mmapped, so it follows the
-    live tensors and repeats to the page) of the no-sync run is above the reduce-scatter run's on
-    every rank by more than a quarter of the unsharded gradients (measured: about a third; the
-    reduce-scatter run's own peak holds the sharded gradients plus one unit's unsharded gradient and
-    its reduce-scatter buffer)."""
-    runs = {}
-    for name, extra in (("reduce_scatter", ()), ("no_sync", ("--fsdp-no-sync",))):
-        out = tmp_path / name
-        # large blocks mapped on their own and unmapped when freed: the resident peak follows the
-        # live tensors, not what the heap keeps after the transients of the reduce-scatters
-        rc, outs = _launch(out, "--mode", "fsdp", "--plain", "--hidden", 1024, "--chunks", 4, "--steps", 1, *extra,
-                           MALLOC_MMAP_THRESHOLD_="65536")
-        assert rc == [0, 0], "\n".join(o[-3000:] for o in (outs or []))
-        runs[name] = [json.load(open(out / f"rank{r}.json")) for r in range(2)]
+    (hidden 1024: ~145 MiB of fp32 gradients, ~72 MiB per rank sharded), 4 chunks per batch, one
+    after the other in the same ranks: the peak resident memory (VmHWM growth over each run's
+    training, VmHWM reset to VmRSS before it; large blocks mmapped, so it follows the live tensors
+    and repeats to the page) of the no-sync run is above the reduce-scatter run's on every rank by
+    more than a quarter of the unsharded gradients (measured: about a third; the reduce-scatter
+    run's own peak holds the sharded gradients plus one unit's unsharded gradient and its
+    reduce-scatter buffer)."""
+    common = ("--mode", "fsdp", "--plain", "--hidden", 1024, "--chunks", 4, "--steps", 1)
+    # large blocks mapped on their own and unmapped when freed: the resident peak follows the
+    # live tensors, not what the heap keeps after the transients of the reduce-scatters (nor what
+    # the first run left)
+    rc, outs = _launch(tmp_path / "reduce_scatter", *common, "--then", "--out", tmp_path / "no_sync", *common,
+                       "--fsdp-no-sync", timeout=300, MALLOC_MMAP_THRESHOLD_="65536")
+    _check(rc, outs)
+    runs = {name: [json.load(open(tmp_path / name / f"rank{r}.json")) for r in range(2)]
+            for name in ("reduce_scatter", "no_sync")}
     grads = runs["no_sync"][0]["param_bytes"]
     for rs, ns in zip(runs["reduce_scatter"], runs["no_sync"]):
         assert ns["hwm_growth"] - rs["hwm_growth"] > 0.25 * grads, (ns["hwm_growth"], rs["hwm_growth"], grads)
 
 
-OOM_ARGS = ("--seq", 256, "--attn", "eager")   # eager attention: activations dominate a rank's growth
-
-
-@pytest.fixture(scope="module")
-def oom_references(tmp_path_factory):
-    """The unsplit, unguarded 2-rank runs of the out-of-memory tests (longer rows), computed once."""
-    root = tmp_path_factory.mktemp("torch-loop-oom-ref")
-    return {mode: _run(root / mode, "--mode", mode, "--plain", *OOM_ARGS) for mode in ("ddp", "fsdp", "fsdp1")}
-
-
 @pytest.mark.parametrize("mode, extra", [("fsdp", ()), ("fsdp", ("--module-hooks",)), ("ddp", ()), ("fsdp1", ())],
                          ids=["fsdp", "fsdp-module-hooks", "ddp", "fsdp1"])
-def test_one_rank_out_of_memory_is_survived_by_every_rank(mode, extra, oom_references, tmp_path):
+def test_one_rank_out_of_memory_is_survived_by_every_rank(mode, extra, mode_runs, tmp_path):
     """Rank 1 alone gets an address-space limit (RLIMIT_AS) of its VmSize before training plus 70 %
     of what the unsplit step added to its VmPeak in the reference run: its allocator really fails
     at the unsplit size (a 4-row split needs under half of it). The monitor's step sample is off,
@@ -229,13 +251,12 @@ def test_one_rank_out_of_memory_is_survived_by_every_rank(mode, extra, oom_refer
     a collective would hang), both ranks record the retry, rank 1's errors are the allocator's own,
     and the parameters are the unsplit run's. Under DDP, the failing rank's first forward also
     leaves DDP's buffer-broadcast flag as it was (``memguard_torch._compat.ddp_after_abort``)."""
-    ref_params, ref_ranks, _ = oom_references[mode]
+    ref_params, ref_ranks = mode_runs(mode)["oom-ref"]
     growth = ref_ranks[1]["vmpeak"] - ref_ranks[1]["base_vmsize"]
     headroom = int(0.7 * growth)
     rc, outs = _launch(tmp_path, "--mode", mode, *OOM_ARGS, "--rlimit-rank", 1, "--rlimit-headroom", headroom,
                        "--oom-path-only", *extra, timeout=240)
-    assert rc is not None, "the ranks hung:\n" + "\n".join(o[-3000:] for o in outs)
-    assert rc == [0, 0], "\n".join(o[-3000:] for o in outs)
+    _check(rc, outs)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     errors = ranks[1]["oom_errors"]
     assert errors and all("can't allocate memory" in e for e in errors), errors   # real allocator failures

@@ -22,6 +22,7 @@ Launched by path with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the envir
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -36,7 +37,7 @@ def _vm(field: str) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=("ddp", "fsdp", "fsdp1"), required=True)
     ap.add_argument("--out", required=True)
@@ -59,7 +60,25 @@ def main(argv=None) -> int:
     ap.add_argument("--module-hooks", action="store_true",
                     help="FSDP sync points by module hooks (the fallback for modules whose comms cannot be replaced)")
     ap.add_argument("--k-at-step", default="", help="rank:step:k[,...] raise k on one rank at a step")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    """Run the scenarios of ``argv`` (argument groups separated by ``--then``) one after another in
+    this process and its one gloo group: one process start and one import of torch/transformers for
+    several runs. VmPeak never falls, so a scenario that places a limit from its VmPeak (an
+    ``--plain`` out-of-memory reference) must be the first of its launch."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    groups, cur = [], []
+    for item in argv:
+        if item == "--then":
+            groups.append(cur)
+            cur = []
+        else:
+            cur.append(item)
+    groups.append(cur)
+    ap = _parser()
+    scenarios = [ap.parse_args(g) for g in groups]
     if os.environ.get("MEMGUARD_TEST_DUMP_AFTER_S"):
         import faulthandler
 
@@ -71,9 +90,35 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    dist.init_process_group("gloo")
+    for a in scenarios:
+        _run_scenario(a, dist)
+        gc.collect()   # the last scenario's model and optimizer gone before the next one's baseline
+        dist.barrier()
+    # leave without tearing the gloo group down: its teardown can abort the process
+    # ("terminate called without an active exception") after every result is written
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _run_scenario(a, dist) -> None:
+    """One training run as ``a`` says; writes its results under ``a.out``."""
+    import torch
+
+    import memguard_torch._compat as compat
+    from memguard_core.monitor import MemoryMonitor
     from memguard_testing.hf_tiny import RowsDataset, VOCAB, llama, pad_collate
 
-    dist.init_process_group("gloo")
+    # the patches below are this scenario's only: the next one in this process starts unpatched
+    saved = (MemoryMonitor.step_sample, compat.sync_fsdp_comms)
+    try:
+        _train(a, dist, torch, RowsDataset, VOCAB, llama, pad_collate)
+    finally:
+        MemoryMonitor.step_sample, compat.sync_fsdp_comms = saved
+
+
+def _train(a, dist, torch, RowsDataset, VOCAB, llama, pad_collate) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = llama(VOCAB, hidden=a.hidden, layers=4, max_positions=max(128, a.seq), seed=0)
     model.config._attn_implementation = a.attn
@@ -189,12 +234,6 @@ def main(argv=None) -> int:
                    "events": guard.events if guard else [],
                    "optimizer_steps": guard.optimizer_steps if guard else a.steps,
                    "summary_micro_batches": summary.get("micro_batches") if summary else None}, f)
-    dist.barrier()
-    # leave without tearing the gloo group down: its teardown can abort the process
-    # ("terminate called without an active exception") after every result is written
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

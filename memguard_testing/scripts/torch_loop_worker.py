@@ -16,6 +16,9 @@ training plus BYTES, so torch's CPU allocator really fails there when a step nee
 ``--oom-path-only`` switches the monitor's step sample off (it would read the limit and split
 before the failure), so the OOM path is what acts.
 
+Several runs in one launch: argument groups separated by ``--then`` (each with its own ``--out``)
+run in sequence in the same ranks and gloo group, each building its own seeded model and optimizer.
+
 Launched by path with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment.
 """
 

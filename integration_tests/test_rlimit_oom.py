@@ -5,6 +5,11 @@ fails ("DefaultCPUAllocator: can't allocate memory"). Each limit places the ungu
 failure in one phase; the guarded run (only its OOM path acting: a 1 TiB budget, no preflight, the
 monitor's step sample off) must finish every step with the parameters of an unlimited, unsplit run.
 
+Every limited run starts in a fresh child process, as a user's run would: a run after another in
+the same process starts with what the first left mapped (~0.1 GB here, more than some limits leave
+between a phase that must fit and the one that must fail). Only the unlimited reference shares a
+process, after the probe test's run (the module fixture).
+
 The limits were found on this machine from the child's VmPeak after each phase (the script prints
 them): forward of step 1 ~4.45-4.65 GB, its backward ~4.85-5.05 GB; step 2 (with AdamW's states)
 forward ~5.3 GB, backward ~5.7 GB; with one row per batch the first optimizer step (states + the
@@ -29,36 +34,54 @@ SCRIPT = os.path.join(ROOT, "memguard_testing", "scripts", "rlimit_hf_run.py")
 ALLOC_FAILED = "DefaultCPUAllocator: can't allocate memory"
 
 
-def _run(tmp_path, limit: int, mode: str, batch: int = 8, **extra_env: str) -> dict:
-    out = tmp_path / f"{mode}-{limit}-{batch}.json"
+def _run(tmp_path, *runs: str, **extra_env: str) -> dict:
+    """The child with ``runs`` (``NAME=LIMIT,MODE,STEPS,BATCH``, in that order); its results by name."""
+    out = tmp_path / f"{'-'.join(r.split('=')[0] for r in runs)}.json"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="2", **extra_env)
-    proc = subprocess.run([sys.executable, SCRIPT, str(limit), mode, str(out), "2", "1", str(batch)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, SCRIPT, str(out), *runs],
+                          capture_output=True, text=True, env=env, timeout=900)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
+def _bare_fails(tmp_path, limit: int, phase: str, steps: int = 2, batch: int = 8, **extra_env: str) -> None:
+    """The unguarded twin fails with the allocator's error in ``phase``."""
+    bare = _run(tmp_path, f"bare={limit},none,{steps},{batch}", **extra_env)["bare"]
+    assert bare.get("failed") == phase and ALLOC_FAILED in bare["error"], bare.get("error")
+
+
+def _guarded(tmp_path, limit: int, steps: int = 2, batch: int = 8, **extra_env: str) -> dict:
+    return _run(tmp_path, f"guarded={limit},oom,{steps},{batch}", **extra_env)["guarded"]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The same run without a limit, unguarded and unsplit."""
-    r = _run(tmp_path_factory.mktemp("ref"), 0, "none")
-    assert r["steps"] == 2, r
-    return r
+def probe_and_reference(tmp_path_factory):
+    """The probe test's guarded run (the backward test's limit, default budget), then the same
+    run without a limit, unguarded and unsplit: the reference."""
+    runs = _run(tmp_path_factory.mktemp("ref"), "probe=5500000000,probe,2,8", "ref=0,none,2,8")
+    assert runs["ref"]["steps"] == 2, runs["ref"]
+    return runs
 
 
-def _assert_same_params(run: dict, reference: dict) -> None:
-    ref, got = reference["params"], run["params"]
+@pytest.fixture
+def reference(probe_and_reference):
+    return probe_and_reference["ref"]
+
+
+def _assert_same_params(run: dict, reference: dict, after_step: int = 2) -> None:
+    ref = reference["params"] if after_step == 2 else reference["step_params"][after_step - 1]
+    got = run["params"]
     assert ref.keys() == got.keys()
     worst = max(max(abs(a - b) for a, b in zip(ref[n], got[n])) for n in ref)
     assert worst < 1e-6, f"parameters differ from the unsplit run by {worst}"
 
 
-def _assert_finished(run: dict, reference: dict) -> None:
+def _assert_finished(run: dict, reference: dict, steps: int = 2) -> None:
     assert "failed" not in run, run.get("error")
-    assert run["steps"] == 2
-    assert run["oom_retries"] >= 1           # the OOM path acted, not something else
-    assert run["samples_per_step"] == [8, 8]  # samples per optimizer step kept
-    _assert_same_params(run, reference)
+    assert run["steps"] == steps
+    assert run["oom_retries"] >= 1                # the OOM path acted, not something else
+    assert run["samples_per_step"] == [8] * steps  # samples per optimizer step kept
+    _assert_same_params(run, reference, steps)
 
 
 def test_forward_oom_is_survived(tmp_path, reference):
@@ -68,12 +91,12 @@ def test_forward_oom_is_survived(tmp_path, reference):
     0.1 GB of the unguarded forward's, less than glibc's per-thread arenas move the address space
     from run to run (each reserves 64 MiB of it), so both runs use one arena
     (``MALLOC_ARENA_MAX=1``: the peaks then repeat within a few MB) and the limit sits between them:
-    unguarded forward ~4.32 GB, guarded ~4.21 GB."""
+    unguarded forward ~4.32 GB, guarded ~4.21 GB. One optimizer step: the failure and the split
+    are in step 1, and a second step at one row per micro-batch would prove nothing more."""
     limit = 4_280_000_000
-    bare = _run(tmp_path, limit, "none", MALLOC_ARENA_MAX="1")
-    assert bare.get("failed") == "forward" and ALLOC_FAILED in bare["error"], bare.get("error")
-    guarded = _run(tmp_path, limit, "oom", MALLOC_ARENA_MAX="1")
-    _assert_finished(guarded, reference)
+    _bare_fails(tmp_path, limit, "forward", steps=1, MALLOC_ARENA_MAX="1")
+    guarded = _guarded(tmp_path, limit, steps=1, MALLOC_ARENA_MAX="1")
+    _assert_finished(guarded, reference, steps=1)
     assert min(guarded["rows"]) < 8
 
 
@@ -82,9 +105,8 @@ def test_backward_oom_redoes_the_window(tmp_path, reference):
     memguard used to re-raise. Guarded: the window's gradients are zeroed, memory freed and the
     window redone with 2 micro-batches."""
     limit = 5_500_000_000
-    bare = _run(tmp_path, limit, "none")
-    assert bare.get("failed") == "backward" and ALLOC_FAILED in bare["error"], bare.get("error")
-    guarded = _run(tmp_path, limit, "oom")
+    _bare_fails(tmp_path, limit, "backward")
+    guarded = _guarded(tmp_path, limit)
     _assert_finished(guarded, reference)
     assert 4 in guarded["rows"]
 
@@ -96,18 +118,16 @@ def test_optimizer_step_oom_ends_with_the_plan(tmp_path):
     where the split acts, and at one row per forward the run ends with ``WindowOOMError`` naming
     the plan that would fit instead of the allocator's bare error."""
     limit = 3_400_000_000
-    bare = _run(tmp_path, limit, "none", batch=1)
-    assert bare.get("failed") == "optimizer" and ALLOC_FAILED in bare["error"], bare.get("error")
-    guarded = _run(tmp_path, limit, "oom", batch=1)
+    _bare_fails(tmp_path, limit, "optimizer", batch=1)
+    guarded = _guarded(tmp_path, limit, batch=1)
     assert guarded["error"].startswith("WindowOOMError"), guarded["error"]
     assert "A plan that would fit" in guarded["error"] and "out of memory" in guarded["error"]
 
 
-def test_probe_reads_the_limit_and_prevents_the_failure(tmp_path, reference):
+def test_probe_reads_the_limit_and_prevents_the_failure(probe_and_reference):
     """The backward test's limit with the default budget: the Linux probe reads RLIMIT_AS as the
     budget and the monitor splits before any allocation fails."""
-    limit = 5_500_000_000
-    guarded = _run(tmp_path, limit, "probe")
+    guarded, reference = probe_and_reference["probe"], probe_and_reference["ref"]
     assert "failed" not in guarded, guarded.get("error")
     assert guarded["steps"] == 2 and guarded["oom_retries"] == 0
     assert guarded["micro_batches"] > 1 and guarded["samples_per_step"] == [8, 8]

@@ -1,27 +1,39 @@
-"""One HF ``Trainer`` full fine-tune of the SmolLM2-135M shape cut to 12 blocks (random fp32
-weights, AdamW), batch 8 x 256 tokens, under a real address-space limit (``RLIMIT_AS``, what
+"""HF ``Trainer`` full fine-tunes of the SmolLM2-135M shape cut to 12 blocks (random fp32 weights,
+AdamW), batch 8 x 256 tokens, under a real address-space limit (``RLIMIT_AS``, what
 ``prlimit --as`` / ``ulimit -v`` set) that the child sets on itself once the model is built, so
 torch's CPU allocator really fails ("DefaultCPUAllocator: can't allocate memory").
 
-usage: python rlimit_hf_run.py LIMIT_BYTES MODE OUT_JSON [STEPS] [GRAD_ACCUM] [BATCH]
+usage: python rlimit_hf_run.py OUT_JSON RUN [RUN ...]
 
-LIMIT_BYTES 0: no limit. MODE: ``none`` (unguarded), ``oom`` (guarded, only the OOM path acting:
-budget 1 TiB, no preflight, no background thread, the monitor's step sample switched off so its
-reading of the limit cannot split first), ``probe`` (guarded with the defaults, preflight included, no background
-thread: the probe reads the limit as the budget before the first forward). Writes OUT_JSON: the phase of the failure (``forward`` / ``backward`` /
+RUN: ``NAME=LIMIT_BYTES,MODE,STEPS,BATCH``. The runs go in that order in this one process, each on
+a freshly built model and ``Trainer``, the soft limit lifted after each (so a test pays one
+interpreter start instead of one per run; an earlier run's leftovers show in the next one's
+``vm_start``). LIMIT_BYTES 0: no limit. MODE: ``none`` (unguarded), ``oom`` (guarded, only the
+OOM path acting: budget 1 TiB, no preflight, no background thread, the monitor's step sample
+switched off so its reading of the limit cannot split first), ``probe`` (guarded with the defaults,
+preflight included, no background thread: the probe reads the limit as the budget before the first
+forward). Writes OUT_JSON: per NAME, the phase of the failure (``forward`` / ``backward`` /
 ``optimizer``) and its message, or the steps done, a fingerprint of the final parameters (every
-997th value of each), the guard's retries and micro-batch rows, and VmPeak after each phase of
-each step (bytes, for finding limits).
+997th value of each; an unlimited run also after each optimizer step, ``step_params``), the
+guard's retries and micro-batch rows, VmSize when the limit was set (``vm_start``, bytes) and
+VmPeak after each phase of each step (bytes, for finding limits; VmPeak is the process's, so only
+the first run's readings are its own).
 """
 
+import gc
+import importlib
+import json
 import os
+import resource
 import sys
+import tempfile
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from memguard_testing.rlimit import PHASE, TokenRows, act_only_on_oom, mark, run_limited, sampled_params, smollm2
+from memguard_testing.rlimit import (PEAKS, PHASE, TokenRows, act_only_on_oom, mark, run_limited, sampled_params,
+                                     smollm2)
 
-ROWS, SEQ, BATCH, LAYERS = 32, 256, 8, 12
+ROWS, SEQ, LAYERS = 32, 256, 12
 
 
 class PhaseTrainer(Trainer):
@@ -45,27 +57,44 @@ class Phases(TrainerCallback):
         mark("optimizer", "other")
 
 
-def main() -> None:
-    limit, mode, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 2
-    accum = int(sys.argv[5]) if len(sys.argv) > 5 else 1
-    batch = int(sys.argv[6]) if len(sys.argv) > 6 else BATCH
+class StepParams(TrainerCallback):
+    """Samples the parameters after each optimizer step (a reference for runs of fewer steps: the
+    linear schedule's first step has the full learning rate whatever ``max_steps``)."""
+
+    def __init__(self):
+        self.taken = []
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        self.taken.append(sampled_params(model))
+
+
+def vm_size() -> int:
+    """This process's virtual size now (``VmSize``), bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def run_one(limit: int, mode: str, steps: int, batch: int, out_dir: str) -> dict:
+    """One run (module docstring) on a fresh model and ``Trainer``; returns its result."""
+    PHASE["now"] = "setup"
+    PEAKS.clear()
     model = smollm2(LAYERS)
-    args = TrainingArguments(output_dir=os.path.dirname(out) or ".", per_device_train_batch_size=batch,
-                             gradient_accumulation_steps=accum, max_steps=steps, learning_rate=1e-4,
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=1, max_steps=steps, learning_rate=1e-4,
                              logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                              disable_tqdm=True, dataloader_num_workers=0, optim="adamw_torch", seed=0)
     trainer = PhaseTrainer(model=model, args=args, train_dataset=TokenRows(model.config.vocab_size, ROWS, SEQ),
                            callbacks=[Phases()])
+    step_params = StepParams() if not limit else None   # only where no limit can meet its allocations
+    if step_params is not None:
+        trainer.add_callback(step_params)
     guard = None
-    if mode == "oom":
+    if mode in ("oom", "probe"):
         from memguard_hf import MemGuardCallback
-
+    if mode == "oom":
         act_only_on_oom()
         guard = MemGuardCallback(budget_bytes=2**40, preflight=False, monitor_interval_s=0)
     elif mode == "probe":
-        from memguard_hf import MemGuardCallback
-
         guard = MemGuardCallback(monitor_interval_s=0)
     if guard is not None:
         trainer.add_callback(guard)
@@ -76,12 +105,39 @@ def main() -> None:
         r["params"] = sampled_params(trainer.model)
 
     def finish(r):
+        if step_params is not None:
+            r["step_params"] = step_params.taken
         if guard is not None:
             r.update(oom_retries=guard.oom_retries, rows=[int(x) for x in guard.micro_batch_rows],
                      samples_per_step=guard.samples_per_step,
                      micro_batches=guard.monitor.micro_batches if guard.monitor is not None else None)
 
-    run_limited(limit, mode, out, train, finish)
+    vm_start = vm_size()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.json")
+        run_limited(limit, mode, out, train, finish)
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))   # the next run sets its own
+        with open(out) as f:
+            r = json.load(f)
+    r["vm_start"] = vm_start
+    return r
+
+
+def main() -> None:
+    out, results = sys.argv[1], {}
+    if len(sys.argv) > 3:
+        # imported before the first of several runs, guarded or not: its modules then sit in every
+        # run's base address space alike, and what a run starts with beyond the first one's
+        # (``vm_start``) is what the earlier runs left
+        importlib.import_module("memguard_hf")
+    for spec in sys.argv[2:]:
+        name, fields = spec.split("=")
+        limit, mode, steps, batch = fields.split(",")
+        results[name] = run_one(int(limit), mode, int(steps), int(batch), os.path.dirname(out) or ".")
+        gc.collect()   # the run's model, optimizer states and frames, before the next run builds its own
+    with open(out, "w") as f:
+        json.dump(results, f)
 
 
 if __name__ == "__main__":

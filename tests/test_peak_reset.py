@@ -67,8 +67,10 @@ def test_reset_on_keeps_the_early_peak_and_gives_it_back(tmp_path):
     # the summary keeps the peak the process reached (ru_maxrss reads batched counters: a few pages)
     assert held - RU_DRIFT_BYTES <= s["process_peak_rss_bytes"] <= held + 16 * MiB
     # and after the run VmHWM / ru_maxrss read it again, in the process and at its exit (time -v)
-    assert out["ru_after"] >= s["process_peak_rss_bytes"] and out["hwm_after"] >= s["process_peak_rss_bytes"]
-    assert out["exit_maxrss"] >= s["process_peak_rss_bytes"]
+    # (within the counters' batching, as above)
+    assert out["ru_after"] >= s["process_peak_rss_bytes"] - RU_DRIFT_BYTES
+    assert out["hwm_after"] >= s["process_peak_rss_bytes"] - RU_DRIFT_BYTES
+    assert out["exit_maxrss"] >= s["process_peak_rss_bytes"] - RU_DRIFT_BYTES
     assert out["hwm_after"] <= s["process_peak_rss_bytes"] + 16 * MiB
     # per-step peaks stay per step: the steps after the block read the small steps' peaks
     steps = _steps(records)
@@ -98,7 +100,7 @@ def test_a_large_parent_under_ru_maxrss_does_not_hide_the_peak(tmp_path):
     held, s = out["held"], out["summary"]
     assert out["ru_mid"] >= 640 * MiB and out["resets"] > 0
     assert held - RU_DRIFT_BYTES <= s["process_peak_rss_bytes"] <= held + 16 * MiB
-    assert out["hwm_after"] >= s["process_peak_rss_bytes"]
+    assert out["hwm_after"] >= s["process_peak_rss_bytes"] - RU_DRIFT_BYTES
 
 
 def test_reset_off_leaves_vmhwm_intact(tmp_path):

@@ -28,13 +28,14 @@ demo: install
 # Tests whose outcome depends on how fast the guard reacts (a co-tenant arriving mid-run under a
 # real cgroup limit, grow-back, a supervisor killing and restarting runs) or on the timing of gloo's
 # threads (the per-rank heap of 2-process runs, scored against the estimate's band) or of MLX's
-# CPU worker (the order it frees arrays in moves allocator peaks by whole arrays) run alone,
+# CPU worker (the order it frees arrays in moves allocator peaks by whole arrays), or that compare a
+# run's peak RSS with the estimate to a few percent (a ViT run), run alone,
 # after the others; the rest run on 2 workers, one test file per worker at a time (conftest.py:
 # longest first).
 SERIAL := integration_tests/test_containers.py integration_tests/test_grow_back.py \
           integration_tests/test_supervisor_resume.py tests/test_supervisor.py \
           integration_tests/test_distributed_estimate.py integration_tests/test_lightning_ddp_redo.py \
-          tests/test_mlx_census.py
+          tests/test_mlx_census.py tests/test_image_guarded_run.py
 
 test: install
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile $(addprefix --ignore=,$(SERIAL)) tests integration_tests

@@ -98,6 +98,31 @@ def run_limited(limit: int, mode: str, out: str, train: Callable[[Dict[str, Any]
         json.dump(r, f)
 
 
+def vm_size() -> int:
+    """This process's virtual size now (``VmSize``), bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def run_limited_once(limit: int, mode: str, train: Callable[[Dict[str, Any]], None],
+                     finish: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+    """:func:`run_limited` for one of several runs in this process: the result returned instead of
+    written, the soft limit lifted to the hard one afterwards (the next run sets its own), and
+    ``vm_start``: VmSize before the limit was set (bytes), so a test can check what earlier runs left."""
+    import tempfile
+
+    vm_start = vm_size()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.json")
+        run_limited(limit, mode, out, train, finish)
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+        with open(out) as f:
+            r = json.load(f)
+    r["vm_start"] = vm_start
+    return r
+
+
 def sampled_params(module: torch.nn.Module) -> Dict[str, list]:
     """Every 997th value of each parameter (enough to compare two runs' final weights)."""
     return {n: p.detach().flatten()[::997].tolist() for n, p in module.named_parameters()}

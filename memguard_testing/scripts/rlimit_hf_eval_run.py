@@ -29,13 +29,11 @@ for finding limits; VmPeak is the process's, so only the first run's readings ar
 import gc
 import json
 import os
-import resource
 import sys
-import tempfile
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from memguard_testing.rlimit import PEAKS, PHASE, TokenRows, act_only_on_oom, mark, run_limited, sampled_params, smollm2
+from memguard_testing.rlimit import PEAKS, PHASE, TokenRows, act_only_on_oom, mark, run_limited_once, sampled_params, smollm2
 
 LAYERS, HIDDEN, TRAIN_ROWS, TRAIN_SEQ, TRAIN_BATCH = 2, 64, 4, 128, 2
 EVAL_ROWS, EVAL_SEQ = 16, 256
@@ -78,12 +76,6 @@ def build_trainer(out_dir: str, ranks: int = 1, trainer_cls=None, **args) -> Tra
         eval_dataset=TokenRows(vocab, EVAL_ROWS * ranks, EVAL_SEQ, 1, ragged=True), callbacks=[Phases()])
 
 
-def vm_size() -> int:
-    """This process's virtual size now (``VmSize``), bytes."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-
-
 def run_one(limit: int, mode: str, out_dir: str, log_dir=None) -> dict:
     """One run (module docstring) on a fresh model and ``Trainer``; returns its result."""
     PHASE["now"] = "setup"
@@ -111,16 +103,7 @@ def run_one(limit: int, mode: str, out_dir: str, log_dir=None) -> dict:
                      micro_batches=guard.monitor.micro_batches if guard.monitor is not None else None,
                      event_log=(guard.summary or {}).get("event_log"))
 
-    vm_start = vm_size()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "run.json")
-        run_limited(limit, mode, out, train, finish)
-        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))   # the next run sets its own
-        with open(out) as f:
-            r = json.load(f)
-    r["vm_start"] = vm_start
-    return r
+    return run_limited_once(limit, mode, train, finish)
 
 
 def main() -> None:

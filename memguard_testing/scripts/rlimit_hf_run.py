@@ -24,13 +24,11 @@ import gc
 import importlib
 import json
 import os
-import resource
 import sys
-import tempfile
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from memguard_testing.rlimit import (PEAKS, PHASE, TokenRows, act_only_on_oom, mark, run_limited, sampled_params,
+from memguard_testing.rlimit import (PEAKS, PHASE, TokenRows, act_only_on_oom, mark, run_limited_once, sampled_params,
                                      smollm2)
 
 ROWS, SEQ, LAYERS = 32, 256, 12
@@ -66,12 +64,6 @@ class StepParams(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kw):
         self.taken.append(sampled_params(model))
-
-
-def vm_size() -> int:
-    """This process's virtual size now (``VmSize``), bytes."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 
 
 def run_one(limit: int, mode: str, steps: int, batch: int, out_dir: str) -> dict:
@@ -112,16 +104,7 @@ def run_one(limit: int, mode: str, steps: int, batch: int, out_dir: str) -> dict
                      samples_per_step=guard.samples_per_step,
                      micro_batches=guard.monitor.micro_batches if guard.monitor is not None else None)
 
-    vm_start = vm_size()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "run.json")
-        run_limited(limit, mode, out, train, finish)
-        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))   # the next run sets its own
-        with open(out) as f:
-            r = json.load(f)
-    r["vm_start"] = vm_start
-    return r
+    return run_limited_once(limit, mode, train, finish)
 
 
 def main() -> None:

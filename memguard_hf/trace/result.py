@@ -88,8 +88,9 @@ class TraceResult:
         build_seconds: of it, building the model, the adapters and the optimizer states.
         settings: what ran: model class, weights dtype, autocast dtype, attention and experts
             implementations, optimizer class, LoRA targets, checkpointing, batch shape.
-        process_peak_rss_bytes: the process's peak resident set size (``ru_maxrss``) after the
-            trace, for checking that nothing of model size was allocated.
+        process_peak_rss_bytes: the process's own peak resident set size after the trace, bytes
+            (VmHWM on Linux, :func:`memguard_core.process_peak.process_peak_rss_bytes`; ``ru_maxrss``
+            where that cannot be read), for checking that nothing of model size was allocated.
         notes: assumptions that applied.
     """
 

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from memguard_core.errors import MemGuardError
 from memguard_core.estimator.specs import TrainSpec
+from memguard_core.process_peak import process_peak_rss_bytes
 
 from .build import (blocks_of, build_model, dtypes, has_experts, load_config, prepare_step, resolve_lora_targets,
                     validate)
@@ -278,8 +279,13 @@ def _result(tr, start: Dict[str, int], at_loss: Dict[str, int], after_bwd: Dict[
         "backward_working_set": int(bwd.get("Activation", 0) + bwd.get("Temp", 0)),
         "inputs": int(start.get("Other", 0)),
     }
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss_bytes = int(rss if sys.platform == "darwin" else rss * 1024)
+    # This process's own peak (VmHWM on Linux), not ``ru_maxrss``: a process exec'd from a larger one
+    # (a test runner, a notebook kernel) keeps that parent's resident set as its ``ru_maxrss`` floor
+    # (fs/exec.c ``exec_mmap``), which says nothing of what the trace allocated.
+    rss_bytes = process_peak_rss_bytes()
+    if rss_bytes is None:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rss_bytes = int(rss if sys.platform == "darwin" else rss * 1024)
     return TraceResult(
         peak_bytes=int(max(phase_peaks.values())), peak_phase=peak_phase,
         at_peak=phase_breakdowns[peak_phase], category_peaks=_cats(tr.cat_peak),

@@ -30,15 +30,16 @@ demo: install
 # threads (the per-rank heap of 2-process runs, scored against the estimate's band) or of MLX's
 # CPU worker (the order it frees arrays in moves allocator peaks by whole arrays), or that compare a
 # run's peak RSS with the estimate to a few percent (a ViT run), run alone,
-# after the others; the rest run on 2 workers, one test file per worker at a time (conftest.py:
-# longest first).
+# after the others; the rest run on 2 workers, one test file per worker at a time, the files that take
+# minutes first (conftest.py; --no-loadscope-reorder keeps that order: pytest-xdist otherwise queues
+# the files with the most tests first, which puts the slowest one-test files last).
 SERIAL := integration_tests/test_containers.py integration_tests/test_grow_back.py \
           integration_tests/test_supervisor_resume.py tests/test_supervisor.py \
           integration_tests/test_distributed_estimate.py integration_tests/test_lightning_ddp_redo.py \
           tests/test_mlx_census.py tests/test_image_guarded_run.py
 
 test: install
-	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile $(addprefix --ignore=,$(SERIAL)) tests integration_tests
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder $(addprefix --ignore=,$(SERIAL)) tests integration_tests
 	$(PY) -m pytest -q --durations=10 $(SERIAL)
 	$(VENV)/bin/memguard bench --quick --gate
 

@@ -34,14 +34,23 @@ from memguard_testing.cgroup_harness import MemoryCgroup, cgroups_writable  # no
 from memguard_testing.fakes import FakeTorchCuda  # noqa: E402
 
 
-#: test files that take minutes: collected first, so that under ``make test``'s two workers they do
-#: not start last and run alone at the end
-_LONG_FILES = ("test_full_depth_preflight.py", "test_rlimit_oom.py", "test_lightning_eval_split.py", "test_resume_state.py",
-               "test_lightning_window_redo.py", "test_hf_eval_split.py", "test_torch_loop.py")
+#: test files that take minutes, the longest first (a full run's worker-seconds per file,
+#: docs/ci_time.md): collected first, in this order, so that under ``make test``'s two workers none
+#: starts last and runs alone at the end (the Makefile passes ``--no-loadscope-reorder``: pytest-xdist
+#: otherwise queues the files with the most tests first, which puts the slow one-test files last)
+_LONG_FILES = ("test_rlimit_oom.py", "test_torch_loop.py", "test_lightning_fsdp.py", "test_lightning_window_redo.py",
+               "test_hf_fsdp.py", "test_full_depth_preflight.py", "test_wheel_install.py", "test_hf_eval_split.py",
+               "test_lightning_eval_split.py", "test_resume_state.py", "test_hf_microbatch.py", "test_model_sources.py",
+               "test_lightning_microbatch.py", "test_image_blocks.py", "test_split_equivalence.py")
+
+
+def _long_rank(item) -> int:
+    name = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+    return _LONG_FILES.index(name) if name in _LONG_FILES else len(_LONG_FILES)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    items.sort(key=lambda item: 0 if item.nodeid.split("::")[0].endswith(_LONG_FILES) else 1)  # stable
+    items.sort(key=_long_rank)  # stable: the other files keep their collection order
 
 
 @pytest.fixture(autouse=True)

@@ -89,7 +89,7 @@ def test_reset_on_keeps_the_peak_before_the_guard_started(tmp_path):
     assert s["measured_peak_bytes"] < held - 256 * MiB
     # ... the process's peak does, and VmHWM reads it after the run
     assert held - RU_DRIFT_BYTES <= s["process_peak_rss_bytes"] <= held + 16 * MiB
-    assert out["ru_after"] >= s["process_peak_rss_bytes"]
+    assert out["ru_after"] >= s["process_peak_rss_bytes"] - RU_DRIFT_BYTES
 
 
 def test_a_large_parent_under_ru_maxrss_does_not_hide_the_peak(tmp_path):

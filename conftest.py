@@ -38,10 +38,10 @@ from memguard_testing.fakes import FakeTorchCuda  # noqa: E402
 #: docs/ci_time.md): collected first, in this order, so that under ``make test``'s two workers none
 #: starts last and runs alone at the end (the Makefile passes ``--no-loadscope-reorder``: pytest-xdist
 #: otherwise queues the files with the most tests first, which puts the slow one-test files last)
-_LONG_FILES = ("test_rlimit_oom.py", "test_torch_loop.py", "test_lightning_fsdp.py", "test_lightning_window_redo.py",
-               "test_hf_fsdp.py", "test_full_depth_preflight.py", "test_wheel_install.py", "test_hf_eval_split.py",
-               "test_lightning_eval_split.py", "test_resume_state.py", "test_hf_microbatch.py", "test_model_sources.py",
-               "test_lightning_microbatch.py", "test_image_blocks.py", "test_split_equivalence.py")
+_LONG_FILES = ("test_rlimit_oom.py", "test_torch_loop.py", "test_lightning_window_redo.py", "test_lightning_fsdp.py",
+               "test_hf_fsdp.py", "test_lightning_eval_split.py", "test_full_depth_preflight.py", "test_wheel_install.py",
+               "test_hf_microbatch.py", "test_resume_state.py", "test_hf_eval_split.py", "test_split_equivalence.py",
+               "test_model_sources.py", "test_trace.py", "test_litgpt_code.py", "test_lightning_preflight.py")
 
 
 def _long_rank(item) -> int:

@@ -1,6 +1,6 @@
 """A guarded full-depth run with room to spare changes nothing at preflight.
 
-SmolLM2-135M with all 30 blocks, LoRA r=16 all-linear, pure bf16 weights, 4 x 512 tokens (2 x 256 on a
+SmolLM2-135M with all 30 blocks, LoRA r=16 all-linear, pure bf16 weights, 4 x 512 tokens (2 x 128 on a
 CPU without native bf16, where one emulated step of 4 x 512 takes about 9 minutes) (a real HF
 ``Trainer`` run in a fresh process). The guarded run measures its own peak P; at a budget where P is
 70 % of it -- below the guard's warning level (85 %), which the preflight plans against -- the

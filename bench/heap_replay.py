@@ -33,8 +33,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def record(case_name: str):
-    """(param sizes, events, estimate) of one fake-tensor step of the case: events are
-    ``("a", key, nbytes, stage)`` / ``("f", key)`` in order."""
+    """One fake-tensor step of the case: ``(sizes of the parameters, buffers and optimizer states,
+    events, TraceResult, ModelSpec, TrainSpec, the measured record, the case)``; events are
+    ``("a", key, nbytes, stage)`` / ``("f", key)`` in the order they happened.
+
+    Raises:
+        StopIteration: no case of that name in ``bench/results/full_depth_cpu.json``.
+    """
     import weakref
 
     import torch

@@ -116,7 +116,9 @@ def test_fsdp_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version
     allocator's own, rank 0 learnt of them at a sync point or at the
     end of the micro-batch, both ranks redid the window at the same cut, and the parameters are the
     unlimited run's. (The unguarded twin runs under FSDP2 only, to keep CI's time: under FSDP1 rank
-    1's errors, the allocator's own, show the limit bites.)"""
+    1's errors, the allocator's own, show the limit bites.) Where the twin survives, or the guarded
+    run meets no error, the limit is placed once more from the smaller growth of two references,
+    and the twin must then die."""
     ref = launches(version)["oom-ref"]
     headroom = int(0.8 * (ref[1]["vmpeak"] - ref[1]["base_vmsize"]))
     lowered = []

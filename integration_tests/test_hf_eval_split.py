@@ -300,8 +300,7 @@ def test_ddp_one_rank_eval_oom(tmp_path):
     assert rc != 0, tail
     assert len(ref) == 2 and all(ref[r]["steps"] == 2 and len(ref[r]["eval_losses"]) == 2 for r in (0, 1)), tail
     assert ref[1]["limit"] == 0
-    assert 1 in bare, tail                                  # rank 1's twin wrote its result
-    assert bare[1].get("failed") == "evaluation", tail
+    assert bare.get(1, {}).get("failed") == "evaluation", tail   # rank 1's twin wrote that it failed there
     assert ALLOC_FAILED in bare[1]["error"], tail
     assert bare[1]["steps"] == 1  # training was healthy up to the evaluation
     assert len(guarded) == 2, tail

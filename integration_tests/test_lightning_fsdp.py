@@ -121,25 +121,24 @@ def test_fsdp_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version
     and the twin must then die."""
     ref = launches(version)["oom-ref"]
     headroom = int(0.8 * (ref[1]["vmpeak"] - ref[1]["base_vmsize"]))
-    lowered = []
 
-    def lower() -> int:
+    def place_again() -> int:
         # the limit did not bite: the reference's VmPeak moves by tens of MB between runs, so a high
         # one placed the limit above what the unsplit run needs; a second reference, the smaller
         # growth of the two (the behaviour under an OOM is what is tested, not the placement), once
         again = _run(tmp_path / "ref2", "oom-ref", _port(), version)
-        lowered.append(True)
         return int(0.8 * min(ref[1]["vmpeak"] - ref[1]["base_vmsize"], again[1]["vmpeak"] - again[1]["base_vmsize"]))
 
+    placed_again = False
     if version == "2":
         rc, log = _launch(tmp_path / "none", f"oom-none:{headroom}", _port(), version)
         if rc == 0:
-            headroom = lower()
+            headroom, placed_again = place_again(), True
             rc, log = _launch(tmp_path / "none2", f"oom-none:{headroom}", _port(), version)
         assert rc != 0 and "can't allocate memory" in log, log[-6000:]
     oom = _run(tmp_path / "oom", f"oom:{headroom}", _port(), version)
-    if not oom[1]["oom_errors"] and not lowered:
-        headroom = lower()
+    if not oom[1]["oom_errors"] and not placed_again:
+        headroom = place_again()
         oom = _run(tmp_path / "oom2", f"oom:{headroom}", _port(), version)
     errors = oom[1]["oom_errors"]
     assert errors and all("can't allocate memory" in e for e in errors), errors

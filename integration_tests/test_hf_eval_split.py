@@ -275,7 +275,7 @@ def _ddp_eval_run(tmp_path, modes: str, headroom: int = 0):
     # one arena per process: gloo's threads would otherwise each reserve a 64 MiB heap of address space
     # at their first allocation, wherever in the run that falls
     env = script_env(OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="1", MEMGUARD_TEST_DUMP_AFTER_S="480")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    proc = subprocess.run([sys.executable, "-m", "memguard_testing.torchrun", "--standalone", "--nproc_per_node=2",
                            script("rlimit_hf_eval_ddp.py"), modes, str(out), "1", str(headroom)],
                           env=env, capture_output=True, text=True, timeout=600)   # a hang ends in the watchdog
     results = {m: {r: json.loads((out / f"{m}-rank{r}.json").read_text())

@@ -120,7 +120,7 @@ def _ddp_runs(tmp_path, modes, port_base: int, timeout: int = 600) -> dict:
     for i, mode in enumerate(modes):
         out = tmp_path / mode
         env = memguard_testing.script_env(OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        proc = subprocess.run([sys.executable, "-m", "memguard_testing.torchrun", "--nproc_per_node=2",
                                "--master_port", str(port_base + (os.getpid() % 1000) + i),
                                script, mode, str(out)], env=env, capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, proc.stderr[-4000:]

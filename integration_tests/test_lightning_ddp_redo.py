@@ -52,7 +52,7 @@ def _launch(out, *modes: str, timeout: int = 900):
     A launch still running after ``timeout`` seconds is killed with its ranks and fails the test."""
     env = memguard_testing.script_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_ARENA_MAX="1",
                                       MEMGUARD_TEST_DUMP_AFTER_S=str(timeout - 60))
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    proc = subprocess.Popen([sys.executable, "-m", "memguard_testing.torchrun", "--nproc_per_node=2",
                              "--master_addr", "127.0.0.1", "--master_port", str(_port()), SCRIPT, str(out), *modes],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -41,7 +41,7 @@ def _launch(tmp_path, mode: str, port: int, version: str = "2", timeout: int = 4
     env = memguard_testing.script_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_ARENA_MAX="1",
                                       MEMGUARD_TEST_DUMP_AFTER_S=str(timeout - 60),
                                       MEMGUARD_TEST_FSDP_VERSION=version)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+    proc = subprocess.run([sys.executable, "-m", "memguard_testing.torchrun", "--nproc_per_node=2", "--master_port",
                            str(port), memguard_testing.script("lightning_fsdp_worker.py"), mode, str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr

@@ -214,7 +214,7 @@ def test_lightning_ddp_gloo_two_ranks_agree(tmp_path):
     script = memguard_testing.script("lightning_ddp_worker.py")
     env = memguard_testing.script_env(OMP_NUM_THREADS="1")
     port = 29500 + (os.getpid() % 1000) + 7
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    proc = subprocess.run([sys.executable, "-m", "memguard_testing.torchrun", "--nproc_per_node=2",
                            "--master_port", str(port), script, str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

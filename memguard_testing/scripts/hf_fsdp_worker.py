@@ -39,16 +39,19 @@ import os
 import resource
 import sys
 
+import accelerate.state as st
+import torch
+from accelerate.utils import DistributedType
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from memguard_hf import MemGuardCallback
+from memguard_testing.hf_tiny import VOCAB, RowsDataset, SwitchSplit, llama, lr_sequence, pad_collate
 from memguard_testing.train_scripts import preflight_layout, proc_status_bytes
 
 
 def fsdp_on_cpu() -> None:
     """Make accelerate keep the FSDP plugin on a MULTI_CPU (gloo) run, as its GPU branch does:
     ``distributed_type = FSDP``, the plugin's mixed precision set, ``fsdp_plugin`` kept."""
-    import accelerate.state as st
-    import torch
-    from accelerate.utils import DistributedType
-
     orig = st.AcceleratorState.__init__
 
     def init(self, *args, fsdp_plugin=None, **kwargs):
@@ -67,8 +70,6 @@ def fsdp_on_cpu() -> None:
     st.AcceleratorState.__init__ = init
 
 
-
-
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
     if os.environ.get("MEMGUARD_TEST_DUMP_AFTER_S"):
@@ -76,7 +77,6 @@ def main() -> None:
 
         # a hang shows where each rank waits, and the rank exits (the test also has a timeout)
         faulthandler.dump_traceback_later(float(os.environ["MEMGUARD_TEST_DUMP_AFTER_S"]), exit=True)
-    import torch
 
     torch.set_num_threads(1)
     fsdp_on_cpu()
@@ -96,13 +96,6 @@ def main() -> None:
 def run(mode: str, out: str) -> None:
     """One ``Trainer`` run as ``mode`` says (the module docstring); writes ``params{rank}.pt`` and
     ``rank{rank}.json`` in ``out`` (``OUT_DIR/<mode>`` when several modes share the launch)."""
-    import torch
-
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from memguard_hf import MemGuardCallback
-    from memguard_testing.hf_tiny import VOCAB, RowsDataset, SwitchSplit, llama, lr_sequence, pad_collate
-
     kind, _, headroom = mode.partition(":")
     version = 1 if kind.endswith("1") else 2
     kind = kind.rstrip("1")

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -121,30 +121,29 @@ def _port() -> int:
 
 
 def _launch(out, *args, world=2, timeout=150, **env_extra):
-    """Run ``world`` ranks of the worker; returns (return codes, outputs); return codes None when
-    the run did not end within ``timeout`` seconds (a hang: the ranks are killed). ``args`` may hold
-    several scenarios separated by ``"--then"``, each with its own ``--out``, run in sequence by the
-    same ranks (``out`` is then the first scenario's)."""
-    env = script_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()),
-                     WORLD_SIZE=str(world), MALLOC_ARENA_MAX="1", TOKENIZERS_PARALLELISM="false", **env_extra)
-    procs = [subprocess.Popen([sys.executable, WORKER, "--out", str(out), *map(str, args)],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    deadline = time.time() + timeout
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            return None, [q.communicate()[0] for q in procs]
-    return [p.returncode for p in procs], outs
+    """Run ``world`` ranks of the worker (``memguard_testing.torchrun``: torchrun's agent, the ranks
+    forked from one launcher); returns (return code, output); the code is None when the run did not
+    end within ``timeout`` seconds (a hang: the launcher and its ranks are killed). ``args`` may
+    hold several scenarios separated by ``"--then"``, each with its own ``--out``, run in sequence
+    by the same ranks (``out`` is then the first scenario's)."""
+    env = script_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_ARENA_MAX="1", TOKENIZERS_PARALLELISM="false",
+                     **env_extra)
+    proc = subprocess.Popen([sys.executable, "-m", "memguard_testing.torchrun", f"--nproc_per_node={world}",
+                             "--master_addr", "127.0.0.1", "--master_port", str(_port()), WORKER, "--out", str(out),
+                             *map(str, args)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, proc.communicate()[0]
+    return proc.returncode, output
 
 
-def _check(rc, outs):
-    assert rc is not None, "the ranks hung:\n" + "\n".join(o[-3000:] for o in outs)
-    assert rc == [0, 0], "\n".join(o[-3000:] for o in outs)
+def _check(rc, output):
+    assert rc is not None, "the ranks hung:\n" + output[-6000:]
+    assert rc == 0, output[-6000:]
 
 
 def _results(out):

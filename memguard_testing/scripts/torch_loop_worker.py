@@ -19,7 +19,9 @@ before the failure), so the OOM path is what acts.
 Several runs in one launch: argument groups separated by ``--then`` (each with its own ``--out``)
 run in sequence in the same ranks and gloo group, each building its own seeded model and optimizer.
 
-Launched by path with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment.
+Launched by path with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment (the test
+launches it with ``memguard_testing.torchrun``, which runs this module's top level, its imports,
+once and forks the ranks from it).
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ import json
 import os
 import resource
 import sys
+
+import torch
+import torch.distributed as dist
+
+import memguard_torch._compat as compat
+from memguard_core.monitor import Action, MemoryMonitor
+from memguard_testing.hf_tiny import RowsDataset, VOCAB, llama, pad_collate
+from memguard_torch import TorchGuard
 
 
 def _vm(field: str) -> int:
@@ -88,11 +98,7 @@ def main(argv=None) -> int:
         # a hang shows where each rank waits (the test kills the ranks after its timeout)
         faulthandler.dump_traceback_later(float(os.environ["MEMGUARD_TEST_DUMP_AFTER_S"]), exit=True)
 
-    import torch
-
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
     dist.init_process_group("gloo")
     for a in scenarios:
         _run_scenario(a, dist)
@@ -107,12 +113,6 @@ def main(argv=None) -> int:
 
 def _run_scenario(a, dist) -> None:
     """One training run as ``a`` says; writes its results under ``a.out``."""
-    import torch
-
-    import memguard_torch._compat as compat
-    from memguard_core.monitor import MemoryMonitor
-    from memguard_testing.hf_tiny import RowsDataset, VOCAB, llama, pad_collate
-
     # the patches below are this scenario's only: the next one in this process starts unpatched
     saved = (MemoryMonitor.step_sample, compat.sync_fsdp_comms)
     try:
@@ -162,16 +162,13 @@ def _train(a, dist, torch, RowsDataset, VOCAB, llama, pad_collate) -> None:
 
     guard = None
     if not a.plain:
-        from memguard_torch import TorchGuard
 
         if a.oom_path_only:
-            from memguard_core.monitor import Action, MemoryMonitor
 
             MemoryMonitor.step_sample = lambda self, step=None: Action.NONE
 
         if a.module_hooks:
-            import memguard_torch._compat as compat
-
+        
             compat.sync_fsdp_comms = lambda module, before: None
         guard = TorchGuard(train_model, opt, micro_batches=a.k, budget_gib=16, monitor_interval_s=0,
                            leak_detector=False, oom_sync=False if a.no_oom_sync else None)

@@ -33,8 +33,6 @@ demo: install
 # after the others; the rest run on 2 workers, one test file per worker at a time, the files that take
 # minutes first (conftest.py; --no-loadscope-reorder keeps that order: pytest-xdist otherwise queues
 # the files with the most tests first, which puts the slowest one-test files last).
-# The quick bench gate's HF cases run inside the parallel part, in the wheel test's venv with the hf
-# extra alone (integration_tests/test_wheel_install.py); its MLX cases run here, at the end.
 SERIAL := integration_tests/test_containers.py integration_tests/test_grow_back.py \
           integration_tests/test_supervisor_resume.py tests/test_supervisor.py \
           integration_tests/test_distributed_estimate.py integration_tests/test_lightning_ddp_redo.py \
@@ -43,7 +41,7 @@ SERIAL := integration_tests/test_containers.py integration_tests/test_grow_back.
 test: install
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder $(addprefix --ignore=,$(SERIAL)) tests integration_tests
 	$(PY) -m pytest -q --durations=10 $(SERIAL)
-	$(VENV)/bin/memguard bench --quick --gate --backend mlx
+	$(VENV)/bin/memguard bench --quick --gate
 
 unit: install
 	$(PY) -m pytest -q tests

@@ -22,10 +22,6 @@ Each launch is killed after its timeout (a hang), and each rank dumps its stacks
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -34,6 +30,7 @@ pytest.importorskip("lightning")
 torch = pytest.importorskip("torch")
 
 import memguard_testing  # noqa: E402
+from memguard_testing.torchrun import launch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux RLIMIT_AS, gloo")
 
@@ -41,27 +38,15 @@ SCRIPT = memguard_testing.script("lightning_ddp_worker.py")
 ALLOC_FAILED = "DefaultCPUAllocator: can't allocate memory"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out, *modes: str, timeout: int = 900):
-    """The worker on 2 ranks (``torch.distributed.run``) with ``modes``; (return code, output).
+    """The worker on 2 ranks (``memguard_testing.torchrun``) with ``modes``; (return code, output).
     A launch still running after ``timeout`` seconds is killed with its ranks and fails the test."""
     env = memguard_testing.script_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_ARENA_MAX="1",
                                       MEMGUARD_TEST_DUMP_AFTER_S=str(timeout - 60))
-    proc = subprocess.Popen([sys.executable, "-m", "memguard_testing.torchrun", "--nproc_per_node=2",
-                             "--master_addr", "127.0.0.1", "--master_port", str(_port()), SCRIPT, str(out), *modes],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("the ranks hung:\n" + proc.communicate()[0][-6000:])
-    return proc.returncode, output
+    rc, output = launch(SCRIPT, str(out), *modes, env=env, timeout=timeout)
+    if rc is None:
+        pytest.fail("the ranks hung:\n" + output[-6000:])
+    return rc, output
 
 
 def _load(out, mode: str):

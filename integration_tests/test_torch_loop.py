@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from memguard_testing import script_env
 from memguard_testing.hf_tiny import RowsDataset, pad_collate, tiny_llama
+from memguard_testing.torchrun import launch
 from memguard_torch import TorchGuard
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "memguard_testing", "scripts",
@@ -114,12 +111,6 @@ def test_accelerate_loop_split_equals_unsplit():
 # multi-process runs (gloo on CPU)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out, *args, world=2, timeout=150, **env_extra):
     """Run ``world`` ranks of the worker (``memguard_testing.torchrun``: torchrun's agent, the ranks
     forked from one launcher); returns (return code, output); the code is None when the run did not
@@ -128,17 +119,7 @@ def _launch(out, *args, world=2, timeout=150, **env_extra):
     by the same ranks (``out`` is then the first scenario's)."""
     env = script_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_ARENA_MAX="1", TOKENIZERS_PARALLELISM="false",
                      **env_extra)
-    proc = subprocess.Popen([sys.executable, "-m", "memguard_testing.torchrun", f"--nproc_per_node={world}",
-                             "--master_addr", "127.0.0.1", "--master_port", str(_port()), WORKER, "--out", str(out),
-                             *map(str, args)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return None, proc.communicate()[0]
-    return proc.returncode, output
+    return launch(WORKER, "--out", str(out), *map(str, args), env=env, nproc=world, timeout=timeout)
 
 
 def _check(rc, output):

@@ -26,8 +26,12 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
+import socket
+import subprocess
 import sys
 import uuid
+from typing import Dict, Optional, Tuple
 
 
 class _RankDone(BaseException):
@@ -41,6 +45,8 @@ def _rank(script: str, *argv: str) -> None:
     with status 0 before that as never done: so an exit with status 0, ``sys.exit`` or
     ``os._exit`` (which the workers use to skip gloo's teardown), ends the function instead; any
     other status ends the rank with it, as in torchrun."""
+    from torch.distributed.run import run_script_path
+
     real_exit = os._exit
 
     def _exit(status: int) -> None:
@@ -48,10 +54,9 @@ def _rank(script: str, *argv: str) -> None:
             real_exit(status)
         raise _RankDone
 
-    sys.argv = [script, *argv]
     os._exit = _exit
     try:
-        runpy.run_path(script, run_name="__main__")
+        run_script_path(script, *argv)
     except _RankDone:
         pass
     except SystemExit as e:
@@ -66,7 +71,6 @@ def main(argv=None) -> None:
     forked from this process after it ran the script's top level."""
     import torch.distributed.run as torchrun
     from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = torchrun.parse_args(argv)
@@ -78,9 +82,30 @@ def main(argv=None) -> None:
     if args.standalone:   # what torchrun's run() does for --standalone
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     args.start_method = "fork"
-    config, _, script_args = config_from_args(args)
+    config, _, script_args = torchrun.config_from_args(args)
     # torchrun would run [python, -u, SCRIPT, ARGS]; the same script and arguments, in a forked rank
     elastic_launch(config, _rank)(script, *script_args[script_args.index(args.training_script) + 1:])
+
+
+def launch(script: str, *args: str, env: Dict[str, str], nproc: int = 2,
+           timeout: float = 600) -> Tuple[Optional[int], str]:
+    """``script`` on ``nproc`` ranks on this host through this launcher (a free loopback port),
+    its stdout and stderr together; (return code, output), the code ``None`` when the launch had
+    not ended after ``timeout`` seconds (a hang: the launcher and its ranks, one process group,
+    are killed). ``env`` needs this repository on ``PYTHONPATH`` (``memguard_testing.script_env``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "memguard_testing.torchrun", f"--nproc_per_node={nproc}",
+                             "--master_addr", "127.0.0.1", "--master_port", str(port), script, *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, proc.communicate()[0]
+    return proc.returncode, output
 
 
 if __name__ == "__main__":

@@ -61,6 +61,10 @@ CASES: List[dict] = [dict(_BASE, **c) for c in (
     dict(name="qwen-lora-1x3072", config=QWEN, batch_size=1, seq_length=3072, grad_checkpoint=False),
     dict(name="llama-lora-2x2048", config=LLAMA, batch_size=2, seq_length=2048, grad_checkpoint=False,
          history=False),
+    dict(name="llama-lora-2x2048-expandable", config=LLAMA, batch_size=2, seq_length=2048, grad_checkpoint=False,
+         history=False, alloc_conf="expandable_segments:True"),
+    dict(name="qwen-ckpt-1x2048-expandable", config=QWEN, batch_size=1, seq_length=2048, grad_checkpoint=True,
+         history=False, alloc_conf="expandable_segments:True"),
 )]
 CASE_NAMES = [c["name"] for c in CASES]
 

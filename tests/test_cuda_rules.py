@@ -256,3 +256,79 @@ def test_paged_optimizer_states_leave_the_allocator_counters_by_themselves():
     assert paged_state_bytes(ms, p8) == math.ceil(2 * (1 + 4 / 256) * p / 8)
     assert cuda_counter_bytes(estimate(ms, plain), "max_memory_allocated") == cuda_counter_bytes(
         estimate(ms, plain), "max_memory_allocated", paged=False)
+
+
+QWEN = os.path.join(os.path.dirname(HERE), "..", "bench", "configs", "qwen2.5-1.5b.json")
+
+
+def _qwen(**kw) -> TrainSpec:
+    base = dict(batch_size=4, seq_length=2048, method="lora", lora_targets=("all-linear",), dtype="bf16",
+                device="cuda", framework="hf", grad_checkpoint=True)
+    base.update(kw)
+    return TrainSpec(**base)
+
+
+def test_unusable_cache_is_the_freed_half_logits_and_under_checkpointing_one_block():
+    # c10/cuda/CUDACachingAllocator.cpp serves a request from one free block at least its size and
+    # never merges across segments: the freed bf16 logits cannot hold the loss backward's fp32
+    # tensors, the checkpointed forward's freed block tensors cannot hold any logits request
+    from memguard_core.estimator.cuda import unusable_cache_bytes
+
+    ms = model_spec_from_hf_config(QWEN)
+    n = 4 * 2048 * ms.vocab_size
+    one = 123 * MiB
+    assert unusable_cache_bytes(ms, _qwen(), one) == 2 * n + one
+    assert unusable_cache_bytes(ms, _qwen(grad_checkpoint=False), one) == 2 * n
+    assert unusable_cache_bytes(ms, _qwen(dtype="fp32"), one) == one            # fp32 logits: reused in place
+    assert unusable_cache_bytes(ms, _qwen(dtype="fp32", grad_checkpoint=False), one) == 0
+    assert unusable_cache_bytes(ms, _qwen(dtype="bf16", mixed_precision=True, method="full"), one) == 2 * n + one
+    # a vocabulary narrower than the MLP: the logits fit the cached block tensors
+    narrow = model_spec_from_hf_config(dict(json_config(QWEN), vocab_size=4096))
+    assert unusable_cache_bytes(narrow, _qwen(), one) == 2 * 4 * 2048 * 4096
+
+
+def json_config(path: str) -> dict:
+    import json
+
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_checkpointed_lora_on_cuda_holds_the_recompute_apart_from_the_logits_and_reserves_their_cache():
+    # bench/results/cuda_reserved_h200_2026-11-28.md: the recompute runs after the logits are freed
+    # (max_memory_allocated), and the reserved gap is the freed bf16 logits' segment plus the
+    # forward's cached block tensors
+    ms = model_spec_from_hf_config(QWEN)
+    ts = _qwen()
+    est = estimate(ms, ts)
+    assert est.phase == "loss"
+    loss = est.phase_breakdowns["loss"]
+    from memguard_core.estimator.activations import activation_bytes
+
+    one_block = activation_bytes(ms, ts)[3]
+    freed_logits = 2 * 4 * 2048 * ms.vocab_size
+    assert loss["allocator_slack"] == freed_logits + one_block
+    allocated = cuda_counter_bytes(est, "max_memory_allocated")
+    reserved = cuda_counter_bytes(est, "max_memory_reserved")
+    assert reserved - allocated == freed_logits + one_block
+    # without checkpointing the same logits leave the same freed segment (when over the 5 % rule)
+    plain = estimate(ms, _qwen(grad_checkpoint=False, batch_size=1, seq_length=3072))
+    assert plain.phase_breakdowns["loss"]["allocator_slack"] >= 2 * 3072 * ms.vocab_size
+
+
+def test_the_probe_correction_scales_the_cached_logits_with_the_per_token_part():
+    from memguard_core.estimator import probe_fit as pf
+
+    ms = model_spec_from_hf_config(QWEN)
+    est = estimate(ms, _qwen())
+    assert pf.corrected_peak(est, 1.0, 0) == est.peak_bytes
+    parts = pf.step_parts(est, "loss")
+    assert pf.corrected_peak(est, 1.1, 0) == math.ceil(parts["held"] + parts["fixed"] + 1.1 * parts["per_token"]
+                                                       + int(1.1 * parts["slack"]))
+
+
+def test_data_parallel_ranks_keep_their_cached_logits():
+    ms = model_spec_from_hf_config(QWEN)
+    one = estimate(ms, _qwen())
+    ddp = estimate(ms, _qwen(sharding="ddp", world_size=2))
+    assert ddp.phase_breakdowns["loss"]["allocator_slack"] == one.phase_breakdowns["loss"]["allocator_slack"]

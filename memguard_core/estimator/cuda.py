@@ -13,8 +13,10 @@ from .result import MemoryEstimate
 from .specs import DTYPE_BYTES, MiB, ModelSpec, TrainSpec
 
 
-#: The CUDA context, outside every torch counter: an assumption from PyTorch's notes/cuda.html, docs/estimator.md#cuda.
-CUDA_CONTEXT_BYTES = 500 * MiB
+#: The process's device memory outside the caching allocator once a training step has run (the CUDA
+#: context and the kernels of the libraries the step loads on first use): NVML's process memory less
+#: ``max_memory_reserved``, measured on an H200 (driver 580, CUDA 13.0, torch 2.11), docs/estimator.md#cuda.
+CUDA_CONTEXT_BYTES = 758 * MiB
 #: Two cuBLAS workspaces (forward, backward thread) of the default ``:4096:2:16:8``: CublasHandlePool.cpp.
 CUDA_CUBLAS_WORKSPACES_BYTES = 2 * (8 * MiB + 128 * 1024)
 #: Caching allocator sizes (``c10/cuda/CUDACachingAllocator.cpp``): kMinBlockSize, kSmallSize, kSmallBuffer,
@@ -50,10 +52,43 @@ def cuda_segment_bytes(nbytes: int) -> int:
 CUDA_FRAGMENTATION = 0.05
 
 
-def allocator_slack(totals: Dict[str, int], overhead: int) -> Dict[str, int]:
+def allocator_slack(totals: Dict[str, int], overhead: int, floors: Optional[Dict[str, int]] = None) -> Dict[str, int]:
     """moment -> the caching allocator's reserved-but-unallocated bytes: ``CUDA_FRAGMENTATION`` of
-    each moment's ``totals`` less the ``overhead`` outside the allocator (bytes)."""
-    return {k: int(CUDA_FRAGMENTATION * (v - overhead)) for k, v in totals.items()}
+    each moment's ``totals`` less the ``overhead`` outside the allocator, or the moment's entry in
+    ``floors`` (bytes of cached blocks known to be unusable then, :func:`unusable_cache_bytes`)
+    where that is larger."""
+    floors = floors or {}
+    return {k: max(int(CUDA_FRAGMENTATION * (v - overhead)), int(floors.get(k, 0))) for k, v in totals.items()}
+
+
+def unusable_cache_bytes(ms: ModelSpec, ts: TrainSpec, one_block: int) -> int:
+    """Bytes the caching allocator holds free but cannot hand to any request of the loss moment of
+    a causal LM trained through transformers' loss (not LitGPT's, not an encoder-decoder's), so they
+    sit on top of its live set in ``max_memory_reserved``. The allocator serves a request from one
+    free block at least its size (best fit) and never merges blocks of different segments
+    (``c10/cuda/CUDACachingAllocator.cpp``: ``get_free_block``, ``try_merge_blocks``):
+
+    * the model-dtype logits (batch x seq x vocab x 2 B, when the logits are fp16 / bf16, autocast
+      included): ``ForCausalLMLoss`` upcasts them (``logits.float()``), and when the backward
+      starts and frees them every request there is an fp32 tensor of twice their size;
+    * under activation checkpointing, ``one_block`` (one block's working set, bytes): the
+      checkpointed forward frees each block's tensors as it goes, and every one of them is
+      narrower per token than the logits (when the vocabulary is wider than the block's hidden and
+      MLP widths), so the logits chain takes new segments beside them.
+
+    Seen in the allocator's recorded history of an H200 run (``bench/cuda_reserved.py``;
+    docs/estimator.md, "CUDA"). 0 for other heads and for fp32 logits outside checkpointing."""
+    if ts.model_code == "litgpt" or ms.decoder_layers or not ms.vocab_size:
+        return 0
+    from .heads import head_of
+
+    if head_of(ms).kind != "causal_lm":
+        return 0
+    half = DTYPE_BYTES[ts.dtype] < 4
+    freed_logits = 2 * ts.batch_size * ts.seq_length * ms.vocab_size if half else 0
+    narrower = ms.vocab_size > max(ms.hidden_size, ms.intermediate_size, ms.moe_intermediate_size)
+    cached = int(one_block) if ts.grad_checkpoint and narrower else 0
+    return freed_logits + cached
 #: Largest head dim of the flash kernel: ``check_head_dim_size_flash``, ``cuda/sdp_utils.cpp``.
 CUDA_FLASH_MAX_HEAD_DIM = 256
 #: The memory-efficient kernel pads its fp32 logsumexp to this many queries: ``_efficient_attention_forward``.

@@ -184,7 +184,8 @@ def _eager_masks(ms: ModelSpec, ts: TrainSpec) -> int:
 def _allocator_slack(ms: ModelSpec, ts: TrainSpec, totals: Dict[str, int], t: StepTerms) -> Dict[str, int]:
     """moment -> the device allocator's slack on top of the live set, bytes."""
     if ts.device == "cuda":
-        return cuda.allocator_slack(totals, t.runtime_overhead)
+        return cuda.allocator_slack(totals, t.runtime_overhead,
+                                    floors={"loss": cuda.unusable_cache_bytes(ms, ts, t.one_block)})
     if ts.device == "mps":
         return mps.allocator_slack(totals, t.runtime_overhead)
     if ts.device == "cpu":

@@ -97,13 +97,9 @@ def recompute_beyond_logits(ms: ModelSpec, ts: TrainSpec, t: StepTerms) -> int:
     model output (``compute_loss`` returns the loss only), so the logits, the loss's fp32 copy and
     ``log_softmax``'s output and gradient are freed. The loss moment, which holds the block inputs
     the recompute holds too, takes the larger of the two working sets: docs/estimator.md,
-    "Checkpointed LoRA at full depth".
-
-    On ``cuda`` the sum is kept (``t.recompute`` whole): the caching allocator's reserved segments
-    (``cuda.allocator_slack``) do not yet model what the freed logits leave behind, and the sum
-    stands in for it there (docs/estimator.md, same section)."""
+    "Checkpointed LoRA at full depth". On ``cuda`` the logits' freed segments and the
+    checkpointed forward's cached blocks stay reserved beside the live set
+    (``cuda.unusable_cache_bytes``), not in it."""
     if not t.recompute:
         return 0
-    if ts.device == "cuda":
-        return t.recompute
     return max(0, t.recompute + top_block_gradient_bytes(ms, ts) - t.logits)

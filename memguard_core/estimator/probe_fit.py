@@ -179,8 +179,9 @@ def corrected_peak(est: MemoryEstimate, per_token_ratio: float, fixed_delta_byte
     per-token, bytes: the per-token tensors (activations, logits) are the same tensors at both
     moments, each moment's fixed part is its own (the loss's: weight copies; the backward's:
     gradients and its transients too). On cuda / mps the allocator slack is recomputed from the
-    new live total (``cuda.allocator_slack`` / ``mps.allocator_slack``), on cpu the heap slack
-    scales with the per-token part. The optimizer moment is kept; the estimate's calibration
+    new live total (``cuda.allocator_slack`` / ``mps.allocator_slack``), a cuda moment's cached
+    logits and block tensors (a slack over the rule's fraction) scaled with the per-token part; on
+    cpu the heap slack scales with the per-token part. The optimizer moment is kept; the estimate's calibration
     factor (``est.correction``) applies on top.
 
     Raises:
@@ -201,7 +202,13 @@ def corrected_peak(est: MemoryEstimate, per_token_ratio: float, fixed_delta_byte
             continue
         live = p["held"] + p["fixed"] + d + r * p["per_token"]
         rule = {"cuda": cuda.allocator_slack, "mps": mps.allocator_slack}.get(est.counter)
-        totals[m] = live + (rule({m: live}, overhead)[m] if rule else 0)
+        if rule is None:
+            totals[m] = live
+            continue
+        # a slack over the rule's fraction is cached blocks of per-token tensors (cuda.unusable_cache_bytes)
+        was = p["held"] + p["fixed"] + p["per_token"]
+        floor = p["slack"] if p["slack"] > rule({m: was}, overhead)[m] else 0
+        totals[m] = live + max(rule({m: live}, overhead)[m], int(r * floor))
     return int(math.ceil(max(totals.values()) * est.correction))
 
 

@@ -10,7 +10,7 @@ from .specs import MiB, TrainSpec
 
 
 #: Per counter: cpu measured (bench's tiny cases), cuda context + cuBLAS workspaces: docs/estimator.md#runtime-overhead.
-RUNTIME_OVERHEAD_BYTES = {"cpu": 368 * MiB, "cuda": 500 * MiB + 2 * (8 * MiB + 128 * 1024), "mlx": 0,
+RUNTIME_OVERHEAD_BYTES = {"cpu": 368 * MiB, "cuda": 758 * MiB + 2 * (8 * MiB + 128 * 1024), "mlx": 0,
                           "mps": 0}
 #: cpu, HF ``Trainer``, ``datasets`` installed (trainer.py imports it): its anonymous memory, and the
 #: library pages it maps (pyarrow, pandas); measured, docs/estimator.md#runtime-overhead.

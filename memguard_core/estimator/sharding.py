@@ -157,7 +157,8 @@ def apply_sharding(ms, ts, phases: Dict[str, Dict[str, int]], totals: Dict[str, 
 
     ``ms`` is the spec ``estimate()`` counted (weights in their training dtype). The allocator
     slack is recomputed: on ``cuda`` the same fraction (``CUDA_FRAGMENTATION``) of the rewritten
-    moment; on ``cpu`` the single-process heap slack plus, under FSDP, :data:`FSDP_CPU_HEAP_SLACK`.
+    moment, or the single process's cached logits and block tensors (``cuda.unusable_cache_bytes``:
+    per-token tensors, which every rank of a data-parallel run holds) where larger; on ``cpu`` the single-process heap slack plus, under FSDP, :data:`FSDP_CPU_HEAP_SLACK`.
     Does nothing for ``sharding="none"``, so a ``none`` estimate equals the single-process one
     exactly."""
     s = ts.sharding
@@ -178,8 +179,11 @@ def apply_sharding(ms, ts, phases: Dict[str, Dict[str, int]], totals: Dict[str, 
             extra = int(fsdp_slack * traffic) if k != "loss" else 0
             v["allocator_slack"] = slack[k] + extra
         elif ts.device == "cuda":
+            # a slack over the fraction is the rank's own cached logits / block tensors: kept
+            frac_before = int(CUDA_FRAGMENTATION * (totals[k] - slack[k] - v["runtime_overhead"]))
             v["allocator_slack"] = 0
-            v["allocator_slack"] = int(CUDA_FRAGMENTATION * (sum(v.values()) - v["runtime_overhead"]))
+            v["allocator_slack"] = max(int(CUDA_FRAGMENTATION * (sum(v.values()) - v["runtime_overhead"])),
+                                       slack[k] if slack[k] > frac_before else 0)
     if ts.device == "cpu" and not ts.heap_trim and fsdp_slack:
         _untrimmed_holes_persist(phases)
     for k, v in phases.items():

@@ -80,6 +80,8 @@ def measure_steps(model: Any, batch: Any, sizes: Sequence[Tuple[int, int]], *, d
         state = RunState.save(model)
         model.train()
         with torch.enable_grad():
+            if kind == "cuda":
+                _make_matmul_handles(where, next(iter(model.parameters())).dtype, ctx)
             for i, (rows, tokens, cut) in enumerate(cuts):
                 steps.append(_one_step(model, _to(cut, where), rows, tokens, counter, loss_fn, ctx, state))
                 if max_seconds is not None and i + 1 < len(cuts) and time.monotonic() - t0 > max_seconds:
@@ -203,6 +205,22 @@ def _declined(model: Any, kind: str) -> str:
     if any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params):
         return "a parameter has a post-accumulate-grad hook (an optimizer inside the backward)"
     return ""
+
+
+def _make_matmul_handles(where: torch.device, dtype: torch.dtype, ctx: Callable) -> None:
+    """A tiny linear (with a bias) forward and backward on ``where``, in ``dtype`` under the run's
+    step context, before the first measured step. torch creates a cuBLAS handle and its workspace
+    per thread and stream on the thread's first matmul (``aten/src/ATen/cuda/CublasHandlePool.cpp``),
+    and the backward's run on autograd's device thread (``torch/csrc/autograd/engine.cpp``). Made
+    here, both are held before the first step; otherwise the backward's workspace (tens of MiB)
+    appears inside that step after its peak, and subtracting it as kept memory
+    (``ProbeStep.step_bytes``) makes the first step read low."""
+    dt = dtype if dtype.is_floating_point else torch.float32
+    w = torch.ones(8, 8, device=where, dtype=dt, requires_grad=True)
+    b = torch.zeros(8, device=where, dtype=dt, requires_grad=True)
+    with ctx():
+        y = torch.nn.functional.linear(w, w, b)
+    y.float().sum().backward()
 
 
 class _Counter:

@@ -77,14 +77,19 @@ def test_loss_moment_holds_the_larger_of_logits_and_recompute():
 
 
 
-def test_cuda_keeps_the_recompute_beside_the_logits():
-    # on cuda the caching allocator's segments are not modelled for the freed logits yet, so the
-    # loss moment keeps the recomputed block whole (docs/estimator.md, "Checkpointed LoRA at full depth")
+def test_cuda_holds_the_recompute_apart_from_the_logits_and_reserves_the_cache_they_leave():
+    # the recompute runs after the logits are freed on cuda too; the caching allocator keeps the
+    # freed logits' segment and the forward's block tensors reserved beside them
+    # (cuda.unusable_cache_bytes; docs/estimator.md, "The CUDA reserved share of a checkpointed run")
+    from memguard_core.estimator.cuda import unusable_cache_bytes
+    from memguard_core.estimator.moments import top_block_gradient_bytes as top
+
     m = tiny()
     t = ts(method="lora", batch_size=4, seq_length=512, grad_checkpoint=True, device="cuda")
     blocks, _, _, one = activation_bytes(m, t)
     loss = estimate(m, t).phase_breakdowns["loss"]
-    assert loss["activations"] == blocks + head_input_bytes(m, t) + one
+    assert loss["activations"] == blocks + head_input_bytes(m, t) + max(0, one + top(m, t) - loss["logits"])
+    assert loss["allocator_slack"] >= unusable_cache_bytes(m, t, one) > 0
 
 
 def test_an_encoder_decoders_top_block_gradient_is_over_the_target_tokens():

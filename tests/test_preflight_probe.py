@@ -201,6 +201,35 @@ def test_the_cuda_counter_is_read_around_each_step():
     assert (b.held_bytes, b.retained_bytes, b.step_bytes) == (108 * MiB, 0, 4096 * 512)
 
 
+def test_on_cuda_the_matmul_handles_are_made_before_the_first_step():
+    """cuBLAS makes a handle and workspace per thread on its first matmul, the backward's on
+    autograd's thread: a tiny linear forward and backward runs before the first measured step, so
+    that step's peak and what it keeps count the same workspaces. torch.cuda is a fake here (no
+    GPU); the calls are real, recorded by a TorchFunctionMode."""
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in ("linear", "backward", "embedding"):
+                seen.append((name, tuple(args[0].shape) if args and hasattr(args[0], "shape") else None))
+            return func(*args, **(kwargs or {}))
+
+    fake = FakeTorchCuda(allocated=100 * MiB, reserved=128 * MiB, peak_alloc=300 * MiB, peak_res=300 * MiB,
+                         free=1 << 34, total=1 << 35)
+    model = Custom()
+    grads = [p.grad for p in model.parameters()]
+    with Record():
+        res = measure_steps(model, torch.zeros(2, 512, dtype=torch.long), [(1, 256)], device="cuda:0",
+                            torch_cuda=fake)
+    assert res.measured
+    assert seen[:2] == [("linear", (8, 8)), ("backward", ())]   # before the model's first forward
+    assert any(name == "linear" and shape != (8, 8) for name, shape in seen[2:])
+    assert [p.grad for p in model.parameters()] == grads
+
+
 def test_the_mps_counter_reads_the_driver_figure_after_emptying_the_cache():
     """torch.mps's counter functions are a fake (no Mac here): the driver's figure grows by the
     blocks a step caches, 2 KiB per token, and ``empty_cache`` hands them back."""

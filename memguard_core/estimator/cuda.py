@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from ..errors import ConfigError
+from .heads import head_of
 from .optimizer import paged_state_bytes
 from .result import MemoryEstimate
 from .specs import DTYPE_BYTES, MiB, ModelSpec, TrainSpec
@@ -78,17 +79,15 @@ def unusable_cache_bytes(ms: ModelSpec, ts: TrainSpec, one_block: int) -> int:
 
     Seen in the allocator's recorded history of an H200 run (``bench/cuda_reserved.py``;
     docs/estimator.md, "CUDA"). 0 for other heads and for fp32 logits outside checkpointing."""
-    if ts.model_code == "litgpt" or ms.decoder_layers or not ms.vocab_size:
-        return 0
-    from .heads import head_of
-
-    if head_of(ms).kind != "causal_lm":
+    if ts.model_code == "litgpt" or ms.decoder_layers or not ms.vocab_size or head_of(ms).kind != "causal_lm":
         return 0
     half = DTYPE_BYTES[ts.dtype] < 4
     freed_logits = 2 * ts.batch_size * ts.seq_length * ms.vocab_size if half else 0
     narrower = ms.vocab_size > max(ms.hidden_size, ms.intermediate_size, ms.moe_intermediate_size)
     cached = int(one_block) if ts.grad_checkpoint and narrower else 0
     return freed_logits + cached
+
+
 #: Largest head dim of the flash kernel: ``check_head_dim_size_flash``, ``cuda/sdp_utils.cpp``.
 CUDA_FLASH_MAX_HEAD_DIM = 256
 #: The memory-efficient kernel pads its fp32 logsumexp to this many queries: ``_efficient_attention_forward``.

@@ -115,14 +115,14 @@ def _largest_free_large(segs: Dict[int, int], blocks: Dict[int, int], addrs: Lis
     return {"free_large": total, "largest_free_large": largest}
 
 
-def census(snapshot: dict, mark_name: str = "_step_mark", big: int = 256 * MiB) -> Dict[str, Any]:
+def census(snapshot: dict, mark_name: str = "_step_mark", big: int = 256 * MiB, big_step: int = 3) -> Dict[str, Any]:
     """Replay ``snapshot["device_traces"][0]`` (``torch.cuda.memory._snapshot()``).
 
     Returns ``segment_allocs`` (one dict per new segment: ``step`` (0 before the first step mark, k
     during step k), ``segment`` and ``request`` bytes, ``allocated`` / ``reserved`` bytes just before,
     ``free_large`` / ``largest_free_large`` bytes, ``fragmented`` (the large pool's free bytes would
-    have held the request), ``frames``), ``big_requests`` (requests of at least ``big`` bytes in the
-    last step, grouped by frames: count, bytes), ``peaks`` (per step: the allocated and reserved
+    have held the request), ``frames``), ``big_requests`` (requests of at least ``big`` bytes in
+    step ``big_step``, grouped by frames: count, bytes), ``peaks`` (per step: the allocated and reserved
     peaks of the replay) and ``entries`` (how many were replayed). Step marks are allocations whose
     innermost frame is a function named ``mark_name`` (begin and end of each step, in order). Block
     extents are the rounded request (the unsplit remainder of a block, under 1 MiB, is ignored)."""
@@ -166,7 +166,7 @@ def census(snapshot: dict, mark_name: str = "_step_mark", big: int = 256 * MiB) 
             if allocated > p["allocated"]:
                 p["allocated"], p["reserved_at_allocated_peak"] = allocated, reserved
             p["reserved"] = max(p["reserved"], reserved)
-            if n >= big and step == 3:
+            if n >= big and step == big_step:
                 key = tuple(short_frames(frames, 4))
                 g = bigs.setdefault(key, {"frames": list(key), "count": 0, "bytes": n})
                 g["count"] += 1
@@ -196,7 +196,8 @@ def child(case: dict, dry: bool) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, TrainingArguments
 
     device = "cpu" if dry else "cuda"
-    history = bool(case.get("history")) and not dry
+    # expandable segments map and unmap pages (segment_map / segment_unmap) that the census does not replay
+    history = bool(case.get("history")) and not dry and "expandable_segments" not in case.get("alloc_conf", "")
     if device == "cuda":
         torch.zeros(1, device="cuda")
         if history:
@@ -268,7 +269,7 @@ def child(case: dict, dry: bool) -> dict:
             t2 = time.time()
             snap = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(None)
-            rec["census"] = census(snap)
+            rec["census"] = census(snap, big_step=case["steps"])
             rec["census_seconds"] = round(time.time() - t2, 2)
     rec["seconds"] = round(time.time() - t0, 2)
     return rec
@@ -312,7 +313,7 @@ def markdown(doc: dict) -> str:
     """The report of a ``cuda_reserved.json`` document."""
     m = doc["meta"]
     lines = ["# CUDA reserved-over-allocated census", "",
-             f"{m.get('gpu', {}).get('name')} | torch {m.get('versions', {}).get('torch')} | "
+             f"{m.get('gpu', {}).get('gpu')} | torch {m.get('versions', {}).get('torch')} | "
              f"transformers {m.get('versions', {}).get('transformers')} | peft {m.get('versions', {}).get('peft')} | "
              f"commit {m.get('commit')} | {m.get('date')} | {m.get('elapsed_s')} s", "",
              "| case | alloc conf | step | max allocated GiB | max reserved GiB | gap GiB | gap / allocated |",
@@ -346,7 +347,7 @@ def markdown(doc: dict) -> str:
                          f"{'<br>'.join((s.get('frames') or [])[:3])} |")
         small = [s for s in c["segment_allocs"] if s["segment"] < 64 * MiB and not s.get("fragmented")]
         lines.append(f"\n{len(small)} more segments under 64 MiB (not fragmented), {sum(s['segment'] for s in small) / GiB:.2f} GiB.")
-        lines += ["", "Requests of 256 MiB or more in step 3:", "", "| count | MiB | frames |", "|---|---|---|"]
+        lines += ["", "Requests of 256 MiB or more in the last step:", "", "| count | MiB | frames |", "|---|---|---|"]
         for g in c["big_requests"]:
             lines.append(f"| {g['count']} | {g['bytes'] / MiB:.0f} | {'<br>'.join(g['frames'])} |")
         lines += ["", "Replay peaks per step (negative: between a step's end and the next's start):", "",

@@ -62,29 +62,35 @@ def allocator_slack(totals: Dict[str, int], overhead: int, floors: Optional[Dict
     return {k: max(int(CUDA_FRAGMENTATION * (v - overhead)), int(floors.get(k, 0))) for k, v in totals.items()}
 
 
-def unusable_cache_bytes(ms: ModelSpec, ts: TrainSpec, one_block: int) -> int:
+def unusable_cache_bytes(ms: ModelSpec, ts: TrainSpec, cached_block: int) -> int:
     """Bytes the caching allocator holds free but cannot hand to any request of the loss moment of
-    a causal LM trained through transformers' loss (not LitGPT's, not an encoder-decoder's), so they
-    sit on top of its live set in ``max_memory_reserved``. The allocator serves a request from one
-    free block at least its size (best fit) and never merges blocks of different segments
-    (``c10/cuda/CUDACachingAllocator.cpp``: ``get_free_block``, ``try_merge_blocks``):
+    a language model (an LM head over a vocabulary) in torch, so they sit on top of its live set in
+    ``max_memory_reserved``. The allocator serves a request from one free block at least its size
+    (best fit) and never merges blocks of different segments (``c10/cuda/CUDACachingAllocator.cpp``:
+    ``get_free_block``, ``try_merge_blocks``):
 
-    * the model-dtype logits (batch x seq x vocab x 2 B, when the logits are fp16 / bf16, autocast
-      included): ``ForCausalLMLoss`` upcasts them (``logits.float()``), and when the backward
-      starts and frees them every request there is an fp32 tensor of twice their size;
-    * under activation checkpointing, ``one_block`` (one block's working set, bytes): the
-      checkpointed forward frees each block's tensors as it goes, and every one of them is
-      narrower per token than the logits (when the vocabulary is wider than the block's hidden and
-      MLP widths), so the logits chain takes new segments beside them.
+    * a causal LM's fp16 / bf16 logits (batch x seq x vocab x 2 B; autocast included), through
+      transformers' loss: ``ForCausalLMLoss`` upcasts them (``logits.float()``), and when the
+      backward starts and frees them every request there is an fp32 tensor twice their size;
+    * under activation checkpointing, ``cached_block`` (bytes: one block's working set, less what
+      a recompute held at the same moment already reuses): the checkpointed forward frees each
+      block's tensors as it goes, and when each is smaller than the logits (a row of logits,
+      tokens x vocabulary, over a row of the block's widest tensor, tokens x its widest width) the
+      logits chain takes new segments beside them.
 
     Seen in the allocator's recorded history of an H200 run (``bench/cuda_reserved.py``;
-    docs/estimator.md, "CUDA"). 0 for other heads and for fp32 logits outside checkpointing."""
-    if ts.model_code == "litgpt" or ms.decoder_layers or not ms.vocab_size or head_of(ms).kind != "causal_lm":
+    docs/estimator.md, "The CUDA reserved share of a checkpointed run"). 0 for classifier heads,
+    LitGPT's chunked loss and MLX (not torch's allocator)."""
+    head = head_of(ms)
+    if ts.framework == "mlx" or ts.model_code == "litgpt" or not ms.vocab_size or not head.is_lm:
         return 0
+    seq2seq = bool(ms.decoder_layers)
     half = DTYPE_BYTES[ts.dtype] < 4
-    freed_logits = 2 * ts.batch_size * ts.seq_length * ms.vocab_size if half else 0
-    narrower = ms.vocab_size > max(ms.hidden_size, ms.intermediate_size, ms.moe_intermediate_size)
-    cached = int(one_block) if ts.grad_checkpoint and narrower else 0
+    upcast = head.kind == "causal_lm" and not seq2seq
+    freed_logits = 2 * ts.batch_size * ts.seq_length * ms.vocab_size if half and upcast else 0
+    logits_row = (ts.decoder_tokens if seq2seq else ts.seq_length) * ms.vocab_size
+    widest = max(ms.hidden_size, ms.intermediate_size, ms.moe_intermediate_size) * ts.seq_length
+    cached = int(cached_block) if ts.grad_checkpoint and logits_row > widest else 0
     return freed_logits + cached
 
 

@@ -19,7 +19,7 @@ from .heads import head_of
 from .image_blocks import with_patch_tokens
 from .logits import head_input_bytes, logits_bytes
 from .lora_targets import with_default_lora_targets
-from .moments import StepTerms, compose_moments
+from .moments import StepTerms, compose_moments, recompute_beyond_logits
 from .optimizer import optimizer_state_bytes, optimizer_temporary_bytes
 from .result import BREAKDOWN_ORDER, MemoryEstimate
 from .runtime import runtime_overhead_bytes, runtime_source
@@ -68,10 +68,11 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
     if ts.framework == "mlx" and ts.method == "full":  # the update runs inside the backward's graph
         phases["optimizer"].update(mlx.optimizer_moment(ms, ts, trainable))
     totals = {k: sum(v.values()) for k, v in phases.items()}
-    for k, slack in _allocator_slack(ms, ts, totals, terms).items():
+    floors = _slack_floors(ms, ts, terms)
+    for k, slack in _allocator_slack(ms, ts, totals, terms, floors).items():
         phases[k]["allocator_slack"] = slack
         totals[k] += slack
-    apply_sharding(ms, ts, phases, totals, notes)
+    apply_sharding(ms, ts, phases, totals, notes, slack_floors=floors)
     phase = max(totals, key=lambda k: totals[k])
     peak_raw = totals[phase]
     peak = int(math.ceil(peak_raw * float(correction)))
@@ -83,7 +84,7 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
                           phases=totals,
                           phase_breakdowns={k: {t: int(v.get(t, 0)) for t in BREAKDOWN_ORDER
                                                 if t != "calibration"} for k, v in phases.items()},
-                          correction=float(correction), notes=tuple(notes))
+                          correction=float(correction), notes=tuple(notes), slack_floors=floors)
 
 
 def _trainable(ms: ModelSpec, ts: TrainSpec) -> int:
@@ -181,11 +182,23 @@ def _eager_masks(ms: ModelSpec, ts: TrainSpec) -> int:
     return ts.batch_size * area * DTYPE_BYTES[ts.dtype]
 
 
-def _allocator_slack(ms: ModelSpec, ts: TrainSpec, totals: Dict[str, int], t: StepTerms) -> Dict[str, int]:
-    """moment -> the device allocator's slack on top of the live set, bytes."""
+def _slack_floors(ms: ModelSpec, ts: TrainSpec, t: StepTerms) -> Dict[str, int]:
+    """moment -> the least allocator slack of that moment, bytes: on cuda the loss moment's cached
+    blocks no request there fits (``cuda.unusable_cache_bytes``); the forward's cached block
+    tensors count only beyond a recompute the loss moment already holds (it reuses them)."""
+    if ts.device != "cuda":
+        return {}
+    cached = max(0, t.one_block - recompute_beyond_logits(ms, ts, t)) if ts.grad_checkpoint else 0
+    floor = cuda.unusable_cache_bytes(ms, ts, cached)
+    return {"loss": floor} if floor else {}
+
+
+def _allocator_slack(ms: ModelSpec, ts: TrainSpec, totals: Dict[str, int], t: StepTerms,
+                     floors: Dict[str, int]) -> Dict[str, int]:
+    """moment -> the device allocator's slack on top of the live set, bytes (``floors``: the least
+    slack of a moment, :func:`_slack_floors`)."""
     if ts.device == "cuda":
-        return cuda.allocator_slack(totals, t.runtime_overhead,
-                                    floors={"loss": cuda.unusable_cache_bytes(ms, ts, t.one_block)})
+        return cuda.allocator_slack(totals, t.runtime_overhead, floors=floors)
     if ts.device == "mps":
         return mps.allocator_slack(totals, t.runtime_overhead)
     if ts.device == "cpu":

@@ -179,8 +179,8 @@ def corrected_peak(est: MemoryEstimate, per_token_ratio: float, fixed_delta_byte
     per-token, bytes: the per-token tensors (activations, logits) are the same tensors at both
     moments, each moment's fixed part is its own (the loss's: weight copies; the backward's:
     gradients and its transients too). On cuda / mps the allocator slack is recomputed from the
-    new live total (``cuda.allocator_slack`` / ``mps.allocator_slack``), a cuda moment's cached
-    logits and block tensors (a slack over the rule's fraction) scaled with the per-token part; on
+    new live total (``cuda.allocator_slack`` / ``mps.allocator_slack``), at least the moment's
+    ``est.slack_floors`` (cached per-token tensors) scaled with the per-token part; on
     cpu the heap slack scales with the per-token part. The optimizer moment is kept; the estimate's calibration
     factor (``est.correction``) applies on top.
 
@@ -205,9 +205,7 @@ def corrected_peak(est: MemoryEstimate, per_token_ratio: float, fixed_delta_byte
         if rule is None:
             totals[m] = live
             continue
-        # a slack over the rule's fraction is cached blocks of per-token tensors (cuda.unusable_cache_bytes)
-        was = p["held"] + p["fixed"] + p["per_token"]
-        floor = p["slack"] if p["slack"] > rule({m: was}, overhead)[m] else 0
+        floor = est.slack_floors.get(m, 0)   # cached per-token tensors (cuda.unusable_cache_bytes)
         totals[m] = live + max(rule({m: live}, overhead)[m], int(r * floor))
     return int(math.ceil(max(totals.values()) * est.correction))
 

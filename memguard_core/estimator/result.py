@@ -33,6 +33,9 @@ class MemoryEstimate:
         trainable_params: trainable parameter count (elements).
         correction: multiplicative calibration factor applied.
         notes: assumptions that applied to this estimate.
+        slack_floors: moment -> bytes of cached blocks the device allocator cannot use then (cuda:
+            ``cuda.unusable_cache_bytes``), the least ``allocator_slack`` of that moment; per-token
+            bytes, so a correction of the per-token part scales them (``probe_fit.corrected_peak``).
     """
 
     peak_bytes: int
@@ -46,6 +49,7 @@ class MemoryEstimate:
     phase_breakdowns: Dict[str, Dict[str, int]] = field(default_factory=dict)
     correction: float = 1.0
     notes: Tuple[str, ...] = ()
+    slack_floors: Dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON-safe dict: ``peak_bytes`` (int), ``breakdown`` (name -> int), ``counter``, ``phase``,

@@ -150,15 +150,16 @@ def _largest_module_params(ms) -> int:
     return max(ms.vocab_size * ms.hidden_size, lin, ms.params.lm_head)
 
 
-def apply_sharding(ms, ts, phases: Dict[str, Dict[str, int]], totals: Dict[str, int], notes: List[str]) -> None:
+def apply_sharding(ms, ts, phases: Dict[str, Dict[str, int]], totals: Dict[str, int], notes: List[str], *,
+                   slack_floors: Optional[Dict[str, int]] = None) -> None:
     """Rewrite the moments of one whole-model process (``phases``: moment -> term -> bytes, and
     their ``totals``, as ``estimate()`` built them, allocator slack included) into those of one
     rank of ``ts.sharding``, in place; append a note.
 
     ``ms`` is the spec ``estimate()`` counted (weights in their training dtype). The allocator
     slack is recomputed: on ``cuda`` the same fraction (``CUDA_FRAGMENTATION``) of the rewritten
-    moment, or the single process's cached logits and block tensors (``cuda.unusable_cache_bytes``:
-    per-token tensors, which every rank of a data-parallel run holds) where larger; on ``cpu`` the single-process heap slack plus, under FSDP, :data:`FSDP_CPU_HEAP_SLACK`.
+    moment, or the moment's entry of ``slack_floors`` where larger (``cuda.unusable_cache_bytes``:
+    per-token tensors, which every rank of a data-parallel run holds); on ``cpu`` the single-process heap slack plus, under FSDP, :data:`FSDP_CPU_HEAP_SLACK`.
     Does nothing for ``sharding="none"``, so a ``none`` estimate equals the single-process one
     exactly."""
     s = ts.sharding
@@ -179,11 +180,9 @@ def apply_sharding(ms, ts, phases: Dict[str, Dict[str, int]], totals: Dict[str, 
             extra = int(fsdp_slack * traffic) if k != "loss" else 0
             v["allocator_slack"] = slack[k] + extra
         elif ts.device == "cuda":
-            # a slack over the fraction is the rank's own cached logits / block tensors: kept
-            frac_before = int(CUDA_FRAGMENTATION * (totals[k] - slack[k] - v["runtime_overhead"]))
             v["allocator_slack"] = 0
             v["allocator_slack"] = max(int(CUDA_FRAGMENTATION * (sum(v.values()) - v["runtime_overhead"])),
-                                       slack[k] if slack[k] > frac_before else 0)
+                                       int((slack_floors or {}).get(k, 0)))
     if ts.device == "cpu" and not ts.heap_trim and fsdp_slack:
         _untrimmed_holes_persist(phases)
     for k, v in phases.items():

@@ -31,7 +31,10 @@ def test_dry_run_passes_and_writes_both_reports(tmp_path, gc):
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     md = (tmp_path / "gpu_check.md").read_text()
     names = [r["name"] for r in doc["cases"]]
-    assert names == ["probe", "oom-measure"] + [n for n in gc.CASE_NAMES if n != "probe"]
+    first_oom = gc.CASE_NAMES.index("oom-forward")   # the measurement runs right before the first OOM case
+    assert names == gc.CASE_NAMES[:first_oom] + ["oom-measure"] + gc.CASE_NAMES[first_oom:]
+    # what a short lease must reach first: the held-out estimates and the guarded runs before the rest
+    assert gc.CASE_NAMES[1:1 + len(gc.HELD_OUT_CASES)] == [c["name"] for c in gc.HELD_OUT_CASES]
     assert doc["passed"] and doc["meta"]["dry_run"]
     for name in names:
         assert f"| {name} |" in md

@@ -73,6 +73,10 @@ def estimate(model_spec: ModelSpec, train_spec: TrainSpec, *, correction: float 
         phases[k]["allocator_slack"] = slack
         totals[k] += slack
     apply_sharding(ms, ts, phases, totals, notes, slack_floors=floors)
+    if floors.get("loss") and phases["loss"].get("allocator_slack") == floors["loss"]:
+        notes.append(f"cuda: {floors['loss'] / 2**30:.2f} GiB of the loss moment's slack is cached blocks no request "
+                     "there fits (freed half-precision logits; under checkpointing the forward's block tensors): "
+                     "reserved, not allocated")
     phase = max(totals, key=lambda k: totals[k])
     peak_raw = totals[phase]
     peak = int(math.ceil(peak_raw * float(correction)))

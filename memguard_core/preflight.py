@@ -214,8 +214,11 @@ def plan_in_place(model_spec: ModelSpec, train_spec: TrainSpec, budget_bytes: in
                               int(est.peak_bytes) + extra,
                               ["the process already holds more than the budget before training: raise the budget "
                                "or free memory (other models, datasets) before train()"])
+    # a split applied in place leaves the dataloader's batches whole: candidates hold them (pixels)
+    planned = (train_spec.replace(collated_rows=train_spec.rows_per_batch)
+               if "micro_batch" in apply else train_spec)
     try:
-        chosen = make_plan(model_spec, train_spec, target, allow=allow_steps(apply), correction=correction,
+        chosen = make_plan(model_spec, planned, target, allow=allow_steps(apply), correction=correction,
                            shown_offset=extra, target_name=f"{fraction:.0%} of the {budget_bytes / 2**30:.2f} GiB budget")
     except DoesNotFitError as exc:
         # the planner saw only its target: the error names the user's budget and how the target derives

@@ -274,3 +274,31 @@ def test_the_generic_module_reader_refuses_an_image_model_in_one_line():
     with pytest.raises(ConfigError) as err:
         model_spec_from_module(model)
     assert err.value.field == "model" and "\n" not in str(err.value)
+
+
+def test_an_in_place_split_still_holds_the_collated_batches_pixels():
+    """The guard cuts each collated batch into micro-batches in place: the HF ``Trainer`` still
+    holds the accumulation window's batches and accelerate's next one, whole (Lightning: the batch
+    and the next; a plain loop: its batch), so a split plan counts the requested batch's pixels."""
+    from memguard_core.estimator.estimate import estimate
+    from memguard_core.estimator.image_blocks import pixel_rows
+    from memguard_core.preflight import plan_in_place
+
+    ts = TrainSpec(batch_size=8, grad_accum=2, seq_length=65, method="full", dtype="fp32", framework="hf")
+    assert pixel_rows(ts) == 2 * 8 + 8                                   # unsplit: as before
+    split = ts.replace(batch_size=2, grad_accum=8, collated_rows=8)
+    assert pixel_rows(split) == 16 + 8                                   # the same images held
+    assert pixel_rows(split.replace(collated_rows=None)) == 16 + 2       # a real micro-batch of 2
+    assert pixel_rows(split.replace(framework="lightning")) == 16 and pixel_rows(split.replace(framework="torch")) == 8
+    with pytest.raises(ConfigError, match="collated_rows"):
+        ts.replace(collated_rows=4)
+
+    ms = model_spec_from_hf_config(_config("vit", 0.0))
+    per_image = 4 * 3 * IMG * IMG
+    at_4 = estimate(ms, ts.replace(batch_size=4, grad_accum=4, collated_rows=8)).peak_bytes
+    assert at_4 < estimate(ms, ts).peak_bytes
+    pf = plan_in_place(ms, ts, budget_bytes=at_4 + (1 << 20), correction=1.0)
+    chosen = pf.plan.train_spec
+    assert chosen.batch_size < 8 and chosen.collated_rows == 8 and pf.micro_batches == 8 // chosen.batch_size
+    own = estimate(ms, chosen.replace(collated_rows=None))
+    assert estimate(ms, chosen).phases["loss"] - own.phases["loss"] == (8 - chosen.batch_size) * per_image

@@ -14,7 +14,7 @@ from .heads import IMAGE_CLASSIFICATION, head_of
 from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 
 __all__ = ["is_image_classifier", "with_patch_tokens", "image_block_act", "outside_bytes", "logits_bytes",
-           "pixel_bytes", "pixel_batches"]
+           "pixel_bytes", "pixel_batches", "pixel_rows"]
 
 
 def is_image_classifier(ms: ModelSpec) -> bool:
@@ -69,6 +69,18 @@ def pixel_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
     return 4 * ts.batch_size * ms.num_channels * ms.image_size ** 2
 
 
+def pixel_rows(ts: TrainSpec) -> int:
+    """Images whose ``pixel_values`` are alive during a step: the collated batches of
+    :func:`pixel_batches`, each of ``TrainSpec.rows_per_batch`` rows. When a guard cuts each batch
+    into micro-batches in place (``collated_rows`` > ``batch_size``) the framework still collates and
+    holds whole batches: the HF ``Trainer`` the accumulation window's batches (``grad_accum x
+    batch_size`` rows) and the next one, Lightning the batch and the next, a plain loop its batch."""
+    per = ts.rows_per_batch
+    if ts.framework == "hf":
+        return ts.grad_accum * ts.batch_size + per
+    return 2 * per if ts.framework == "lightning" else per
+
+
 def pixel_batches(ts: TrainSpec) -> int:
     """Collated batches alive during a step: the HF ``Trainer`` takes the accumulation window's
     ``grad_accum`` batches before its first forward (transformers ``Trainer.get_batch_samples``) and
@@ -84,7 +96,7 @@ def outside_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
     (T = batch x patch tokens, R = rows, h = hidden, e = compute-dtype bytes, r = the residual
     stream's: fp32 under autocast):
 
-    * the collated pixels (:func:`pixel_bytes` x :func:`pixel_batches`) and, when the patch
+    * the collated pixels (:func:`pixel_rows` images) and, when the patch
       convolution trains (a full
       fine-tune), the copy it saves of them in a half compute dtype (``ViTModel.forward`` casts
       ``pixel_values`` to the projection's dtype; autocast casts a conv's input): 2 bytes per pixel;
@@ -106,7 +118,7 @@ def outside_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
     h = ms.hidden_size
     rows = ts.batch_size
     tokens = rows * ms.patch_tokens
-    out = pixel_bytes(ms, ts) * pixel_batches(ts)
+    out = pixel_bytes(ms, ts) // ts.batch_size * pixel_rows(ts)
     if ts.method == "full" and (amp or e < 4):
         out += pixel_bytes(ms, ts) // 2
     if ms.embedding_dropout > 0:

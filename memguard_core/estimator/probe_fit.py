@@ -138,7 +138,7 @@ def probe_train_spec(ts: TrainSpec, rows: int, tokens: int) -> TrainSpec:
     Raises:
         ConfigError: ``rows`` / ``tokens`` not a positive integer.
     """
-    return ts.replace(batch_size=rows, seq_length=tokens, grad_accum=1,
+    return ts.replace(batch_size=rows, seq_length=tokens, grad_accum=1, collated_rows=None,
                       heap_trim=True if ts.device == "cpu" else ts.heap_trim)
 
 

@@ -496,6 +496,11 @@ class TrainSpec:
             ``decoder_input_ids`` length, padded), >= 1; ``seq_length`` stays the source tokens
             (the encoder's ``input_ids``). ``None`` = ``seq_length`` (:attr:`decoder_tokens`).
             Ignored for a model without a decoder stack.
+        collated_rows: rows of one batch as the dataloader collates it, when a guard cuts it into
+            micro-batches of ``batch_size`` rows in place (``memguard_core.preflight.plan_in_place``
+            sets it to the requested micro-batch): the framework still holds whole collated batches,
+            which matters where a batch's inputs are large (an image classifier's pixels,
+            ``image_blocks.pixel_rows``). ``None`` = ``batch_size``; at least ``batch_size``.
     """
 
     batch_size: int = 1
@@ -530,11 +535,15 @@ class TrainSpec:
     model_code: str = "transformers"
     litgpt_version: Optional[str] = None
     target_length: Optional[int] = None
+    collated_rows: Optional[int] = None
 
     def __post_init__(self) -> None:
         require_positive_int("batch_size", self.batch_size)
         if self.target_length is not None:
             require_positive_int("target_length", self.target_length)
+        cr = self.collated_rows
+        if cr is not None and (isinstance(cr, bool) or not isinstance(cr, int) or cr < self.batch_size):
+            raise ConfigError("collated_rows", f"None or a whole number >= batch_size ({self.batch_size})", cr)
         rf = self.resident_file_bytes
         if rf is not None and (isinstance(rf, bool) or not isinstance(rf, int) or rf < 0):
             raise ConfigError("resident_file_bytes", "an integer >= 0 (bytes) or None", rf)
@@ -592,6 +601,11 @@ class TrainSpec:
     def effective_batch(self) -> int:
         """Samples per optimizer step: micro-batch x accumulation x world_size."""
         return self.batch_size * self.grad_accum * self.world_size
+
+    @property
+    def rows_per_batch(self) -> int:
+        """Rows of one collated batch: ``collated_rows``, ``batch_size`` when None."""
+        return int(self.collated_rows or self.batch_size)
 
     @property
     def decoder_tokens(self) -> int:

@@ -400,6 +400,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         kept = {(r["case"], r.get("probe_on", True)): r for r in old.get("records", [])
                 if not isinstance(r.get("error"), str)}
         meta["reused_from"] = old.get("meta")
+    # --only with --reuse: the saved records of the cases not selected stay in the reports
+    chosen = {c["name"] for c in cases}
+    order = [c["name"] for c in select_cases([])]
+    others = [score(r) for (name, _), r in sorted(kept.items(), key=lambda kv: order.index(kv[0][0])
+                                                  if kv[0][0] in order else len(order)) if name not in chosen]
+
+    def listed(recs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        return sorted(recs, key=lambda r: order.index(r["case"]) if r.get("case") in order else len(order))
+
     for c in cases:
         for probe in (True, False) if a.probe_off else (True,):
             if (c["name"], probe) in kept:
@@ -416,8 +425,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      f"({_pct(rec.get('error_acted'))} / {_pct(rec.get('error_no_probe'))}), factor "
                      f"{rec.get('factor_read')}, probe {rec.get('probe_seconds') or 0:.1f} s")
                   + f" [{time.time() - t:.0f} s]", flush=True)
-            write_report(rows, meta, a.out)   # after each case: a run cut short keeps the cases done
-    print(write_report(rows, meta, a.out))
+            write_report(listed(rows + others), meta, a.out)   # after each case: a run cut short keeps the cases done
+    print(write_report(listed(rows + others), meta, a.out))
     return 0
 
 

@@ -120,7 +120,7 @@ def test_outside_the_blocks_equals_the_census(method, dtype, amp, targets):
     ms, ts = _spec_ts("vit", B, **kw)
     _, ts2 = _spec_ts("vit", 2 * B, **kw)
     outside_census = out_l - out_s
-    pixels = 4 * 3 * IMG * IMG * B * 2   # the HF Trainer's batch and accelerate's next one (pixel_batches)
+    pixels = 4 * 3 * IMG * IMG * B * 2   # the HF Trainer's batch and accelerate's next one (pixel_rows)
     # the batch tensor itself is a saved tensor only where the fp32 convolution trains on it
     batch_saved = pixels // 2 if (method == "full" and dtype == "fp32") else 0
     rule = outside_bytes(ms, ts2) - outside_bytes(ms, ts) - pixels + batch_saved

@@ -14,7 +14,7 @@ from .heads import IMAGE_CLASSIFICATION, head_of
 from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 
 __all__ = ["is_image_classifier", "with_patch_tokens", "image_block_act", "outside_bytes", "logits_bytes",
-           "pixel_bytes", "pixel_batches", "pixel_rows"]
+           "pixel_bytes", "pixel_rows"]
 
 
 def is_image_classifier(ms: ModelSpec) -> bool:
@@ -70,25 +70,17 @@ def pixel_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
 
 
 def pixel_rows(ts: TrainSpec) -> int:
-    """Images whose ``pixel_values`` are alive during a step: the collated batches of
-    :func:`pixel_batches`, each of ``TrainSpec.rows_per_batch`` rows. When a guard cuts each batch
-    into micro-batches in place (``collated_rows`` > ``batch_size``) the framework still collates and
-    holds whole batches: the HF ``Trainer`` the accumulation window's batches (``grad_accum x
-    batch_size`` rows) and the next one, Lightning the batch and the next, a plain loop its batch."""
+    """Images whose ``pixel_values`` are alive during a step, in collated batches of
+    ``TrainSpec.rows_per_batch`` rows: the HF ``Trainer`` takes the accumulation window's batches
+    before its first forward (transformers ``Trainer.get_batch_samples``: ``grad_accum x batch_size``
+    rows) and accelerate's ``DataLoaderShard.__iter__`` has fetched the next one ("We iterate one
+    batch ahead"); Lightning's ``_PrefetchDataFetcher`` holds the batch and one ahead; a plain loop
+    its own batch. When a guard cuts each batch into micro-batches in place (``collated_rows`` >
+    ``batch_size``) these stay whole batches."""
     per = ts.rows_per_batch
     if ts.framework == "hf":
         return ts.grad_accum * ts.batch_size + per
     return 2 * per if ts.framework == "lightning" else per
-
-
-def pixel_batches(ts: TrainSpec) -> int:
-    """Collated batches alive during a step: the HF ``Trainer`` takes the accumulation window's
-    ``grad_accum`` batches before its first forward (transformers ``Trainer.get_batch_samples``) and
-    accelerate's ``DataLoaderShard.__iter__`` has fetched the next one ("We iterate one batch ahead");
-    Lightning's ``_PrefetchDataFetcher`` holds one ahead too (2); a plain loop its own batch (1)."""
-    if ts.framework == "hf":
-        return ts.grad_accum + 1
-    return 2 if ts.framework == "lightning" else 1
 
 
 def outside_bytes(ms: ModelSpec, ts: TrainSpec) -> int:

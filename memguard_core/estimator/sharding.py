@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Tuple
 
-from .cuda import CUDA_FRAGMENTATION
+from .cuda import allocator_slack
 from .trainable import trainable_param_count
 from .specs import DTYPE_BYTES
 
@@ -181,8 +181,7 @@ def apply_sharding(ms, ts, phases: Dict[str, Dict[str, int]], totals: Dict[str, 
             v["allocator_slack"] = slack[k] + extra
         elif ts.device == "cuda":
             v["allocator_slack"] = 0
-            v["allocator_slack"] = max(int(CUDA_FRAGMENTATION * (sum(v.values()) - v["runtime_overhead"])),
-                                       int((slack_floors or {}).get(k, 0)))
+            v["allocator_slack"] = allocator_slack({k: sum(v.values())}, v["runtime_overhead"], slack_floors)[k]
     if ts.device == "cpu" and not ts.heap_trim and fsdp_slack:
         _untrimmed_holes_persist(phases)
     for k, v in phases.items():

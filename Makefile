@@ -13,11 +13,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned: a plain `torch` requirement would pull a multi-GB CUDA build here
-	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[hf,lightning,mlx,dev]"
+	$(PIP) install -q --no-compile -c constraints.txt torch==2.13.0
+	$(PIP) install -q --no-compile -c constraints.txt -e ".[hf,lightning,mlx,dev]"
 	# LitGPT's own model code, for tests/test_litgpt_code.py: --no-deps, as its pins (huggingface-hub<1.4,
 	# psutil==7.2.2) conflict with transformers 5; what it imports, the extras above install
-	$(PIP) install -q --no-deps litgpt==0.5.13
+	$(PIP) install -q --no-compile --no-deps litgpt==0.5.13
+	# byte-compiled on every core at once (pip compiles one file at a time); a file that does not
+	# compile under this Python (torch ships a 3.12-syntax test helper) is skipped, as pip skips it
+	$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") > /dev/null || true
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -30,6 +30,7 @@ from typing import Callable, Iterator, Optional  # noqa: E402
 
 import pytest  # noqa: E402
 
+from memguard_testing import forkserver  # noqa: E402
 from memguard_testing.cgroup_harness import MemoryCgroup, cgroups_writable  # noqa: E402
 from memguard_testing.fakes import FakeTorchCuda  # noqa: E402
 
@@ -59,6 +60,14 @@ def _own_calibration_store(tmp_path_factory, monkeypatch) -> None:
     3 comparable runs of earlier tests would give a correction factor that changes later tests' plans
     (the tests' outcome would depend on their order). Subprocesses inherit the variable."""
     monkeypatch.setenv("MEMGUARD_DATA_DIR", str(tmp_path_factory.mktemp("memguard-data")))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fork_servers_end_with_the_file() -> Iterator[None]:
+    """The fork servers a test file started (``memguard_testing.forkserver``, each holding a
+    framework's imports) end with the file, not with the worker."""
+    yield
+    forkserver.close_all()
 
 
 @pytest.fixture(scope="session")

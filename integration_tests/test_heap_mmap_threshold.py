@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from memguard_testing import script, script_env
+from memguard_testing.forkserver import run_script
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
                                 reason="mallopt / mallinfo2 are glibc's (Linux)")
 
 
 def _runs(*kinds: str) -> dict:
-    p = subprocess.run([sys.executable, script("mmap_threshold_run.py"), *kinds], capture_output=True, text=True,
-                       timeout=300, env=script_env(OMP_NUM_THREADS="1"))
+    p = run_script(script("mmap_threshold_run.py"), *kinds, timeout=300, env=script_env(OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stderr[-3000:]
     return {r["kind"]: r for r in json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[7:])}
 

@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 import memguard_testing  # noqa: E402
 from memguard_lightning import MemGuardCallback  # noqa: E402
+from memguard_testing.forkserver import run_script  # noqa: E402
 from memguard_testing.lightning_tiny import TinyLM, fit, make_trainer, make_val_loader, max_param_diff  # noqa: E402
 
 BIG_BUDGET = 64 * 2**30
@@ -124,16 +125,14 @@ def test_real_validation_oom_is_survived(tmp_path):
     training goes on to step 3 with its own split (1) and the unlimited run's parameters, and the
     logged validation loss is the unlimited run's. (One validation batch: the failure comes in the
     first; the combination of several batches' losses is the tiny-model tests' above.)"""
-    import subprocess
-
     script = memguard_testing.script("rlimit_lightning_run.py")
     shape = ["--steps", "3", "--vocab", "32768", "--layers", "2", "--batch", "8", "--val-batch", "32",
              "--val-batches", "1", "--val-every", "2"]
 
     def run(limit, mode):
         out = tmp_path / f"{mode}-{limit}.json"
-        proc = subprocess.run([sys.executable, script, str(limit), mode, str(out), *shape], capture_output=True,
-                              text=True, env=memguard_testing.script_env(OMP_NUM_THREADS="2"), timeout=600)
+        proc = run_script(script, str(limit), mode, str(out), *shape,
+                          env=memguard_testing.script_env(OMP_NUM_THREADS="2"), timeout=600)
         assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
         return json.loads(out.read_text())
 

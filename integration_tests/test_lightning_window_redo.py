@@ -24,7 +24,6 @@ raised from a backward hook: RLIMIT_AS cannot place a failure at a chosen backwa
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -32,6 +31,7 @@ import pytest
 pytest.importorskip("lightning")
 
 import memguard_testing  # noqa: E402
+from memguard_testing.forkserver import run_script  # noqa: E402
 from memguard_testing.train_scripts import alloc_fails_at  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux RLIMIT_AS")
@@ -44,8 +44,7 @@ SHAPE = ["--steps", "2", "--vocab", "32768", "--layers", "2", "--batch", "8"]
 def _run(tmp_path, limit: int, mode: str, *extra: str) -> dict:
     out = tmp_path / f"{mode}-{limit}-{'-'.join(extra) or 'plain'}.json"
     env = memguard_testing.script_env(OMP_NUM_THREADS="2")
-    proc = subprocess.run([sys.executable, SCRIPT, str(limit), mode, str(out), *SHAPE, *extra],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = run_script(SCRIPT, str(limit), mode, str(out), *SHAPE, *extra, env=env, timeout=600)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 

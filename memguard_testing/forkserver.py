@@ -1,0 +1,221 @@
+"""Single-process child runs of a test script, forked from a server that has already imported
+what the script imports: :func:`run_script` is ``subprocess.run([python, SCRIPT, *ARGS])`` without
+the framework imports each new interpreter pays (``import torch`` about 3 s of CPU on a small
+machine, ``from transformers import Trainer`` about 9 s, ``import lightning.pytorch`` about 8 s;
+the tests start dozens of such children).
+
+    python -m memguard_testing.forkserver SCRIPT     (started by run_script; one request per line)
+
+The server runs the script's top level once (its imports and definitions, not its ``__main__``
+block), then forks one child per request; the child runs the script as ``__main__`` with the
+request's arguments, its stdout and stderr going to files the caller reads back. It is the same
+arrangement as :mod:`memguard_testing.torchrun` for the multi-process runs, with the same rules:
+
+- Nothing runs a parallel region before the fork (importing torch starts no OpenMP threads).
+- What a library reads when it loads (``OMP_NUM_THREADS``, ``MALLOC_ARENA_MAX``, ``PYTHONPATH``)
+  is the server's environment, so a server serves one environment: a request with a different
+  one (``PYTEST_*`` aside) gets a server of its own.
+- A child's address space and resident set start with what the server mapped and touched before
+  the fork, as a fresh interpreter's would after the same imports, so the address-space limits the
+  scripts set on themselves (``RLIMIT_AS``, after the model is built) land where they did in a
+  fresh interpreter give or take the server's few pages; a test that places a limit from a
+  reference run launches that reference the same way.
+
+A pytest worker keeps one server per script and environment until the test file ends
+(``conftest.py`` calls :func:`close_all`); a server also ends when its stdin closes, so it never
+outlives the worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Dict, Optional, Sequence, Tuple
+
+#: Environment variables that differ between the tests of one worker and that nothing reads at
+#: import (memguard reads its data dir when it records; conftest.py gives each test its own).
+_PER_TEST = ("PYTEST_CURRENT_TEST", "PYTEST_XDIST_TESTRUNUID", "MEMGUARD_DATA_DIR")
+
+
+def _child(script: str, request: dict, reply_fd: int) -> None:
+    """The forked child: the request's stdio, environment, working folder and ``argv``, then the
+    script as ``__main__``; exits with the script's status (1 on an uncaught exception, printed),
+    after the ``atexit`` handlers an interpreter's exit would run. Never returns."""
+    status = 1
+    try:
+        os.setpgid(0, 0)   # its own process group: a timeout kills whatever it started
+        os.close(reply_fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(out, fd)
+            os.close(out)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
+        sys.argv = [script, *request["args"]]
+        status = 0
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                status = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+                status = 1
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        atexit._run_exitfuncs()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(status)
+
+
+def serve(script: str) -> None:
+    """The server: the script's top level, ``ready`` on stdout, then per request line (JSON:
+    ``args``, ``env``, ``cwd``, ``stdout``, ``stderr`` paths) a forked child, its pid and then its
+    exit code (negative: the signal that ended it) written back as JSON lines."""
+    script = os.path.abspath(script)
+    # replies go on their own descriptor; what the server itself prints goes to its stderr
+    reply_fd = os.dup(1)
+    os.dup2(2, 1)
+    reply = os.fdopen(reply_fd, "w")
+    sys.path.insert(0, os.path.dirname(script))   # as `python SCRIPT` puts the script's folder first
+    sys.argv = [script]
+    runpy.run_path(script, run_name="__memguard_forkserver__")   # its imports and definitions only
+    reply.write("ready\n")
+    reply.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(script, request, reply_fd)
+        reply.write(json.dumps({"pid": pid}) + "\n")
+        reply.flush()
+        _, status = os.waitpid(pid, 0)
+        reply.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+        reply.flush()
+
+
+class _Server:
+    """One server process for ``script`` in ``env``."""
+
+    def __init__(self, script: str, env: Dict[str, str]):
+        self.script = script
+        self._err = tempfile.TemporaryFile()   # a file, not a pipe: warnings at import cannot fill it
+        self.proc = subprocess.Popen([sys.executable, "-m", "memguard_testing.forkserver", script], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
+                                     bufsize=0, start_new_session=True)
+        self.ready = False
+        self._buffer = b""
+
+    def _line(self, deadline: Optional[float]) -> Optional[str]:
+        """The server's next reply line; None when ``deadline`` (``time.monotonic``) passed first."""
+        # read from the pipe's descriptor, not a buffered reader: select() sees only the descriptor,
+        # so a second line already in a reader's buffer would look like no reply
+        while b"\n" not in self._buffer:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.proc.stdout], [], [], timeout)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            if not chunk:
+                self.proc.wait()
+                self._err.seek(0)
+                err = self._err.read().decode(errors="replace")
+                raise RuntimeError(f"the fork server for {self.script} ended: {err[-3000:]}")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode() + "\n"
+
+    def run(self, args: Sequence[str], env: Dict[str, str], cwd: Optional[str],
+            timeout: Optional[float]) -> Tuple[Optional[int], str, str]:
+        """(exit code or None after ``timeout`` s, stdout, stderr) of one child."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.ready:
+            if self._line(deadline) != "ready\n":
+                raise RuntimeError(f"the fork server for {self.script} did not start")
+            self.ready = True
+        with tempfile.TemporaryDirectory(prefix="memguard_fork_") as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            self.proc.stdin.write(json.dumps({"args": list(args), "env": env, "cwd": cwd,
+                                              "stdout": out, "stderr": err}).encode() + b"\n")
+            pid = json.loads(self._line(None))["pid"]
+            line = self._line(deadline)
+            if line is None:   # a hang: the child and what it started are killed, the server reaps it
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._line(None)
+                rc = None
+            else:
+                rc = json.loads(line)["rc"]
+            read = lambda p: open(p, errors="replace").read() if os.path.exists(p) else ""   # noqa: E731
+            return rc, read(out), read(err)
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except Exception:
+            self.proc.kill()
+        self._err.close()
+
+
+_SERVERS: Dict[str, _Server] = {}
+
+
+def close_all() -> None:
+    """End every server this process started (conftest.py calls it after each test file)."""
+    while _SERVERS:
+        _SERVERS.popitem()[1].close()
+
+
+atexit.register(close_all)
+
+
+def run_script(script: str, *args: str, env: Dict[str, str], cwd: Optional[str] = None,
+               timeout: Optional[float] = 600) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, script, *args], env=env, cwd=cwd, capture_output=True,
+    text=True, timeout=timeout)``, the child forked from a server that already imported the
+    script's top level (module docstring); one server per script and environment (the variables
+    in ``_PER_TEST`` aside), kept until :func:`close_all`. ``env`` needs this repository on
+    ``PYTHONPATH`` (``memguard_testing.script_env``). Returns a ``CompletedProcess``
+    (``returncode`` negative for a signal). Raises ``subprocess.TimeoutExpired`` after ``timeout``
+    seconds (the child and its process group killed), ``RuntimeError`` when the server could not
+    start or ended."""
+    script = os.path.abspath(script)
+    server_env = {k: v for k, v in env.items() if k not in _PER_TEST}
+    key = json.dumps([script, sorted(server_env.items())])
+    if key not in _SERVERS:
+        _SERVERS[key] = _Server(script, server_env)
+    try:
+        rc, out, err = _SERVERS[key].run(args, dict(env), cwd, timeout)
+    except Exception:
+        _SERVERS.pop(key).close()
+        raise
+    argv = [sys.executable, script, *args]
+    if rc is None:
+        raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err)
+    return subprocess.CompletedProcess(argv, rc, out, err)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

@@ -140,7 +140,12 @@ def counter_device(device: str, weights_device: str) -> str:
 def process_held_kwargs(device: str, kwargs: dict, model: Any = None, optimizers: Iterable[Any] = ()) -> dict:
     """``kwargs`` with what this process holds, read on the CPU counter: ``resident_file_bytes``
     (the mapped libraries' resident pages, part of VmHWM and varying with the page cache) and,
-    given the live ``model``, ``runtime_held_bytes`` (:func:`runtime_held_bytes`)."""
+    given the live ``model``, ``runtime_held_bytes`` (:func:`runtime_held_bytes`); on the cuda
+    counter, the current GPU's ``cublas_workspace_bytes`` (``memguard_torch.cublas``)."""
+    if device == "cuda" and "cublas_workspace_bytes" not in kwargs:
+        from .cublas import workspace_bytes
+
+        kwargs = dict(kwargs, cublas_workspace_bytes=workspace_bytes())
     if device == "cpu" and "resident_file_bytes" not in kwargs:
         from memguard_core.stats import process_file_resident_bytes
 

@@ -16,7 +16,7 @@ from memguard_core.estimator.bnb import bnb_4bit_keeps_input
 from memguard_core.estimator.cuda import (CUDA_CONTEXT_BYTES, CUDA_CUBLAS_WORKSPACES_BYTES, cuda_block_bytes, cuda_counter_bytes, cuda_sdpa_backend, cuda_segment_bytes)
 from memguard_core.estimator.estimate import estimate
 from memguard_core.estimator.optimizer import paged_state_bytes
-from memguard_core.estimator.runtime import RUNTIME_OVERHEAD_BYTES
+from memguard_core.estimator.runtime import RUNTIME_OVERHEAD_BYTES, runtime_overhead_bytes
 from memguard_core.estimator.weights import nf4_storage_bytes
 from memguard_core.errors import ConfigError
 from memguard_core.estimator.specs import NF4_BITS, NF4_DOUBLE_QUANT_BITS, TrainSpec
@@ -90,9 +90,20 @@ def test_caching_allocator_rounding():
 
 
 def test_context_and_cublas_workspaces():
-    # default CUBLAS_WORKSPACE_CONFIG :4096:2:16:8 -> 8.125 MiB per handle, forward + backward threads
-    assert CUDA_CUBLAS_WORKSPACES_BYTES == 2 * (2 * 4096 + 8 * 16) * 1024
+    # a GPU not read: Hopper's 32 MiB cuBLAS + 1 MiB cuBLASLt workspace, forward + backward threads
+    # (an H200 run held 33 MiB per thread)
+    assert CUDA_CUBLAS_WORKSPACES_BYTES == 2 * 33 * MiB
     assert RUNTIME_OVERHEAD_BYTES["cuda"] == CUDA_CONTEXT_BYTES + CUDA_CUBLAS_WORKSPACES_BYTES
+    assert runtime_overhead_bytes(_cuda()) == RUNTIME_OVERHEAD_BYTES["cuda"]
+    # the run's GPU read (an A100's default :4096:2:16:8 + 1 MiB): two of that, and the estimate
+    # moves by exactly the difference
+    a100 = (2 * 4096 + 8 * 16) * 1024 + MiB
+    assert runtime_overhead_bytes(_cuda(cublas_workspace_bytes=a100)) == CUDA_CONTEXT_BYTES + 2 * a100
+    ms = model_spec_from_hf_config(LLAMA3)
+    hopper, read = estimate(ms, _cuda(seq_length=512)), estimate(ms, _cuda(seq_length=512, cublas_workspace_bytes=a100))
+    assert hopper.breakdown["runtime_overhead"] - read.breakdown["runtime_overhead"] == 2 * (33 * MiB - a100)
+    with pytest.raises(ConfigError, match="cublas_workspace_bytes"):
+        _cuda(cublas_workspace_bytes=-1)
 
 
 def test_cuda_counters_nest():

@@ -18,8 +18,30 @@ from .specs import DTYPE_BYTES, MiB, ModelSpec, TrainSpec
 #: context and the kernels of the libraries the step loads on first use): NVML's process memory less
 #: ``max_memory_reserved``, measured on an H200 (driver 580, CUDA 13.0, torch 2.11), docs/estimator.md#cuda.
 CUDA_CONTEXT_BYTES = 758 * MiB
-#: Two cuBLAS workspaces (forward, backward thread) of the default ``:4096:2:16:8``: CublasHandlePool.cpp.
-CUDA_CUBLAS_WORKSPACES_BYTES = 2 * (8 * MiB + 128 * 1024)
+#: cuBLAS's workspace per handle and stream (ATen ``cuda/CublasHandlePool.cpp``,
+#: ``parseChosenWorkspaceSize``): ``CUBLAS_WORKSPACE_CONFIG``'s default ``:4096:2:16:8`` (8 MiB + 128 KiB),
+#: and 32 MiB on Hopper (compute capability 9.0). torch allocates it through the caching allocator.
+CUBLAS_WORKSPACE_BYTES = 8 * MiB + 128 * 1024
+CUBLAS_WORKSPACE_SM90_BYTES = 32 * MiB
+#: cuBLASLt's own workspace per handle and stream (``parseCUDABlasLtWorkspaceSize``:
+#: ``CUBLASLT_WORKSPACE_SIZE``, 1024 KiB by default; none of its own under
+#: ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1``, which lends it cuBLAS's).
+CUBLASLT_WORKSPACE_BYTES = 1 * MiB
+#: Threads that run a training step's matmuls, each with its own handle and workspaces: the forward's
+#: (the caller's thread) and autograd's backward thread for the device.
+CUDA_BLAS_THREADS = 2
+#: The workspaces of a step on a GPU not read (a plan made off the machine): Hopper's, the larger,
+#: so that an H100 / H200 run is not under by them (an A100's are 2 x 9.1 MiB). An H200 run held
+#: 33 MiB per thread (torch 2.11, docs/estimator.md#cuda).
+CUDA_CUBLAS_WORKSPACES_BYTES = CUDA_BLAS_THREADS * (CUBLAS_WORKSPACE_SM90_BYTES + CUBLASLT_WORKSPACE_BYTES)
+
+
+def cublas_workspaces_bytes(ts: TrainSpec) -> int:
+    """The cuBLAS and cuBLASLt workspaces a ``device="cuda"`` training step holds, bytes:
+    ``CUDA_BLAS_THREADS`` x ``ts.cublas_workspace_bytes`` (one thread's, read on the run's GPU by
+    the torch adapter), or ``CUDA_CUBLAS_WORKSPACES_BYTES`` when that is ``None``."""
+    per_thread = ts.cublas_workspace_bytes
+    return CUDA_CUBLAS_WORKSPACES_BYTES if per_thread is None else CUDA_BLAS_THREADS * int(per_thread)
 #: Caching allocator sizes (``c10/cuda/CUDACachingAllocator.cpp``): kMinBlockSize, kSmallSize, kSmallBuffer,
 #: kLargeBuffer, kMinLargeAlloc, kRoundLarge; docs/estimator.md#cuda.
 CUDA_MIN_BLOCK = 512

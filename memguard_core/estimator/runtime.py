@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .cuda import CUDA_CONTEXT_BYTES, CUDA_CUBLAS_WORKSPACES_BYTES, cublas_workspaces_bytes
 from .specs import MiB, TrainSpec
 
 
-#: Per counter: cpu measured (bench's tiny cases), cuda context + cuBLAS workspaces: docs/estimator.md#runtime-overhead.
-RUNTIME_OVERHEAD_BYTES = {"cpu": 368 * MiB, "cuda": 758 * MiB + 2 * (8 * MiB + 128 * 1024), "mlx": 0,
+#: Per counter: cpu measured (bench's tiny cases), cuda context + cuBLAS workspaces (those of a GPU
+#: not read: :func:`memguard_core.estimator.cuda.cublas_workspaces_bytes`): docs/estimator.md#runtime-overhead.
+RUNTIME_OVERHEAD_BYTES = {"cpu": 368 * MiB, "cuda": CUDA_CONTEXT_BYTES + CUDA_CUBLAS_WORKSPACES_BYTES, "mlx": 0,
                           "mps": 0}
 #: cpu, HF ``Trainer``, ``datasets`` installed (trainer.py imports it): its anonymous memory, and the
 #: library pages it maps (pyarrow, pandas); measured, docs/estimator.md#runtime-overhead.
@@ -31,7 +33,8 @@ def runtime_overhead_bytes(ts: TrainSpec) -> int:
     """Runtime overhead of the counter ``ts.device`` (bytes). On CPU with the process's own figure
     (``ts.runtime_held_bytes``, a guarded run): that figure + :func:`cpu_runtime_growth_bytes`.
     Otherwise modelled: ``RUNTIME_OVERHEAD_BYTES`` (a process
-    without ``datasets``); for an HF ``Trainer`` on CPU with ``datasets`` importable here (checked
+    without ``datasets``; on cuda the context and the run's GPU's cuBLAS workspaces,
+    ``cuda.cublas_workspaces_bytes``); for an HF ``Trainer`` on CPU with ``datasets`` importable here (checked
     once with ``importlib.util.find_spec``, nothing is imported) its anonymous memory
     ``HF_DATASETS_ANON_BYTES``, and its mapped libraries ``HF_DATASETS_FILE_PAGES_BYTES`` unless the
     process's own mapped-file figure is given; on CPU the measured ``ts.resident_file_bytes`` in
@@ -41,6 +44,8 @@ def runtime_overhead_bytes(ts: TrainSpec) -> int:
     if ts.device == "cpu" and ts.runtime_held_bytes is not None:
         return int(ts.runtime_held_bytes) + cpu_runtime_growth_bytes()
     b = RUNTIME_OVERHEAD_BYTES[ts.device]
+    if ts.device == "cuda":
+        b = CUDA_CONTEXT_BYTES + cublas_workspaces_bytes(ts)
     if ts.device == "cpu" and ts.framework == "hf":
         if _DATASETS_INSTALLED is None:
             try:
@@ -79,6 +84,8 @@ def runtime_source(ts: TrainSpec) -> str:
         return (f"runtime overhead {mib(total)}: modelled (interpreter and imports{extra}, {files}); "
                 f"a guarded run measures its own process instead")
     if ts.device == "cuda":
-        return (f"runtime overhead {mib(total)}: modelled (CUDA context and cuBLAS workspaces; the context "
-                f"grows as kernels load during the first steps, so no figure read before them is used)")
+        read = "this GPU's" if ts.cublas_workspace_bytes is not None else "Hopper's, the GPU not read"
+        return (f"runtime overhead {mib(total)}: modelled (CUDA context {mib(CUDA_CONTEXT_BYTES)}; cuBLAS "
+                f"workspaces {mib(cublas_workspaces_bytes(ts))}, {read}; the context grows as kernels load "
+                f"during the first steps, so no figure read before them is used)")
     return f"runtime overhead {mib(total)}: none on the {ts.device} counter (it sees the allocator's buffers only)"

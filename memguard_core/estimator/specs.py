@@ -463,6 +463,13 @@ class TrainSpec:
             overhead is this figure plus the modelled growth to the step's peak, and the modelled
             terms (``resident_file_bytes`` and the ``datasets`` import included) are not used;
             ``None`` (the CLI, a plain estimate) = modelled: docs/estimator.md, "Runtime overhead".
+        cublas_workspace_bytes: ``device="cuda"`` only: one matmul thread's cuBLAS + cuBLASLt
+            workspaces on the run's GPU, bytes, as the torch adapter reads them
+            (``memguard_torch.cublas.workspace_bytes``: the GPU's compute capability and
+            ``CUBLAS_WORKSPACE_CONFIG`` / ``CUBLASLT_WORKSPACE_SIZE`` /
+            ``TORCH_CUBLASLT_UNIFIED_WORKSPACE``); the step holds two (forward and backward thread).
+            ``None`` (the CLI, a plan made off the machine) = Hopper's default, the larger
+            (:data:`memguard_core.estimator.cuda.CUDA_CUBLAS_WORKSPACES_BYTES`).
         image_tokens: image tokens per row of a vision-language model, on top of ``seq_length``
             (the text tokens): the language model's sequence is ``seq_length + image_tokens``
             (images per row x :attr:`ModelSpec.image_tokens`); 0 for text-only rows.
@@ -521,6 +528,7 @@ class TrainSpec:
     world_size: int = 1
     resident_file_bytes: Optional[int] = None
     runtime_held_bytes: Optional[int] = None
+    cublas_workspace_bytes: Optional[int] = None
     image_tokens: int = 0
     sharding: str = "none"
     offload: str = "none"
@@ -550,6 +558,9 @@ class TrainSpec:
         rh = self.runtime_held_bytes
         if rh is not None and (isinstance(rh, bool) or not isinstance(rh, int) or rh < 0):
             raise ConfigError("runtime_held_bytes", "an integer >= 0 (bytes) or None", rh)
+        cw = self.cublas_workspace_bytes
+        if cw is not None and (isinstance(cw, bool) or not isinstance(cw, int) or cw < 0):
+            raise ConfigError("cublas_workspace_bytes", "an integer >= 0 (bytes) or None", cw)
         require_positive_int("seq_length", self.seq_length)
         require_positive_int("grad_accum", self.grad_accum)
         it = self.image_tokens

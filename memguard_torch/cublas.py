@@ -1,0 +1,63 @@
+"""The cuBLAS workspaces a training step holds on this process's GPU, as torch sizes them.
+
+torch gives every cuBLAS handle (one per thread that runs matmuls: the forward's and autograd's
+backward thread) a workspace per stream, allocated through the caching allocator, and a cuBLASLt
+workspace beside it (ATen ``cuda/CublasHandlePool.cpp``: ``parseChosenWorkspaceSize``,
+``parseCUDABlasLtWorkspaceSize``, ``getCUDABlasLtWorkspace``). The estimator counts two of what
+:func:`workspace_bytes` returns (``TrainSpec.cublas_workspace_bytes``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Mapping, Optional
+
+from memguard_core.estimator.cuda import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACE_SM90_BYTES, CUBLASLT_WORKSPACE_BYTES
+
+__all__ = ["workspace_bytes", "workspace_bytes_for"]
+
+log = logging.getLogger("memguard.torch")
+
+
+def workspace_bytes_for(capability: tuple, env: Mapping[str, str]) -> int:
+    """One thread's cuBLAS + cuBLASLt workspaces, bytes, on a GPU of compute ``capability``
+    (``(major, minor)``) in the environment ``env``, as ``CublasHandlePool.cpp`` sizes them:
+
+    * cuBLAS: ``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KIB:COUNT`` pairs summed (``:4096:8`` = 32 MiB,
+      what deterministic runs set); unset or unparsable, 32 MiB on compute capability 9.0 (Hopper)
+      and 8 MiB + 128 KiB (``:4096:2:16:8``) elsewhere;
+    * cuBLASLt: ``CUBLASLT_WORKSPACE_SIZE`` KiB (1024 by default; an invalid value keeps the
+      default), none of its own with ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` (it then uses cuBLAS's).
+    """
+    default = CUBLAS_WORKSPACE_SM90_BYTES if tuple(capability)[:2] == (9, 0) else CUBLAS_WORKSPACE_BYTES
+    pairs = re.findall(r":([0-9]+):([0-9]+)", env.get("CUBLAS_WORKSPACE_CONFIG") or "")
+    cublas = sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs else default
+    if env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE") == "1":
+        return cublas
+    lt = CUBLASLT_WORKSPACE_BYTES
+    raw = env.get("CUBLASLT_WORKSPACE_SIZE")
+    if raw is not None:
+        try:
+            lt = int(raw) * 1024
+        except ValueError:
+            pass
+    return cublas + max(lt, 0)
+
+
+def workspace_bytes(device: Any = None, env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """:func:`workspace_bytes_for` this process's CUDA ``device`` (``None`` = the current one) and
+    environment (``env``, default ``os.environ``); ``None`` without a CUDA device, on ROCm (hipBLAS
+    sizes its own) or when the capability cannot be read (logged at debug level): the estimator
+    then counts Hopper's."""
+    import torch
+
+    try:
+        if getattr(torch.version, "hip", None) or not torch.cuda.is_available():
+            return None
+        capability = torch.cuda.get_device_capability(device)
+    except Exception as e:   # a broken driver or device index: the modelled default stands
+        log.debug("memguard: the GPU's compute capability could not be read (%s: %s)", type(e).__name__, e)
+        return None
+    return workspace_bytes_for(capability, os.environ if env is None else env)

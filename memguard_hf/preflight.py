@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional, Tuple
 
 from memguard_core.estimator.specs import ModelSpec, TrainSpec
@@ -31,12 +32,29 @@ def read_specs(trainer: Any, *, seq_length: Optional[int] = None, device: str = 
     return with_live_block_kinds(model, ms, ts), ts
 
 
+#: Rows at the start of the training set the in-process measurement chooses its row from: the one
+#: with the most tokens, so that a short first row does not cut both of its sizes (256 and 512
+#: tokens) to that row's length, which leaves one size and no slope.
+PROBE_ROW_CANDIDATES = 32
+
+
+def _row_tokens(row: Any) -> int:
+    """The length of a row's ``input_ids`` (a list, an array or a 1-D tensor); 0 for a row without
+    them (an image row: the first such row is used)."""
+    ids = row.get("input_ids") if isinstance(row, Mapping) else None
+    try:
+        return len(ids) if ids is not None else 0
+    except TypeError:   # a 0-d tensor or a scalar
+        return 0
+
+
 def probe_batch(trainer: Any) -> Optional[Any]:
     """One row of the training set, collated as the ``Trainer`` collates it, for the in-process
-    measurement (``memguard_torch.preflight_probe``); None for a dataset without indexable rows
-    (an ``IterableDataset``). The random number generators are put back afterwards (a collator may
-    draw from them: masking, padding to a random multiple), so the run's own batches are
-    unchanged.
+    measurement (``memguard_torch.preflight_probe``): of the first :data:`PROBE_ROW_CANDIDATES`
+    rows, the one with the most tokens (the first of them on a tie, and the first row where no row
+    has ``input_ids``); None for a dataset without indexable rows (an ``IterableDataset``). The
+    random number generators are put back afterwards (a dataset or a collator may draw from them:
+    augmentation, masking, padding to a random multiple), so the run's own batches are unchanged.
 
     Raises:
         whatever the dataset or the collator raises (the measurement reports it, never the run).
@@ -50,7 +68,18 @@ def probe_batch(trainer: Any) -> Optional[Any]:
         return None
     state, py = torch.random.get_rng_state(), random.getstate()
     try:
-        return trainer.data_collator([_compat.training_columns(trainer, ds)[0]])
+        rows = _compat.training_columns(trainer, ds)
+        try:
+            n = min(len(rows), PROBE_ROW_CANDIDATES)
+        except TypeError:   # indexable without a length: the first row
+            n = 1
+        best = rows[0]
+        most = _row_tokens(best)
+        for i in range(1, n):
+            row = rows[i]
+            if _row_tokens(row) > most:
+                best, most = row, _row_tokens(row)
+        return trainer.data_collator([best])
     finally:
         torch.random.set_rng_state(state)
         random.setstate(py)

@@ -39,12 +39,16 @@ PROBE_ROW_CANDIDATES = 32
 
 
 def _row_tokens(row: Any) -> int:
-    """The length of a row's ``input_ids`` (a list, an array or a 1-D tensor); 0 for a row without
-    them (an image row: the first such row is used)."""
+    """The length of a row's ``input_ids``: a list's, or the last dimension of an array or a
+    tensor (a row tokenized with ``return_tensors`` is ``1 x tokens``); 0 for a row without them
+    (an image row: the first such row is used)."""
     ids = row.get("input_ids") if isinstance(row, Mapping) else None
+    shape = getattr(ids, "shape", None)
+    if shape is not None:
+        return int(shape[-1]) if len(shape) else 0
     try:
         return len(ids) if ids is not None else 0
-    except TypeError:   # a 0-d tensor or a scalar
+    except TypeError:   # a scalar
         return 0
 
 
@@ -53,13 +57,15 @@ def probe_batch(trainer: Any) -> Optional[Any]:
     measurement (``memguard_torch.preflight_probe``): of the first :data:`PROBE_ROW_CANDIDATES`
     rows, the one with the most tokens (the first of them on a tie, and the first row where no row
     has ``input_ids``); None for a dataset without indexable rows (an ``IterableDataset``). The
-    random number generators are put back afterwards (a dataset or a collator may draw from them:
-    augmentation, masking, padding to a random multiple), so the run's own batches are unchanged.
+    random number generators (torch's CPU one, Python's, NumPy's global one) are put back
+    afterwards (a dataset or a collator may draw from them: augmentation, masking, padding to a
+    random multiple), so the run's own batches are unchanged.
 
     Raises:
         whatever the dataset or the collator raises (the measurement reports it, never the run).
     """
     import random
+    import sys
 
     import torch
 
@@ -67,6 +73,8 @@ def probe_batch(trainer: Any) -> Optional[Any]:
     if ds is None or not hasattr(ds, "__getitem__") or isinstance(ds, torch.utils.data.IterableDataset):
         return None
     state, py = torch.random.get_rng_state(), random.getstate()
+    np = sys.modules.get("numpy")   # augmentation often draws from NumPy's global generator
+    np_state = np.random.get_state() if np is not None else None
     try:
         rows = _compat.training_columns(trainer, ds)
         try:
@@ -83,3 +91,5 @@ def probe_batch(trainer: Any) -> Optional[Any]:
     finally:
         torch.random.set_rng_state(state)
         random.setstate(py)
+        if np_state is not None:
+            np.random.set_state(np_state)

@@ -16,10 +16,15 @@ arrangement as :mod:`memguard_testing.torchrun` for the multi-process runs, with
   is the server's environment, so a server serves one environment: a request with a different
   one (``PYTEST_*`` aside) gets a server of its own.
 - A child's address space and resident set start with what the server mapped and touched before
-  the fork, as a fresh interpreter's would after the same imports, so the address-space limits the
-  scripts set on themselves (``RLIMIT_AS``, after the model is built) land where they did in a
-  fresh interpreter give or take the server's few pages; a test that places a limit from a
-  reference run launches that reference the same way.
+  the fork, much as a fresh interpreter's after the same imports but not byte for byte (measured:
+  ~8 MiB less address space at the model's build), so an address-space limit a script sets on
+  itself (``RLIMIT_AS``) is placed for children started this way: from a reference run launched
+  the same way, or, where a test hard-codes one, found again (docs/ci_time.md).
+- A child's exit is an interpreter's: non-daemon threads joined, then the ``atexit`` handlers,
+  those the script's imports registered in the server included (they run in every child and in
+  the server). What the top level prints goes to the server's stderr, once.
+- The caller gets the child's status when the child exits; whatever it started and left running
+  is killed then (its process group), as a timeout kills the child and its group.
 
 A pytest worker keeps one server per script and environment until the test file ends
 (``conftest.py`` calls :func:`close_all`); a server also ends when its stdin closes, so it never
@@ -37,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Dict, Optional, Sequence, Tuple
@@ -44,15 +50,19 @@ from typing import Dict, Optional, Sequence, Tuple
 #: Environment variables that differ between the tests of one worker and that nothing reads at
 #: import (memguard reads its data dir when it records; conftest.py gives each test its own).
 _PER_TEST = ("PYTEST_CURRENT_TEST", "PYTEST_XDIST_TESTRUNUID", "MEMGUARD_DATA_DIR")
+#: How long a server may take to import the script's top level (torch, transformers, Lightning) on
+#: a loaded machine, seconds; not part of a run's timeout.
+_START_TIMEOUT_S = 600
 
 
 def _child(script: str, request: dict, reply_fd: int) -> None:
     """The forked child: the request's stdio, environment, working folder and ``argv``, then the
     script as ``__main__``; exits with the script's status (1 on an uncaught exception, printed),
-    after the ``atexit`` handlers an interpreter's exit would run. Never returns."""
+    after what an interpreter's exit runs (non-daemon threads joined, the ``atexit`` handlers).
+    Never returns."""
     status = 1
     try:
-        os.setpgid(0, 0)   # its own process group: a timeout kills whatever it started
+        os.setpgid(0, 0)   # its own process group (the server sets it too: whichever runs first)
         os.close(reply_fd)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -77,6 +87,7 @@ def _child(script: str, request: dict, reply_fd: int) -> None:
         except BaseException:
             traceback.print_exc()
             status = 1
+        threading._shutdown()   # as Py_FinalizeEx: wait for the non-daemon threads, then atexit
         atexit._run_exitfuncs()
     finally:
         try:
@@ -107,11 +118,34 @@ def serve(script: str) -> None:
         pid = os.fork()
         if pid == 0:
             _child(script, request, reply_fd)
+        try:   # here as in the child, so the group exists before the caller can signal it
+            os.setpgid(pid, pid)
+        except OSError:   # the child set it already and exec'd / exited (EACCES, ESRCH)
+            pass
         reply.write(json.dumps({"pid": pid}) + "\n")
         reply.flush()
+        # wait for the exit without reaping: the zombie keeps its pid and group id, so the kill of
+        # what it started and left running cannot reach a process that took them over
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
         _, status = os.waitpid(pid, 0)
         reply.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
         reply.flush()
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL to process group ``pid`` (a child's not yet reaped), and to ``pid`` itself if the
+    group is not there (the child had not set it yet)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 class _Server:
@@ -146,27 +180,30 @@ class _Server:
 
     def run(self, args: Sequence[str], env: Dict[str, str], cwd: Optional[str],
             timeout: Optional[float]) -> Tuple[Optional[int], str, str]:
-        """(exit code or None after ``timeout`` s, stdout, stderr) of one child."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """(exit code or None after ``timeout`` s, stdout, stderr) of one child. The server's own
+        start (its imports) does not count against ``timeout``."""
         if not self.ready:
-            if self._line(deadline) != "ready\n":
-                raise RuntimeError(f"the fork server for {self.script} did not start")
+            if self._line(time.monotonic() + _START_TIMEOUT_S) != "ready\n":
+                raise RuntimeError(f"the fork server for {self.script} did not start in {_START_TIMEOUT_S} s")
             self.ready = True
+        deadline = None if timeout is None else time.monotonic() + timeout
         with tempfile.TemporaryDirectory(prefix="memguard_fork_") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
             self.proc.stdin.write(json.dumps({"args": list(args), "env": env, "cwd": cwd,
                                               "stdout": out, "stderr": err}).encode() + b"\n")
             pid = json.loads(self._line(None))["pid"]
-            line = self._line(deadline)
-            if line is None:   # a hang: the child and what it started are killed, the server reaps it
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self._line(None)
-                rc = None
-            else:
-                rc = json.loads(line)["rc"]
+            rc, done = None, False
+            try:
+                line = self._line(deadline)
+                if line is None:   # a hang: the child and what it started are killed, the server reaps it
+                    _kill_group(pid)
+                    self._line(None)
+                else:
+                    rc = json.loads(line)["rc"]
+                done = True
+            finally:
+                if not done:   # interrupted (Ctrl-C, a test timeout) or the server died: no orphan left
+                    _kill_group(pid)
             read = lambda p: open(p, errors="replace").read() if os.path.exists(p) else ""   # noqa: E731
             return rc, read(out), read(err)
 
@@ -174,9 +211,12 @@ class _Server:
         try:
             self.proc.stdin.close()
             self.proc.wait(timeout=30)
-        except Exception:
+        except BaseException:
             self.proc.kill()
-        self._err.close()
+            self.proc.wait()
+        finally:
+            self.proc.stdout.close()
+            self._err.close()
 
 
 _SERVERS: Dict[str, _Server] = {}
@@ -208,7 +248,7 @@ def run_script(script: str, *args: str, env: Dict[str, str], cwd: Optional[str] 
         _SERVERS[key] = _Server(script, server_env)
     try:
         rc, out, err = _SERVERS[key].run(args, dict(env), cwd, timeout)
-    except Exception:
+    except BaseException:   # a server whose replies are out of step is not used again
         _SERVERS.pop(key).close()
         raise
     argv = [sys.executable, script, *args]

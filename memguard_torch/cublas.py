@@ -28,8 +28,10 @@ def workspace_bytes_for(capability: tuple, env: Mapping[str, str]) -> int:
     * cuBLAS: ``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KIB:COUNT`` pairs summed (``:4096:8`` = 32 MiB,
       what deterministic runs set); unset or unparsable, 32 MiB on compute capability 9.0 (Hopper)
       and 8 MiB + 128 KiB (``:4096:2:16:8``) elsewhere;
-    * cuBLASLt: ``CUBLASLT_WORKSPACE_SIZE`` KiB (1024 by default; an invalid value keeps the
-      default), none of its own with ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` (it then uses cuBLAS's).
+    * cuBLASLt: ``CUBLASLT_WORKSPACE_SIZE`` KiB, read as ``std::stoi`` reads it (the leading
+      integer: ``"4096k"`` is 4096; none, the default 1024; a negative size, which torch's own
+      arithmetic turns into an impossible one, 0), none of its own with
+      ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` (it then uses cuBLAS's).
     """
     default = CUBLAS_WORKSPACE_SM90_BYTES if tuple(capability)[:2] == (9, 0) else CUBLAS_WORKSPACE_BYTES
     pairs = re.findall(r":([0-9]+):([0-9]+)", env.get("CUBLAS_WORKSPACE_CONFIG") or "")
@@ -37,24 +39,24 @@ def workspace_bytes_for(capability: tuple, env: Mapping[str, str]) -> int:
     if env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE") == "1":
         return cublas
     lt = CUBLASLT_WORKSPACE_BYTES
-    raw = env.get("CUBLASLT_WORKSPACE_SIZE")
-    if raw is not None:
-        try:
-            lt = int(raw) * 1024
-        except ValueError:
-            pass
+    leading = re.match(r"\s*([+-]?[0-9]+)", env.get("CUBLASLT_WORKSPACE_SIZE") or "")
+    if leading:
+        lt = int(leading.group(1)) * 1024
     return cublas + max(lt, 0)
 
 
 def workspace_bytes(device: Any = None, env: Optional[Mapping[str, str]] = None) -> Optional[int]:
-    """:func:`workspace_bytes_for` this process's CUDA ``device`` (``None`` = the current one) and
-    environment (``env``, default ``os.environ``); ``None`` without a CUDA device, on ROCm (hipBLAS
-    sizes its own) or when the capability cannot be read (logged at debug level): the estimator
-    then counts Hopper's."""
+    """:func:`workspace_bytes_for` the CUDA ``device`` (a ``torch.device`` or index; ``None`` = the
+    current one, read only once CUDA is initialised in this process, so that a plan made before
+    the model moves does not initialise it) and environment (``env``, default ``os.environ``);
+    ``None`` without a CUDA device, on ROCm (hipBLAS sizes its own) or when the capability cannot
+    be read (logged at debug level): the estimator then counts Hopper's."""
     import torch
 
     try:
         if getattr(torch.version, "hip", None) or not torch.cuda.is_available():
+            return None
+        if device is None and not torch.cuda.is_initialized():
             return None
         capability = torch.cuda.get_device_capability(device)
     except Exception as e:   # a broken driver or device index: the modelled default stands

@@ -137,6 +137,15 @@ def counter_device(device: str, weights_device: str) -> str:
     return weights_device if weights_device in ("cuda", "mps") else "cpu"
 
 
+def _cuda_device_of(model: Any) -> Any:
+    """The CUDA device ``model``'s first parameter is on (a ``torch.device``); None for none."""
+    try:
+        p = next(iter(model.parameters()), None) if model is not None else None
+    except Exception:
+        return None
+    return p.device if p is not None and p.device.type == "cuda" else None
+
+
 def process_held_kwargs(device: str, kwargs: dict, model: Any = None, optimizers: Iterable[Any] = ()) -> dict:
     """``kwargs`` with what this process holds, read on the CPU counter: ``resident_file_bytes``
     (the mapped libraries' resident pages, part of VmHWM and varying with the page cache) and,
@@ -145,7 +154,7 @@ def process_held_kwargs(device: str, kwargs: dict, model: Any = None, optimizers
     if device == "cuda" and "cublas_workspace_bytes" not in kwargs:
         from .cublas import workspace_bytes
 
-        kwargs = dict(kwargs, cublas_workspace_bytes=workspace_bytes())
+        kwargs = dict(kwargs, cublas_workspace_bytes=workspace_bytes(_cuda_device_of(model)))
     if device == "cpu" and "resident_file_bytes" not in kwargs:
         from memguard_core.stats import process_file_resident_bytes
 

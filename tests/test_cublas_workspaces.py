@@ -31,7 +31,10 @@ def test_the_environment_torch_reads():
     # unparsable: torch warns and keeps its default
     assert cublas.workspace_bytes_for(HOPPER, {"CUBLAS_WORKSPACE_CONFIG": "large"}) == 33 * MiB
     assert cublas.workspace_bytes_for(AMPERE, {"CUBLASLT_WORKSPACE_SIZE": "4096"}) == (8 * 1024 + 128) * 1024 + 4 * MiB
+    # read as std::stoi reads it: the leading integer, else the default; a negative size counts 0
+    assert cublas.workspace_bytes_for(AMPERE, {"CUBLASLT_WORKSPACE_SIZE": "4096k"}) == (8 * 1024 + 128) * 1024 + 4 * MiB
     assert cublas.workspace_bytes_for(AMPERE, {"CUBLASLT_WORKSPACE_SIZE": "lots"}) == (8 * 1024 + 128) * 1024 + MiB
+    assert cublas.workspace_bytes_for(AMPERE, {"CUBLASLT_WORKSPACE_SIZE": "-8"}) == (8 * 1024 + 128) * 1024
     # a unified workspace: cuBLASLt uses cuBLAS's, nothing of its own; only "1" turns it on
     assert cublas.workspace_bytes_for(HOPPER, {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}) == 32 * MiB
     assert cublas.workspace_bytes_for(HOPPER, {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "true"}) == 33 * MiB
@@ -51,7 +54,14 @@ def test_the_current_gpu_is_read(monkeypatch):
     # fake at the thinnest boundary (this machine has no CUDA): torch.cuda's availability and the
     # device's capability, as an H200 reports them
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: HOPPER)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or HOPPER)
+    # the current device is not read before CUDA is initialised (a plan made before the model moves)
+    assert cublas.workspace_bytes() is None and asked == []
+    # the model's device is: a run on cuda:1 reads cuda:1
+    assert cublas.workspace_bytes(torch.device("cuda", 1)) == 33 * MiB and asked == [torch.device("cuda", 1)]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
     monkeypatch.delenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", raising=False)

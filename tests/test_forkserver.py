@@ -10,11 +10,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 
 from memguard_testing import forkserver, script_env
+
+# the tests that use the server are Linux's (RLIMIT_AS, glibc); so is os.waitid and /proc
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: fork, os.waitid, /proc")
 
 SCRIPT = textwrap.dedent("""
     import os, sys, time
@@ -35,6 +40,12 @@ SCRIPT = textwrap.dedent("""
             time.sleep(60)
         if what == "kill":
             os.kill(os.getpid(), 9)
+        if what == "spawn":   # leaves a process running behind it
+            import subprocess
+            print("spawned", subprocess.Popen(["sleep", "60"]).pid)
+        if what == "thread":   # a non-daemon thread still working when main returns
+            import threading
+            threading.Thread(target=lambda: (time.sleep(0.5), print("thread done", flush=True))).start()
 
     if __name__ == "__main__":
         main()
@@ -77,6 +88,25 @@ def test_another_environment_gets_another_server(child, tmp_path):
     assert len(forkserver._SERVERS) == 2
     # each server ran the top level once; five runs in all
     assert len((tmp_path / "top.log").read_text().split()) == 5
+
+
+def _ended(pid: int) -> bool:
+    """Whether ``pid`` is gone or a zombie within 5 s (whoever adopted it may not reap it at once)."""
+    for _ in range(50):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_what_a_child_leaves_running_is_killed_and_its_threads_are_joined(child):
+    spawned = int(child("spawn").stdout.split("spawned ")[1].split()[0])
+    assert _ended(spawned)   # killed with the child's process group (reaped or a zombie)
+    assert "thread done" in child("thread").stdout   # as an interpreter's exit waits for it
 
 
 def test_a_hung_child_is_killed_at_its_timeout_and_the_server_serves_on(child):

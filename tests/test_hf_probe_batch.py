@@ -43,6 +43,19 @@ def test_the_longest_of_the_first_rows_is_measured(tmp_path):
     assert int(batch["input_ids"][0, 0]) == 1   # row 5, not row 9
 
 
+def test_rows_tokenized_as_tensors_are_measured_by_their_tokens(tmp_path):
+    # a row tokenized with return_tensors="pt" is 1 x tokens: its length is its last dimension
+    rows = Rows([20, 300, 50])
+    for r in rows.rows:
+        r["input_ids"] = torch.tensor([r["input_ids"]])
+        r["labels"] = r["input_ids"].clone()
+
+    def collate(batch):
+        return {k: torch.cat([r[k] for r in batch]) for k in ("input_ids", "labels")}
+
+    assert probe_batch(_trainer(tmp_path, rows, collate=collate))["input_ids"].shape == (1, 300)
+
+
 def test_a_short_first_row_no_longer_sets_the_size(tmp_path):
     # the case this guards: both probe sizes (256, 512) would have been cut to 12 tokens
     batch = probe_batch(_trainer(tmp_path, Rows([12, 40, 700, 30])))
@@ -66,20 +79,29 @@ def test_rows_without_token_ids_give_the_first_row(tmp_path):
 
 
 def test_the_generators_are_put_back(tmp_path):
+    import numpy as np
+
     class Noisy(Rows):
         def __getitem__(self, i):   # a dataset that augments at random, as image pipelines do
             torch.rand(1)
             random.random()
+            np.random.rand()
             return super().__getitem__(i)
 
+    def seed():
+        torch.manual_seed(3)
+        random.seed(3)
+        np.random.seed(3)
+
+    def draws():
+        return torch.rand(2).tolist(), random.random(), float(np.random.rand())
+
     trainer = _trainer(tmp_path, Noisy([10, 50, 20]))
-    torch.manual_seed(3)
-    random.seed(3)
-    expected = (torch.rand(2).tolist(), random.random())
-    torch.manual_seed(3)
-    random.seed(3)
+    seed()
+    expected = draws()
+    seed()
     assert probe_batch(trainer)["input_ids"].shape[1] == 50
-    assert (torch.rand(2).tolist(), random.random()) == expected
+    assert draws() == expected
 
 
 def test_an_iterable_dataset_gives_no_row(tmp_path):

@@ -53,6 +53,10 @@ def load(path: str = DATA) -> Dict[str, Any]:
 
 def _train_spec(row: Dict[str, Any], src: Dict[str, Any]):
     from memguard_core.estimator.specs import TrainSpec
+    from memguard_torch.cublas import workspace_bytes_for
+
+    # the cuBLAS workspaces of the source's GPU (its compute capability, torch's default sizes)
+    cap = src.get("compute_capability")
 
     return TrainSpec(batch_size=int(row["batch_size"]), seq_length=int(row["seq_length"]),
                      method=row["method"], lora_rank=int(row.get("lora_rank") or 8),
@@ -65,7 +69,8 @@ def _train_spec(row: Dict[str, Any], src: Dict[str, Any]):
                      grad_checkpoint=bool(row.get("grad_checkpoint", False)),
                      attn_impl=row.get("attn", "sdpa"), framework=row.get("framework", "lightning"),
                      device="cuda", bnb_version=row.get("bnb_version"),
-                     keeps_last_graph=row.get("keeps_last_graph"))
+                     keeps_last_graph=row.get("keeps_last_graph"),
+                     cublas_workspace_bytes=workspace_bytes_for(tuple(cap), {}) if cap else None)
 
 
 def score_row(row: Dict[str, Any], data: Dict[str, Any], _specs: Optional[dict] = None) -> Dict[str, Any]:

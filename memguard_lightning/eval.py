@@ -128,7 +128,10 @@ class GuardedEval:
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
+                # the CUDA snapshot (cuda_snapshots) while the failed chunk's tensors are referenced
+                self.step.guard.snapshot_oom(self.step.trainer.global_step)
                 failure = _without_frames(exc)
+            self.step.guard.oom_handled()   # the next failure dumps its own
             k = min(self.micro_batches, max(units, 1))
             if k >= units:
                 logger.error("memguard: out of memory in %s at one row per forward: %s", name, failure)

@@ -14,6 +14,7 @@ import torch
 
 from memguard_core.microbatch import without_frames
 from memguard_torch.oom import is_oom_error
+from memguard_torch.sync import PeerOutOfMemoryError
 
 from . import _compat
 from .batch import batch_units
@@ -92,6 +93,15 @@ class StrategyStep:
     @property
     def pl_module(self):
         return self.fit.pl_module
+
+    def _caught_oom(self, exc: BaseException) -> BaseException:
+        """An out-of-memory error caught in this step's ``except`` block: the guard's CUDA
+        snapshot of the moment (with ``cuda_snapshots`` on), taken here while the failed
+        micro-batch's tensors are still referenced (``Guard.snapshot_oom``: the guard's own call
+        for this failure then dumps nothing), and the error without its frames, which would keep
+        those tensors alive."""
+        self.guard.snapshot_oom(self.trainer.global_step, peer=isinstance(exc, PeerOutOfMemoryError))
+        return without_frames(exc)
 
     # ------------------------------------------------------------------ per batch, per fit
     def new_batch(self) -> None:
@@ -189,7 +199,7 @@ class StrategyStep:
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                failure = without_frames(exc)
+                failure = self._caught_oom(exc)
                 phase = self._phase
             if not self.guard.agree_redo(failure is not None):
                 if recorder is not None:
@@ -231,7 +241,7 @@ class StrategyStep:
                     if not self.catches_chunk_oom or not is_oom_error(e):
                         self._chunk_abandoned()
                         raise
-                    exc = without_frames(e)
+                    exc = self._caught_oom(e)
                 loss = chunk = None
                 failure = self._chunk_end(exc)
                 if failure is not None:
@@ -290,7 +300,7 @@ class StrategyStep:
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
-            failure = without_frames(exc)
+            failure = self._caught_oom(exc)
         release_graph(loss)
         loss = None
         mon = self.guard.monitor

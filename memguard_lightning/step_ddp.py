@@ -13,7 +13,6 @@ import torch
 
 from memguard_torch import train_reading as tt
 from memguard_torch.distributed import flag_group
-from memguard_core.microbatch import without_frames
 from memguard_torch.oom import is_oom_error
 
 from . import _compat
@@ -91,7 +90,7 @@ class DdpStep(PlainStep):
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
-            self._pending = without_frames(exc)
+            self._pending = self._caught_oom(exc)
 
     # ------------------------------------------------------------------ DDP
     def _ddp_for_window(self):
@@ -146,7 +145,7 @@ class DdpStep(PlainStep):
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                failure = without_frames(exc)
+                failure = self._caught_oom(exc)
             if failure is not None:
                 release_graph(loss)
         loss = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from memguard_core.microbatch import without_frames
 from memguard_torch import _compat as torch_compat
 from memguard_torch.oom import is_oom_error
 from memguard_torch.ranks import agreed_ranges, fsdp_after_abort
@@ -147,7 +146,7 @@ class FsdpStep(StrategyStep):
                     if not is_oom_error(e):
                         self._chunk_abandoned()
                         raise
-                    exc = without_frames(e)
+                    exc = self._caught_oom(e)
                 pl_module.__dict__.pop("log", None)
                 chunk = None
                 if final and exc is None and loss is not None:
@@ -211,7 +210,7 @@ class FsdpStep(StrategyStep):
             if not is_oom_error(e):
                 self._chunk_abandoned()
                 raise
-            exc = without_frames(e)
+            exc = self._caught_oom(e)
         if exc is not None:
             release_graph(loss)
         loss = None

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from memguard_core.microbatch import without_frames
 from memguard_torch.oom import is_oom_error
 
 from .batch import batch_units
@@ -38,7 +37,7 @@ class PlainStep(StrategyStep):
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                failure = without_frames(exc)
+                failure = self._caught_oom(exc)
             k = self._after_oom(failure, 1, units)
         return self._split_step(batch, args, kwargs, k, batch_idx)
 
@@ -113,7 +112,7 @@ class PlainStep(StrategyStep):
                     recorder.end_chunk(0.0, commit=False)
                     if not is_oom_error(exc):
                         raise
-                    failure = without_frames(exc)
+                    failure = self._caught_oom(exc)
                 out = loss = chunk = None
                 pl_module.__dict__.pop("log", None)
                 if self._phase == "forward":

@@ -2,10 +2,10 @@
 random weights), LoRA r=16 on every linear, pure bf16 weights, micro-batch 4 x 512 tokens (2 x 128 on
 a CPU without native bf16, where it is emulated), 1 step
 (the preflight decides before it; one step holds the LoRA run's peak);
-guarded by ``MemGuardCallback(budget_bytes=BUDGET)`` or, with budget 0, unguarded. Prints one JSON
-line: the process's peak resident set over the run (the guard's own figure when guarded: its per-step
-VmHWM resets keep the largest reading, ``memguard_core.process_peak``; VmHWM when unguarded) and,
-when guarded, what the preflight decided and the estimate it compared with the budget.
+guarded by ``MemGuardCallback(budget_bytes=BUDGET)``. Prints one JSON line: the process's peak
+resident set over the run (the guard's own figure: its per-step VmHWM resets keep the largest
+reading, ``memguard_core.process_peak``), what the preflight decided and the estimate it compared
+with the budget.
 
 usage: python full_depth_run.py BUDGET_BYTES OUT_DIR
 """
@@ -53,6 +53,8 @@ class Rows(torch.utils.data.Dataset):
 
 def main() -> None:
     budget, out = int(sys.argv[1]), sys.argv[2]
+    if budget <= 0:
+        raise SystemExit("full_depth_run.py: BUDGET_BYTES must be a positive number of bytes")
     torch.manual_seed(0)
     torch.set_num_threads(2)
     config = AutoConfig.from_pretrained(os.path.join(ROOT, "tests", "configs", "smollm2-135m.json"))
@@ -62,24 +64,15 @@ def main() -> None:
                              learning_rate=1e-4, logging_steps=1, save_strategy="no", report_to=[],
                              use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=args, train_dataset=Rows(config.vocab_size))
-    guard = None
-    if budget:
-        guard = MemGuardCallback(budget_bytes=budget)
-        trainer.add_callback(guard)
+    guard = MemGuardCallback(budget_bytes=budget)
+    trainer.add_callback(guard)
     trainer.train()
-    if guard is not None:
-        peak = process_peak_rss_bytes()
-    else:
-        with open("/proc/self/status") as f:
-            peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    r = {"peak": peak, "global_step": trainer.state.global_step, "layers": config.num_hidden_layers,
-         "rows": BATCH}
-    if guard is not None:
-        pf = guard.preflight
-        r.update(estimate=pf.estimate.peak_bytes, requested_peak=pf.requested_peak_bytes,
-                 plan_fraction=pf.plan_fraction, changes=[c.field for c in pf.plan.changes],
-                 micro_batches=pf.micro_batches, forward_rows=sorted(set(guard.micro_batch_rows)),
-                 final_micro_batches=guard.monitor.micro_batches)
+    pf = guard.preflight
+    r = {"peak": process_peak_rss_bytes(), "global_step": trainer.state.global_step,
+         "layers": config.num_hidden_layers, "rows": BATCH, "estimate": pf.estimate.peak_bytes,
+         "requested_peak": pf.requested_peak_bytes, "plan_fraction": pf.plan_fraction,
+         "changes": [c.field for c in pf.plan.changes], "micro_batches": pf.micro_batches,
+         "forward_rows": sorted(set(guard.micro_batch_rows)), "final_micro_batches": guard.monitor.micro_batches}
     print("RESULT " + json.dumps(r))
 
 

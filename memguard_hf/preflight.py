@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Optional, Tuple
 
 from memguard_core.estimator.specs import ModelSpec, TrainSpec
@@ -38,25 +37,12 @@ def read_specs(trainer: Any, *, seq_length: Optional[int] = None, device: str = 
 PROBE_ROW_CANDIDATES = 32
 
 
-def _row_tokens(row: Any) -> int:
-    """The length of a row's ``input_ids``: a list's, or the last dimension of an array or a
-    tensor (a row tokenized with ``return_tensors`` is ``1 x tokens``); 0 for a row without them
-    (an image row: the first such row is used)."""
-    ids = row.get("input_ids") if isinstance(row, Mapping) else None
-    shape = getattr(ids, "shape", None)
-    if shape is not None:
-        return int(shape[-1]) if len(shape) else 0
-    try:
-        return len(ids) if ids is not None else 0
-    except TypeError:   # a scalar
-        return 0
-
-
 def probe_batch(trainer: Any) -> Optional[Any]:
     """One row of the training set, collated as the ``Trainer`` collates it, for the in-process
     measurement (``memguard_torch.preflight_probe``): of the first :data:`PROBE_ROW_CANDIDATES`
-    rows, the one with the most tokens (the first of them on a tie, and the first row where no row
-    has ``input_ids``); None for a dataset without indexable rows (an ``IterableDataset``). The
+    rows, the one with the most tokens (``train_reading.longest_row`` by ``row_length``: the first
+    of them on a tie, and the first row where no row has ``input_ids``, or where the dataset has no
+    length); None for a dataset without indexable rows (an ``IterableDataset``). The
     random number generators (torch's CPU one, Python's, NumPy's global one) are put back
     afterwards (a dataset or a collator may draw from them: augmentation, masking, padding to a
     random multiple), so the run's own batches are unchanged.
@@ -77,17 +63,8 @@ def probe_batch(trainer: Any) -> Optional[Any]:
     np_state = np.random.get_state() if np is not None else None
     try:
         rows = _compat.training_columns(trainer, ds)
-        try:
-            n = min(len(rows), PROBE_ROW_CANDIDATES)
-        except TypeError:   # indexable without a length: the first row
-            n = 1
-        best = rows[0]
-        most = _row_tokens(best)
-        for i in range(1, n):
-            row = rows[i]
-            if _row_tokens(row) > most:
-                best, most = row, _row_tokens(row)
-        return trainer.data_collator([best])
+        best, _ = tt.longest_row(rows, tt.row_length, PROBE_ROW_CANDIDATES)
+        return trainer.data_collator([rows[0] if best is None else best])
     finally:
         torch.random.set_rng_state(state)
         random.setstate(py)

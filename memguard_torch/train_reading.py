@@ -123,9 +123,14 @@ def attn_implementation(model: Any) -> Optional[str]:
     return None
 
 
+def _first_parameter(model: Any) -> Any:
+    """The first parameter of ``model`` (unwrapped: DDP, FSDP, PEFT), None without one."""
+    return next(iter(unwrap(model).parameters()), None)
+
+
 def weights_dtype_device(model: Any) -> Tuple[torch.dtype, str]:
     """The dtype and device type of the model's first parameter (fp32 / cpu without parameters)."""
-    p = next((p for p in unwrap(model).parameters()), None)
+    p = _first_parameter(model)
     return (p.dtype, p.device.type) if p is not None else (_torch().float32, "cpu")
 
 
@@ -140,7 +145,7 @@ def counter_device(device: str, weights_device: str) -> str:
 def _cuda_device_of(model: Any) -> Any:
     """The CUDA device ``model``'s first parameter is on (a ``torch.device``); None for none."""
     try:
-        p = next(iter(model.parameters()), None) if model is not None else None
+        p = _first_parameter(model) if model is not None else None
     except Exception:
         return None
     return p.device if p is not None and p.device.type == "cuda" else None
@@ -228,29 +233,39 @@ def batch_seq_length(batch: Any) -> int:
     return 0
 
 
-def longest_in_rows(dataset: Any, length_of: Callable[[Any], int], scan_rows: int = 2048) -> int:
-    """The largest ``length_of(row)`` among the first ``scan_rows`` rows of a map-style dataset
-    (``__getitem__`` and ``__len__``); 0 for none or for another kind of dataset. A row that raises
-    ends the scan with the longest found so far (logged at debug), never an error. torch's CPU,
-    Python's and numpy's random states are put back after the scan: a ``__getitem__`` that draws
-    (random crops, masking, augmentations) must not shift the run's draws."""
-    longest = 0
+def longest_row(dataset: Any, length_of: Callable[[Any], int], scan_rows: int = 2048) -> Tuple[Any, int]:
+    """``(row, length)``: the first row of the largest ``length_of(row)`` among the first
+    ``scan_rows`` rows of a map-style dataset (``__getitem__`` and ``__len__``); ``(None, 0)`` for
+    none or for another kind of dataset. A row that raises ends the scan with the longest found so
+    far (logged at debug), never an error. torch's CPU, Python's and numpy's random states are put
+    back after the scan: a ``__getitem__`` that draws (random crops, masking, augmentations) must
+    not shift the run's draws."""
+    best, longest = None, 0
     if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-        return 0
+        return best, longest
     py_state = random.getstate()
     np_random = sys.modules.get("numpy.random")
     np_state = np_random.get_state() if np_random is not None else None
     try:
         with _torch().random.fork_rng(devices=[]):
             for i in range(min(len(dataset), scan_rows)):
-                longest = max(longest, int(length_of(dataset[i])))
+                row = dataset[i]
+                n = int(length_of(row))
+                if best is None or n > longest:
+                    best, longest = row, n
     except Exception:
         logger.debug("memguard: could not scan the dataset for lengths", exc_info=True)
     finally:
         random.setstate(py_state)
         if np_state is not None:
             np_random.set_state(np_state)
-    return longest
+    return best, longest
+
+
+def longest_in_rows(dataset: Any, length_of: Callable[[Any], int], scan_rows: int = 2048) -> int:
+    """The largest ``length_of(row)`` among the first ``scan_rows`` rows of a map-style dataset;
+    0 for none (:func:`longest_row`, whose scan it is)."""
+    return longest_row(dataset, length_of, scan_rows)[1]
 
 
 def infer_seq_length(given: Optional[int], settings: Iterable[Tuple[Any, Iterable[str]]], dataset: Any = None,

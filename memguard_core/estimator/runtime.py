@@ -43,9 +43,7 @@ def runtime_overhead_bytes(ts: TrainSpec) -> int:
     global _DATASETS_INSTALLED
     if ts.device == "cpu" and ts.runtime_held_bytes is not None:
         return int(ts.runtime_held_bytes) + cpu_runtime_growth_bytes()
-    b = RUNTIME_OVERHEAD_BYTES[ts.device]
-    if ts.device == "cuda":
-        b = CUDA_CONTEXT_BYTES + cublas_workspaces_bytes(ts)
+    b = CUDA_CONTEXT_BYTES + cublas_workspaces_bytes(ts) if ts.device == "cuda" else RUNTIME_OVERHEAD_BYTES[ts.device]
     if ts.device == "cpu" and ts.framework == "hf":
         if _DATASETS_INSTALLED is None:
             try:

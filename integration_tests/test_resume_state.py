@@ -19,22 +19,35 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
 from memguard_core.guard_state import FILE_NAME, METADATA_KEY
 from memguard_testing import script
+from memguard_testing.forkserver import run_script
 from memguard_testing.train_scripts import child_env
 
 RUN = script("resume_state_run.py")
 KILLED = -signal.SIGKILL
+#: What each framework's runs import, loaded once by their fork server (memguard_testing.forkserver;
+#: the script imports its framework inside ``main``). None for MLX: importing ``mlx.core`` starts
+#: no thread, but its stream thread once started would not survive a fork, and mlx_lm is cheap to
+#: import, so its runs start as fresh interpreters.
+PRELOAD = {"hf": ("transformers.trainer", "memguard_hf", "memguard_testing.hf_tiny"),
+           "lightning": ("lightning.pytorch", "memguard_lightning", "memguard_testing.lightning_tiny"),
+           "mlx": None}
 
 
 def _run(framework: str, out, *args: str, rc: int = 0) -> None:
-    p = subprocess.run([sys.executable, RUN, framework, "--out", str(out), *args], env=child_env(),
-                       capture_output=True, text=True, timeout=400)
+    argv = (framework, "--out", str(out), *args)
+    if PRELOAD[framework] is None:
+        import subprocess
+        import sys
+
+        p = subprocess.run([sys.executable, RUN, *argv], env=child_env(), capture_output=True, text=True,
+                           timeout=400)
+    else:
+        p = run_script(RUN, *argv, env=child_env(), timeout=400, preload=PRELOAD[framework])
     assert p.returncode == rc, (p.returncode, p.stdout[-2000:], p.stderr[-4000:])
 
 

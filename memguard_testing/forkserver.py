@@ -4,10 +4,10 @@ the framework imports each new interpreter pays (``import torch`` about 3 s of C
 machine, ``from transformers import Trainer`` about 9 s, ``import lightning.pytorch`` about 8 s;
 the tests start dozens of such children).
 
-    python -m memguard_testing.forkserver SCRIPT     (started by run_script; one request per line)
+    python -m memguard_testing.forkserver SCRIPT [MODULE ...]   (started by run_script; one request per line)
 
-The server runs the script's top level once (its imports and definitions, not its ``__main__``
-block), then forks one child per request; the child runs the script as ``__main__`` with the
+The server imports the ``preload`` modules, if any, and runs the script's top level once (its
+imports and definitions, not its ``__main__`` block), then forks one child per request; the child runs the script as ``__main__`` with the
 request's arguments, its stdout and stderr going to files the caller reads back. It is the same
 arrangement as :mod:`memguard_testing.torchrun` for the multi-process runs, with the same rules:
 
@@ -34,6 +34,7 @@ outlives the worker.
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import runpy
@@ -97,8 +98,9 @@ def _child(script: str, request: dict, reply_fd: int) -> None:
             os._exit(status)
 
 
-def serve(script: str) -> None:
-    """The server: the script's top level, ``ready`` on stdout, then per request line (JSON:
+def serve(script: str, preload: Sequence[str] = ()) -> None:
+    """The server: the ``preload`` modules and the script's top level, ``ready`` on stdout, then per
+    request line (JSON:
     ``args``, ``env``, ``cwd``, ``stdout``, ``stderr`` paths) a forked child, its pid and then its
     exit code (negative: the signal that ended it) written back as JSON lines."""
     script = os.path.abspath(script)
@@ -108,6 +110,8 @@ def serve(script: str) -> None:
     reply = os.fdopen(reply_fd, "w")
     sys.path.insert(0, os.path.dirname(script))   # as `python SCRIPT` puts the script's folder first
     sys.argv = [script]
+    for name in preload:   # what a script that imports its framework inside a function will use
+        importlib.import_module(name)
     runpy.run_path(script, run_name="__memguard_forkserver__")   # its imports and definitions only
     reply.write("ready\n")
     reply.flush()
@@ -151,10 +155,10 @@ def _kill_group(pid: int) -> None:
 class _Server:
     """One server process for ``script`` in ``env``."""
 
-    def __init__(self, script: str, env: Dict[str, str]):
+    def __init__(self, script: str, env: Dict[str, str], preload: Sequence[str] = ()):
         self.script = script
         self._err = tempfile.TemporaryFile()   # a file, not a pipe: warnings at import cannot fill it
-        self.proc = subprocess.Popen([sys.executable, "-m", "memguard_testing.forkserver", script], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "memguard_testing.forkserver", script, *preload], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
                                      bufsize=0, start_new_session=True)
         self.ready = False
@@ -208,10 +212,10 @@ class _Server:
             return rc, read(out), read(err)
 
     def close(self) -> None:
+        """Ends the server. Killed, not let exit: it holds nothing to save, its children have all
+        been reaped, and an interpreter holding torch and Lightning takes seconds to finalize."""
         try:
             self.proc.stdin.close()
-            self.proc.wait(timeout=30)
-        except BaseException:
             self.proc.kill()
             self.proc.wait()
         finally:
@@ -232,20 +236,23 @@ atexit.register(close_all)
 
 
 def run_script(script: str, *args: str, env: Dict[str, str], cwd: Optional[str] = None,
-               timeout: Optional[float] = 600) -> subprocess.CompletedProcess:
+               timeout: Optional[float] = 600, preload: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, script, *args], env=env, cwd=cwd, capture_output=True,
     text=True, timeout=timeout)``, the child forked from a server that already imported the
-    script's top level (module docstring); one server per script and environment (the variables
-    in ``_PER_TEST`` aside), kept until :func:`close_all`. ``env`` needs this repository on
+    script's top level (module docstring); one server per script, environment (the variables in
+    ``_PER_TEST`` aside) and ``preload``, kept until :func:`close_all`. ``preload``: modules the
+    server imports first, for a script that imports its framework inside a function (never one
+    that starts threads a child would need: a fork keeps only the forking thread; MLX's CPU stream
+    runs on one). ``env`` needs this repository on
     ``PYTHONPATH`` (``memguard_testing.script_env``). Returns a ``CompletedProcess``
     (``returncode`` negative for a signal). Raises ``subprocess.TimeoutExpired`` after ``timeout``
     seconds (the child and its process group killed), ``RuntimeError`` when the server could not
     start or ended."""
     script = os.path.abspath(script)
     server_env = {k: v for k, v in env.items() if k not in _PER_TEST}
-    key = json.dumps([script, sorted(server_env.items())])
+    key = json.dumps([script, sorted(server_env.items()), list(preload)])
     if key not in _SERVERS:
-        _SERVERS[key] = _Server(script, server_env)
+        _SERVERS[key] = _Server(script, server_env, preload)
     try:
         rc, out, err = _SERVERS[key].run(args, dict(env), cwd, timeout)
     except BaseException:   # a server whose replies are out of step is not used again
@@ -258,4 +265,4 @@ def run_script(script: str, *args: str, env: Dict[str, str], cwd: Optional[str] 
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2:])

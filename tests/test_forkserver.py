@@ -43,6 +43,8 @@ SCRIPT = textwrap.dedent("""
         if what == "spawn":   # leaves a process running behind it
             import subprocess
             print("spawned", subprocess.Popen(["sleep", "60"]).pid)
+        if what == "preloaded":
+            print("preloaded", "preload_mod" in sys.modules)
         if what == "thread":   # a non-daemon thread still working when main returns
             import threading
             threading.Thread(target=lambda: (time.sleep(0.5), print("thread done", flush=True))).start()
@@ -57,9 +59,22 @@ def child(tmp_path):
     path = tmp_path / "child.py"
     path.write_text(SCRIPT)
     log = tmp_path / "top.log"
-    yield lambda *args, timeout=60, **env: forkserver.run_script(
-        str(path), *args, env=script_env(TOP_LEVEL_LOG=str(log), **env), cwd=str(tmp_path), timeout=timeout)
+    # a module the server can preload: it logs each import, as the top level does
+    (tmp_path / "preload_mod.py").write_text(
+        "import os\nwith open(os.environ['PRELOAD_LOG'], 'a') as f:\n    f.write(f'{os.getpid()}\\n')\n")
+    yield lambda *args, timeout=60, preload=(), **env: forkserver.run_script(
+        str(path), *args, env=script_env(TOP_LEVEL_LOG=str(log), PRELOAD_LOG=str(tmp_path / "preload.log"), **env),
+        cwd=str(tmp_path), timeout=timeout, preload=preload)
     forkserver.close_all()
+
+
+def test_a_preloaded_module_is_imported_once_by_the_server(child, tmp_path):
+    # the script's folder is on the server's sys.path (as `python SCRIPT` has it), so it finds the module
+    assert "preloaded False" in child("preloaded").stdout
+    for _ in range(2):
+        assert "preloaded True" in child("preloaded", preload=("preload_mod",)).stdout
+    assert len(forkserver._SERVERS) == 2                   # another preload, another server
+    assert len((tmp_path / "preload.log").read_text().split()) == 1   # imported once, in that server
 
 
 def test_a_child_runs_as_the_script_would(child, tmp_path):

@@ -163,3 +163,30 @@ def assert_same_run(ref: dict, run: dict, atol: float = 1e-4) -> None:
     assert sorted(a) == sorted(b)
     for k in a:
         np.testing.assert_allclose(np.array(a[k]), np.array(b[k]), atol=atol, rtol=1e-3)
+
+
+#: The block census tests' dimensions (tests/test_mlx_census*.py)
+CENSUS_DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                   vocab_size=256, rms_norm_eps=1e-5)
+
+
+def mlx_lm_model(model_type: str, **kw):
+    """An mlx_lm ``Model`` of ``model_type`` from ``ModelArgs`` ``kw``, its random weights seeded (0)
+    and evaluated."""
+    import importlib
+
+    mod = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(0)
+    m = mod.Model(mod.ModelArgs.from_dict(dict(model_type=model_type, **kw)))
+    mx.eval(m.parameters())
+    return m
+
+
+def lfm2_model(layers: int, attn=(0,)):
+    """An mlx_lm LFM2 hybrid at ``CENSUS_DIMS``: ``layers`` blocks, attention at the indices in
+    ``attn``, short-convolution (``ShortConv``) blocks elsewhere; tied head."""
+    return mlx_lm_model("lfm2", **dict(CENSUS_DIMS, num_hidden_layers=layers, max_position_embeddings=512,
+                                       norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=128,
+                                       block_ff_dim=256, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
+                                       block_auto_adjust_ff_dim=False, full_attn_idxs=list(attn),
+                                       rope_theta=10000.0, tie_embedding=True))

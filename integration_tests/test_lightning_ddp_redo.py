@@ -7,10 +7,12 @@ redone by both, with no hang (docs/lightning.md, "Under DDP").
   between the VmPeak of step 2's forward and that of its backward in an unlimited, unguarded
   reference run of the same fit (SmolLM2-135M shape cut to 2 blocks, vocabulary 32768, fp32,
   AdamW, 8 x 256 tokens per rank), so the unsplit backward Lightning runs, the one DDP
-  all-reduces in, cannot fit there. The unguarded twin dies (rank 1 in the backward with the
-  allocator's error, rank 0 with it); the guarded run (only its OOM path acting) redoes the window
-  at 2 micro-batches on both ranks and ends with the reference's parameters. The test checks that
-  the twin really fails in a backward, so a placement that missed fails the test.
+  all-reduces in, cannot fit there. The guarded run (only its OOM path acting, nothing injected)
+  meets the allocator's failure on rank 1 in a backward, redoes the window at 2 micro-batches on
+  both ranks and ends with the reference's parameters; a placement that missed leaves it nothing
+  to redo and fails the test. (No unguarded twin: this file runs in the serial part, where its
+  launch cost half a minute of CI's wall time; a Lightning twin dying at such a limit is
+  test_lightning_window_redo.py's.)
 * Chosen failure points on the tiny model (an allocator error raised from a backward hook on rank 1
   alone: ``RLIMIT_AS`` cannot place a failure at a chosen backward): Lightning's own backward at
   the end of a window, a memguard-run chunk's backward mid-window, and again during the redo; and
@@ -35,7 +37,6 @@ from memguard_testing.torchrun import launch  # noqa: E402
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux RLIMIT_AS, gloo")
 
 SCRIPT = memguard_testing.script("lightning_ddp_worker.py")
-ALLOC_FAILED = "DefaultCPUAllocator: can't allocate memory"
 
 
 def _launch(out, *modes: str, timeout: int = 900):
@@ -71,11 +72,6 @@ def test_one_rank_real_oom_in_the_synchronised_backward_is_redone_by_both(tmp_pa
     fwd2, bwd2 = _peak(ref[1], "forward", 1), _peak(ref[1], "backward", 1)   # step 2: AdamW's states held
     assert bwd2 - fwd2 > 64 * 2**20, ref[1]["peaks"]                          # room for a limit between them
     limit = (fwd2 + bwd2) // 2
-
-    rc, output = _launch(tmp_path, f"rlimit-none:{limit}")
-    assert rc != 0, "the unguarded twin survived the limit"
-    bare = _load(tmp_path, f"rlimit-none:{limit}")
-    assert bare[1].get("failed") == "backward" and ALLOC_FAILED in bare[1]["error"], bare[1].get("error")
 
     rc, output = _launch(tmp_path, f"rlimit-oom:{limit}")
     assert rc == 0, output[-4000:]

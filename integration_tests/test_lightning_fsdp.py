@@ -108,10 +108,9 @@ def test_fsdp_split_in_place_equals_the_unsplit_run(version, launches):
 
 
 #: The headrooms tried, as fractions of the reference's growth, until the guarded run meets the
-#: allocator's error: the reference's VmPeak moves by tens of MB between runs (once, on the CI
-#: machine, so high that an unguarded run fitted in 80 % of the smaller growth of two references),
-#: and a one-row redo needs about half of the growth (measured under FSDP2: it fits in 90 MiB of room,
-#: not in 70, for a growth of 175-190 MiB), so the last fraction leaves it room.
+#: allocator's error: the reference's VmPeak moves between runs by more than a limit at 80 % of it
+#: allows for, and a one-row redo needs about half of the growth, so the last fraction leaves it
+#: room (docs/ci_time.md, "The stop of 2026-11-29").
 HEADROOM_FRACTIONS = (0.8, 0.65, 0.55)
 
 
@@ -126,8 +125,7 @@ def test_fsdp_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version
     ranks redid the window at the same cut, and the parameters are the unlimited run's. Where the
     guarded run meets no error, the limit is placed lower (``HEADROOM_FRACTIONS``) and tried again:
     what is tested is the behaviour under an OOM, not the placement. (No unguarded twin: rank 1's
-    errors, the allocator's own, show the limit bites; the FSDP2 twin was the part of this test that
-    failed on the CI machine, by surviving a limit the references placed too high.)"""
+    errors, the allocator's own, show the limit bites.)"""
     ref = launches(version)["oom-ref"]
     growth = ref[1]["vmpeak"] - ref[1]["base_vmsize"]
     fractions = list(HEADROOM_FRACTIONS)

@@ -1,4 +1,4 @@
-"""Why memguard reduce-scatters every micro-batch under FSDP2 (docs/distributed.md): the alternative,
+"""Why memguard reduce-scatters every micro-batch under FSDP2 (docs/torch_loop.md): the alternative,
 ``set_requires_gradient_sync(False)`` for the non-final micro-batches of a window, keeps every unit's
 unsharded gradient until the window's last backward.
 

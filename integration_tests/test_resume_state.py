@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -41,9 +43,6 @@ PRELOAD = {"hf": ("transformers.trainer", "memguard_hf", "memguard_testing.hf_ti
 def _run(framework: str, out, *args: str, rc: int = 0) -> None:
     argv = (framework, "--out", str(out), *args)
     if PRELOAD[framework] is None:
-        import subprocess
-        import sys
-
         p = subprocess.run([sys.executable, RUN, *argv], env=child_env(), capture_output=True, text=True,
                            timeout=400)
     else:

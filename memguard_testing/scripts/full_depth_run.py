@@ -2,12 +2,14 @@
 random weights), LoRA r=16 on every linear, pure bf16 weights, micro-batch 4 x 512 tokens (2 x 128 on
 a CPU without native bf16, where it is emulated), 1 step
 (the preflight decides before it; one step holds the LoRA run's peak);
-guarded by ``MemGuardCallback(budget_bytes=BUDGET)``. Prints one JSON line: the process's peak
+guarded by ``MemGuardCallback(budget_bytes=BUDGET)``, or by ``MemGuardCallback()`` with ``auto``
+(the guard's own budget: what the process holds and what is still available, container-aware, so
+inside a memory cgroup it comes from the cgroup's limit). Prints one JSON line: the process's peak
 resident set over the run (the guard's own figure: its per-step VmHWM resets keep the largest
-reading, ``memguard_core.process_peak``), what the preflight decided and the estimate it compared
-with the budget.
+reading, ``memguard_core.process_peak``), what the preflight decided, the budget it planned against,
+the estimate it compared with it and whether activation checkpointing was on.
 
-usage: python full_depth_run.py BUDGET_BYTES OUT_DIR
+usage: python full_depth_run.py BUDGET_BYTES|auto OUT_DIR
 """
 
 import json
@@ -52,9 +54,10 @@ class Rows(torch.utils.data.Dataset):
 
 
 def main() -> None:
-    budget, out = int(sys.argv[1]), sys.argv[2]
-    if budget <= 0:
-        raise SystemExit("full_depth_run.py: BUDGET_BYTES must be a positive number of bytes")
+    out = sys.argv[2]
+    budget = None if sys.argv[1] == "auto" else int(sys.argv[1])
+    if budget is not None and budget <= 0:
+        raise SystemExit("full_depth_run.py: BUDGET_BYTES must be a positive number of bytes or 'auto'")
     torch.manual_seed(0)
     torch.set_num_threads(2)
     config = AutoConfig.from_pretrained(os.path.join(ROOT, "tests", "configs", "smollm2-135m.json"))
@@ -64,13 +67,14 @@ def main() -> None:
                              learning_rate=1e-4, logging_steps=1, save_strategy="no", report_to=[],
                              use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=args, train_dataset=Rows(config.vocab_size))
-    guard = MemGuardCallback(budget_bytes=budget)
+    guard = MemGuardCallback() if budget is None else MemGuardCallback(budget_bytes=budget)
     trainer.add_callback(guard)
     trainer.train()
     pf = guard.preflight
     r = {"peak": process_peak_rss_bytes(), "global_step": trainer.state.global_step,
          "layers": config.num_hidden_layers, "rows": BATCH, "estimate": pf.estimate.peak_bytes,
          "requested_peak": pf.requested_peak_bytes, "plan_fraction": pf.plan_fraction,
+         "budget": pf.budget_bytes, "checkpointing": bool(model.is_gradient_checkpointing),
          "changes": [c.field for c in pf.plan.changes], "micro_batches": pf.micro_batches,
          "forward_rows": sorted(set(guard.micro_batch_rows)), "final_micro_batches": guard.monitor.micro_batches}
     print("RESULT " + json.dumps(r))

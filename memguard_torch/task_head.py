@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from memguard_core.estimator.heads import (CAUSAL_LM, DEFAULT_HEAD, MASKED_LM, QUESTION_ANSWERING,
-                                           SEQUENCE_CLASSIFICATION, TaskHead, head_kind_of)
+                                           SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, TaskHead, head_kind_of)
 
 
 def _unwrap(model: Any) -> Any:
@@ -52,6 +52,34 @@ def _saved_by_peft_task(name: str) -> bool:
     return any(".".join(parts[:k]).endswith(("classifier", "score")) for k in range(1, len(parts) + 1))
 
 
+#: The modules PEFT's task types put in ``modules_to_save`` (peft/peft_model.py
+#: ``PeftModelFor{SequenceClassification,TokenClassification,QuestionAnswering}``).
+_PEFT_TASK_MODULES = {SEQUENCE_CLASSIFICATION: ("classifier", "score"),
+                      TOKEN_CLASSIFICATION: ("classifier", "score"), QUESTION_ANSWERING: ("qa_outputs",)}
+
+
+def _peft_saved_params(model: Any, kind: str) -> int:
+    """Elements of the modules PEFT's task type for ``kind`` trains under LoRA: those whose dotted
+    name ends with one of :data:`_PEFT_TASK_MODULES` (a string suffix, as peft/utils/other.py
+    ``_set_trainable`` matches ``key.endswith(target_key)``), each counted once with what it holds;
+    on a model PEFT already wrapped, the wrapper's ``original_module``."""
+    suffixes = _PEFT_TASK_MODULES.get(kind)
+    if not suffixes:
+        return 0
+    total, done = 0, []
+    for name, mod in model.named_modules():
+        parts = [p for p in name.split(".") if p not in ("original_module", "base_layer")]
+        if not parts or set(parts) & _PEFT_PARTS:
+            continue
+        clean = ".".join(parts)
+        if any(clean == d or clean.startswith(d + ".") for d in done) or not clean.endswith(suffixes):
+            continue
+        src = getattr(mod, "original_module", mod)
+        total += sum(int(p.numel()) for p in src.parameters())
+        done.append(clean)
+    return total
+
+
 def _dropouts(mods: List[Any]) -> List[float]:
     import torch.nn as nn
 
@@ -77,7 +105,8 @@ def task_head_from_module(model: Any, kind: Optional[str] = None) -> TaskHead:
         ``transformer.ln_f``), ``reads`` / ``pooler_linear`` / ``pooler_trains`` from a ``pooler`` (BERT, ALBERT,
         DeBERTa-v2) or a head of more than one linear (RoBERTa, ELECTRA, DistilBERT), ``dropout``
         the largest dropout probability in the head, ``transform`` a hidden-to-hidden linear in an
-        LM head (BERT's ``BertPredictionHeadTransform``).
+        LM head (BERT's ``BertPredictionHeadTransform``), ``peft_saved_params`` the elements of the
+        head modules PEFT's task type trains under LoRA (``_peft_saved_params``).
 
     Raises:
         ConfigError: (field ``architectures``, one line) a class naming a head the estimator does
@@ -119,4 +148,4 @@ def task_head_from_module(model: Any, kind: Optional[str] = None) -> TaskHead:
             pooler_trains = _saved_by_peft_task(f"{names[i]}.{path}".rstrip("."))
     return TaskHead(kind=kind, num_labels=max(labels, 1), reads=reads, final_norm=final_norm,
                     pooler_linear=pooler_linear, pooler_trains=pooler_trains, dropout=min(dropout, 0.99),
-                    architecture=arch)
+                    architecture=arch, peft_saved_params=_peft_saved_params(m, kind))

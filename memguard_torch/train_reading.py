@@ -44,8 +44,14 @@ def checkpoint_target(model: Any) -> Optional[Any]:
     (``gradient_checkpointing_enable``), found through wrappers and PEFT's ``get_base_model``;
     None when the model has none."""
     target = unwrap(model)
-    if not hasattr(target, "gradient_checkpointing_enable") and callable(getattr(target, "get_base_model", None)):
-        target = target.get_base_model()
+    # through PEFT's wrapper always: it forwards gradient_checkpointing_enable to the model inside,
+    # but not the flag that says checkpointing is on (``_flag`` reads the class, not __getattr__)
+    get_base = getattr(target, "get_base_model", None)
+    if callable(get_base):
+        try:
+            target = get_base()
+        except Exception:  # not a PEFT model after all
+            pass
     return target if hasattr(target, "gradient_checkpointing_enable") else None
 
 

@@ -72,6 +72,34 @@ def test_peft_sequence_classifier_reads_the_same_head():
     assert (plain.kind, plain.reads, plain.num_labels) == ("sequence_classification", "all_tokens", 3)
 
 
+_PEFT_TASK = {"sequence_classification": "SEQ_CLS", "token_classification": "TOKEN_CLS",
+              "question_answering": "QUESTION_ANS"}
+_QV = {"bert": ["query", "value"], "roberta": ["query", "value"], "distilbert": ["q_lin", "v_lin"],
+       "deberta-v2": ["query_proj", "value_proj"], "llama": ["q_proj", "v_proj"]}
+
+
+@pytest.mark.parametrize("model_type,arch", [
+    ("bert", "BertForSequenceClassification"), ("roberta", "RobertaForSequenceClassification"),
+    ("distilbert", "DistilBertForSequenceClassification"), ("deberta-v2", "DebertaV2ForSequenceClassification"),
+    ("llama", "LlamaForSequenceClassification"), ("bert", "BertForTokenClassification"),
+    ("llama", "LlamaForQuestionAnswering"),
+])
+def test_lora_count_from_a_config_is_peft_count_with_its_task_head(model_type, arch):
+    """PEFT's task type trains the classifier (``classifier`` / ``score``; RoBERTa's whole
+    classification head, DistilBERT's ``pre_classifier`` too) or ``qa_outputs`` beside the adapters:
+    the trainable count read from a config is PEFT's own count on the model built from it."""
+    peft = pytest.importorskip("peft")
+    kind = head_kind_from_architectures([arch])
+    cfg = _config(model_type, arch, num_labels=2 if kind == "question_answering" else 3)
+    ms = model_spec_from_hf_config(cfg)
+    ts = TrainSpec(method="lora", lora_rank=8, lora_targets=tuple(_QV[model_type]), batch_size=B, seq_length=S)
+    wrapped = peft.get_peft_model(_live(cfg), peft.LoraConfig(r=8, target_modules=_QV[model_type],
+                                                              task_type=_PEFT_TASK[kind]))
+    assert ms.head.peft_saved_params > 0
+    assert estimate(ms, ts).trainable_params == sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    assert model_spec_from_module(wrapped).head.peft_saved_params == ms.head.peft_saved_params
+
+
 def test_masked_lm_head_and_causal_default():
     ms = model_spec_from_hf_config(_config("bert", "BertForMaskedLM"))
     assert (ms.head.kind, ms.head.transform, ms.head.final_norm) == ("masked_lm", True, False)

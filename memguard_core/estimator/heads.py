@@ -100,6 +100,11 @@ class TaskHead:
             ``GenericForTokenClassification.dropout``); 0.0 for none.
         architecture: the class the head was read from (``BertForSequenceClassification``); empty
             for the default.
+        peft_saved_params: elements of the head modules PEFT's task type trains under LoRA by
+            putting them in ``modules_to_save`` (peft/peft_model.py: ``classifier`` / ``score`` for
+            ``SEQ_CLS`` and ``TOKEN_CLS``, ``qa_outputs`` for ``QUESTION_ANS``, matched as name
+            suffixes), so a trainable copy of each with its gradient and optimizer state; 0 for an
+            LM head and where the head was not read from a module tree.
     """
 
     kind: str = CAUSAL_LM
@@ -111,6 +116,7 @@ class TaskHead:
     transform: bool = False
     dropout: float = 0.0
     architecture: str = ""
+    peft_saved_params: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
@@ -124,6 +130,9 @@ class TaskHead:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0 or (n == 0 and self.kind not in LM_HEADS):
             raise ConfigError("head.num_labels", "a positive integer (classes) for a classifier head, 0 for an "
                               "LM head", n)
+        k = self.peft_saved_params
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ConfigError("head.peft_saved_params", "a non-negative integer (elements)", k)
 
     @property
     def is_lm(self) -> bool:

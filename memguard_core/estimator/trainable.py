@@ -10,6 +10,7 @@ import logging
 from typing import Any, List, Tuple
 
 from ..errors import ConfigError
+from .heads import head_of
 from .specs import DTYPE_BITS, LinearShape, ModelSpec, PeftDefaultTargets, TrainSpec
 
 _log = logging.getLogger("memguard.spec")
@@ -234,7 +235,9 @@ def lora_trainable_params(model_spec: ModelSpec, train_spec: TrainSpec) -> int:
     module linear of a block except the router and the experts (MoE experts are adapted only when
     named, e.g. ``experts.gate_up_proj``). A vision-language model's tower and projector linears
     that the targets reach count too (:func:`vision_lora_linears`). Only the last ``lora_layers`` blocks when set
-    (mlx_lm's ``num_layers``). ``lm_head`` / ``embed_tokens`` targets add ``r * (hidden + vocab)``.
+    (mlx_lm's ``num_layers``). ``lm_head`` / ``embed_tokens`` targets add ``r * (hidden + vocab)``. A
+    classifier or question-answering head adds the elements PEFT's task type trains in
+    ``modules_to_save`` (``TaskHead.peft_saved_params``; not under mlx_lm).
 
     Returns:
         int, elements (0 for ``method="full"`` is NOT implied: the count is computed anyway).
@@ -265,6 +268,9 @@ def lora_trainable_params(model_spec: ModelSpec, train_spec: TrainSpec) -> int:
     for lin, n in vision_lora_linears(model_spec, targets):
         total += n * lin.count * r * (lin.in_features + lin.out_features)
         matched.update(t for t in targets if _target_matches(lin, t))
+    if train_spec.framework != "mlx":
+        # PEFT's task type trains a classifier / QA head beside the adapters (``modules_to_save``)
+        total += head_of(model_spec).peft_saved_params
     outside = model_spec.hidden_size + model_spec.vocab_size
     for t in targets:
         if t in _EMBED_TARGETS or t in _HEAD_TARGETS:

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArgu
 
 from memguard_core.process_peak import process_peak_rss_bytes
 from memguard_hf import MemGuardCallback
+from memguard_torch.train_reading import checkpointing_on
 from memguard_testing import ROOT
 
 ROWS, SEQ, BATCH, STEPS = 4, 512, 4, 1
@@ -74,7 +75,7 @@ def main() -> None:
     r = {"peak": process_peak_rss_bytes(), "global_step": trainer.state.global_step,
          "layers": config.num_hidden_layers, "rows": BATCH, "estimate": pf.estimate.peak_bytes,
          "requested_peak": pf.requested_peak_bytes, "plan_fraction": pf.plan_fraction,
-         "budget": pf.budget_bytes, "checkpointing": bool(model.is_gradient_checkpointing),
+         "budget": pf.budget_bytes, "checkpointing": checkpointing_on(model),
          "changes": [c.field for c in pf.plan.changes], "micro_batches": pf.micro_batches,
          "forward_rows": sorted(set(guard.micro_batch_rows)), "final_micro_batches": guard.monitor.micro_batches}
     print("RESULT " + json.dumps(r))

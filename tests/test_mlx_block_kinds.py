@@ -4,8 +4,6 @@ as rule blocks (the census runs PyTorch's code). Real mlx_lm models from tiny Mo
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 pytest.importorskip("mlx.core")
@@ -15,14 +13,9 @@ from memguard_core.estimator.estimate import estimate  # noqa: E402
 from memguard_core.estimator.specs import TrainSpec  # noqa: E402
 from memguard_mlx.block_kinds import block_kinds  # noqa: E402
 from memguard_mlx.specs import model_spec_from_mlx_module  # noqa: E402
+from memguard_testing.mlx_tiny import CENSUS_DIMS, lfm2_model, mlx_lm_model  # noqa: E402
 
-_BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-5)
-
-
-def _model(model_type: str, **kw):
-    mod = importlib.import_module(f"mlx_lm.models.{model_type}")
-    return mod.Model(mod.ModelArgs.from_dict(dict(model_type=model_type, **kw)))
+_BASE = dict(CENSUS_DIMS, num_hidden_layers=4)
 
 
 @pytest.mark.parametrize("model_type,extra", [
@@ -31,19 +24,12 @@ def _model(model_type: str, **kw):
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
 ])
 def test_rule_families_are_modelled(model_type, extra):
-    kinds = block_kinds(_model(model_type, **_BASE, **extra))
+    kinds = block_kinds(mlx_lm_model(model_type, **_BASE, **extra))
     assert len(kinds) == 1 and kinds[0].modelled and kinds[0].count == 4
 
 
-def _lfm2():
-    return _model("lfm2", **dict(_BASE, max_position_embeddings=512, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
-                                 block_dim=64, block_ff_dim=128, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
-                                 block_auto_adjust_ff_dim=False, full_attn_idxs=[1, 3], rope_theta=10000.0,
-                                 tie_embedding=True))
-
-
 def test_short_convolution_blocks_are_named_and_not_silent():
-    model = _lfm2()
+    model = lfm2_model(4, attn=(1, 3))
     kinds = {k.name: k for k in block_kinds(model)}
     assert kinds["ShortConv"].count == 2 and not kinds["ShortConv"].modelled
     assert kinds["Lfm2DecoderLayer"].count == 2 and kinds["Lfm2DecoderLayer"].modelled
@@ -63,7 +49,7 @@ def test_a_recorded_mlx_spec_reads_back_to_the_same_estimate():
 
     from memguard_bench.score import model_spec_from_dict
 
-    ms = model_spec_from_mlx_module(_model("llama", **_BASE))
+    ms = model_spec_from_mlx_module(mlx_lm_model("llama", **_BASE))
     back = model_spec_from_dict(dataclasses.asdict(ms))
     assert type(back.params) is type(ms.params) and back.params == ms.params
     ts = TrainSpec(framework="mlx", device="mlx", method="lora", dtype="fp32", seq_length=64,

@@ -241,6 +241,12 @@ def _versions() -> Dict[str, Optional[str]]:
 
 
 def _git_commit() -> Optional[str]:
+    """The checkout's commit for the report header: ``MEMGUARD_COMMIT`` when set (the device machine
+    gets a copy of the working tree whose ``.git`` may be an older one: pass the commit from the
+    machine that sent it), else ``git rev-parse``, with ``+dirty`` for changed package files."""
+    given = os.environ.get("MEMGUARD_COMMIT", "").strip()
+    if given:
+        return given
     try:
         p = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                            timeout=10)

@@ -59,24 +59,29 @@ _PEFT_TASK_MODULES = {SEQUENCE_CLASSIFICATION: ("classifier", "score"),
 
 
 def _peft_saved_params(model: Any, kind: str) -> int:
-    """Elements of the modules PEFT's task type for ``kind`` trains under LoRA: those whose dotted
-    name ends with one of :data:`_PEFT_TASK_MODULES` (a string suffix, as peft/utils/other.py
-    ``_set_trainable`` matches ``key.endswith(target_key)``), each counted once with what it holds;
-    on a model PEFT already wrapped, the wrapper's ``original_module``."""
+    """Elements PEFT trains beside the adapters of a model with a ``kind`` head (copies in
+    ``modules_to_save``). On a model PEFT already wrapped: what its ``ModulesToSaveWrapper``\ s
+    hold (each one's ``original_module``, whatever its name: a user's ``lm_head`` too; 0 when the
+    LoRA config set no task type and no ``modules_to_save``). On a plain or meta-device build: the
+    modules PEFT's task type for ``kind`` would put there, those whose dotted name ends with one of
+    :data:`_PEFT_TASK_MODULES` (a string suffix, as peft/utils/other.py ``_set_trainable`` matches
+    ``key.endswith(target_key)``), each counted once with what it holds."""
+    names = [(n, mod) for n, mod in model.named_modules()]
+    wrappers = [mod for _, mod in names if hasattr(mod, "original_module") and hasattr(mod, "modules_to_save")]
+    if wrappers or any(set(n.split(".")) & _PEFT_PARTS for n, _ in names):
+        return sum(int(p.numel()) for w in wrappers for n, p in w.original_module.named_parameters()
+                   if not set(n.split(".")) & _PEFT_PARTS)
     suffixes = _PEFT_TASK_MODULES.get(kind)
     if not suffixes:
         return 0
     total, done = 0, []
-    for name, mod in model.named_modules():
-        parts = [p for p in name.split(".") if p not in ("original_module", "base_layer")]
-        if not parts or set(parts) & _PEFT_PARTS:
+    for name, mod in names:
+        if not name:
             continue
-        clean = ".".join(parts)
-        if any(clean == d or clean.startswith(d + ".") for d in done) or not clean.endswith(suffixes):
+        if any(name == d or name.startswith(d + ".") for d in done) or not name.endswith(suffixes):
             continue
-        src = getattr(mod, "original_module", mod)
-        total += sum(int(p.numel()) for p in src.parameters())
-        done.append(clean)
+        total += sum(int(p.numel()) for p in mod.parameters())
+        done.append(name)
     return total
 
 

@@ -44,14 +44,17 @@ def checkpoint_target(model: Any) -> Optional[Any]:
     (``gradient_checkpointing_enable``), found through wrappers and PEFT's ``get_base_model``;
     None when the model has none."""
     target = unwrap(model)
-    # through PEFT's wrapper always: it forwards gradient_checkpointing_enable to the model inside,
-    # but not the flag that says checkpointing is on (``_flag`` reads the class, not __getattr__)
+    # through PEFT's wrapper when the model inside has the method: the wrapper forwards
+    # gradient_checkpointing_enable to it, but not the flag that says checkpointing is on
+    # (``_flag`` reads the class, not __getattr__)
     get_base = getattr(target, "get_base_model", None)
     if callable(get_base):
         try:
-            target = get_base()
+            base = get_base()
         except Exception:  # not a PEFT model after all
-            pass
+            base = None
+        if hasattr(base, "gradient_checkpointing_enable"):
+            target = base
     return target if hasattr(target, "gradient_checkpointing_enable") else None
 
 

@@ -48,3 +48,38 @@ def test_hf_train_spec_reads_checkpointing_the_recipe_turned_on(tmp_path):
     trainer = Trainer(model=wrapped, args=args)
     ts = train_spec(trainer, live_model_spec(wrapped), seq_length=32)
     assert ts.grad_checkpoint is True and ts.method == "lora"
+
+
+def test_torch_loop_train_spec_and_turning_it_on_through_peft():
+    """``TorchGuard``'s reading (``memguard_torch.specs.train_spec``) sees the recipe's checkpointing,
+    and ``enable_activation_checkpointing`` on the PEFT model turns it on in the model inside."""
+    from memguard_hf.model_spec import live_model_spec
+    from memguard_torch.specs import train_spec
+    from memguard_torch.train_reading import enable_activation_checkpointing
+
+    _, wrapped = _peft_llama(True)
+    opt = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad])
+    batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long)}
+    assert train_spec(wrapped, opt, batch, live_model_spec(wrapped)).grad_checkpoint is True
+    base, off = _peft_llama(False)
+    assert train_spec(off, opt, batch, live_model_spec(off)).grad_checkpoint is False
+    enable_activation_checkpointing(off)
+    assert checkpointing_on(off) and checkpointing_on(base)
+
+
+def test_a_wrapper_whose_inner_model_cannot_checkpoint_is_kept():
+    """A wrapper with ``get_base_model`` whose inner module has no ``gradient_checkpointing_enable``
+    while the wrapper has one: the wrapper stays the target."""
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(2, 2)
+
+        def get_base_model(self):
+            return self.inner
+
+        def gradient_checkpointing_enable(self, **kw):
+            pass
+
+    w = Wrapper()
+    assert checkpoint_target(w) is w

@@ -100,6 +100,32 @@ def test_lora_count_from_a_config_is_peft_count_with_its_task_head(model_type, a
     assert model_spec_from_module(wrapped).head.peft_saved_params == ms.head.peft_saved_params
 
 
+@pytest.mark.parametrize("model_type,arch,task,saved", [
+    ("roberta", "RobertaForSequenceClassification", "SEQ_CLS", None),   # PEFT trains the head
+    ("roberta", "RobertaForSequenceClassification", None, None),        # no task type: the head stays frozen
+    ("llama", "LlamaForCausalLM", None, ["lm_head"]),                    # a user's modules_to_save
+])
+def test_live_lora_count_at_another_rank_keeps_what_peft_trains_beside_the_adapters(model_type, arch, task, saved):
+    """The planner's rank cut on a live PEFT model: the adapters are re-derived at the new rank, and
+    what the run trains beside them -- the ``modules_to_save`` copies PEFT made, or none -- is what
+    PEFT's own count at that rank holds."""
+    peft = pytest.importorskip("peft")
+    cfg = _config(model_type, arch, num_labels=3)
+
+    def wrapped(r):
+        kw = dict(r=r, target_modules=_QV[model_type])
+        if task:
+            kw["task_type"] = task
+        if saved:
+            kw["modules_to_save"] = saved
+        return peft.get_peft_model(_live(cfg), peft.LoraConfig(**kw))
+
+    ms = model_spec_from_module(wrapped(8))
+    assert ms.lora_rank_found == 8
+    ts = TrainSpec(method="lora", lora_rank=4, lora_targets=tuple(_QV[model_type]), batch_size=B, seq_length=S)
+    assert estimate(ms, ts).trainable_params == sum(p.numel() for p in wrapped(4).parameters() if p.requires_grad)
+
+
 def test_masked_lm_head_and_causal_default():
     ms = model_spec_from_hf_config(_config("bert", "BertForMaskedLM"))
     assert (ms.head.kind, ms.head.transform, ms.head.final_norm) == ("masked_lm", True, False)

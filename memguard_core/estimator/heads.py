@@ -100,11 +100,13 @@ class TaskHead:
             ``GenericForTokenClassification.dropout``); 0.0 for none.
         architecture: the class the head was read from (``BertForSequenceClassification``); empty
             for the default.
-        peft_saved_params: elements of the head modules PEFT's task type trains under LoRA by
-            putting them in ``modules_to_save`` (peft/peft_model.py: ``classifier`` / ``score`` for
-            ``SEQ_CLS`` and ``TOKEN_CLS``, ``qa_outputs`` for ``QUESTION_ANS``, matched as name
-            suffixes), so a trainable copy of each with its gradient and optimizer state; 0 for an
-            LM head and where the head was not read from a module tree.
+        peft_saved_params: elements PEFT trains beside the adapters of a LoRA run (copies in
+            ``modules_to_save``, each with its gradient and optimizer state): on a model PEFT
+            wrapped, what its ``modules_to_save`` hold; from a config, what PEFT's task type puts
+            there (peft/peft_model.py: ``classifier`` / ``score`` for ``SEQ_CLS`` and ``TOKEN_CLS``,
+            ``qa_outputs`` for ``QUESTION_ANS``, matched as name suffixes). 0 for an LM head, for a
+            kind PEFT has no task type for (image classification: ``modules_to_save`` is the user's
+            choice there) and where the head was not read from a module tree.
     """
 
     kind: str = CAUSAL_LM

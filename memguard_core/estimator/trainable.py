@@ -77,8 +77,10 @@ def trainable_param_count(ms: ModelSpec, ts: TrainSpec) -> int:
     (full, hf/lightning: every parameter; full, mlx: the blocks only -- mlx_lm's full fine-tune
     unfreezes ``model.layers[-num_layers:]``; lora/qlora: ``r * (in + out)`` per targeted linear of
     the LoRA'd blocks; a live module's own count when it fits the method). When the settings
-    differ from the live adapter (the planner halved the rank or the LoRA layers), the count is
-    derived from the shapes (``spec.lora_trainable_params``) instead of the stale live count.
+    differ from the live adapter (the planner halved the rank or the LoRA layers), the adapters are
+    derived from the shapes (``spec.lora_trainable_params``) instead of the stale live count, and
+    what the live count holds beyond the adapters at the rank found (``modules_to_save`` copies) is
+    kept.
 
     Raises:
         ConfigError: the LoRA targets match no linear of the block.
@@ -87,7 +89,14 @@ def trainable_param_count(ms: ModelSpec, ts: TrainSpec) -> int:
         ms = ms.replace(block_linears=block_linear_shapes(ms))
     if (ts.method != "full" and ms.trainable_params is not None and ms.lora_rank_found is not None
             and (ts.lora_rank != ms.lora_rank_found or ts.lora_layers is not None)):
-        return lora_trainable_params(ms, ts)
+        n = lora_trainable_params(ms, ts)
+        if ms.decoder_layers == 0:
+            # what the live run trains beyond the adapters the shapes give (a user's modules_to_save,
+            # e.g. lm_head) stays at any rank; an encoder-decoder's decoder adapters are added by
+            # the estimate, so its live count is not split here
+            found = lora_trainable_params(ms, ts.replace(lora_rank=ms.lora_rank_found, lora_layers=None))
+            n += max(0, int(ms.trainable_params) - found)
+        return n
     return trainable_params(ms, ts)
 
 

@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from memguard_testing import script, script_env
+from memguard_testing.scripts.full_depth_run import _native_bf16  # the run's size is picked by it
 
 MiB = 1 << 20
 #: The real limit of the run's cgroup: P is about 1.2 GiB at 2 x 128 tokens on a CPU without native
@@ -26,15 +27,6 @@ MiB = 1 << 20
 #: preflight must keep the settings under it.
 LIMIT_EMULATED = 2048 * MiB
 LIMIT_NATIVE = 12288 * MiB
-
-
-def _native_bf16() -> bool:
-    """The same test as ``full_depth_run.py``'s, which picks the run's size by it."""
-    import torch
-
-    cpu = getattr(torch, "cpu", None)
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in ("_is_avx512_bf16_supported",
-                                                                      "_is_amx_tile_supported"))
 
 
 def _result(stdout: str) -> dict:

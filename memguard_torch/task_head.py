@@ -10,15 +10,7 @@ from typing import Any, List, Optional
 from memguard_core.estimator.heads import (CAUSAL_LM, DEFAULT_HEAD, MASKED_LM, QUESTION_ANSWERING,
                                            SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, TaskHead, head_kind_of)
 
-
-def _unwrap(model: Any) -> Any:
-    """The transformers model under a PEFT wrapper (``PeftModel.get_base_model``)."""
-    if hasattr(model, "get_base_model") and callable(model.get_base_model):
-        try:
-            return model.get_base_model()
-        except Exception:  # not a PEFT model after all
-            return model
-    return model
+from .train_reading import peft_base
 
 
 def _head_children(model: Any, base: Any) -> List[Any]:
@@ -42,6 +34,12 @@ def _head_linears(children: List[Any]) -> List[tuple]:
             if isinstance(x, nn.Linear) and not (set(path.split(".")) & _PEFT_PARTS)]
 
 
+#: The modules PEFT's task types put in ``modules_to_save`` (peft/peft_model.py
+#: ``PeftModelFor{SequenceClassification,TokenClassification,QuestionAnswering}``).
+_PEFT_TASK_MODULES = {SEQUENCE_CLASSIFICATION: ("classifier", "score"),
+                      TOKEN_CLASSIFICATION: ("classifier", "score"), QUESTION_ANSWERING: ("qa_outputs",)}
+
+
 def _saved_by_peft_task(name: str) -> bool:
     """PEFT's ``SEQ_CLS`` task type trains the module at ``name`` (dotted, from the model): it puts
     ``classifier`` and ``score`` in ``modules_to_save`` (peft/peft_model.py
@@ -49,24 +47,19 @@ def _saved_by_peft_task(name: str) -> bool:
     above it (peft/utils/other.py ``_set_trainable``: ``key.endswith(target_key)``), so DistilBERT's
     ``pre_classifier`` trains too."""
     parts = [p for p in name.split(".") if p not in ("original_module", "base_layer")]
-    return any(".".join(parts[:k]).endswith(("classifier", "score")) for k in range(1, len(parts) + 1))
-
-
-#: The modules PEFT's task types put in ``modules_to_save`` (peft/peft_model.py
-#: ``PeftModelFor{SequenceClassification,TokenClassification,QuestionAnswering}``).
-_PEFT_TASK_MODULES = {SEQUENCE_CLASSIFICATION: ("classifier", "score"),
-                      TOKEN_CLASSIFICATION: ("classifier", "score"), QUESTION_ANSWERING: ("qa_outputs",)}
+    suffixes = _PEFT_TASK_MODULES[SEQUENCE_CLASSIFICATION]
+    return any(".".join(parts[:k]).endswith(suffixes) for k in range(1, len(parts) + 1))
 
 
 def _peft_saved_params(model: Any, kind: str) -> int:
     """Elements PEFT trains beside the adapters of a model with a ``kind`` head (copies in
-    ``modules_to_save``). On a model PEFT already wrapped: what its ``ModulesToSaveWrapper``\ s
+    ``modules_to_save``). On a model PEFT already wrapped: what its ``ModulesToSaveWrapper`` modules
     hold (each one's ``original_module``, whatever its name: a user's ``lm_head`` too; 0 when the
     LoRA config set no task type and no ``modules_to_save``). On a plain or meta-device build: the
     modules PEFT's task type for ``kind`` would put there, those whose dotted name ends with one of
     :data:`_PEFT_TASK_MODULES` (a string suffix, as peft/utils/other.py ``_set_trainable`` matches
     ``key.endswith(target_key)``), each counted once with what it holds."""
-    names = [(n, mod) for n, mod in model.named_modules()]
+    names = list(model.named_modules())
     wrappers = [mod for _, mod in names if hasattr(mod, "original_module") and hasattr(mod, "modules_to_save")]
     if wrappers or any(set(n.split(".")) & _PEFT_PARTS for n, _ in names):
         return sum(int(p.numel()) for w in wrappers for n, p in w.original_module.named_parameters()
@@ -76,8 +69,6 @@ def _peft_saved_params(model: Any, kind: str) -> int:
         return 0
     total, done = 0, []
     for name, mod in names:
-        if not name:
-            continue
         if any(name == d or name.startswith(d + ".") for d in done) or not name.endswith(suffixes):
             continue
         total += sum(int(p.numel()) for p in mod.parameters())
@@ -119,7 +110,7 @@ def task_head_from_module(model: Any, kind: Optional[str] = None) -> TaskHead:
     """
     import torch.nn as nn
 
-    m = _unwrap(model)
+    m = peft_base(model)
     arch = type(m).__name__
     kind = kind or head_kind_of(arch) or CAUSAL_LM
     if kind == CAUSAL_LM:

@@ -39,6 +39,18 @@ def unwrap(model: Any) -> Any:
     return model
 
 
+def peft_base(model: Any) -> Any:
+    """The model inside PEFT's wrapper (``PeftModel.get_base_model``); ``model`` itself when it has
+    no such method or the call fails (not a PEFT model after all)."""
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base):
+        try:
+            return get_base()
+        except Exception:
+            return model
+    return model
+
+
 def checkpoint_target(model: Any) -> Optional[Any]:
     """The module that turns activation checkpointing on: a transformers ``PreTrainedModel``
     (``gradient_checkpointing_enable``), found through wrappers and PEFT's ``get_base_model``;
@@ -47,14 +59,9 @@ def checkpoint_target(model: Any) -> Optional[Any]:
     # through PEFT's wrapper when the model inside has the method: the wrapper forwards
     # gradient_checkpointing_enable to it, but not the flag that says checkpointing is on
     # (``_flag`` reads the class, not __getattr__)
-    get_base = getattr(target, "get_base_model", None)
-    if callable(get_base):
-        try:
-            base = get_base()
-        except Exception:  # not a PEFT model after all
-            base = None
-        if hasattr(base, "gradient_checkpointing_enable"):
-            target = base
+    base = peft_base(target)
+    if hasattr(base, "gradient_checkpointing_enable"):
+        target = base
     return target if hasattr(target, "gradient_checkpointing_enable") else None
 
 

@@ -10,6 +10,7 @@ import logging
 from typing import Any, Iterator, Optional
 
 from memguard_torch.train_reading import attn_implementation  # noqa: F401  (shared with Lightning)
+from memguard_torch.train_reading import peft_base
 from memguard_core.versions import warn_outside
 
 logger = logging.getLogger("memguard.hf")
@@ -40,7 +41,7 @@ def loss_shifts_labels(trainer: Any) -> bool:
     if flag is not None:
         return bool(flag)
     model = getattr(trainer, "model", None)
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    base = peft_base(model)
     if getattr(getattr(base, "config", None), "is_encoder_decoder", False):
         return False
     return type(base).__name__.endswith("ForCausalLM")
@@ -114,7 +115,7 @@ def router_loss_in_loss(trainer: Any) -> Optional[str]:
     adds it (``aux_loss_enabled``, ``weighted_aux_loss / steps``). It is a mean over the forward's
     routed tokens added whole to every forward, so k micro-batches would count it about k times."""
     model = getattr(trainer, "model", None)
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    base = peft_base(model)
     on = bool(getattr(getattr(base, "config", None), "output_router_logits", False))
     if on or (_trl_class(trainer, "SFTTrainer") and getattr(trainer, "aux_loss_enabled", False)):
         return ("the model's mixture-of-experts router loss (output_router_logits) is a mean over each forward's "

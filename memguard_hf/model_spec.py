@@ -25,6 +25,7 @@ from memguard_core.estimator.specs import DTYPE_NAMES, ModelSpec, ParamCounts, d
 
 from memguard_torch.module_spec import count_params, torch_block_linears
 from memguard_torch.task_head import task_head_from_module
+from memguard_torch.train_reading import peft_base
 
 _log = logging.getLogger("memguard.spec")
 
@@ -608,7 +609,7 @@ def live_model_spec(model: Any, dataset: Any = None, name: Optional[str] = None)
 
     from .rows import largest_image
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = peft_base(model)
     cfg = getattr(base, "config", None)
     if getattr(cfg, "model_type", None) not in IMAGE_FAMILIES or "ForImageClassification" not in type(base).__name__:
         return model_spec_from_module(model, name=name)
@@ -649,7 +650,7 @@ def seq2seq_fields(model: Any) -> dict:
         ConfigError: (field ``model_type``, one line) an encoder-decoder family the estimator does not
             count (Whisper, ...), or a model without a decoder block list.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = peft_base(model)
     cfg = base.config
     check_seq2seq_family(cfg.model_type)
     dec = base.get_decoder() if hasattr(base, "get_decoder") else None
@@ -684,7 +685,7 @@ def with_seq2seq_fields(model: Any, ms: ModelSpec) -> ModelSpec:
     Raises:
         ConfigError: (one line) an encoder-decoder family the estimator does not count.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = peft_base(model)
     if not getattr(getattr(base, "config", None), "is_encoder_decoder", False):
         return ms
     f = seq2seq_fields(model)

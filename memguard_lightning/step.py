@@ -19,6 +19,7 @@ from memguard_core.options import GuardOptions
 from memguard_torch import _compat as torch_compat
 from memguard_torch.oom import is_oom_error
 from memguard_torch.sync import Fsdp1SyncHooks, FsdpSyncHooks, OomSync
+from memguard_torch.train_reading import peft_base
 
 from . import _compat
 from .batch import LabelKey, LightningBatchSplitter, batch_units
@@ -166,7 +167,7 @@ class GuardedStep:
         if not (torch.is_tensor(ids) and torch.is_tensor(labels) and ids.shape == labels.shape):
             return False
         model = find_model(self.pl_module)
-        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+        base = peft_base(model)
         return type(base).__name__.endswith("ForCausalLM")
 
     def splitter(self, batch) -> LightningBatchSplitter:

@@ -18,6 +18,7 @@ from memguard_core.estimator.config_fields import (config_numbers, fill_intermed
 from memguard_core.estimator.specs import dtype_bits, LinearShape, ModelSpec, NF4_BITS, NF4_DOUBLE_QUANT_BITS, ParamCounts
 
 from .task_head import task_head_from_module
+from .train_reading import peft_base
 
 
 _log = logging.getLogger("memguard.spec")
@@ -308,9 +309,7 @@ def model_spec_from_module(model: Any, name: Optional[str] = None, *, config: An
     if not isinstance(model, nn.Module):
         raise ConfigError("model", "a torch.nn.Module (HF PreTrainedModel or PEFT PeftModel)",
                           type(model).__name__)
-    base = model
-    if hasattr(model, "get_base_model") and callable(model.get_base_model):
-        base = model.get_base_model()
+    base = peft_base(model)
     cfg = config if config is not None else getattr(base, "config", None)
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     nums = None

@@ -15,6 +15,11 @@ VmRSS and glibc's ``mallinfo2`` (bytes in use, free inside the arenas, mmapped; 
 + mmapped is the live set (tensors and the interpreter's own heap); free is what the estimate's
 ``allocator_slack`` stands for. A 3 ms sampling thread adds the sample with the largest RSS per step.
 
+``--libc DIR`` runs the probe under another glibc: DIR holds that glibc's ``ld-linux-x86-64.so.2``
+and ``libc.so.6`` (e.g. a distribution's ``libc6`` package unpacked with ``dpkg-deb -x``); the
+script starts itself again through that loader, the other libraries and the packages unchanged,
+and prints the glibc version it ran with.
+
 ``--mmap-threshold N`` fixes glibc's mmap threshold at N bytes before the model is built
 (``memguard_core.probes.pin_mmap_threshold``): tensors of at least N bytes are then mmapped and
 leave no hole when freed. ``--set field=value`` changes a config field of the arch (a float).
@@ -42,8 +47,12 @@ def main(argv=None) -> int:
     ap.add_argument("case", help="a case name of bench/results/full_depth_cpu.json")
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps [2]")
     ap.add_argument("--mmap-threshold", type=int, default=0, help="fix glibc's mmap threshold at this many bytes")
+    ap.add_argument("--libc", metavar="DIR", help="run under the glibc whose loader and libc.so.6 are in DIR")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a config field of the arch")
     a = ap.parse_args(argv)
+    if a.libc:
+        return _under_libc(a.libc, sys.argv[1:] if argv is None else list(argv))
+    print(f"glibc {os.confstr('CS_GNU_LIBC_VERSION').split()[-1]}")
 
     import torch
     from transformers import Trainer, TrainerCallback
@@ -119,6 +128,28 @@ def main(argv=None) -> int:
                   f"free {x[6] / MiB:,.1f}, mmapped {x[7] / MiB:,.1f} MiB")
     print(f"{time.time() - t0:.0f} s")
     return 0
+
+
+def _under_libc(libc_dir: str, argv: list) -> int:
+    """Run this script again through the loader in ``libc_dir`` (``--libc`` dropped), with this
+    interpreter's ``sys.path`` so the same packages load; returns its exit status."""
+    import subprocess
+
+    loader = os.path.join(libc_dir, "ld-linux-x86-64.so.2")
+    if not (os.path.exists(loader) and os.path.exists(os.path.join(libc_dir, "libc.so.6"))):
+        print(f"--libc: {libc_dir!r} has no ld-linux-x86-64.so.2 and libc.so.6", file=sys.stderr)
+        return 2
+    rest, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x == "--libc":
+            skip = True
+        elif not x.startswith("--libc="):
+            rest.append(x)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    cmd = [loader, "--library-path", libc_dir, os.path.realpath(sys.executable), os.path.abspath(__file__), *rest]
+    return subprocess.call(cmd, env=env)
 
 
 if __name__ == "__main__":

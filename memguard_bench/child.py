@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 
+from memguard_core.probes import glibc_version
+
 from .child_hf import run_hf_child
 from .child_mlx import run_mlx_child
 
@@ -17,7 +19,11 @@ __all__ = ["run_child", "print_result"]
 def run_child(case: dict) -> dict:
     """Measure ``case`` in this process (mlx_lm or HF by its backend); returns the child's record."""
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    return run_mlx_child(case) if case["backend"] == "mlx" else run_hf_child(case)
+    rec = run_mlx_child(case) if case["backend"] == "mlx" else run_hf_child(case)
+    version = glibc_version()
+    if version:
+        rec["glibc"] = version
+    return rec
 
 
 def print_result(case_json: str) -> int:

@@ -29,7 +29,7 @@ from .cases import CASE_SETS, select
 from .child import print_result
 from .console import print_closing_summaries, print_summaries, rich_table
 from .gate import gate_failures
-from .measure import run_case
+from .measure import LibcDirError, libc_loader, run_case
 from .provenance import machine_fingerprint, reported_fingerprint, repo_root, today
 from .report import markdown_report, write_json
 from .score import score
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="re-estimate measurements saved by --json (runs only the missing; the report's machine "
                          "line stays the measuring machine's, with this checkout's commit as the estimator's)")
     ap.add_argument("--no-seed", action="store_true", help="do not score ml-memguard (the earlier estimator memguard grew from, the pip package ml-memguard: its estimate_training_memory) even when it is installed")
+    ap.add_argument("--libc", metavar="DIR", default=None,
+                    help="run the cases under another glibc: DIR holds its ld-linux-x86-64.so.2 and libc.so.6 "
+                         "(a libc6 package unpacked with dpkg-deb -x); each record says the glibc it ran with")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per case [the case's own limit (full-depth cases), else 600]")
     ap.add_argument("--date", default=None, metavar="YYYY-MM-DD",
@@ -145,7 +148,7 @@ def _run(sel: Sequence[dict], a: argparse.Namespace, con, saved: Dict[str, Any],
             prog.update(task, description=c["name"])
             rec = saved.get(c["name"], {}).get("measured") if a.reuse else None
             if rec is None:
-                rec = run_case(c, a.timeout or c.get("timeout_s") or 600.0)
+                rec = run_case(c, a.timeout or c.get("timeout_s") or 600.0, libc_dir=a.libc)
                 fresh += 1
             records.append(dict(name=c["name"], case=c, measured=rec))
             rows.append(_result_row(c, rec, not a.no_seed, prog.console))
@@ -208,6 +211,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not sel:
         con.print("[red]no case matches[/red]")
         return 2
+    if a.libc:
+        try:
+            libc_loader(a.libc)
+        except LibcDirError as exc:
+            con.print(f"[red]{exc}[/red]")
+            return 2
     date = a.date or today()
     saved, saved_fp, measured_s = _load_reuse(a.reuse)
     rows, records, fresh, elapsed = _run(sel, a, con, saved, date)
@@ -219,6 +228,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print_closing_summaries(con, rows, baseline)
     con.print(f"wall time {elapsed:.0f} s{' (of the reused measurements)' if a.reuse else ''}")
     fp = reported_fingerprint(machine_fingerprint(), saved_fp if a.reuse else None, fresh)
+    ran = sorted({r["measured"].get("glibc") for r in records if r["measured"].get("glibc")})
+    if ran:
+        fp["glibc"] = ", ".join(ran)  # the children's C library (--libc), not necessarily the parent's
     _write_reports(a, rows, records, elapsed, fp, date, baseline)
     ok = [r for r in rows if "error" in r]
     if a.gate and _gate(a, ok, con):

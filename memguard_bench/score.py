@@ -86,7 +86,8 @@ def specs_of(case: dict, rec: dict):
                    mixed_precision=kw["mixed_precision"], grad_checkpoint=kw["grad_checkpoint"],
                    attn_impl=kw["attn_impl"], framework="hf", device=case.get("device", "cpu"),
                    resident_file_bytes=rec.get("resident_file_bytes"),
-                   heap_trim=bool(rec.get("heap_trim", case.get("trim_heap", True))))
+                   heap_trim=bool(rec.get("heap_trim", case.get("trim_heap", True))),
+                   glibc=rec.get("glibc"))   # records before 2026-11-29 have none: measured on glibc 2.36
     return _with_block_kinds(case, ms, ts), ts
 
 

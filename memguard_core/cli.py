@@ -59,6 +59,35 @@ def _note(args, text: str) -> None:
     print(f"memguard {args.command}: note: {text}", file=sys.stderr)
 
 
+def _glibc_arg(args, device: str):
+    """``--glibc``: the release given (``none``: unknown), else on a ``cpu`` estimate this machine's
+    (``probes.glibc_version``; a note says so when it selects the newer heap factors).
+
+    Raises:
+        ConfigError: (``--glibc``) not a release such as 2.39 or ``none``.
+    """
+    import re
+
+    given = getattr(args, "glibc", None)
+    if given is None:
+        if device != "cpu":
+            return None
+        from .estimator.cpu_heap import NEWER_HEAP_GLIBC
+        from .probes import glibc_version
+
+        mine = glibc_version()
+        if mine and tuple(int(x) for x in mine.split(".")[:2]) >= NEWER_HEAP_GLIBC:
+            _note(args, f"--glibc not given: {mine} (this machine's), whose heap takes the heap-slack factors "
+                        "fitted from 2.39 on")
+        return mine
+    v = str(given).strip().lower()
+    if v in ("none", ""):
+        return None
+    if not re.fullmatch(r"\d+\.\d+(\.\d+)?", v):
+        raise ConfigError("--glibc", "a glibc release such as 2.39, or none", given)
+    return v
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:,.2f} GiB"
 
@@ -123,6 +152,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="cpu: a plain run that does not return glibc's free heap at every optimizer step's "
                         "end (nor fix glibc's mmap threshold for a bf16 MoE model) [off: the run as "
                         "memguard's guard runs it (GuardOptions.trim_heap)]")
+    t.add_argument("--glibc", default=None, metavar="VERSION",
+                   help="cpu: the glibc release of the machine that trains ('2.39'; 'none': not glibc or "
+                        "unknown); from 2.39 on glibc's heap keeps less of a step's freed tensors and the "
+                        "heap-slack factors fitted on 2.41 apply [this machine's glibc]")
     t.add_argument("--attn", default="sdpa", help="eager | sdpa | flash [sdpa]")
     t.add_argument("--double-quant", action="store_true",
                    help="QLoRA with double quantization (4.127 bits); not with --method full")
@@ -452,6 +485,7 @@ def _train_spec(args, model_spec):
                      offload=offload, shard_group_size=args.shard_group_size, zero_buckets=zero_buckets,
                      bnb_version=getattr(args, "bnb_version", None),
                      heap_trim=not getattr(args, "no_heap_trim", False),
+                     glibc=_glibc_arg(args, args.device or default_device(args.framework)),
                      model_code=getattr(args, "model_code", "transformers"),
                      litgpt_version=getattr(args, "litgpt_version", None))
     if ts.method != "full" and args.lora_dropout is None and litgpt:

@@ -246,6 +246,11 @@ class PreflightMoment:
         model_spec, train_spec = read_specs()
         # the estimate is of the run as guarded: with or without the step-end heap trim
         train_spec = train_spec.replace(heap_trim=bool(opts.trim_heap))
+        if train_spec.device == "cpu" and train_spec.glibc is None:
+            from .probes import glibc_version
+
+            # this process's C library: its heap release decides the heap-slack factors
+            train_spec = train_spec.replace(glibc=glibc_version())
         self._specs = (model_spec, train_spec)   # read even when nothing fits (the mmap threshold needs them)
         budget = opts.budget_bytes
         if budget is None:

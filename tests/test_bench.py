@@ -126,3 +126,26 @@ def test_help_says_what_ml_memguard_is(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "ml-memguard (the earlier estimator memguard grew from" in text
 
+
+
+def test_a_record_s_glibc_picks_its_heap_factors(tmp_path):
+    """A record measured under another glibc (``memguard bench --libc``) is scored with that
+    release's CPU heap factors; a record without one (measured before records carried it) with
+    the factors fitted on glibc 2.36. A --libc folder without a loader is refused before any run."""
+    import dataclasses
+
+    from memguard_bench.measure import LibcDirError, libc_loader
+    from memguard_bench.score import specs_of
+    from memguard_core.estimator.numbers import model_spec_from_numbers
+
+    ms = model_spec_from_numbers(model_params=10_000_000, hidden_dim=256, num_layers=2, num_heads=4,
+                                 vocab_size=1000, intermediate_size=512, model_bits=32)
+    case = build_case("hf", "tiny", batch_size=2, seq_length=64)
+    rec = dict(peak_bytes=500 << 20, counter="cpu", seconds=1.0, model_spec=dataclasses.asdict(ms))
+    assert specs_of(case, rec)[1].glibc is None
+    assert specs_of(case, dict(rec, glibc="2.41"))[1].glibc == "2.41"
+    with pytest.raises(LibcDirError, match="ld-linux"):
+        libc_loader(str(tmp_path))
+    p = subprocess.run([sys.executable, "-m", "memguard_bench", "--quick", "--backend", "hf", "--libc", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--libc" in p.stdout + p.stderr

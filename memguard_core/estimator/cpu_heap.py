@@ -27,6 +27,41 @@ CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS = 1.75
 #: glibc's largest dynamic mmap threshold on 64-bit, mallopt(3) ``M_MMAP_THRESHOLD`` (larger requests leave no hole).
 MMAP_THRESHOLD_MAX = 32 * MiB
 
+#: The first glibc release whose heap keeps far less of a step's freed tensors resident: measured on
+#: 2.39 and 2.41 against 2.35 and 2.36 (2.37 and 2.38 not measured, so they keep the older factors),
+#: docs/benchmarks.md, "The CPU heap by C library version".
+NEWER_HEAP_GLIBC = (2, 39)
+#: The factors above for a process on glibc >= ``NEWER_HEAP_GLIBC``, fitted the same way on the small
+#: matrix measured under glibc 2.41: docs/estimator.md#cpu-heap-slack.
+NEWER_GLIBC_SLACK = {
+    "forward": {"full": 0.3, "lora": 0.5},
+    "backward": {"full": 0.95, "lora": 0.9},
+    "checkpointed": {"full": 0.35, "lora": 0.9},
+    "checkpointed_loss_blocks": 1.75,
+    "lora_temp": 0.4,
+}
+
+
+def newer_glibc_heap(ts: TrainSpec) -> bool:
+    """True when ``ts.glibc`` names a release from ``NEWER_HEAP_GLIBC`` on: its heap takes the
+    ``NEWER_GLIBC_SLACK`` factors. False for older releases and for an unknown C library
+    (``ts.glibc`` None), which keep the factors the estimator was first fitted with (glibc 2.36)."""
+    if not ts.glibc:
+        return False
+    major, minor = (int(x) for x in ts.glibc.split(".")[:2])
+    return (major, minor) >= NEWER_HEAP_GLIBC
+
+
+def slack_factors(ts: TrainSpec) -> Dict[str, object]:
+    """The heap-slack factors of the run's C library: ``forward`` / ``backward`` / ``checkpointed``
+    (method -> factor), ``checkpointed_loss_blocks`` and ``lora_temp`` (floats); the module's
+    ``CPU_HEAP_SLACK_*`` and ``LORA_TEMP_SLACK`` unless :func:`newer_glibc_heap`."""
+    if newer_glibc_heap(ts):
+        return NEWER_GLIBC_SLACK
+    return {"forward": CPU_HEAP_SLACK_FORWARD, "backward": CPU_HEAP_SLACK_BACKWARD,
+            "checkpointed": CPU_HEAP_SLACK_CHECKPOINTED,
+            "checkpointed_loss_blocks": CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS, "lora_temp": LORA_TEMP_SLACK}
+
 
 def activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
     """Bytes of activations one step saves across all blocks without checkpointing, also under
@@ -134,20 +169,22 @@ def heap_slack(ms: ModelSpec, ts: TrainSpec, *, gradients: int, param_bytes: int
     (``heap_gradient_bytes``), the larger, at every moment -- unless the run trims the heap at
     every step's end (``ts.heap_trim``), which hands those holes back; a trimmed full fine-tune's
     loss moment then holds about one block's traffic (``CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS``).
+    Every factor is that of the run's C library (:func:`slack_factors`, ``ts.glibc``).
     """
     traffic = activation_traffic(ms, ts)
     logits_tensor = ts.batch_size * ts.seq_length * ms.vocab_size * 4
     small_logits = logits if logits_tensor < MMAP_THRESHOLD_MAX else 0
     kind = "full" if ts.method == "full" else "lora"
+    f = slack_factors(ts)
     if ts.grad_checkpoint:
         held = 0 if ts.heap_trim else heap_gradient_bytes(ms, ts, gradients, param_bytes)
-        every = max(int(CPU_HEAP_SLACK_CHECKPOINTED[kind] * (traffic + small_logits)), held)
+        every = max(int(f["checkpointed"][kind] * (traffic + small_logits)), held)
         loss = every
         if kind == "full" and ts.heap_trim:
             one = traffic / max(1, grad_layers(ms, ts))
-            loss = int(CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS * one + CPU_HEAP_SLACK_CHECKPOINTED[kind] * small_logits)
+            loss = int(f["checkpointed_loss_blocks"] * one + f["checkpointed"][kind] * small_logits)
         return {"loss": loss, "backward": every, "optimizer": every}
-    loss = int(CPU_HEAP_SLACK_FORWARD[kind] * (traffic + small_logits) + LORA_TEMP_SLACK * lora_forward_traffic(ms, ts))
-    later = int(CPU_HEAP_SLACK_BACKWARD[kind] * traffic)
+    loss = int(f["forward"][kind] * (traffic + small_logits) + f["lora_temp"] * lora_forward_traffic(ms, ts))
+    later = int(f["backward"][kind] * traffic)
     return {"loss": loss, "backward": later, "optimizer": later}
 

@@ -480,6 +480,12 @@ class TrainSpec:
             run, whose later steps also keep
             resident the pages the last step's freed tensors left (under activation checkpointing
             the last step's gradients: docs/estimator.md, "Gradient checkpointing on CPU").
+        glibc: ``device="cpu"`` only: the GNU C library release of the process that trains
+            (``"2.39"``), whose heap decides how much of a step's freed memory stays resident:
+            from 2.39 on the heap-slack factors of that release apply
+            (:func:`memguard_core.estimator.cpu_heap.slack_factors`). ``None`` = not glibc or not
+            known: the factors fitted on glibc 2.36. The guard passes its own process's
+            (``memguard_core.probes.glibc_version``); ``memguard estimate`` this machine's.
         bnb_version: the bitsandbytes version of a QLoRA run (``"0.42.0"``); it decides whether
             each 4-bit linear keeps its input for the backward (before 0.43.2) or not
             (``memguard_core.estimator.bnb.bnb_4bit_keeps_input``). ``None`` = unknown: the older rule,
@@ -540,6 +546,7 @@ class TrainSpec:
     bnb_version: Optional[str] = None
     keeps_last_graph: Optional[bool] = None
     heap_trim: bool = True
+    glibc: Optional[str] = None
     model_code: str = "transformers"
     litgpt_version: Optional[str] = None
     target_length: Optional[int] = None
@@ -575,6 +582,9 @@ class TrainSpec:
         if not isinstance(self.heap_trim, bool):
             raise ConfigError("heap_trim", "True (the guard returns the free heap at every step's end) or False",
                               self.heap_trim)
+        gv = self.glibc
+        if gv is not None and not (isinstance(gv, str) and re.fullmatch(r"\d+\.\d+(\.\d+)?", gv)):
+            raise ConfigError("glibc", "a glibc release such as '2.39', or None (not glibc / unknown)", gv)
         lv = self.litgpt_version
         if lv is not None and not (isinstance(lv, str) and re.match(r"\s*\d+\.\d+", lv)):
             raise ConfigError("litgpt_version", "a LitGPT version such as '0.5.13', or None", lv)

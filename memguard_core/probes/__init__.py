@@ -32,12 +32,12 @@ from memguard_core.errors import ConfigError
 
 from . import host, registry
 from .common import psutil_fallback, warn_once
-from .host import MOE_MMAP_THRESHOLD_BYTES, pin_mmap_threshold, trim_heap
+from .host import MOE_MMAP_THRESHOLD_BYTES, glibc_version, pin_mmap_threshold, trim_heap
 from .reader import StepReader
 from .snapshot import MemorySnapshot, display_rows, total_limit
 
 __all__ = ["MemorySnapshot", "StepReader", "probe", "step_reader", "live_bytes", "trim_heap",
-           "pin_mmap_threshold", "MOE_MMAP_THRESHOLD_BYTES", "resolve_device", "total_limit",
+           "pin_mmap_threshold", "glibc_version", "MOE_MMAP_THRESHOLD_BYTES", "resolve_device", "total_limit",
            "display_rows", "allocator_counters", "reset_allocator_peak", "DEVICE_RE",
            "DEVICE_CHOICES"]
 

@@ -6,13 +6,16 @@ See docs/monitor.md, "Probes" and "The CPU heap between steps".
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+from typing import Optional
 
 from .common import psutil_fallback, warn_once
 from .reader import StepReader
 from .snapshot import MemorySnapshot
 
-__all__ = ["host_source", "host_probe", "host_step_reader", "trim_heap", "pin_mmap_threshold",
+__all__ = ["host_source", "host_probe", "host_step_reader", "trim_heap", "pin_mmap_threshold", "glibc_version",
            "MOE_MMAP_THRESHOLD_BYTES"]
 
 
@@ -103,3 +106,18 @@ def pin_mmap_threshold(nbytes: int = MOE_MMAP_THRESHOLD_BYTES) -> bool:
     except Exception as exc:  # an exotic libc must not break the run's start
         warn_once("pin_mmap_threshold", "memguard: pinning the mmap threshold failed: %r", exc)
     return False
+
+
+def glibc_version() -> Optional[str]:
+    """The version of the GNU C library this process runs with (``"2.36"``), read from
+    ``confstr(_CS_GNU_LIBC_VERSION)``; None where the C library is not glibc (musl, macOS, Windows)
+    or it cannot be read. Its heap decides how much freed memory a CPU run keeps resident
+    (``memguard_core.estimator.cpu_heap``). Never raises."""
+    try:
+        text = os.confstr("CS_GNU_LIBC_VERSION")
+    except (AttributeError, ValueError, OSError):
+        return None
+    parts = (text or "").split()
+    if len(parts) == 2 and parts[0] == "glibc" and re.match(r"^\d+\.\d+", parts[1]):
+        return parts[1]
+    return None

@@ -1,0 +1,118 @@
+"""The CPU heap-slack factors follow the glibc release of the process that trains
+(docs/benchmarks.md, "The CPU heap by C library version"): the release is read from the process,
+validated, chosen by the CLI and the guard, and selects the factor set."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+import pytest
+
+from memguard_core.cli import main
+from memguard_core.errors import ConfigError
+from memguard_core.estimator import cpu_heap
+from memguard_core.estimator.estimate import estimate
+from memguard_core.estimator.specs import TrainSpec
+from memguard_core.guard import Guard
+from memguard_core.options import GuardOptions
+from memguard_core.probes import glibc_version
+from memguard_hf.model_spec import model_spec_from_hf_config
+
+SMOL = os.path.join(os.path.dirname(__file__), "configs", "smollm2-135m.json")
+GiB = 2 ** 30
+
+
+def test_glibc_version_reads_this_process():
+    # this machine is Linux with glibc: the release its confstr names
+    v = glibc_version()
+    assert v is not None and re.fullmatch(r"\d+\.\d+(\.\d+)?", v)
+    assert os.confstr("CS_GNU_LIBC_VERSION") == f"glibc {v}"
+
+
+def test_glibc_version_is_none_off_glibc(monkeypatch):
+    # a C library that is not glibc cannot be had here: confstr's answer is faked, at the one call
+    monkeypatch.setattr(os, "confstr", lambda name: None)
+    assert glibc_version() is None
+
+    def refuse(name):
+        raise ValueError("unrecognized configuration name")
+
+    monkeypatch.setattr(os, "confstr", refuse)
+    assert glibc_version() is None
+
+
+@pytest.mark.parametrize("bad", ["x", "2", "glibc 2.36", 2.39, ""])
+def test_train_spec_glibc_names_the_field(bad):
+    with pytest.raises(ConfigError, match="glibc"):
+        TrainSpec(glibc=bad)
+
+
+@pytest.mark.parametrize("version, newer", [(None, False), ("2.35", False), ("2.36", False),
+                                            ("2.38", False), ("2.39", True), ("2.41", True),
+                                            ("2.40.1", True), ("3.0", True)])
+def test_the_release_picks_the_factor_set(version, newer):
+    ts = TrainSpec(glibc=version)
+    assert cpu_heap.newer_glibc_heap(ts) is newer
+    f = cpu_heap.slack_factors(ts)
+    if newer:
+        assert f is cpu_heap.NEWER_GLIBC_SLACK
+    else:
+        assert f["forward"] is cpu_heap.CPU_HEAP_SLACK_FORWARD
+        assert f["lora_temp"] == cpu_heap.LORA_TEMP_SLACK
+
+
+def _lora(**kw):
+    base = dict(batch_size=4, seq_length=256, method="lora", dtype="fp32", device="cpu")
+    base.update(kw)
+    return TrainSpec(**base)
+
+
+def test_a_cpu_estimate_uses_its_release_s_factors():
+    ms = model_spec_from_hf_config(SMOL)
+    for gc in (False, True):
+        old = estimate(ms, _lora(grad_checkpoint=gc, glibc="2.36"))
+        new = estimate(ms, _lora(grad_checkpoint=gc, glibc="2.41"))
+        f_old = cpu_heap.slack_factors(old.train_spec)
+        f_new = cpu_heap.slack_factors(new.train_spec)
+        kind = "checkpointed" if gc else "forward"
+        # everything but the heap slack is the same estimate
+        assert {k: v for k, v in old.breakdown.items() if k != "allocator_slack"} == \
+               {k: v for k, v in new.breakdown.items() if k != "allocator_slack"}
+        if f_old[kind]["lora"] != f_new[kind]["lora"]:
+            assert (old.breakdown["allocator_slack"] > new.breakdown["allocator_slack"]) is \
+                   (f_old[kind]["lora"] > f_new[kind]["lora"])
+    # and only on the CPU: a CUDA estimate has no glibc heap in it
+    cuda = [estimate(ms, _lora(device="cuda", glibc=v)).peak_bytes for v in ("2.36", "2.41")]
+    assert cuda[0] == cuda[1]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_glibc_flag(capsys):
+    base = ("estimate", "--config", SMOL, "--batch-size", "4", "--seq-length", "256", "--device", "cpu", "--json")
+    peaks = {}
+    for v in ("2.36", "2.41", "none"):
+        code, out, _ = run(capsys, *base, "--glibc", v)
+        assert code == 0
+        peaks[v] = json.loads(out)["peak_bytes"]
+    assert peaks["none"] == peaks["2.36"]     # unknown: the factors fitted on 2.36
+    code, out, _ = run(capsys, *base)         # not given: this machine's release
+    mine = TrainSpec(glibc=glibc_version())
+    assert json.loads(out)["peak_bytes"] == peaks["2.41" if cpu_heap.newer_glibc_heap(mine) else "2.36"]
+    code, _, err = run(capsys, *base, "--glibc", "two")
+    assert code == 2 and "--glibc" in err
+
+
+def test_the_guard_estimates_with_its_own_process_release():
+    ms = model_spec_from_hf_config(SMOL)
+    g = Guard(GuardOptions.from_kwargs(budget_bytes=64 * GiB, device="cpu", monitor_interval_s=0),
+              log=logging.getLogger("memguard.test"))
+    pf = g.plan(lambda: (ms, _lora()))
+    assert pf.train_spec.glibc == glibc_version()

@@ -116,3 +116,12 @@ def test_the_guard_estimates_with_its_own_process_release():
               log=logging.getLogger("memguard.test"))
     pf = g.plan(lambda: (ms, _lora()))
     assert pf.train_spec.glibc == glibc_version()
+
+
+def test_the_estimate_names_whose_heap_it_counts():
+    ms = model_spec_from_hf_config(SMOL)
+    notes = {v: [n for n in estimate(ms, _lora(glibc=v)).notes if n.startswith("cpu heap")]
+             for v in ("2.36", "2.41", None)}
+    assert notes["2.41"] == ["cpu heap: glibc 2.41 (the heap-slack factors of glibc >= 2.39)"]
+    assert "2.35 / 2.36" in notes["2.36"][0] and "not given" in notes[None][0]
+    assert not [n for n in estimate(ms, _lora(device="cuda")).notes if n.startswith("cpu heap")]

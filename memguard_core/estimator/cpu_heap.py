@@ -63,6 +63,15 @@ def slack_factors(ts: TrainSpec) -> Dict[str, object]:
             "checkpointed_loss_blocks": CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS, "lora_temp": LORA_TEMP_SLACK}
 
 
+def slack_note(ts: TrainSpec) -> str:
+    """The estimate's note on whose heap its slack factors are (the run's glibc release)."""
+    if newer_glibc_heap(ts):
+        return f"cpu heap: glibc {ts.glibc} (the heap-slack factors of glibc >= 2.39)"
+    if ts.glibc:
+        return f"cpu heap: glibc {ts.glibc} (the heap-slack factors of glibc 2.35 / 2.36)"
+    return "cpu heap: glibc release not given (the heap-slack factors of glibc 2.35 / 2.36)"
+
+
 def activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
     """Bytes of activations one step saves across all blocks without checkpointing, also under
     checkpointing: what drives the CPU heap slack (``CPU_HEAP_SLACK_*``). Score-sized tensors are

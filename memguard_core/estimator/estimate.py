@@ -234,6 +234,8 @@ def _closing_notes(ms: ModelSpec, ts: TrainSpec, t: StepTerms, head_moment: Opti
                      "(outside max_memory_allocated / max_memory_reserved)")
     if ts.device == "cuda":
         notes.append(f"cuda: SDPA kernel {cuda.cuda_sdpa_backend(ms, ts)}")
+    if ts.device == "cpu" and ts.framework != "mlx":
+        notes.append(cpu_heap.slack_note(ts))
     if t.kept_gradient:
         notes.append("LitGPT >= 0.5 QLoRA: the StableEmbedding it swaps in trains outside the optimizer -- its "
                      "dense gradient stays from the first backward on")

@@ -96,10 +96,12 @@ def test_preflight_under_a_tight_budget_splits_in_place(base_runs, monkeypatch):
     from memguard_testing.hf_tiny import tiny_llama
     from memguard_core.estimator.specs import TrainSpec
     from memguard_torch.module_spec import model_spec_from_module
+    from memguard_core.probes import glibc_version
 
     ms = model_spec_from_module(tiny_llama(0))
+    # glibc: the guard estimates a CPU run with its own process's C library release
     ts = TrainSpec(batch_size=8, seq_length=24, grad_accum=2, method="full", optimizer="adamw", dtype="fp32",
-                   framework="lightning", device="cpu")
+                   framework="lightning", device="cpu", glibc=glibc_version())
     budget = estimate(ms, ts.replace(batch_size=4, grad_accum=4, grad_checkpoint=True)).peak_bytes + 1024
     assert estimate(ms, ts.replace(grad_checkpoint=True)).peak_bytes > budget
     guard = MemGuardCallback(budget_bytes=budget, monitor_interval_s=0)

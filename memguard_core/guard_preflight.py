@@ -22,6 +22,16 @@ __all__ = ["PreflightMoment", "SpecReader"]
 SpecReader = Callable[[], Tuple[Any, Any]]
 
 
+
+def _with_process_glibc(train_spec):
+    """A CPU run's spec with this process's glibc release (``probes.glibc_version``) where it names
+    none: the heap release decides the estimate's heap-slack factors (``cpu_heap.slack_factors``)."""
+    if train_spec.device != "cpu" or train_spec.glibc is not None:
+        return train_spec
+    from .probes import glibc_version
+
+    return train_spec.replace(glibc=glibc_version())
+
 class PreflightMoment:
     """The preflight of :class:`memguard_core.guard.Guard` (see the module doc)."""
 
@@ -245,12 +255,7 @@ class PreflightMoment:
         opts = self.options
         model_spec, train_spec = read_specs()
         # the estimate is of the run as guarded: with or without the step-end heap trim
-        train_spec = train_spec.replace(heap_trim=bool(opts.trim_heap))
-        if train_spec.device == "cpu" and train_spec.glibc is None:
-            from .probes import glibc_version
-
-            # this process's C library: its heap release decides the heap-slack factors
-            train_spec = train_spec.replace(glibc=glibc_version())
+        train_spec = _with_process_glibc(train_spec.replace(heap_trim=bool(opts.trim_heap)))
         self._specs = (model_spec, train_spec)   # read even when nothing fits (the mmap threshold needs them)
         budget = opts.budget_bytes
         if budget is None:

@@ -65,7 +65,8 @@ def _git_commit(root: str) -> Optional[str]:
 
 
 def machine_fingerprint() -> dict:
-    """What the results depend on: OS, CPU, cores, memory, Python and framework versions."""
+    """What the results depend on: OS, CPU, cores, memory, the C library's release, Python and
+    framework versions."""
     from memguard_core.calibration import cpu_model
 
     fp = dict(os=f"{platform.system()} {platform.release()}", machine=platform.machine(),
@@ -79,6 +80,10 @@ def machine_fingerprint() -> dict:
         pass
     from importlib import metadata
 
+    from memguard_core.probes import glibc_version
+
+    if glibc_version():   # the CPU heap's release (docs/estimator.md, "CPU heap slack by glibc release")
+        fp["glibc"] = glibc_version()
     commit = _git_commit(repo_root())
     if commit:
         fp["memguard_commit"] = commit

@@ -135,9 +135,12 @@ def _under_libc(libc_dir: str, argv: list) -> int:
     interpreter's ``sys.path`` so the same packages load; returns its exit status."""
     import subprocess
 
-    loader = os.path.join(libc_dir, "ld-linux-x86-64.so.2")
-    if not (os.path.exists(loader) and os.path.exists(os.path.join(libc_dir, "libc.so.6"))):
-        print(f"--libc: {libc_dir!r} has no ld-linux-x86-64.so.2 and libc.so.6", file=sys.stderr)
+    from memguard_bench.measure import LibcDirError, libc_loader
+
+    try:
+        loader = libc_loader(libc_dir)
+    except LibcDirError as exc:
+        print(exc, file=sys.stderr)
         return 2
     rest, skip = [], False
     for x in argv:

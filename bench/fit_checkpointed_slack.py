@@ -22,39 +22,19 @@ estimate is arithmetic on each case's live set (``parts``, ``modelled``). It cha
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
 from memguard_core.estimator import cpu_heap
 from memguard_core.estimator.estimate import estimate
 from memguard_core.estimator.gradients import grad_layers
-from memguard_bench.score import cpu_bf16_moe, specs_of
+from fit_cpu_heap_slack import load, objective, summary  # the shared loading and scoring
 
 MiB = 1 << 20
 KNOBS = (("CPU_HEAP_SLACK_CHECKPOINTED", "lora", 0.05), ("CPU_HEAP_SLACK_CHECKPOINTED", "full", 0.05),
          ("CPU_HEAP_SLACK_CHECKPOINTED_FIRST_BLOCKS", "lora", 0.25),
          ("CPU_HEAP_SLACK_CHECKPOINTED_FIRST_BLOCKS", "full", 0.25),
          ("CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS", None, 0.25))
-
-
-def load(path: str, fitted_only: bool) -> List[Tuple[str, object, object, int]]:
-    """(name, ModelSpec, TrainSpec, measured peak bytes) of the saved HF CPU cases of ``path``."""
-    with open(path) as f:
-        saved = json.load(f)
-    out = []
-    for c in saved["cases"]:
-        case, rec = c["case"], c.get("measured") or {}
-        if case.get("backend") != "hf" or "error" in rec or "peak_bytes" not in rec:
-            continue
-        if case.get("device", "cpu") != "cpu" or (fitted_only and case.get("held_out")):
-            continue
-        ms, ts = specs_of(case, rec)
-        if fitted_only and cpu_bf16_moe(ms, ts):
-            continue
-        out.append((c["name"], ms, ts, int(rec["peak_bytes"])))
-    return out
 
 
 #: The candidate intercept (in one block's traffic, by method) tried beside the code's constants; not in
@@ -72,13 +52,6 @@ def get(name, key):
 def errors(cases) -> Dict[str, float]:
     """case -> (estimate - measured) / measured with the constants now in ``cpu_heap``."""
     return {n: (estimate(ms, ts).peak_bytes - peak) / peak for n, ms, ts, peak in cases}
-
-
-def objective(errs: Dict[str, float]) -> float:
-    a = sorted(abs(e) for e in errs.values())
-    p90 = a[min(len(a) - 1, int(round(0.9 * (len(a) - 1))))]
-    worst_under = min(errs.values())
-    return statistics.median(a) + 0.5 * p90 + 5 * max(0.0, -worst_under - 0.03)
 
 
 def parts(case):
@@ -137,13 +110,6 @@ def fit(cases) -> Dict[Tuple[str, str], float]:
             walk(0, dict(cur))
             cur = best[2]
     return cur
-
-
-def summary(errs: Dict[str, float]) -> str:
-    a = sorted(abs(e) for e in errs.values())
-    p90 = a[min(len(a) - 1, int(round(0.9 * (len(a) - 1))))]
-    return (f"{len(a)} cases, median |error| {100 * statistics.median(a):.1f} %, p90 {100 * p90:.1f} %, "
-            f"{100 * min(errs.values()):+.1f} .. {100 * max(errs.values()):+.1f} %")
 
 
 def main(argv=None) -> int:

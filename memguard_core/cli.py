@@ -72,11 +72,11 @@ def _glibc_arg(args, device: str):
     if given is None:
         if device != "cpu":
             return None
-        from .estimator.cpu_heap import NEWER_HEAP_GLIBC
+        from .estimator.cpu_heap import is_newer_glibc
         from .probes import glibc_version
 
         mine = glibc_version()
-        if mine and tuple(int(x) for x in mine.split(".")[:2]) >= NEWER_HEAP_GLIBC:
+        if is_newer_glibc(mine):
             _note(args, f"--glibc not given: {mine} (this machine's), whose heap takes the heap-slack factors "
                         "fitted from 2.39 on")
         return mine

@@ -6,7 +6,7 @@ live tensors), driven by the activation traffic, LoRA's temporaries and the heap
 from __future__ import annotations
 
 
-from typing import Dict
+from typing import Dict, Optional
 
 from .activations import activation_bytes, adapter_input_tensors
 from .gradients import grad_layers
@@ -45,14 +45,20 @@ NEWER_GLIBC_SLACK = {
 }
 
 
+def is_newer_glibc(version: Optional[str]) -> bool:
+    """True when ``version`` (``"2.41"``) is a glibc release from ``NEWER_HEAP_GLIBC`` on; False for
+    older releases and for None (not glibc or unknown)."""
+    if not version:
+        return False
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return (major, minor) >= NEWER_HEAP_GLIBC
+
+
 def newer_glibc_heap(ts: TrainSpec) -> bool:
     """True when ``ts.glibc`` names a release from ``NEWER_HEAP_GLIBC`` on: its heap takes the
     ``NEWER_GLIBC_SLACK`` factors. False for older releases and for an unknown C library
     (``ts.glibc`` None), which keep the factors the estimator was first fitted with (glibc 2.36)."""
-    if not ts.glibc:
-        return False
-    major, minor = (int(x) for x in ts.glibc.split(".")[:2])
-    return (major, minor) >= NEWER_HEAP_GLIBC
+    return is_newer_glibc(ts.glibc)
 
 
 def slack_factors(ts: TrainSpec) -> Dict[str, object]:

@@ -22,13 +22,17 @@ estimate is arithmetic on each case's live set (``parts``, ``modelled``). It cha
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Dict, Tuple
 
 from memguard_core.estimator import cpu_heap
 from memguard_core.estimator.estimate import estimate
 from memguard_core.estimator.gradients import grad_layers
-from fit_cpu_heap_slack import load, objective, summary  # the shared loading and scoring
+from memguard_bench.score import specs_of  # noqa: F401  (tests read it from this module)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # loaded by path, not from bench/
+from fit_cpu_heap_slack import load, objective, summary  # noqa: E402  (the shared loading and scoring)
 
 MiB = 1 << 20
 KNOBS = (("CPU_HEAP_SLACK_CHECKPOINTED", "lora", 0.05), ("CPU_HEAP_SLACK_CHECKPOINTED", "full", 0.05),

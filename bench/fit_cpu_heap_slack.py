@@ -18,7 +18,8 @@ linear in each factor, so a candidate's estimate is arithmetic on each case's li
 ``--offset-mib X`` takes X MiB off every measured peak first: what a child started through another
 loader (``memguard bench --libc``) holds beyond a natively started one (docs/benchmarks.md, "The CPU
 heap by C library version": 34-47 MiB, the same glibc 2.36 through the loader). It changes no file:
-the fitted values are printed, with every case whose estimate moved.
+the fitted values are printed, with every case whose estimate moved. ``--knob NAME`` fits only that
+factor (``forward[lora_encoder]``), the others held at the module's values.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from memguard_core.estimator.gradients import grad_layers
 from memguard_bench.score import cpu_bf16_moe, specs_of
 
 #: (factor, method or None, grid step): the knobs of one set, in the order they are walked.
-KNOBS = (("forward", "lora", 0.05), ("forward", "full", 0.05), ("backward", "lora", 0.05),
+KNOBS = (("forward", "lora", 0.05), ("forward", "lora_encoder", 0.05), ("forward", "full", 0.05), ("backward", "lora", 0.05),
          ("backward", "full", 0.05), ("checkpointed", "lora", 0.05), ("checkpointed", "full", 0.05),
          ("checkpointed_loss_blocks", None, 0.25), ("lora_temp", None, 0.05))
 GRIDS = {0.05: [round(0.05 * i, 2) for i in range(0, 41)], 0.25: [0.25 * i for i in range(0, 25)]}
@@ -81,7 +82,7 @@ def parts(case) -> dict:
     traffic = cpu_heap.activation_traffic(ms, ts)
     logits_tensor = ts.batch_size * ts.seq_length * ms.vocab_size * 4
     sl = est.phase_breakdowns["loss"].get("logits", 0) if logits_tensor < cpu_heap.MMAP_THRESHOLD_MAX else 0
-    return dict(kind="full" if ts.method == "full" else "lora", live=live, traffic=traffic, sl=sl,
+    return dict(kind="full" if ts.method == "full" else "lora", fkind=cpu_heap.forward_kind(ms, ts), live=live, traffic=traffic, sl=sl,
                 lora=cpu_heap.lora_forward_traffic(ms, ts), one=traffic / max(1, grad_layers(ms, ts)),
                 gc=ts.grad_checkpoint, trim=ts.heap_trim, peak=peak)
 
@@ -95,7 +96,7 @@ def modelled(p: dict, c: Dict[Tuple[str, object], float]) -> float:
         if kind == "full" and p["trim"]:
             loss = c[("checkpointed_loss_blocks", None)] * p["one"] + c[("checkpointed", kind)] * p["sl"]
         return max(live.get("loss", 0) + loss, *(live[m] + every for m in live if m != "loss"))
-    loss = c[("forward", kind)] * (p["traffic"] + p["sl"]) + c[("lora_temp", None)] * p["lora"]
+    loss = c[("forward", p["fkind"])] * (p["traffic"] + p["sl"]) + c[("lora_temp", None)] * p["lora"]
     later = c[("backward", kind)] * p["traffic"]
     return max(live.get("loss", 0) + loss, *(live[m] + later for m in live if m != "loss"))
 
@@ -110,12 +111,20 @@ def objective(errs: Dict[str, float]) -> float:
     return statistics.median(a) + 0.5 * p90 + 5 * max(0.0, -min(errs.values()) - 0.03)
 
 
-def fit(ps: Dict[str, dict], start: Dict[Tuple[str, object], float]) -> Dict[Tuple[str, object], float]:
-    """Coordinate descent from ``start`` until a sweep changes nothing (at most 10 sweeps)."""
+def knob_name(n: str, k) -> str:
+    """``forward[lora]``, ``checkpointed_loss_blocks``: how a knob is printed and named on the command line."""
+    return f"{n}[{k}]" if k else n
+
+
+def fit(ps: Dict[str, dict], start: Dict[Tuple[str, object], float], only=None) -> Dict[Tuple[str, object], float]:
+    """Coordinate descent from ``start`` until a sweep changes nothing (at most 10 sweeps); ``only``:
+    the knob names (:func:`knob_name`) to move, the others held at ``start`` (None: all)."""
     cur = dict(start)
     for _ in range(10):
         moved = False
         for n, k, st in KNOBS:
+            if only and knob_name(n, k) not in only:
+                continue
             best = (objective(errors(ps, cur)), cur[(n, k)])
             for v in GRIDS[st]:
                 o = objective(errors(ps, {**cur, (n, k): v}))
@@ -141,6 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="which", choices=("older", "newer"), default="newer",
                     help="which glibc range's factors to fit [newer]")
     ap.add_argument("--score", action="append", default=[], help="another saved --json, scored only")
+    ap.add_argument("--knob", action="append", default=[], choices=[knob_name(n, k) for n, k, _ in KNOBS],
+                    help="fit only this factor, the others held at the module's values (repeatable) [all]")
     ap.add_argument("--offset-mib", type=float, default=0.0,
                     help="MiB taken off every measured peak (a child started through another loader) [0]")
     a = ap.parse_args(argv)
@@ -149,8 +160,8 @@ def main(argv=None) -> int:
     sets = [("matrix (fitted on)", load(a.matrix, True, off))] + \
         [(p + " (not fitted on)", load(p, False, off)) for p in a.score]
     parted = [{c[0]: parts(c) for c in cases} for _, cases in sets]
-    after = fit(parted[0], start)
-    print("factors: " + ", ".join(f"{n}{'[' + k + ']' if k else ''} {start[(n, k)]} -> {after[(n, k)]}"
+    after = fit(parted[0], start, set(a.knob) or None)
+    print("factors: " + ", ".join(f"{knob_name(n, k)} {start[(n, k)]} -> {after[(n, k)]}"
                                   for n, k, _ in KNOBS))
     for (label, cases), ps in zip(sets, parted):
         b, f = errors(ps, start), errors(ps, after)

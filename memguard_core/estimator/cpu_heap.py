@@ -9,13 +9,17 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from .activations import activation_bytes, adapter_input_tensors
+from .encoder_blocks import is_post_norm_encoder
 from .gradients import grad_layers
+from .image_blocks import is_image_classifier
+from .seq2seq_blocks import is_seq2seq
 from .trainable import block_linear_shapes, lora_linears, num_lora_layers, routed_half_precision_on_cpu
 from .specs import DTYPE_BYTES, MiB, ModelSpec, TrainSpec
 
 
-#: Heap slack per byte of activation traffic at the loss moment, by method: fitted, docs/estimator.md#cpu-heap-slack.
-CPU_HEAP_SLACK_FORWARD = {"full": 0.3, "lora": 0.5}
+#: Heap slack per byte of activation traffic at the loss moment, by method (``lora_encoder``: LoRA on
+#: encoder-style blocks, :func:`encoder_style_blocks`): fitted, docs/estimator.md#cpu-heap-slack.
+CPU_HEAP_SLACK_FORWARD = {"full": 0.3, "lora": 0.5, "lora_encoder": 0.8}
 #: The same at the end of the backward and the optimizer step: fitted, docs/estimator.md#cpu-heap-slack.
 CPU_HEAP_SLACK_BACKWARD = {"full": 0.95, "lora": 0.9}
 #: The same at every moment under checkpointing: fitted on the small matrix with the loss moment
@@ -35,7 +39,7 @@ NEWER_HEAP_GLIBC = (2, 39)
 #: matrix's fp32 and bf16 cases measured under glibc 2.41: docs/estimator.md, "CPU heap slack by glibc
 #: release".
 NEWER_GLIBC_SLACK = {
-    "forward": {"full": 0.2, "lora": 0.25},
+    "forward": {"full": 0.2, "lora": 0.25, "lora_encoder": 0.35},
     # full: the older value, not the decoder matrix's 0.6: an encoder's full fine-tune keeps the
     # same backward heap on 2.41 as on 2.36 (docs/estimator.md, "CPU heap slack by glibc release")
     "backward": {"full": 0.95, "lora": 0.9},
@@ -79,6 +83,25 @@ def slack_note(ts: TrainSpec) -> str:
     if ts.glibc:
         return f"cpu heap: glibc {ts.glibc} (the heap-slack factors of glibc 2.35 / 2.36)"
     return "cpu heap: glibc release not given (the heap-slack factors of glibc 2.35 / 2.36)"
+
+
+def encoder_style_blocks(ms: ModelSpec) -> bool:
+    """True for a model whose blocks allocate nearly all their heap tensors at one size (tokens x
+    hidden: one key / value head per query head, an ungated feed-forward network or two equal
+    halves, LayerNorm): a post-LN encoder (BERT, RoBERTa, DistilBERT), an image classifier (ViT) or
+    an encoder-decoder (T5, BART). On glibc 2.35 / 2.36 a freed tensor's hole cannot take an equal
+    ``posix_memalign`` request, so a LoRA forward of such blocks keeps more of its freed tensors
+    resident than a decoder's, whose smaller requests refill the holes (docs/benchmarks.md, "The
+    LoRA under-estimates at full depth"): its loss moment takes the ``lora_encoder`` factor."""
+    return is_post_norm_encoder(ms) or is_image_classifier(ms) or is_seq2seq(ms)
+
+
+def forward_kind(ms: ModelSpec, ts: TrainSpec) -> str:
+    """The key of the loss moment's factor (``slack_factors(ts)["forward"]``): ``full``, ``lora`` or
+    ``lora_encoder`` (LoRA on :func:`encoder_style_blocks`)."""
+    if ts.method == "full":
+        return "full"
+    return "lora_encoder" if encoder_style_blocks(ms) else "lora"
 
 
 def activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
@@ -181,7 +204,8 @@ def heap_slack(ms: ModelSpec, ts: TrainSpec, *, gradients: int, param_bytes: int
     ``gradients``: all ``.grad`` bytes; ``param_bytes``: bytes of one trainable element; ``logits``:
     the loss moment's logits term (its holes count only when the logits tensor is below
     ``MMAP_THRESHOLD_MAX``). Without checkpointing the slack is a factor of the activation traffic
-    (``activation_traffic``; ``CPU_HEAP_SLACK_FORWARD`` plus LoRA's temporaries at the loss,
+    (``activation_traffic``; ``CPU_HEAP_SLACK_FORWARD`` of :func:`forward_kind` plus LoRA's
+    temporaries at the loss,
     ``CPU_HEAP_SLACK_BACKWARD`` later). Under checkpointing no moment holds every block's
     activations: the arena is what the forward left or the holes of the last step's gradients
     (``heap_gradient_bytes``), the larger, at every moment -- unless the run trims the heap at
@@ -202,7 +226,8 @@ def heap_slack(ms: ModelSpec, ts: TrainSpec, *, gradients: int, param_bytes: int
             one = traffic / max(1, grad_layers(ms, ts))
             loss = int(f["checkpointed_loss_blocks"] * one + f["checkpointed"][kind] * small_logits)
         return {"loss": loss, "backward": every, "optimizer": every}
-    loss = int(f["forward"][kind] * (traffic + small_logits) + f["lora_temp"] * lora_forward_traffic(ms, ts))
+    loss = int(f["forward"][forward_kind(ms, ts)] * (traffic + small_logits)
+               + f["lora_temp"] * lora_forward_traffic(ms, ts))
     later = int(f["backward"][kind] * traffic)
     return {"loss": loss, "backward": later, "optimizer": later}
 

@@ -82,7 +82,7 @@ def parts(case) -> dict:
     traffic = cpu_heap.activation_traffic(ms, ts)
     logits_tensor = ts.batch_size * ts.seq_length * ms.vocab_size * 4
     sl = est.phase_breakdowns["loss"].get("logits", 0) if logits_tensor < cpu_heap.MMAP_THRESHOLD_MAX else 0
-    return dict(kind="full" if ts.method == "full" else "lora", fkind=cpu_heap.forward_kind(ms, ts), live=live, traffic=traffic, sl=sl,
+    return dict(kind="full" if ts.method == "full" else "lora", split=cpu_heap.forward_split(ms, ts, traffic, sl), live=live, traffic=traffic, sl=sl,
                 lora=cpu_heap.lora_forward_traffic(ms, ts), one=traffic / max(1, grad_layers(ms, ts)),
                 gc=ts.grad_checkpoint, trim=ts.heap_trim, peak=peak)
 
@@ -96,7 +96,7 @@ def modelled(p: dict, c: Dict[Tuple[str, object], float]) -> float:
         if kind == "full" and p["trim"]:
             loss = c[("checkpointed_loss_blocks", None)] * p["one"] + c[("checkpointed", kind)] * p["sl"]
         return max(live.get("loss", 0) + loss, *(live[m] + every for m in live if m != "loss"))
-    loss = c[("forward", p["fkind"])] * (p["traffic"] + p["sl"]) + c[("lora_temp", None)] * p["lora"]
+    loss = sum(c[("forward", k)] * b for k, b in p["split"].items()) + c[("lora_temp", None)] * p["lora"]
     later = c[("backward", kind)] * p["traffic"]
     return max(live.get("loss", 0) + loss, *(live[m] + later for m in live if m != "loss"))
 

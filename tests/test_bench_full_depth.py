@@ -37,6 +37,7 @@ PUBLISHED_LAYERS = {
     "roberta-base-12l": 12,         # FacebookAI/roberta-base
     "distilbert-base-6l": 6,        # distilbert/distilbert-base-uncased: n_layers
     "t5-base-12l": 12,              # google-t5/t5-base: num_layers (and num_decoder_layers 12)
+    "flan-t5-base-12l": 12,         # google/flan-t5-base: num_layers (and num_decoder_layers 12)
     "bart-base-6l": 6,              # facebook/bart-base: encoder_layers (and decoder_layers 6)
     "vit-base-16-224-12l": 12,      # google/vit-base-patch16-224
 }
@@ -112,6 +113,7 @@ def test_full_depth_configs_have_the_published_parameter_counts():
 #: and RoBERTa with their pooler), from the model cards / ``num_parameters()`` of the released checkpoints.
 PUBLISHED_ENCODER_PARAMS = {
     "t5-base-12l": 222_903_552,
+    "flan-t5-base-12l": 222_903_552,  # T5Model without its untied 24.7M LM head (the card: 248M)
     "bart-base-6l": 139_420_416,
     "bert-base-12l": 109_482_240,
     "bert-base-12l-token-cls": 109_482_240,

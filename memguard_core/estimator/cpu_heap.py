@@ -19,7 +19,7 @@ from .specs import DTYPE_BYTES, MiB, ModelSpec, TrainSpec
 
 #: Heap slack per byte of activation traffic at the loss moment, by method (``lora_encoder``: LoRA on
 #: encoder-style blocks, :func:`encoder_style_blocks`): fitted, docs/estimator.md#cpu-heap-slack.
-CPU_HEAP_SLACK_FORWARD = {"full": 0.3, "lora": 0.5, "lora_encoder": 0.8}
+CPU_HEAP_SLACK_FORWARD = {"full": 0.3, "lora": 0.5, "lora_encoder": 0.95}
 #: The same at the end of the backward and the optimizer step: fitted, docs/estimator.md#cpu-heap-slack.
 CPU_HEAP_SLACK_BACKWARD = {"full": 0.95, "lora": 0.9}
 #: The same at every moment under checkpointing: fitted on the small matrix with the loss moment
@@ -39,7 +39,7 @@ NEWER_HEAP_GLIBC = (2, 39)
 #: matrix's fp32 and bf16 cases measured under glibc 2.41: docs/estimator.md, "CPU heap slack by glibc
 #: release".
 NEWER_GLIBC_SLACK = {
-    "forward": {"full": 0.2, "lora": 0.25, "lora_encoder": 0.35},
+    "forward": {"full": 0.2, "lora": 0.25, "lora_encoder": 0.5},
     # full: the older value, not the decoder matrix's 0.6: an encoder's full fine-tune keeps the
     # same backward heap on 2.41 as on 2.36 (docs/estimator.md, "CPU heap slack by glibc release")
     "backward": {"full": 0.95, "lora": 0.9},
@@ -102,6 +102,28 @@ def forward_kind(ms: ModelSpec, ts: TrainSpec) -> str:
     if ts.method == "full":
         return "full"
     return "lora_encoder" if encoder_style_blocks(ms) else "lora"
+
+
+def forward_split(ms: ModelSpec, ts: TrainSpec, traffic: int, small_logits: int) -> Dict[str, int]:
+    """The loss moment's heap traffic (``traffic`` + ``small_logits``, bytes) by the key of the
+    ``forward`` factor it takes: all of it under :func:`forward_kind`, except that on
+    encoder-style blocks the score-sized tensors (:func:`score_traffic`) and the logits, which are
+    not of the blocks' one size, keep the method's own factor (``lora``)."""
+    kind = "full" if ts.method == "full" else "lora"
+    fk = forward_kind(ms, ts)
+    total = max(int(traffic + small_logits), 0)
+    if fk == kind:
+        return {kind: total}
+    other = min(score_traffic(ms, ts) + int(small_logits), total)
+    return {fk: total - other, kind: other}
+
+
+def score_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
+    """The score-sized part of :func:`activation_traffic` (batch x heads x s x s tensors the heap
+    serves), bytes; 0 where glibc mmaps each of them or no kernel makes them."""
+    if _score_tensors_mmapped(ms, ts):
+        return 0
+    return int(activation_bytes(ms, ts.replace(grad_checkpoint=False))[1])
 
 
 def activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
@@ -204,7 +226,7 @@ def heap_slack(ms: ModelSpec, ts: TrainSpec, *, gradients: int, param_bytes: int
     ``gradients``: all ``.grad`` bytes; ``param_bytes``: bytes of one trainable element; ``logits``:
     the loss moment's logits term (its holes count only when the logits tensor is below
     ``MMAP_THRESHOLD_MAX``). Without checkpointing the slack is a factor of the activation traffic
-    (``activation_traffic``; ``CPU_HEAP_SLACK_FORWARD`` of :func:`forward_kind` plus LoRA's
+    (``activation_traffic``; ``CPU_HEAP_SLACK_FORWARD`` by :func:`forward_split` plus LoRA's
     temporaries at the loss,
     ``CPU_HEAP_SLACK_BACKWARD`` later). Under checkpointing no moment holds every block's
     activations: the arena is what the forward left or the holes of the last step's gradients
@@ -226,7 +248,7 @@ def heap_slack(ms: ModelSpec, ts: TrainSpec, *, gradients: int, param_bytes: int
             one = traffic / max(1, grad_layers(ms, ts))
             loss = int(f["checkpointed_loss_blocks"] * one + f["checkpointed"][kind] * small_logits)
         return {"loss": loss, "backward": every, "optimizer": every}
-    loss = int(f["forward"][forward_kind(ms, ts)] * (traffic + small_logits)
+    loss = int(sum(f["forward"][k] * b for k, b in forward_split(ms, ts, traffic, small_logits).items())
                + f["lora_temp"] * lora_forward_traffic(ms, ts))
     later = int(f["backward"][kind] * traffic)
     return {"loss": loss, "backward": later, "optimizer": later}

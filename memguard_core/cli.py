@@ -66,7 +66,7 @@ def _glibc_arg(args, device: str):
     Raises:
         ConfigError: (``--glibc``) not a release such as 2.39 or ``none``.
     """
-    import re
+    from .estimator.specs import is_glibc_release
 
     given = getattr(args, "glibc", None)
     if given is None:
@@ -83,7 +83,7 @@ def _glibc_arg(args, device: str):
     v = str(given).strip().lower()
     if v in ("none", ""):
         return None
-    if not re.fullmatch(r"\d+\.\d+(\.\d+)?", v):
+    if not is_glibc_release(v):
         raise ConfigError("--glibc", "a glibc release such as 2.39, or none", given)
     return v
 

@@ -396,6 +396,12 @@ class ModelSpec:
         return dataclasses.replace(self, **changes)
 
 
+def is_glibc_release(value: Any) -> bool:
+    """True for a glibc release as ``confstr`` gives it (``"2.39"``, ``"2.40.1"``): what
+    :attr:`TrainSpec.glibc` and ``memguard estimate --glibc`` accept."""
+    return isinstance(value, str) and re.fullmatch(r"\d+\.\d+(\.\d+)?", value) is not None
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     """Training settings that drive memory.
@@ -583,7 +589,7 @@ class TrainSpec:
             raise ConfigError("heap_trim", "True (the guard returns the free heap at every step's end) or False",
                               self.heap_trim)
         gv = self.glibc
-        if gv is not None and not (isinstance(gv, str) and re.fullmatch(r"\d+\.\d+(\.\d+)?", gv)):
+        if gv is not None and not is_glibc_release(gv):
             raise ConfigError("glibc", "a glibc release such as '2.39', or None (not glibc / unknown)", gv)
         lv = self.litgpt_version
         if lv is not None and not (isinstance(lv, str) and re.match(r"\s*\d+\.\d+", lv)):

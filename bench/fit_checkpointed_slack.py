@@ -68,8 +68,7 @@ def parts(case):
     live = {m: est.phases[m] - est.phase_breakdowns[m].get("allocator_slack", 0) for m in est.phases}
     traffic = cpu_heap.activation_traffic(ms, ts)
     one = traffic / max(1, grad_layers(ms, ts))
-    logits_tensor = ts.batch_size * ts.seq_length * ms.vocab_size * 4
-    sl = est.phase_breakdowns["loss"].get("logits", 0) if logits_tensor < cpu_heap.MMAP_THRESHOLD_MAX else 0
+    sl = est.phase_breakdowns["loss"].get("logits", 0) if cpu_heap.logits_heap_served(ms, ts) else 0
     return ("full" if ts.method == "full" else "lora", live, one, traffic + sl, sl, peak, ts.heap_trim)
 
 

@@ -19,14 +19,19 @@ import collections
 import sys
 from typing import Dict, List, Optional
 
-#: glibc's largest dynamic mmap threshold on 64-bit (mallopt(3)): ``cpu_heap.MMAP_THRESHOLD_MAX``.
-from memguard_core.estimator.cpu_heap import MMAP_THRESHOLD_MAX
+from memguard_core.estimator.cpu_heap import MMAP_THRESHOLD_MAX  # glibc's largest mmap threshold, 32 MiB
 
 
 def census(key: str, rows: int, seq: int, targets: List[str], rank: int = 16, dtype: str = "fp32",
            layers: Optional[int] = None) -> Dict[str, Dict[str, float]]:
     """Block kind -> {blocks, saved, freed_heap, freed_mmap} (bytes per block) for one forward of
-    ``rows`` x ``seq`` tokens of the bench architecture ``key`` with LoRA on ``targets``."""
+    ``rows`` x ``seq`` tokens of the bench architecture ``key`` with LoRA on ``targets``.
+
+    Raises:
+        SystemExit: ``key`` names no bench architecture, or one that is not a decoder-only language
+            model or a sequence classifier over ``input_ids`` (an encoder-decoder or image model:
+            the census does not build their inputs or both stacks).
+    """
     import torch
     from peft import LoraConfig, get_peft_model
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -35,10 +40,16 @@ def census(key: str, rows: int, seq: int, targets: List[str], rank: int = 16, dt
 
     from memguard_bench.cases import HF_ARCHS, HF_FULL_DEPTH_ARCHS
 
+    if key not in HF_FULL_DEPTH_ARCHS and key not in HF_ARCHS:
+        raise SystemExit(f"freed_census: no bench architecture {key!r} (archs_full_depth.toml / archs_matrix.toml)")
     arch = dict(HF_FULL_DEPTH_ARCHS.get(key) or HF_ARCHS[key])
+    heads = " ".join(arch.get("architectures") or [])
+    if arch.get("is_encoder_decoder") or "ImageClassification" in heads or "TokenClassification" in heads:
+        raise SystemExit(f"freed_census: {key} ({heads}) is not a decoder-only LM or a sequence classifier; "
+                         "only those are built here")
     model_type = arch.pop("model_type")
     if layers:
-        for f in ("num_hidden_layers", "n_layer"):
+        for f in ("num_hidden_layers", "n_layer", "n_layers"):
             if f in arch:
                 arch[f] = layers
         if "layer_types" in arch:
@@ -48,7 +59,8 @@ def census(key: str, rows: int, seq: int, targets: List[str], rank: int = 16, dt
         else AutoModelForCausalLM
     torch.manual_seed(0)
     model = auto.from_config(cfg, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
-    model = get_peft_model(model, LoraConfig(r=rank, target_modules="all-linear" if targets == ["all-linear"] else targets))
+    lora = LoraConfig(r=rank, target_modules="all-linear" if targets == ["all-linear"] else targets)
+    model = get_peft_model(model, lora)
     model.train()
     blocks = next(list(m) for m in model.modules()
                   if isinstance(m, torch.nn.ModuleList) and len(m) == cfg.num_hidden_layers)
@@ -124,10 +136,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     rows = census(a.arch, a.rows, a.seq, a.targets.split(","), a.rank, a.dtype, a.layers)
     M = 2 ** 20
-    print(f"| {a.arch} {a.rows} x {a.seq} {a.dtype} | block kind | blocks | saved MiB | freed, heap MiB | freed, mmapped MiB |")
+    print(f"| {a.arch} {a.rows} x {a.seq} {a.dtype} | block kind | blocks | saved MiB | freed, heap MiB "
+          "| freed, mmapped MiB |")
     print("|---|---|---|---|---|---|")
     for kind, r in rows.items():
-        print(f"| | {kind} | {r['blocks']} | {r['saved'] / M:.1f} | {r['freed_heap'] / M:.1f} | {r['freed_mmap'] / M:.1f} |")
+        print(f"| | {kind} | {r['blocks']} | {r['saved'] / M:.1f} | {r['freed_heap'] / M:.1f} "
+              f"| {r['freed_mmap'] / M:.1f} |")
     return 0
 
 

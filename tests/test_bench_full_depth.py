@@ -151,7 +151,9 @@ def test_full_depth_rows_are_grouped_by_how_the_estimator_saw_their_family():
     fd = _fd()
     groups = {c["model_type"]: family_group(c) for c in fd if c["backend"] == "hf"}
     assert groups["llama"] == groups["gpt2"] == "fitted"
-    assert groups["bert"] == groups["roberta"] == groups["distilbert"] == groups["t5"] == groups["bart"] == "rules"
+    # BERT and T5 are fitted on since the encoder LoRA heap factor (their cut cases in the matrix)
+    assert groups["bert"] == groups["t5"] == "fitted"
+    assert groups["roberta"] == groups["distilbert"] == groups["bart"] == "rules"
     assert groups["vit"] == "rules"
     assert groups["granitemoehybrid"] == groups["lfm2"] == groups["granitemoe"] == "held-out"
 

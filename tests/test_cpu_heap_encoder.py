@@ -12,6 +12,7 @@ import transformers
 
 from memguard_core.estimator import cpu_heap
 from memguard_core.estimator.estimate import estimate
+from memguard_core.estimator.logits import logits_elements
 from memguard_core.estimator.specs import TrainSpec
 from memguard_hf.model_spec import model_spec_from_hf_config
 from memguard_testing.bench_scripts import load_bench_script
@@ -70,10 +71,12 @@ def test_the_loss_moment_of_encoder_lora_takes_the_encoder_factor(glibc):
     f = cpu_heap.slack_factors(ts)
     assert f["forward"]["lora_encoder"] > f["forward"]["lora"]
     traffic = cpu_heap.activation_traffic(ms, ts)
-    # BERT's attention dropout sends SDPA down its math path: 6 MiB score tensors the heap serves,
-    # which are not of the blocks' one size and keep the LoRA factor
+    # BERT's attention dropout sends SDPA down its math path, which saves three score-sized tensors
+    # per block (fp32 probabilities, the dropout mask, the dropped probabilities: 12 bytes per score,
+    # 2 MiB each here), which the heap serves and which keep the LoRA factor
     scores = cpu_heap.score_traffic(ms, ts)
-    assert 0 < scores < traffic
+    assert scores == 2 * 12 * 8 * 4 * 128 * 128
+    assert scores < traffic
     assert cpu_heap.forward_split(ms, ts, traffic, 0) == {"lora_encoder": traffic - scores, "lora": scores}
     slack = cpu_heap.heap_slack(ms, ts, gradients=0, param_bytes=4, logits=0)
     temp = f["lora_temp"] * cpu_heap.lora_forward_traffic(ms, ts)
@@ -87,8 +90,9 @@ def test_the_loss_moment_of_encoder_lora_takes_the_encoder_factor(glibc):
     assert split["lora"] == cpu_heap.score_traffic(flash, ts) < 0.01 * t and sum(split.values()) == t
     # the later moments and the checkpointed rule are not the forward's: unchanged
     assert slack["backward"] == int(f["backward"]["lora"] * traffic)
-    gc = cpu_heap.heap_slack(ms, ts.replace(grad_checkpoint=True), gradients=0, param_bytes=4, logits=0)
-    assert gc["loss"] == int(f["checkpointed"]["lora"] * cpu_heap.activation_traffic(ms, ts.replace(grad_checkpoint=True)))
+    gc_ts = ts.replace(grad_checkpoint=True)
+    gc = cpu_heap.heap_slack(ms, gc_ts, gradients=0, param_bytes=4, logits=0)
+    assert gc["loss"] == int(f["checkpointed"]["lora"] * cpu_heap.activation_traffic(ms, gc_ts))
     # what the estimate plans at the loss moment carries it (with the head's logits, small here)
     loss = estimate(ms, ts).phase_breakdowns["loss"]
     assert loss["allocator_slack"] == cpu_heap.heap_slack(ms, ts, gradients=0, param_bytes=4,
@@ -106,8 +110,35 @@ def test_the_committed_encoder_factor_is_the_fit_on_the_committed_matrix(which, 
     out = capsys.readouterr().out
     now = fit.current(which)[("forward", "lora_encoder")]
     assert f"forward[lora_encoder] {now} -> {now}," in out
-    # the encoder cases of the matrix are in the fit: the table lists those whose estimate moved
-    # (none, as the value is the fitted one) and the summary counts them
+    # the matrix's encoder and encoder-decoder cases are among the cases fitted on
     names = {c[0] for c in fit.load(os.path.join(ROOT, "bench", "results", path), True)}
     assert {"hf-bert-base-4l-lora-r16-b8-s128-fp32-query+value-3steps",
             "hf-t5-base-2l-lora-r16-b4-s512-fp32-q+v-t128"} <= names
+
+
+def test_an_encoder_decoders_logits_are_sized_on_its_target_tokens_and_keep_the_lora_factor():
+    # 2 rows x 128 target tokens x 32,128 vocabulary x 4 B = 31.4 MiB: under glibc's 32 MiB ceiling,
+    # so the heap serves the logits (their holes count at the loss moment); sized on the 512 source
+    # tokens they would be 125 MiB and mmapped
+    ms = model_spec_from_hf_config(transformers.T5Config(
+        d_model=256, d_ff=1024, num_layers=2, num_heads=4, d_kv=64, vocab_size=32128,
+        architectures=["T5ForConditionalGeneration"], decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+    ts = TrainSpec(method="lora", batch_size=2, seq_length=512, target_length=128, lora_rank=16,
+                   lora_targets=("q", "v"))
+    assert logits_elements(ms, ts) == 2 * 128 * 32128
+    assert cpu_heap.logits_heap_served(ms, ts)
+    assert not cpu_heap.logits_heap_served(ms, ts.replace(target_length=512))
+    traffic, scores = cpu_heap.activation_traffic(ms, ts), cpu_heap.score_traffic(ms, ts)
+    assert cpu_heap.forward_split(ms, ts, traffic, 1000) == {"lora_encoder": traffic + 1000 - scores - 1000,
+                                                            "lora": scores + 1000}
+    # never more than the whole traffic keeps the LoRA factor
+    assert cpu_heap.forward_split(ms, ts, 10, 0) == {"lora_encoder": 0, "lora": 10}
+
+
+def test_a_classifiers_logits_are_its_labels_not_the_vocabulary():
+    ms = _bert()
+    ts = TrainSpec(method="lora", batch_size=8, seq_length=128)
+    assert logits_elements(ms, ts) == 8 * 2
+    assert logits_elements(_vit(), ts) == 8 * 10
+    assert logits_elements(model_spec_from_hf_config(SMOL), ts) == 8 * 128 * 49152
+

@@ -37,3 +37,10 @@ def test_saved_bytes_match_the_estimators_census_and_frees_grow_with_tokens():
     big = F.census("tiny", 4, 64, ["q_proj", "v_proj"])[kind]
     assert 1.8 * row["saved"] < big["saved"] < 2.2 * row["saved"]
     assert big["freed_heap"] > 1.5 * row["freed_heap"]
+
+
+@pytest.mark.parametrize("key", ["t5-base-12l", "vit-base-16-224-12l", "no-such-arch"])
+def test_models_it_does_not_build_are_refused_in_one_line(key):
+    with pytest.raises(SystemExit, match="freed_census"):
+        F.census(key, 1, 64, ["q", "v"])
+

@@ -12,13 +12,15 @@ from .activations import activation_bytes, adapter_input_tensors
 from .encoder_blocks import is_post_norm_encoder
 from .gradients import grad_layers
 from .image_blocks import is_image_classifier
+from .logits import logits_elements
 from .seq2seq_blocks import is_seq2seq
 from .trainable import block_linear_shapes, lora_linears, num_lora_layers, routed_half_precision_on_cpu
 from .specs import DTYPE_BYTES, MiB, ModelSpec, TrainSpec
 
 
-#: Heap slack per byte of activation traffic at the loss moment, by method (``lora_encoder``: LoRA on
-#: encoder-style blocks, :func:`encoder_style_blocks`): fitted, docs/estimator.md#cpu-heap-slack.
+#: Heap slack per byte of activation traffic at the loss moment, by method: fitted,
+#: docs/estimator.md#cpu-heap-slack; ``lora_encoder``: LoRA on :func:`encoder_style_blocks`, fitted,
+#: docs/estimator.md#lora-on-encoder-style-blocks-2026-11-29.
 CPU_HEAP_SLACK_FORWARD = {"full": 0.3, "lora": 0.5, "lora_encoder": 0.95}
 #: The same at the end of the backward and the optimizer step: fitted, docs/estimator.md#cpu-heap-slack.
 CPU_HEAP_SLACK_BACKWARD = {"full": 0.95, "lora": 0.9}
@@ -86,13 +88,13 @@ def slack_note(ts: TrainSpec) -> str:
 
 
 def encoder_style_blocks(ms: ModelSpec) -> bool:
-    """True for a model whose blocks allocate nearly all their heap tensors at one size (tokens x
-    hidden: one key / value head per query head, an ungated feed-forward network or two equal
-    halves, LayerNorm): a post-LN encoder (BERT, RoBERTa, DistilBERT), an image classifier (ViT) or
-    an encoder-decoder (T5, BART). On glibc 2.35 / 2.36 a freed tensor's hole cannot take an equal
-    ``posix_memalign`` request, so a LoRA forward of such blocks keeps more of its freed tensors
-    resident than a decoder's, whose smaller requests refill the holes (docs/benchmarks.md, "The
-    LoRA under-estimates at full depth"): its loss moment takes the ``lora_encoder`` factor."""
+    """True for a post-LN encoder (BERT, RoBERTa, DistilBERT), an image classifier (ViT) or an
+    encoder-decoder (T5, BART): blocks whose forward frees its tensors at nearly one size (tokens x
+    hidden: one key / value head per query head, no rotary halves). On glibc 2.35 / 2.36 a freed
+    tensor's hole cannot take an equal ``posix_memalign`` request, so a LoRA forward of such blocks
+    keeps more of its freed tensors resident than a decoder's, whose smaller requests refill the
+    holes (docs/benchmarks.md, "The LoRA under-estimates at full depth"): its loss moment takes the
+    ``lora_encoder`` factor (docs/estimator.md, "LoRA on encoder-style blocks")."""
     return is_post_norm_encoder(ms) or is_image_classifier(ms) or is_seq2seq(ms)
 
 
@@ -118,25 +120,29 @@ def forward_split(ms: ModelSpec, ts: TrainSpec, traffic: int, small_logits: int)
     return {fk: total - other, kind: other}
 
 
-def score_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
-    """The score-sized part of :func:`activation_traffic` (batch x heads x s x s tensors the heap
-    serves), bytes; 0 where glibc mmaps each of them or no kernel makes them."""
-    if _score_tensors_mmapped(ms, ts):
-        return 0
-    return int(activation_bytes(ms, ts.replace(grad_checkpoint=False))[1])
-
-
 def activation_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
     """Bytes of activations one step saves across all blocks without checkpointing, also under
     checkpointing: what drives the CPU heap slack (``CPU_HEAP_SLACK_*``). Score-sized tensors are
-    left out when glibc mmaps each of them (``MMAP_THRESHOLD_MAX``), and so are the copies the LoRA
-    adapters keep of their inputs when each is that large (``adapter_traffic``). Why
-    this traffic, also under checkpointing: docs/estimator.md#cpu-heap-slack and
-    #lora-input-copies-and-the-heap."""
-    h, sc, lo, _ = activation_bytes(ms, ts.replace(grad_checkpoint=False))
-    if _score_tensors_mmapped(ms, ts):
-        sc = 0
+    left out when glibc mmaps each of them (``MMAP_THRESHOLD_MAX``, :func:`score_traffic`), and so
+    are the copies the LoRA adapters keep of their inputs when each is that large
+    (``adapter_traffic``). Why this traffic, also under checkpointing:
+    docs/estimator.md#cpu-heap-slack and #lora-input-copies-and-the-heap."""
+    h, sc, lo = _traffic_terms(ms, ts)
     return int(max(h + sc + lo + adapter_traffic(ms, ts), 0))
+
+
+def score_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
+    """The score-sized part of :func:`activation_traffic` (batch x heads x s x s tensors the heap
+    serves), bytes; 0 where glibc mmaps each of them (judged on the source length for an
+    encoder-decoder, whose decoder and cross-attention scores are smaller) or no kernel makes them."""
+    return _traffic_terms(ms, ts)[1]
+
+
+def _traffic_terms(ms: ModelSpec, ts: TrainSpec):
+    """(hidden, scores, LoRA) bytes of the rules' saved activations without checkpointing, the
+    scores 0 where mmapped."""
+    h, sc, lo, _ = activation_bytes(ms, ts.replace(grad_checkpoint=False))
+    return int(h), 0 if _score_tensors_mmapped(ms, ts) else int(sc), int(lo)
 
 
 def adapter_traffic(ms: ModelSpec, ts: TrainSpec) -> int:
@@ -220,6 +226,13 @@ def heap_gradient_bytes(ms: ModelSpec, ts: TrainSpec, grads: int, pb: int) -> in
     return int(max(grads - big, 0))
 
 
+def logits_heap_served(ms: ModelSpec, ts: TrainSpec) -> bool:
+    """True when the head's fp32 logits tensor (``logits.logits_elements`` x 4 bytes) is under
+    ``MMAP_THRESHOLD_MAX``, so glibc serves it and its loss working set from the heap (their holes
+    count in the loss moment's slack); False when it is mmapped."""
+    return logits_elements(ms, ts) * 4 < MMAP_THRESHOLD_MAX
+
+
 def heap_slack(ms: ModelSpec, ts: TrainSpec, *, gradients: int, param_bytes: int, logits: int) -> Dict[str, int]:
     """``device="cpu"``: moment -> glibc's resident heap slack above the live set, bytes.
 
@@ -236,8 +249,7 @@ def heap_slack(ms: ModelSpec, ts: TrainSpec, *, gradients: int, param_bytes: int
     Every factor is that of the run's C library (:func:`slack_factors`, ``ts.glibc``).
     """
     traffic = activation_traffic(ms, ts)
-    logits_tensor = ts.batch_size * ts.seq_length * ms.vocab_size * 4
-    small_logits = logits if logits_tensor < MMAP_THRESHOLD_MAX else 0
+    small_logits = logits if logits_heap_served(ms, ts) else 0
     kind = "full" if ts.method == "full" else "lora"
     f = slack_factors(ts)
     if ts.grad_checkpoint:

@@ -62,6 +62,25 @@ def logits_bytes(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int]:
     return peak, 0
 
 
+def logits_elements(ms: ModelSpec, ts: TrainSpec) -> int:
+    """Elements of the logits tensor the head makes for one micro-batch: tokens x vocabulary for an
+    LM head (an encoder-decoder's over its target tokens, ``TrainSpec.decoder_tokens``), ``rows x
+    num_labels`` for a sequence or image classifier (``tokens x num_labels`` where it scores every
+    position), ``tokens x num_labels`` for token classification, ``tokens x 2`` for question
+    answering. What the CPU heap rule sizes against glibc's mmap ceiling (``cpu_heap.heap_slack``)."""
+    head = head_of(ms)
+    rows = ts.batch_size
+    if head.is_lm:
+        per_row = ts.decoder_tokens if seq2seq_blocks.is_seq2seq(ms) else ts.seq_length
+        return rows * per_row * ms.vocab_size
+    k = head.out_features(ms.vocab_size)
+    if image_blocks.is_image_classifier(ms):
+        return rows * k
+    if head.kind == SEQUENCE_CLASSIFICATION and head.reads != "all_tokens":
+        return rows * k
+    return rows * ts.seq_length * k
+
+
 def classifier_logits(ms: ModelSpec, ts: TrainSpec, head: TaskHead) -> int:
     """The loss moment's logits and cross-entropy bytes of a classifier head (not an LM head).
 

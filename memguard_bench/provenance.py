@@ -82,8 +82,9 @@ def machine_fingerprint() -> dict:
 
     from memguard_core.probes import glibc_version
 
-    if glibc_version():   # the CPU heap's release (docs/estimator.md, "CPU heap slack by glibc release")
-        fp["glibc"] = glibc_version()
+    libc = glibc_version()   # the CPU heap's release (docs/estimator.md, "CPU heap slack by glibc release")
+    if libc:
+        fp["glibc"] = libc
     commit = _git_commit(repo_root())
     if commit:
         fp["memguard_commit"] = commit

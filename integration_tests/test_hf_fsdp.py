@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import memguard_testing
+from memguard_testing import placement
 
 ATOL = 2e-5
 
@@ -126,17 +127,30 @@ def test_fsdp1_split_reduce_scatters_every_chunk_and_equals_hf_unsplit_run(launc
 def test_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version, launches):
     """FSDP2, and FSDP1 (its sync points: each handle's all-gather after its allocation, and a
     communication hook before each reduce-scatter; its state reset after the abort). Rank 1 alone
-    gets an address-space limit (RLIMIT_AS) of its VmSize at train begin plus 70 % of what the
-    unlimited unsplit run added to its VmPeak: its allocator really fails at the unsplit size. The
-    guarded run (monitor's step sample off, so the OOM path acts; nothing injected) finishes every
-    step on both ranks within the timeout (a rank left in a collective would hang), rank 1's errors
-    are the allocator's own, rank 0 learnt of them at a sync point before one of its FSDP
-    collectives, and the parameters are the unlimited run's. (No unguarded twin: rank 1's errors,
+    gets an address-space limit (RLIMIT_AS) of its VmSize at train begin plus a fraction (0.7 first)
+    of what the unlimited unsplit run added to its VmPeak: its allocator really fails at the unsplit
+    size; where the guarded run meets no error or gives up at one row per forward, the limit is
+    placed lower or higher (``placement.place_limit``). The guarded run (monitor's step sample off,
+    so the OOM path acts; nothing injected) finishes every step on both ranks within the timeout (a
+    rank left in a collective would hang), rank 1's errors are the allocator's own, rank 0 learnt of
+    them at a sync point before one of its FSDP collectives, and the parameters are the unlimited
+    run's. (No unguarded twin: rank 1's errors,
     the allocator's own, show the limit bites.)"""
     v = "" if version == "2" else "1"
     ref_p, ref = launches(version)["oom-ref"]
-    headroom = int(0.7 * (ref[1]["vmpeak"] - ref[1]["base_vmsize"]))
-    oom_p, oom = _run(tmp_path / "oom", f"oom{v}:{headroom}")
+
+    def run(room: int):
+        out = tmp_path / f"oom-{room}"
+        rc, log = _launch(out, f"oom{v}:{room}")
+        if rc != 0:
+            return placement.outcome_of(rc, log, []), None
+        result = ([torch.load(out / f"params{r}.pt") for r in (0, 1)],
+                  [json.load(open(out / f"rank{r}.json")) for r in (0, 1)])
+        return placement.outcome_of(rc, log, result[1][1]["oom_errors"]), result
+
+    outcome, result, tried = placement.place_limit(run, ref[1]["vmpeak"] - ref[1]["base_vmsize"], first=0.7)
+    assert outcome == placement.BIT, tried
+    oom_p, oom = result
     errors = oom[1]["oom_errors"]
     assert errors and all("can't allocate memory" in e for e in errors), errors
     assert oom[0]["oom_errors"] and all(e.startswith("PeerOutOfMemoryError") for e in oom[0]["oom_errors"])

@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("lightning")
 
 import memguard_testing  # noqa: E402
+from memguard_testing import placement  # noqa: E402
 
 
 ATOL = 2e-5
@@ -107,32 +108,34 @@ def test_fsdp_split_in_place_equals_the_unsplit_run(version, launches):
     assert max((split[0]["params"][n] - split[1]["params"][n]).abs().max().item() for n in split[0]["params"]) == 0
 
 
-#: The headrooms tried, as fractions of the reference's growth, until the guarded run meets the
-#: allocator's error: the reference's VmPeak moves between runs by more than a limit at 80 % of it
-#: allows for, and a one-row redo needs about half of the growth, so the last fraction leaves it
-#: room (docs/ci_time.md, "The stop of 2026-11-29").
-HEADROOM_FRACTIONS = (0.8, 0.65, 0.55)
+def _guarded_oom_run(tmp_path, version: str):
+    """``run(room)`` for :func:`memguard_testing.placement.place_limit`: the guarded run with rank 1
+    limited to ``room`` bytes above its VmSize at train start; (outcome, per-rank results)."""
+    def run(room: int):
+        out = tmp_path / f"oom-{room}"
+        rc, log = _launch(out, f"oom:{room}", _port(), version)
+        result = [torch.load(out / f"oom_rank{r}.pt") for r in (0, 1)] if rc == 0 else None
+        return placement.outcome_of(rc, log, result[1]["oom_errors"] if result else []), result
+    return run
 
 
 @pytest.mark.parametrize("version", ["2", "1"])
 def test_fsdp_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version, launches):
-    """Rank 1 alone gets an address-space limit (RLIMIT_AS) of its VmSize at train start plus 80 % of
-    what the unlimited unsplit run added to its VmPeak: its allocator really fails at the unsplit
-    size. The guarded run (the monitor's step sample off, so the OOM path acts; nothing injected)
-    finishes every step on both ranks within the timeout (a rank left in a collective would hang;
-    the loss is logged with ``sync_dist=True``, a collective too), rank 1's errors are the
-    allocator's own, rank 0 learnt of them at a sync point or at the end of the micro-batch, both
-    ranks redid the window at the same cut, and the parameters are the unlimited run's. Where the
-    guarded run meets no error, the limit is placed lower (``HEADROOM_FRACTIONS``) and tried again:
-    what is tested is the behaviour under an OOM, not the placement. (No unguarded twin: rank 1's
-    errors, the allocator's own, show the limit bites.)"""
+    """Rank 1 alone gets an address-space limit (RLIMIT_AS) of its VmSize at train start plus a
+    fraction of what the unlimited unsplit run added to its VmPeak (0.8 first): its allocator really
+    fails at the unsplit size. The guarded run (the monitor's step sample off, so the OOM path acts;
+    nothing injected) finishes every step on both ranks within the timeout (a rank left in a
+    collective would hang; the loss is logged with ``sync_dist=True``, a collective too), rank 1's
+    errors are the allocator's own, rank 0 learnt of them at a sync point or at the end of the
+    micro-batch, both ranks redid the window at the same cut, and the parameters are the unlimited
+    run's. Where the guarded run meets no error, or gives up at one row per forward, the limit is
+    placed lower or higher (``placement.place_limit``): what is tested is the behaviour under an
+    OOM, not the placement. (No unguarded twin: rank 1's errors, the allocator's own, show the
+    limit bites.)"""
     ref = launches(version)["oom-ref"]
     growth = ref[1]["vmpeak"] - ref[1]["base_vmsize"]
-    fractions = list(HEADROOM_FRACTIONS)
-    oom = _run(tmp_path / "oom", f"oom:{int(fractions.pop(0) * growth)}", _port(), version)
-    while not oom[1]["oom_errors"] and fractions:
-        headroom = int(fractions.pop(0) * growth)
-        oom = _run(tmp_path / f"oom-{headroom}", f"oom:{headroom}", _port(), version)
+    outcome, oom, tried = placement.place_limit(_guarded_oom_run(tmp_path, version), growth)
+    assert outcome == placement.BIT, tried
     errors = oom[1]["oom_errors"]
     assert errors and all("can't allocate memory" in e for e in errors), errors
     assert all(e.startswith("PeerOutOfMemoryError") for e in oom[0]["oom_errors"]), oom[0]["oom_errors"]

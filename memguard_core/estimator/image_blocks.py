@@ -13,7 +13,7 @@ from .encoder_blocks import encoder_block_act
 from .heads import IMAGE_CLASSIFICATION, head_of
 from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 
-__all__ = ["is_image_classifier", "with_patch_tokens", "image_block_act", "outside_bytes", "logits_bytes",
+__all__ = ["is_image_classifier", "with_patch_tokens", "image_block_act", "outside_bytes",
            "pixel_bytes", "pixel_rows"]
 
 
@@ -121,8 +121,3 @@ def outside_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
     return int(out)
 
 
-def logits_bytes(ms: ModelSpec, ts: TrainSpec, per_logit: int) -> int:
-    """The loss moment's logits and cross-entropy bytes: ``rows x num_labels`` logits
-    (``ViTForImageClassification.loss_function``: cross-entropy for a single-label problem) at
-    ``per_logit`` bytes each (``logits._loss_bytes_per_logit``)."""
-    return int(per_logit * ts.batch_size * head_of(ms).num_labels)

@@ -49,11 +49,11 @@ def logits_bytes(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int]:
     head = head_of(ms)
     if not head.is_lm:
         return classifier_logits(ms, ts, head), 0
-    if seq2seq_blocks.is_seq2seq(ms):  # over the target tokens: seq2seq_blocks.logits_bytes
-        return seq2seq_blocks.logits_bytes(ms, ts), 0
+    n, _ = _logits_counts(ms, ts, head)
+    if seq2seq_blocks.is_seq2seq(ms):  # over the target tokens, the loss on the head's dtype
+        return seq2seq_blocks.loss_bytes_per_logit(ms, ts) * n, 0
     e = DTYPE_BYTES[ts.dtype]
     amp = ts.mixed_precision and ms.dense_bits >= 32 and e < 4
-    n = ts.batch_size * ts.seq_length * ms.vocab_size
     if ts.framework == "mlx":
         return 3 * e * n, 0
     peak = _loss_bytes_per_logit(ms, ts) * n
@@ -62,23 +62,30 @@ def logits_bytes(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int]:
     return peak, 0
 
 
+def _logits_counts(ms: ModelSpec, ts: TrainSpec, head: TaskHead) -> Tuple[int, int]:
+    """(elements of the logits the loss reads, elements of the logits the head scores beyond
+    those: 0 unless a sequence classifier scores every position) for one micro-batch: the one place
+    the logits' shapes are written (see :func:`logits_elements`)."""
+    rows = ts.batch_size
+    if head.is_lm:
+        per_row = ts.decoder_tokens if seq2seq_blocks.is_seq2seq(ms) else ts.seq_length
+        return rows * per_row * ms.vocab_size, 0
+    k = head.out_features(ms.vocab_size)
+    if image_blocks.is_image_classifier(ms):
+        return rows * k, 0
+    if head.kind == SEQUENCE_CLASSIFICATION:
+        return rows * k, (rows * ts.seq_length * k if head.reads == "all_tokens" else 0)
+    return rows * ts.seq_length * k, 0    # token classification, question answering (k = 2)
+
+
 def logits_elements(ms: ModelSpec, ts: TrainSpec) -> int:
     """Elements of the logits tensor the head makes for one micro-batch: tokens x vocabulary for an
     LM head (an encoder-decoder's over its target tokens, ``TrainSpec.decoder_tokens``), ``rows x
     num_labels`` for a sequence or image classifier (``tokens x num_labels`` where it scores every
     position), ``tokens x num_labels`` for token classification, ``tokens x 2`` for question
     answering. What the CPU heap rule sizes against glibc's mmap ceiling (``cpu_heap.heap_slack``)."""
-    head = head_of(ms)
-    rows = ts.batch_size
-    if head.is_lm:
-        per_row = ts.decoder_tokens if seq2seq_blocks.is_seq2seq(ms) else ts.seq_length
-        return rows * per_row * ms.vocab_size
-    k = head.out_features(ms.vocab_size)
-    if image_blocks.is_image_classifier(ms):
-        return rows * k
-    if head.kind == SEQUENCE_CLASSIFICATION and head.reads != "all_tokens":
-        return rows * k
-    return rows * ts.seq_length * k
+    read, scored = _logits_counts(ms, ts, head_of(ms))
+    return scored or read
 
 
 def classifier_logits(ms: ModelSpec, ts: TrainSpec, head: TaskHead) -> int:
@@ -89,20 +96,14 @@ def classifier_logits(ms: ModelSpec, ts: TrainSpec, head: TaskHead) -> int:
     ``BertForTokenClassification`` / ``ForTokenClassification`` over ``tokens x num_labels``;
     ``BertForQuestionAnswering`` / ``ForQuestionAnsweringLoss`` split ``tokens x 2`` logits into
     start and end and take one cross-entropy over the positions of each row for each (``tokens``
-    logits twice). Bytes per logit as for an LM head (:func:`logits_bytes`)."""
+    logits twice); ``ViTForImageClassification.loss_function``, cross-entropy over ``rows x
+    num_labels`` for a single-label problem. Bytes per logit as for an LM head
+    (:func:`logits_bytes`); a sequence classifier that scores every position also holds those
+    logits in the compute dtype."""
     e = DTYPE_BYTES[ts.dtype]
-    if image_blocks.is_image_classifier(ms):
-        return image_blocks.logits_bytes(ms, ts, 3 * e if ts.framework == "mlx" else _loss_bytes_per_logit(ms, ts))
-    rows, tokens = ts.batch_size, ts.batch_size * ts.seq_length
-    k = head.out_features(ms.vocab_size)
-    if head.kind == SEQUENCE_CLASSIFICATION:
-        n_loss = rows * k
-        scored = e * tokens * k if head.reads == "all_tokens" else 0
-    else:  # token classification, question answering (k = 2)
-        n_loss, scored = tokens * k, 0
-    if ts.framework == "mlx":
-        return 3 * e * n_loss + scored
-    return _loss_bytes_per_logit(ms, ts) * n_loss + scored
+    n_loss, scored = _logits_counts(ms, ts, head)
+    per = 3 * e if ts.framework == "mlx" else _loss_bytes_per_logit(ms, ts)
+    return per * n_loss + e * scored
 
 
 def head_input_bytes(ms: ModelSpec, ts: TrainSpec) -> int:

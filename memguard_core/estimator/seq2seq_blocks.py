@@ -16,7 +16,7 @@ from .lora_inputs import lora_input_bytes
 from .specs import DTYPE_BYTES, ModelSpec, TrainSpec
 from .trainable import lora_linears
 
-__all__ = ["is_seq2seq", "stack_activation_bytes", "block_bytes_per_row", "outside_bytes", "logits_bytes",
+__all__ = ["is_seq2seq", "stack_activation_bytes", "block_bytes_per_row", "outside_bytes", "loss_bytes_per_logit",
            "decoder_lora_params"]
 
 #: Names of the attention linears: T5 (``modeling_t5.py`` ``T5Attention``) and BART (``BartAttention``).
@@ -320,8 +320,9 @@ def outside_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
     return int(out)
 
 
-def logits_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
-    """The loss moment's logits and cross-entropy bytes over the target tokens (B x T x vocab).
+def loss_bytes_per_logit(ms: ModelSpec, ts: TrainSpec) -> int:
+    """The loss moment's bytes per logit over the target tokens (B x T x vocab logits:
+    ``logits.logits_elements``).
 
     ``T5ForConditionalGeneration`` / ``BartForConditionalGeneration`` take ``CrossEntropyLoss`` on
     the logits as the head returns them (no ``.float()``; BART adds ``final_logits_bias`` first, a
@@ -329,12 +330,11 @@ def logits_bytes(ms: ModelSpec, ts: TrainSpec) -> int:
     ``log_softmax`` output; backward start, that output, ``nll_loss``'s gradient and
     ``log_softmax``'s, all in the logits' dtype: 3 x e per logit. fp32, and autocast (whose
     ``log_softmax`` runs in fp32 on a cast copy), as ``logits.logits_bytes`` counts an LM head:
-    12 per logit."""
+    12 per logit; mlx_lm: 3 x e."""
     e = DTYPE_BYTES[ts.dtype]
-    per = 12 if (e == 4 or _amp(ms, ts)) else 3 * e
     if ts.framework == "mlx":
-        per = 3 * e
-    return int(per * ts.batch_size * ts.decoder_tokens * ms.vocab_size)
+        return 3 * e
+    return 12 if (e == 4 or _amp(ms, ts)) else 3 * e
 
 
 def decoder_lora_params(ms: ModelSpec, ts: TrainSpec) -> int:

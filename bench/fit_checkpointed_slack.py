@@ -29,7 +29,6 @@ from typing import Dict, Tuple
 from memguard_core.estimator import cpu_heap
 from memguard_core.estimator.estimate import estimate
 from memguard_core.estimator.gradients import grad_layers
-from memguard_bench.score import specs_of  # noqa: F401  (tests read it from this module)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # loaded by path, not from bench/
 from fit_cpu_heap_slack import load, objective, summary  # noqa: E402  (the shared loading and scoring)

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from memguard_bench.score import specs_of
 from memguard_core.estimator.estimate import estimate
 from memguard_testing.bench_scripts import load_bench_script
 
@@ -23,7 +24,7 @@ def _checkpointed_cases(limit=4):
     for c in saved["cases"]:
         case, rec = c["case"], c.get("measured") or {}
         if case.get("backend") == "hf" and case["train"].get("grad_checkpoint") and "peak_bytes" in rec:
-            ms, ts = F.specs_of(case, rec)
+            ms, ts = specs_of(case, rec)
             out.append((c["name"], ms, ts, int(rec["peak_bytes"])))
             if len(out) == limit:
                 break

@@ -22,7 +22,8 @@ and prints the glibc version it ran with.
 
 ``--mmap-threshold N`` fixes glibc's mmap threshold at N bytes before the model is built
 (``memguard_core.probes.pin_mmap_threshold``): tensors of at least N bytes are then mmapped and
-leave no hole when freed. ``--set field=value`` changes a config field of the arch (a float).
+leave no hole when freed. ``--set field=value`` changes a config field of the arch (a float);
+``--batch-size N`` the rows per micro-batch.
 Linux / glibc only. Findings: docs/benchmarks.md, "Encoder blocks" (2026-11-28).
 """
 
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mmap-threshold", type=int, default=0, help="fix glibc's mmap threshold at this many bytes")
     ap.add_argument("--libc", metavar="DIR", help="run under the glibc whose loader and libc.so.6 are in DIR")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a config field of the arch")
+    ap.add_argument("--batch-size", type=int, default=0, help="rows per micro-batch instead of the case's")
     a = ap.parse_args(argv)
     if a.libc:
         return _under_libc(a.libc, sys.argv[1:] if argv is None else list(argv))
@@ -70,6 +72,8 @@ def main(argv=None) -> int:
         print(f"case: no case named {a.case!r} in full_depth_cpu.json", file=sys.stderr)
         return 2
     case = dict(json.loads(json.dumps(found[0])), steps=a.steps)
+    if a.batch_size:
+        case["train"]["batch_size"] = a.batch_size
     if a.set:
         over = {k: float(v) for k, v in (s.split("=", 1) for s in a.set)}
         base = C.arch_of

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -305,7 +305,9 @@ def write_report(rows: Sequence[Dict[str, Any]], meta: Dict[str, Any], stem: str
         json.dump({"meta": meta, "records": list(rows)}, f, indent=1, default=str)
     lines = [f"# In-process measurement on full-depth guarded HF runs ({meta['date']})", "",
              f"Machine: {meta['machine']}; budget option {meta['budget_gib']:g} GiB (the preflight changes nothing); "
-             "calibration store off; `preflight_probe=True`.", ""]
+             "calibration store off; `preflight_probe=True`.", "",
+             "Measured in the runs of: " + "; ".join(f"{d} (memguard {', '.join(cs)})" for d, cs in runs_of(meta))
+             + " (a row's own run: its `measured_at` in the JSON, where it has one).", ""]
     lines += table(rows)
     lines += ["", _summary_line("estimate without the probe", summarise(rows, "error_no_probe")),
               _summary_line("estimate the guard acted on (probe on)", summarise(rows, "error_acted")),
@@ -320,6 +322,22 @@ def write_report(rows: Sequence[Dict[str, Any]], meta: Dict[str, Any], stem: str
     return md
 
 
+def runs_of(meta: Dict[str, Any]) -> List[Tuple[str, List[str]]]:
+    """``[(date, [memguard commits])]``, oldest date first, of the run that wrote ``meta`` and of
+    every run its records were kept from (``meta["reused_from"]``, nested), commits in the order
+    first seen, each once."""
+    runs: Dict[str, List[str]] = {}
+    m: Optional[Dict[str, Any]] = meta
+    while m:
+        head, sep, commit = str(m.get("machine", "")).rpartition("memguard ")
+        commit = commit if sep and commit else "?"
+        seen = runs.setdefault(str(m.get("date", "?")), [])
+        if commit not in seen:
+            seen.insert(0, commit)
+        m = m.get("reused_from")
+    return sorted(runs.items())
+
+
 def _machine() -> str:
     import platform
 
@@ -329,8 +347,12 @@ def _machine() -> str:
         vers = f"torch {torch.__version__}, transformers {transformers.__version__}"
     except Exception:   # the report still names the machine
         vers = ""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    return f"{platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}, {vers}, memguard {commit}"
+    return f"{platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}, {vers}, memguard {_commit()}"
+
+
+def _commit() -> str:
+    """This checkout's short commit."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
 
 
 def select_cases(only: Sequence[str]) -> List[dict]:
@@ -416,7 +438,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 continue
             t = time.time()
             limit = a.timeout_s if a.timeout_s else float(c.get("timeout_s", 600)) + 300
-            rec = score(run_case(c, budget, probe, limit))
+            rec = score(dict(run_case(c, budget, probe, limit), measured_at=f"{meta['date']} {_commit()}"))
             rows.append(rec)
             print(f"{c['name']} probe={'on' if probe else 'off'}: "
                   + (f"FAILED {rec['error'][:300]}" if "error" in rec and isinstance(rec["error"], str) else

@@ -93,3 +93,13 @@ def test_error_and_summary(bench):
     assert s["median_abs"] == pytest.approx(0.05) and s["max_abs"] == pytest.approx(0.08)
     assert s["worst_under"] == pytest.approx(-0.08)
     assert bench.summarise([], "e")["cases"] == 0
+
+
+def test_the_report_names_every_run_its_records_came_from(bench):
+    meta = {"date": "2026-11-29", "machine": "x86_64 2 cores, memguard f1a1aad",
+            "reused_from": {"date": "2026-11-29", "machine": "x86_64 2 cores, memguard c8daa9e",
+                            "reused_from": {"date": "2026-11-28", "machine": "x86_64 2 cores, memguard c6507e1",
+                                            "reused_from": {"date": "2026-11-28",
+                                                            "machine": "x86_64 2 cores, memguard c6507e1"}}}}
+    assert bench.runs_of(meta) == [("2026-11-28", ["c6507e1"]), ("2026-11-29", ["c8daa9e", "f1a1aad"])]
+    assert bench.runs_of({"date": "2026-11-30", "machine": "x86_64"}) == [("2026-11-30", ["?"])]

@@ -306,7 +306,7 @@ def write_report(rows: Sequence[Dict[str, Any]], meta: Dict[str, Any], stem: str
     lines = [f"# In-process measurement on full-depth guarded HF runs ({meta['date']})", "",
              f"Machine: {meta['machine']}; budget option {meta['budget_gib']:g} GiB (the preflight changes nothing); "
              "calibration store off; `preflight_probe=True`.", "",
-             "Measured in the runs of: " + "; ".join(f"{d} (memguard {', '.join(cs)})" for d, cs in runs_of(meta))
+             "Runs this file was built from: " + "; ".join(f"{d} (memguard {', '.join(cs)})" for d, cs in runs_of(meta))
              + " (a row's own run: its `measured_at` in the JSON, where it has one).", ""]
     lines += table(rows)
     lines += ["", _summary_line("estimate without the probe", summarise(rows, "error_no_probe")),
@@ -324,8 +324,8 @@ def write_report(rows: Sequence[Dict[str, Any]], meta: Dict[str, Any], stem: str
 
 def runs_of(meta: Dict[str, Any]) -> List[Tuple[str, List[str]]]:
     """``[(date, [memguard commits])]``, oldest date first, of the run that wrote ``meta`` and of
-    every run its records were kept from (``meta["reused_from"]``, nested), commits in the order
-    first seen, each once."""
+    every run before it in its ``--reuse`` chain (``meta["reused_from"]``, nested; a run whose
+    records were all run again is listed too), each commit once, oldest run first."""
     runs: Dict[str, List[str]] = {}
     m: Optional[Dict[str, Any]] = meta
     while m:

@@ -47,13 +47,6 @@ def _launch(out, mode: str, timeout: int = 420):
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def _run(out, mode: str):
-    rc, log = _launch(out, mode)
-    assert rc == 0, log[-6000:]
-    return ([torch.load(out / f"params{r}.pt") for r in (0, 1)],
-            [json.load(open(out / f"rank{r}.json")) for r in (0, 1)])
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     """``launches(version)``: {mode: (params per rank, figures per rank)} of the unguarded

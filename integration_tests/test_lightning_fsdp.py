@@ -41,20 +41,13 @@ def _launch(tmp_path, mode: str, port: int, version: str = "2", timeout: int = 4
     env = memguard_testing.script_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_ARENA_MAX="1",
                                       MEMGUARD_TEST_DUMP_AFTER_S=str(timeout - 60),
                                       MEMGUARD_TEST_FSDP_VERSION=version)
-    # torchrun itself, not memguard_testing.torchrun: the one-rank OOM limit (80 % of the reference's
-    # growth) leaves a one-row redo a few MB, and with forked ranks it once missed that (one row
-    # failed too); the placement was found with ranks started as torchrun starts them
+    # torchrun itself, not memguard_testing.torchrun: the one-rank OOM test's room for a one-row
+    # redo is a few MB, and with forked ranks a placement once missed it (one row failed too); the
+    # placement (memguard_testing.placement) was found with ranks started as torchrun starts them
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
                            str(port), memguard_testing.script("lightning_fsdp_worker.py"), mode, str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
-
-
-def _run(tmp_path, mode: str, port: int, version: str = "2") -> list:
-    rc, log = _launch(tmp_path, mode, port, version)
-    assert rc == 0, log[-6000:]
-    kind = mode.partition(":")[0]
-    return [torch.load(tmp_path / f"{kind}_rank{r}.pt") for r in (0, 1)]
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,14 @@ def test_no_band_stops_after_the_tries_with_the_last_outcome():
 def test_outcome_of_a_launch():
     assert placement.outcome_of(0, "", ["can't allocate memory"]) == placement.BIT
     assert placement.outcome_of(0, "", []) == placement.MISSED
-    assert placement.outcome_of(1, "... memguard_core.errors.WindowOOMError: ...", []) == placement.TOO_TIGHT
+    # both ranks' tracebacks, as torchrun prints them
+    both = ("[rank1]: memguard_core.errors.WindowOOMError: memguard: out of memory ...\n"
+            "[rank0]: memguard_core.errors.WindowOOMError: memguard: out of memory ...\n")
+    assert placement.outcome_of(1, both, []) == placement.TOO_TIGHT
     with pytest.raises(AssertionError, match="Segmentation fault"):
         placement.outcome_of(139, "Segmentation fault", [])
+    # one rank gave up, the other died otherwise or hung in a collective: not a placement miss
+    with pytest.raises(AssertionError):
+        placement.outcome_of(1, both.splitlines()[0] + "\n[rank0]: RuntimeError: gloo ...", [])
+    with pytest.raises(AssertionError):
+        placement.outcome_of(1, both + "Timeout (0:06:00)!\nThread 0x7f (most recent call first):", [])

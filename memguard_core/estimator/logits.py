@@ -63,9 +63,10 @@ def logits_bytes(ms: ModelSpec, ts: TrainSpec) -> Tuple[int, int]:
 
 
 def _logits_counts(ms: ModelSpec, ts: TrainSpec, head: TaskHead) -> Tuple[int, int]:
-    """(elements of the logits the loss reads, elements of the logits the head scores beyond
-    those: 0 unless a sequence classifier scores every position) for one micro-batch: the one place
-    the logits' shapes are written (see :func:`logits_elements`)."""
+    """(elements of the logits the loss reads, elements of the whole logits tensor where the head
+    makes more than the loss reads: a sequence classifier that scores every position, tokens x
+    labels; else 0) for one micro-batch: the one place the logits' shapes are written (see
+    :func:`logits_elements`)."""
     rows = ts.batch_size
     if head.is_lm:
         per_row = ts.decoder_tokens if seq2seq_blocks.is_seq2seq(ms) else ts.seq_length

@@ -1,8 +1,8 @@
 """Encoder-decoder models (T5 / mT5, BART): what each encoder block saves over the source tokens, each
 decoder block over the target tokens (self-attention, then cross-attention whose keys and values read
-the encoder's output), what the two stacks keep outside their blocks, the logits over the target
-tokens, and the decoder's LoRA adapters. Called by ``activations.activation_bytes``, ``logits`` and
-``estimate``. docs/estimator.md, "Encoder-decoder models".
+the encoder's output), what the two stacks keep outside their blocks, the loss's bytes per logit
+over the target tokens, and the decoder's LoRA adapters. Called by ``activations.activation_bytes``,
+``logits`` and ``estimate``. docs/estimator.md, "Encoder-decoder models".
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ and prints the glibc version it ran with.
 
 ``--mmap-threshold N`` fixes glibc's mmap threshold at N bytes before the model is built
 (``memguard_core.probes.pin_mmap_threshold``): tensors of at least N bytes are then mmapped and
-leave no hole when freed. ``--set field=value`` changes a config field of the arch (a float);
+leave no hole when freed. ``--set field=value`` changes a config field of the arch (a number, or text);
 ``--batch-size N`` the rows per micro-batch.
 Linux / glibc only. Findings: docs/benchmarks.md, "Encoder blocks" (2026-11-28).
 """
@@ -43,13 +43,21 @@ from heap_probe import Heap, Sampler, proc_status  # noqa: E402
 MiB = 1 << 20
 
 
+def _value(text: str):
+    """A ``--set`` value: a number where it reads as one, else the text (an activation's name)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("case", help="a case name of bench/results/full_depth_cpu.json")
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps [2]")
     ap.add_argument("--mmap-threshold", type=int, default=0, help="fix glibc's mmap threshold at this many bytes")
     ap.add_argument("--libc", metavar="DIR", help="run under the glibc whose loader and libc.so.6 are in DIR")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a config field of the arch")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a config field of the arch (a number, or text)")
     ap.add_argument("--batch-size", type=int, default=0, help="rows per micro-batch instead of the case's")
     a = ap.parse_args(argv)
     if a.libc:
@@ -75,7 +83,7 @@ def main(argv=None) -> int:
     if a.batch_size:
         case["train"]["batch_size"] = a.batch_size
     if a.set:
-        over = {k: float(v) for k, v in (s.split("=", 1) for s in a.set)}
+        over = {k: _value(v) for k, v in (s.split("=", 1) for s in a.set)}
         base = C.arch_of
         C.arch_of = lambda c: {**base(c), **over}
     torch.manual_seed(0)
@@ -122,7 +130,7 @@ def main(argv=None) -> int:
         trainer.train()
     finally:
         sampler.stop()
-    print(f"| step | where | VmHWM MiB | RSS MiB | in use MiB | free MiB | mmapped MiB |\n|---|---|---|---|---|---|---|")
+    print("| step | where | VmHWM MiB | RSS MiB | in use MiB | free MiB | mmapped MiB |\n|---|---|---|---|---|---|---|")
     for st, tag, hwm, rss, h in marks:
         print(f"| {st} | {tag} | {hwm / MiB:,.1f} | {rss / MiB:,.1f} | {h[0] / MiB:,.1f} | {h[1] / MiB:,.1f} | {h[2] / MiB:,.1f} |")
     for s in range(1, a.steps + 1):

@@ -43,8 +43,11 @@ from heap_probe import Heap, Sampler, proc_status  # noqa: E402
 MiB = 1 << 20
 
 
-def _value(text: str):
-    """A ``--set`` value: a number where it reads as one, else the text (an activation's name)."""
+def _value(text: str, current=None):
+    """A ``--set`` value: an int where the arch's current value is one (a block count), else a
+    number where it reads as one, else the text (an activation's name)."""
+    if isinstance(current, int) and not isinstance(current, bool):
+        return int(text)
     try:
         return float(text)
     except ValueError:
@@ -83,9 +86,13 @@ def main(argv=None) -> int:
     if a.batch_size:
         case["train"]["batch_size"] = a.batch_size
     if a.set:
-        over = {k: _value(v) for k, v in (s.split("=", 1) for s in a.set)}
+        over = dict(s.split("=", 1) for s in a.set)
         base = C.arch_of
-        C.arch_of = lambda c: {**base(c), **over}
+
+        def arch_of(c):
+            arch = base(c)
+            return {**arch, **{k: _value(v, arch.get(k)) for k, v in over.items()}}
+        C.arch_of = arch_of
     torch.manual_seed(0)
     kw = case["train"]
     model, config, _ = C._build_model(case, torch)

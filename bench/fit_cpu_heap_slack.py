@@ -10,8 +10,8 @@ The cases are the matrix's fitted HF CPU cases (``held_out`` false) less its bf1
 cases (``memguard_bench.score.cpu_bf16_moe``), each re-estimated from its saved measurement
 (``memguard_bench.score.specs_of``; a record's ``glibc`` picks the set its estimate uses, so the
 file should be measured on that range: ``memguard bench --libc DIR``). The procedure of
-docs/estimator.md, "CPU heap slack": coordinate descent over a 0.05 grid (0.25 for the
-checkpointed loss-moment blocks), minimising median |error| + 0.5 x p90 + 5 x (how far the worst
+docs/estimator.md, "CPU heap slack": coordinate descent over a 0.05 grid (0.25 for the two
+one-block factors), minimising median |error| + 0.5 x p90 + 5 x (how far the worst
 case is under beyond -3 %); ties keep the current value. The slack of ``cpu_heap.heap_slack`` is
 linear in each factor, so a candidate's estimate is arithmetic on each case's live set
 (:func:`parts`). Every bench case trims the heap, so the last step's gradient holes do not enter.
@@ -40,7 +40,8 @@ from memguard_bench.score import cpu_bf16_moe, specs_of
 #: (factor, method or None, grid step): the knobs of one set, in the order they are walked.
 KNOBS = (("forward", "lora", 0.05), ("forward", "lora_encoder", 0.05), ("forward", "full", 0.05),
          ("backward", "lora", 0.05), ("backward", "full", 0.05), ("checkpointed", "lora", 0.05),
-         ("checkpointed", "full", 0.05), ("checkpointed_loss_blocks", None, 0.25), ("lora_temp", None, 0.05))
+         ("checkpointed", "full", 0.05), ("checkpointed_loss_blocks", None, 0.25), ("checkpointed_lora_blocks", None, 0.25),
+         ("lora_temp", None, 0.05))
 GRIDS = {0.05: [round(0.05 * i, 2) for i in range(0, 41)], 0.25: [0.25 * i for i in range(0, 25)]}
 
 
@@ -71,6 +72,7 @@ def current(which: str) -> Dict[Tuple[str, object], float]:
         f = {"forward": cpu_heap.CPU_HEAP_SLACK_FORWARD, "backward": cpu_heap.CPU_HEAP_SLACK_BACKWARD,
              "checkpointed": cpu_heap.CPU_HEAP_SLACK_CHECKPOINTED,
              "checkpointed_loss_blocks": cpu_heap.CPU_HEAP_SLACK_CHECKPOINTED_LOSS_BLOCKS,
+             "checkpointed_lora_blocks": cpu_heap.CPU_HEAP_SLACK_CHECKPOINTED_LORA_BLOCKS,
              "lora_temp": cpu_heap.LORA_TEMP_SLACK}
     return {(n, k): (f[n][k] if k else f[n]) for n, k, _ in KNOBS}
 
@@ -94,6 +96,8 @@ def modelled(p: dict, c: Dict[Tuple[str, object], float]) -> float:
     kind, live = p["kind"], p["live"]
     if p["gc"]:
         every = c[("checkpointed", kind)] * (p["traffic"] + p["sl"])
+        if kind == "lora":
+            every += c[("checkpointed_lora_blocks", None)] * p["one"]
         loss = every
         if kind == "full" and p["trim"]:
             loss = c[("checkpointed_loss_blocks", None)] * p["one"] + c[("checkpointed", kind)] * p["sl"]

@@ -12,6 +12,7 @@ import transformers
 
 from memguard_core.estimator import cpu_heap
 from memguard_core.estimator.estimate import estimate
+from memguard_core.estimator.gradients import grad_layers
 from memguard_core.estimator.logits import logits_elements
 from memguard_core.estimator.specs import TrainSpec
 from memguard_hf.model_spec import model_spec_from_hf_config
@@ -92,7 +93,9 @@ def test_the_loss_moment_of_encoder_lora_takes_the_encoder_factor(glibc):
     assert slack["backward"] == int(f["backward"]["lora"] * traffic)
     gc_ts = ts.replace(grad_checkpoint=True)
     gc = cpu_heap.heap_slack(ms, gc_ts, gradients=0, param_bytes=4, logits=0)
-    assert gc["loss"] == int(f["checkpointed"]["lora"] * cpu_heap.activation_traffic(ms, gc_ts))
+    gc_traffic = cpu_heap.activation_traffic(ms, gc_ts)
+    assert gc["loss"] == int(f["checkpointed"]["lora"] * gc_traffic
+                             + f["checkpointed_lora_blocks"] * gc_traffic / grad_layers(ms, gc_ts))
     # what the estimate plans at the loss moment carries it (with the head's logits, small here)
     loss = estimate(ms, ts).phase_breakdowns["loss"]
     assert loss["allocator_slack"] == cpu_heap.heap_slack(ms, ts, gradients=0, param_bytes=4,

@@ -125,3 +125,51 @@ def test_the_estimate_names_whose_heap_it_counts():
     assert notes["2.41"] == ["cpu heap: glibc 2.41 (the heap-slack factors of glibc >= 2.39)"]
     assert "2.35 / 2.36" in notes["2.36"][0] and "not given" in notes[None][0]
     assert not [n for n in estimate(ms, _lora(device="cuda")).notes if n.startswith("cpu heap")]
+
+
+def test_the_committed_newer_checkpointed_lora_factors_are_the_fit_on_the_241_matrix(capsys):
+    # fitted jointly with the others held (``--knob`` twice) on the small matrix measured under
+    # glibc 2.41; a refit on the same measurements must give the module's values back
+    from memguard_testing.bench_scripts import load_bench_script
+
+    fit = load_bench_script("fit_cpu_heap_slack")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results",
+                        "bench_cpu_glibc241.json")
+    assert fit.main([path, "--set", "newer", "--offset-mib", "42", "--knob", "checkpointed[lora]",
+                     "--knob", "checkpointed_lora_blocks"]) == 0
+    out = capsys.readouterr().out
+    now = fit.current("newer")
+    blocks, share = now[("checkpointed_lora_blocks", None)], now[("checkpointed", "lora")]
+    assert f"checkpointed_lora_blocks {blocks} -> {blocks}," in out and f"checkpointed[lora] {share} -> {share}," in out
+    # the older set keeps no one-block term (the form was fitted there and not adopted)
+    assert cpu_heap.CPU_HEAP_SLACK_CHECKPOINTED_LORA_BLOCKS == 0.0
+
+
+def _smol_cut(blocks: int):
+    """SmolLM2-135M's config cut to ``blocks`` blocks (its ModelSpec read again, not replaced)."""
+    import transformers
+
+    with open(SMOL) as f:
+        cfg = dict(json.load(f), num_hidden_layers=blocks)
+    return model_spec_from_hf_config(transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+
+
+def test_on_a_newer_heap_checkpointed_lora_slack_grows_slowly_with_the_blocks():
+    # from glibc 2.39 a freed block-sized hole takes an equal request: the slack is about one
+    # block's working set plus a small share per block, where 2.35 / 2.36 add most of a block's
+    # traffic for every block (docs/estimator.md, "Checkpointed LoRA on glibc 2.39 and later")
+    def slack(version, blocks):
+        return cpu_heap.heap_slack(_smol_cut(blocks), _lora(grad_checkpoint=True, glibc=version),
+                                   gradients=0, param_bytes=4, logits=0)["loss"]
+
+    one = cpu_heap.activation_traffic(_smol_cut(1), _lora())
+    assert cpu_heap.activation_traffic(_smol_cut(8), _lora()) == pytest.approx(8 * one, rel=1e-6)
+    f_new = cpu_heap.NEWER_GLIBC_SLACK
+    # four more blocks add the newer share of their traffic, or the older set's share
+    assert slack("2.41", 8) - slack("2.41", 4) == pytest.approx(4 * f_new["checkpointed"]["lora"] * one, rel=1e-5)
+    assert slack("2.36", 8) - slack("2.36", 4) == pytest.approx(
+        4 * cpu_heap.CPU_HEAP_SLACK_CHECKPOINTED["lora"] * one, rel=1e-5)
+    # the newer set's one-block term beside it
+    assert slack("2.41", 4) == pytest.approx((f_new["checkpointed_lora_blocks"] + 4 * f_new["checkpointed"]["lora"]) * one,
+                                             rel=1e-5)
+    assert slack("2.36", 4) == pytest.approx(4 * cpu_heap.CPU_HEAP_SLACK_CHECKPOINTED["lora"] * one, rel=1e-5)

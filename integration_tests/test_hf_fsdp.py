@@ -127,8 +127,7 @@ def test_one_rank_out_of_memory_is_survived_by_both_ranks(tmp_path, version, lau
     so the OOM path acts; nothing injected) finishes every step on both ranks within the timeout (a
     rank left in a collective would hang), rank 1's errors are the allocator's own, rank 0 learnt of
     them at a sync point before one of its FSDP collectives, and the parameters are the unlimited
-    run's. (No unguarded twin: rank 1's errors,
-    the allocator's own, show the limit bites.)"""
+    run's. (No unguarded twin: rank 1's errors, the allocator's own, show the limit bites.)"""
     v = "" if version == "2" else "1"
     ref_p, ref = launches(version)["oom-ref"]
 

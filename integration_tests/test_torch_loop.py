@@ -203,10 +203,10 @@ def test_one_rank_out_of_memory_is_survived_by_every_rank(mode, extra, mode_runs
     fraction (0.7 first) of what the unsplit step added to its VmPeak in the reference run: its
     allocator really fails at the unsplit size (a 4-row split needs under half of it); where the
     guarded run meets no error or gives up at one row per forward, the limit is placed lower or
-    higher (``placement.place_limit``). The monitor's step sample is off,
-    so the OOM path is what acts. Every rank finishes every step within the timeout (a rank left in
-    a collective would hang), both ranks record the retry, rank 1's errors are the allocator's own,
-    and the parameters are the unsplit run's. Under DDP, the failing rank's first forward also
+    higher (``placement.place_limit``). The monitor's step sample is off, so the OOM path is what
+    acts. Every rank finishes every step within the timeout (a rank left in a collective would
+    hang), both ranks record the retry, rank 1's errors are the allocator's own, and the parameters
+    are the unsplit run's. Under DDP, the failing rank's first forward also
     leaves DDP's buffer-broadcast flag as it was (``memguard_torch._compat.ddp_after_abort``)."""
     ref_params, ref_ranks = mode_runs(mode)["oom-ref"]
     growth = ref_ranks[1]["vmpeak"] - ref_ranks[1]["base_vmsize"]
